@@ -1,0 +1,761 @@
+"""
+The Transformer family in one file, read top to bottom:
+config, norms and positions, attention, MLP, block, the shared body, the three models
+(GPT, Encoder, EncoderDecoder), sampling and beam search, GPT-2 weight loading.
+
+Shape letters used in comments:
+    B batch, T target (query) length, S source (key) length, H heads, D head dim,
+    C channels (n_embd), V vocabulary, K beams.
+"""
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100  # targets with this value add nothing to the loss (padding, unmasked MLM positions)
+
+# Peak dense bf16 tensor-core FLOP/s per GPU, from the vendors' data sheets (SXM parts, no sparsity).
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "A10G": 70e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "V100": 125e12,  # fp16: V100 has no bf16
+    "4090": 165e12,
+    "3090": 71e12,
+}
+
+ARCHS = ("gpt", "encoder", "encoder_decoder")
+CHOICES = {
+    "arch": ARCHS,
+    "pos_encoding": ("learned", "sinusoidal", "rope"),
+    "norm_position": ("pre", "post"),
+    "norm": ("layernorm", "rmsnorm"),
+    "activation": ("gelu", "gelu_tanh", "relu"),
+}
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "gpt"  # "gpt" decoder-only LM, "encoder" masked LM (BERT-style), "encoder_decoder" (Vaswani et al.)
+    vocab_size: int = 50304  # GPT-2's 50257 rounded up to a multiple of 64 for faster matmuls
+    block_size: int = 1024  # longest sequence the model accepts (source and target alike)
+    n_layer: int = 12  # blocks in the GPT, the encoder-only model, or the decoder of an encoder-decoder
+    n_encoder_layer: int | None = None  # encoder blocks of an encoder-decoder; None: same as n_layer
+    n_head: int = 12  # attention heads; n_embd must divide evenly among them
+    n_embd: int = 768  # channels of the residual stream, C
+    d_ff: int | None = None  # hidden width of the MLP; None: 4 * n_embd
+    dropout: float = 0.0  # on embeddings, attention probabilities and residual branches; 0 for pretraining
+    bias: bool = True  # bias in Linears and LayerNorms, like GPT-2; False is a bit faster and as good
+    pos_encoding: str = "learned"  # "learned" (GPT-2), "sinusoidal" (the 2017 paper), "rope" (rotary)
+    norm_position: str = "pre"  # "pre": norm inside each residual branch (GPT-2); "post": after the add (2017 paper)
+    norm: str = "layernorm"  # "layernorm" or "rmsnorm"
+    activation: str = "gelu"  # MLP nonlinearity: "gelu", "gelu_tanh" (GPT-2's approximation) or "relu" (2017 paper)
+    tie_embeddings: bool = True  # output projection shares the (target) token embedding matrix
+    share_embeddings: bool = False  # encoder_decoder: source and target share one embedding (one joint vocabulary)
+    pad_token_id: int | None = None  # positions holding this token are never attended to; None: no padding
+    norm_eps: float = 1e-5  # epsilon of the norms
+    rope_theta: float = 10000.0  # rotary base; larger values rotate slower
+
+    def __post_init__(self):
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
+        if self.n_encoder_layer is None:
+            self.n_encoder_layer = self.n_layer
+        if self.d_ff is None:
+            self.d_ff = 4 * self.n_embd
+        for name in ("vocab_size", "block_size", "n_layer", "n_encoder_layer", "n_head", "n_embd", "d_ff"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.pos_encoding == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"pos_encoding='rope' needs an even head size, got n_embd/n_head={self.n_embd // self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"pad_token_id={self.pad_token_id} must be in [0, vocab_size={self.vocab_size})")
+
+    @classmethod
+    def from_dict(cls, d):
+        """Build from a dict such as a checkpoint's `dataclasses.asdict(config)`, rejecting unknown keys."""
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown model config keys: {', '.join(sorted(unknown))}")
+        return cls(**d)
+
+
+# -----------------------------------------------------------------------------
+# Norms and positions
+
+
+def make_norm(config):
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+
+
+def sinusoid_table(length, dim, theta=10000.0):
+    """The 2017 paper's fixed positions: sin on even channels, cos on odd, wavelengths from 2*pi to theta*2*pi."""
+    pos = torch.arange(length, dtype=torch.float32)[:, None]
+    inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    table = torch.zeros(length, dim)
+    table[:, 0::2] = torch.sin(pos * inv_freq)
+    table[:, 1::2] = torch.cos(pos * inv_freq[: dim // 2])
+    return table  # (T, C)
+
+
+def rope_tables(length, head_dim, theta):
+    """cos and sin of the rotary angles, each (T, D/2): channel pair i of position t turns by t * theta^(-2i/D)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate channel pairs (i, i + D/2) of x (B, H, T, D) by the angles of its positions; cos, sin: (T, D/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+# -----------------------------------------------------------------------------
+# Attention
+
+
+def attention_mask(q_len, k_len, causal, key_mask=None, device=None):
+    """
+    The one mask helper: bool, True = may attend, shaped (B or 1, 1, Tq, Tk); None when every key is allowed.
+    key_mask: (B, Tk) bool, True at real (non-padding) keys.
+    The causal triangle is aligned to the lower right: the Tq queries are the last Tq of the Tk positions,
+    so queries that continue a KV cache still see every earlier position (SDPA's is_causal would not).
+    """
+    mask = None
+    if causal and q_len > 1:
+        q_pos = torch.arange(k_len - q_len, k_len, device=device)
+        mask = (torch.arange(k_len, device=device)[None, :] <= q_pos[:, None])[None, None]  # (1, 1, Tq, Tk)
+    if key_mask is not None:
+        keys = key_mask[:, None, None, :]  # (B, 1, 1, Tk)
+        mask = keys if mask is None else mask & keys
+    return mask
+
+
+class KVCache:
+    """
+    Keys and values of one attention layer while decoding a few tokens at a time.
+    Self-attention appends each step's new positions to preallocated buffers;
+    cross-attention stores the projected encoder output once and reuses it.
+    """
+
+    def __init__(self, capacity):
+        self.capacity = capacity  # positions the buffers hold (the model's block_size)
+        self.k = self.v = None  # (B, H, capacity, D) for self-attention, (B, H, S, D) for cross-attention
+        self.length = 0  # positions filled so far
+
+    def append(self, k, v):
+        """Store k, v (B, H, T, D) after the cached positions; return all keys and values so far."""
+        if self.k is None:
+            shape = (*k.shape[:2], self.capacity, k.shape[3])
+            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+        end = self.length + k.size(2)
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def reorder(self, index):
+        """Keep the batch rows in `index` (beam search moves each beam's history to its surviving children)."""
+        if self.k is not None:
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
+
+class Attention(nn.Module):
+    """
+    Multi-head scaled dot-product attention for all three uses. Self-attention is cross-attention whose
+    context is the input itself: called as attn(x) it attends over x (causally if built with causal=True);
+    called as attn(x, context) the queries come from x and the keys and values from the context.
+    """
+
+    def __init__(self, config, causal):
+        super().__init__()
+        self.n_head, self.causal, self.dropout = config.n_head, causal, config.dropout
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # query, key, value stacked
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.proj.residual = True  # scaled at init, see TransformerModel._init_weights
+
+    def forward(self, x, context=None, key_mask=None, rope=None, cache=None, need_weights=False):
+        """
+        x: (B, T, C). context: (B, S, C) or None. key_mask: (B, S) bool, True at real keys.
+        rope: (cos, sin) tables for the new positions. cache: a KVCache or None.
+        Returns (y (B, T, C), attention probabilities (B, H, T, S) if need_weights else None).
+        """
+        B, T, C = x.shape
+        H, D = self.n_head, C // self.n_head
+        if context is None:  # self-attention: one matmul makes q, k, v
+            q, k, v = self.qkv(x).split(C, dim=2)
+            k, v = k.view(B, T, H, D).transpose(1, 2), v.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        else:  # cross-attention: q from x, k and v from the context, with the same weights split in two
+            w, b = self.qkv.weight, self.qkv.bias
+            q = F.linear(x, w[:C], None if b is None else b[:C])
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+
+        if context is None:
+            if rope is not None:
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            if cache is not None:
+                k, v = cache.append(k, v)  # (B, H, S, D), S = cached + T
+        elif cache is not None and cache.k is not None:
+            k, v = cache.k, cache.v  # the encoder output was projected at the first decoding step
+        else:
+            S = context.size(1)
+            k, v = F.linear(context, w[C:], None if b is None else b[C:]).split(C, dim=2)
+            k, v = k.view(B, S, H, D).transpose(1, 2), v.view(B, S, H, D).transpose(1, 2)  # (B, H, S, D)
+            if cache is not None:
+                cache.k, cache.v = k, v
+        S = k.size(2)
+
+        dropout = self.dropout if self.training else 0.0
+        weights = None
+        if self.causal and S == T and key_mask is None and not need_weights:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # flash path
+        else:
+            mask = attention_mask(T, S, self.causal, key_mask, x.device)
+            if need_weights:  # the same computation spelled out, so the probabilities can be returned
+                scores = (q @ k.transpose(-2, -1)) / math.sqrt(D)  # (B, H, T, S)
+                if mask is not None:
+                    scores = scores.masked_fill(mask.logical_not(), float("-inf"))
+                weights = scores.softmax(dim=-1)
+                y = F.dropout(weights, dropout, self.training) @ v
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
+        return self.proj(y), weights
+
+
+# -----------------------------------------------------------------------------
+# MLP and block
+
+def make_activation(name):
+    return nn.ReLU() if name == "relu" else nn.GELU(approximate="tanh" if name == "gelu_tanh" else "none")
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, config.d_ff, bias=config.bias)
+        self.act = make_activation(config.activation)
+        self.proj = nn.Linear(config.d_ff, config.n_embd, bias=config.bias)
+        self.proj.residual = True
+
+    def forward(self, x):
+        return self.proj(self.act(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Self-attention, optional cross-attention over a context, MLP; each a residual branch with its norm."""
+
+    def __init__(self, config, causal, cross):
+        super().__init__()
+        self.pre_norm = config.norm_position == "pre"
+        self.norm1, self.attn = make_norm(config), Attention(config, causal)
+        if cross:
+            self.norm_cross, self.cross_attn = make_norm(config), Attention(config, causal=False)
+        self.norm2, self.mlp = make_norm(config), MLP(config)
+        self.drop = nn.Dropout(config.dropout)
+
+    def branch_input(self, x, norm):
+        return norm(x) if self.pre_norm else x
+
+    def add(self, x, out, norm):
+        """pre: x + f(norm(x)), GPT-2 style. post: norm(x + f(x)), as in the 2017 paper."""
+        return x + self.drop(out) if self.pre_norm else norm(x + self.drop(out))
+
+    def forward(self, x, key_mask=None, rope=None, context=None, context_mask=None, cache=None, need_weights=False):
+        """cache: (self-attention KVCache, cross-attention KVCache or None) or None. Returns (x, maps)."""
+        self_cache, cross_cache = cache if cache is not None else (None, None)
+        out, self_map = self.attn(self.branch_input(x, self.norm1), None, key_mask, rope, self_cache, need_weights)
+        x = self.add(x, out, self.norm1)
+        maps = {"self": self_map}
+        if context is not None:
+            h = self.branch_input(x, self.norm_cross)
+            out, maps["cross"] = self.cross_attn(h, context, context_mask, None, cross_cache, need_weights)
+            x = self.add(x, out, self.norm_cross)
+        x = self.add(x, self.mlp(self.branch_input(x, self.norm2)), self.norm2)
+        return x, maps
+
+
+# -----------------------------------------------------------------------------
+# The body shared by every model: embeddings, positions, blocks, final norm
+
+
+class Stack(nn.Module):
+    """Token embedding + positions, a stack of blocks, and (pre-norm only) a final norm."""
+
+    def __init__(self, config, n_layer, causal, cross, wte=None):
+        super().__init__()
+        self.config = config
+        self.wte = wte if wte is not None else nn.Embedding(config.vocab_size, config.n_embd)
+        if config.pos_encoding == "learned":
+            self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        elif config.pos_encoding == "sinusoidal":
+            self.register_buffer("pe", sinusoid_table(config.block_size, config.n_embd), persistent=False)
+        else:
+            cos, sin = rope_tables(config.block_size, config.n_embd // config.n_head, config.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, causal, cross) for _ in range(n_layer))
+        # Post-norm blocks end with a norm already; pre-norm stacks need one before the head (GPT-2's ln_f).
+        self.norm = make_norm(config) if config.norm_position == "pre" else nn.Identity()
+
+    def forward(self, idx, key_mask=None, context=None, context_mask=None, cache=None, need_weights=False):
+        """idx: (B, T) token ids. cache: a list with one (KVCache, KVCache or None) per block. Returns (x, maps)."""
+        T = idx.size(1)
+        start = cache[0][0].length if cache is not None else 0  # position of idx[:, 0]
+        if start + T > self.config.block_size:
+            raise ValueError(
+                f"sequence of length {start + T} is longer than block_size={self.config.block_size}: "
+                f"crop it to the last {self.config.block_size} tokens or train with a larger block_size"
+            )
+        x = self.wte(idx)  # (B, T, C)
+        rope = None
+        if self.config.pos_encoding == "learned":
+            x = x + self.wpe.weight[start : start + T]
+        elif self.config.pos_encoding == "sinusoidal":
+            # the paper scales embeddings by sqrt(C) so they are not drowned by the unit-amplitude sinusoids
+            x = x * math.sqrt(self.config.n_embd) + self.pe[start : start + T].to(x.dtype)
+        else:
+            rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])
+        x = self.drop(x)
+        maps = []
+        for i, block in enumerate(self.blocks):
+            layer_cache = cache[i] if cache is not None else None
+            x, block_maps = block(x, key_mask, rope, context, context_mask, layer_cache, need_weights)
+            maps.append(block_maps)
+        return self.norm(x), maps
+
+
+# -----------------------------------------------------------------------------
+# Shared model machinery: init, counting, optimizer
+
+
+class TransformerModel(nn.Module):
+    """What the three models share: GPT-2 initialisation, parameter and FLOP counts, the optimizer."""
+
+    def _init_weights(self):
+        # GPT-2: N(0, 0.02) everywhere; projections that write into the residual stream are scaled by
+        # 1/sqrt(2 * n_layer) so the stream's variance does not grow with depth.
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0.0, residual_std if getattr(module, "residual", False) else 0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, 0.02)
+
+    def _loss(self, logits, targets):
+        if targets is None:
+            return None
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+    def num_params(self, non_embedding=False):
+        """Parameters, each shared tensor counted once. non_embedding: leave out position embeddings."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= sum(m.wpe.weight.numel() for m in self.modules() if isinstance(m, Stack) and hasattr(m, "wpe"))
+        return n
+
+    def flops_per_token(self):
+        """Training FLOPs per token, forward + backward: 6 per weight plus the attention scores (PaLM, app. B)."""
+        c = self.config
+        attn_layers = c.n_layer + (c.n_encoder_layer + c.n_layer if c.arch == "encoder_decoder" else 0)
+        return 6 * self.num_params(non_embedding=True) + 12 * attn_layers * c.n_embd * c.block_size
+
+    def estimate_mfu(self, tokens_per_second, device_name):
+        """Model FLOPs utilisation: achieved FLOP/s over the GPU's peak bf16 FLOP/s; None for an unknown GPU."""
+        peak = next((flops for kind, flops in PEAK_FLOPS.items() if kind in device_name.upper()), None)
+        return None if peak is None else self.flops_per_token() * tokens_per_second / peak
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """
+        AdamW with weight decay on matrices and embeddings (dim >= 2) and none on biases and norm gains.
+        Fused kernels where PyTorch has them (CUDA, and CPU since 2.4). Returns (optimizer, one-line summary).
+        """
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        fused = device_type in ("cuda", "cpu")
+        optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+        summary = (
+            f"AdamW{' (fused)' if fused else ''}: {len(decay)} tensors with weight decay "
+            f"({sum(p.numel() for p in decay):,} params), {len(no_decay)} without ({sum(p.numel() for p in no_decay):,} params)"
+        )
+        return optimizer, summary
+
+    def new_cache(self):
+        """An empty KV cache for incremental decoding: one (self, cross) pair of KVCaches per decoder block."""
+        cross = self.config.arch == "encoder_decoder"
+        size = self.config.block_size
+        return [(KVCache(size), KVCache(size) if cross else None) for _ in range(self.config.n_layer)]
+
+
+# -----------------------------------------------------------------------------
+# The three models
+
+
+class GPT(TransformerModel):
+    """Decoder-only causal language model."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.body = Stack(config, config.n_layer, causal=True, cross=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self._init_weights()
+        if config.tie_embeddings:
+            self.lm_head.weight = self.body.wte.weight
+
+    def forward(self, idx, targets=None):
+        """idx, targets: (B, T). Returns (logits (B, T, V), mean cross-entropy or None)."""
+        x, _ = self.body(idx)
+        logits = self.lm_head(x)
+        return logits, self._loss(logits, targets)
+
+    def attention_maps(self, idx):
+        """Attention probabilities of every layer for one forward pass: a list of {"self": (B, H, T, T)}."""
+        return self.body(idx, need_weights=True)[1]
+
+    @torch.no_grad()
+    def generate_stream(
+        self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+        stop_token=None, generator=None, use_cache=True, context_keep=None,
+    ):
+        """
+        Yield the next (B, 1) tokens one step at a time after the prompt idx (B, T).
+        Once the sequence outgrows block_size, the context window restarts from its last `context_keep`
+        tokens (default block_size // 2) and fills up again. Position embeddings depend on where a token
+        sits in the window, so the cache is rebuilt at each restart: one prefill every block_size - context_keep
+        tokens instead of one per token. context_keep=block_size is nanoGPT's crop-every-step, exact but as slow
+        as no cache. Without the cache the same windows are recomputed from scratch, giving the same tokens.
+        Rows that produced stop_token keep producing it; the stream ends when all rows have.
+        """
+        check_sampling_args(temperature, top_k, top_p)
+        block = self.config.block_size
+        keep = block // 2 if context_keep is None else context_keep
+        if not 1 <= keep <= block:
+            raise ValueError(f"context_keep must be in [1, block_size={block}], got {keep}")
+        start = max(0, idx.size(1) - block)  # first token of the context window
+        cache, done = None, torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+        for _ in range(max_new_tokens):
+            if idx.size(1) - start > block:  # window full: slide it, the cached positions are stale
+                start, cache = idx.size(1) - keep, None
+            if use_cache and cache is not None:
+                x, _ = self.body(idx[:, -1:], cache=cache)
+            else:
+                cache = self.new_cache() if use_cache else None
+                x, _ = self.body(idx[:, start:], cache=cache)
+            logits = self.lm_head(x[:, -1])  # (B, V)
+            token = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
+            if stop_token is not None:
+                token = token.masked_fill(done[:, None], stop_token)
+                done = done | (token[:, 0] == stop_token)
+            idx = torch.cat([idx, token], dim=1)
+            yield token
+            if done.all():
+                return
+
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, **kwargs):
+        """
+        Continue the prompts idx (B, T) by up to max_new_tokens tokens; returns (B, T + new).
+        temperature 0 is greedy; top_k keeps the k likeliest tokens, top_p the smallest set holding p of the
+        probability. Further options (stop_token, generator, use_cache, context_keep): see generate_stream.
+        """
+        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, **kwargs))
+        return torch.cat([idx, *new], dim=1)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, **overrides):
+        """
+        GPT-2 weights in the Hugging Face layout (config.json + model.safetensors or pytorch_model.bin),
+        from a local directory or, when online, a hub id such as "gpt2" or "gpt2-medium".
+        overrides: ModelConfig fields to change, e.g. dropout=0.1 or block_size=256 for fine-tuning.
+        """
+        return load_gpt2(cls, name_or_path, overrides)
+
+
+class Encoder(TransformerModel):
+    """Encoder-only masked language model (BERT-style): bidirectional attention, a head over every position."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.body = Stack(config, config.n_layer, causal=False, cross=False)
+        # BERT's prediction head: a dense layer and a norm before the projection to the vocabulary
+        self.transform = nn.Sequential(
+            nn.Linear(config.n_embd, config.n_embd, bias=config.bias), make_activation(config.activation), make_norm(config)
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self._init_weights()
+        if config.tie_embeddings:
+            self.lm_head.weight = self.body.wte.weight
+
+    def key_mask(self, idx):
+        return None if self.config.pad_token_id is None else idx != self.config.pad_token_id
+
+    def forward(self, idx, targets=None):
+        """idx: (B, T) with masked positions; targets: the original ids there, IGNORE_INDEX elsewhere."""
+        x, _ = self.body(idx, key_mask=self.key_mask(idx))
+        logits = self.lm_head(self.transform(x))
+        return logits, self._loss(logits, targets)
+
+    def attention_maps(self, idx):
+        """A list of {"self": (B, H, T, T)}, one per layer."""
+        return self.body(idx, key_mask=self.key_mask(idx), need_weights=True)[1]
+
+
+class EncoderDecoder(TransformerModel):
+    """The original Transformer: a bidirectional encoder over the source, a causal decoder that cross-attends to it."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.encoder = Stack(config, config.n_encoder_layer, causal=False, cross=False)
+        shared = self.encoder.wte if config.share_embeddings else None
+        self.decoder = Stack(config, config.n_layer, causal=True, cross=True, wte=shared)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self._init_weights()
+        if config.tie_embeddings:
+            self.lm_head.weight = self.decoder.wte.weight
+
+    def key_mask(self, src):
+        return None if self.config.pad_token_id is None else src != self.config.pad_token_id
+
+    def encode(self, src):
+        """src: (B, S). Returns (memory (B, S, C), source key mask (B, S) or None)."""
+        src_mask = self.key_mask(src)
+        return self.encoder(src, key_mask=src_mask)[0], src_mask
+
+    def decode(self, tgt, memory, src_mask, cache=None):
+        """tgt: (B, T) decoder input (right-padded; the causal mask keeps real positions off the padding)."""
+        x, _ = self.decoder(tgt, context=memory, context_mask=src_mask, cache=cache)
+        return self.lm_head(x)  # (B, T, V)
+
+    def forward(self, src, tgt, targets=None):
+        """src: (B, S) source ids, tgt: (B, T) target ids starting with BOS, targets: tgt shifted left."""
+        logits = self.decode(tgt, *self.encode(src))
+        return logits, self._loss(logits, targets)
+
+    def attention_maps(self, src, tgt):
+        """{"encoder": [{"self"}...], "decoder": [{"self", "cross"}...]}, each map (B, H, Tq, Tk)."""
+        src_mask = self.key_mask(src)
+        memory, enc_maps = self.encoder(src, key_mask=src_mask, need_weights=True)
+        dec_maps = self.decoder(tgt, context=memory, context_mask=src_mask, need_weights=True)[1]
+        return {"encoder": enc_maps, "decoder": dec_maps}
+
+    @torch.no_grad()
+    def generate(
+        self, src, max_new_tokens, bos_id, eos_id, beam_size=1, length_penalty=0.6,
+        temperature=0.0, top_k=None, top_p=None, generator=None,
+    ):
+        """
+        Translate src (B, S) into (B, L) target ids: each row ends with eos_id (unless it ran out of steps) and is
+        padded after it with pad_token_id (eos_id when the model has none). BOS is not included.
+        beam_size 1 decodes greedily (temperature 0) or samples; beam_size > 1 runs beam_search.
+        The encoder runs once; each layer projects its cross-attention keys and values once.
+        """
+        if beam_size > 1:
+            return self.beam_search(src, max_new_tokens, bos_id, eos_id, beam_size, length_penalty)
+        check_sampling_args(temperature, top_k, top_p)
+        memory, src_mask = self.encode(src)
+        cache = self.new_cache()
+        token = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)
+        done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
+        out = []
+        for _ in range(max_new_tokens):
+            logits = self.decode(token, memory, src_mask, cache)[:, -1]
+            token = sample_next(logits, temperature, top_k, top_p, generator).masked_fill(done[:, None], self._fill(eos_id))
+            out.append(token)
+            done = done | (token[:, 0] == eos_id)
+            if done.all():
+                break
+        return torch.cat(out, dim=1)
+
+    def _fill(self, eos_id):
+        return eos_id if self.config.pad_token_id is None else self.config.pad_token_id
+
+    @torch.no_grad()
+    def beam_search(self, src, max_new_tokens, bos_id, eos_id, beam_size=4, length_penalty=0.6):
+        """
+        Keep the beam_size best partial translations per source; a hypothesis ends at eos_id. Finished ones are
+        ranked by log-probability / ((5 + length) / 6) ** length_penalty (Wu et al. 2016; 0.6 in the 2017 paper).
+        A source is done when beam_size hypotheses have finished. Returns (B, L) as generate does.
+        """
+        B, K = src.size(0), beam_size
+        memory, src_mask = self.encode(src)
+        memory = memory.repeat_interleave(K, dim=0)  # (B*K, S, C): row b*K + j is beam j of source b
+        src_mask = None if src_mask is None else src_mask.repeat_interleave(K, dim=0)
+        cache = self.new_cache()
+        seqs = torch.full((B * K, 1), bos_id, dtype=torch.long, device=src.device)
+        scores = torch.full((B, K), float("-inf"), device=src.device)
+        scores[:, 0] = 0.0  # all beams start identical: expand only the first
+        finished = [[] for _ in range(B)]  # (normalised score, token list) per source
+
+        def normalise(score, length):
+            return score / ((5 + length) / 6) ** length_penalty
+
+        for step in range(max_new_tokens):
+            logprobs = self.decode(seqs[:, -1:], memory, src_mask, cache)[:, -1].float().log_softmax(dim=-1)
+            V = logprobs.size(-1)
+            candidates = (scores.view(B * K, 1) + logprobs).view(B, K * V)
+            top_scores, top_index = candidates.topk(2 * K, dim=1)  # 2K: enough to refill K after eos endings
+            rows, tokens, new_scores = [], [], []
+            for b in range(B):
+                chosen = []
+                done = len(finished[b]) >= K
+                for score, index in zip(top_scores[b].tolist(), top_index[b].tolist()):
+                    beam, token = divmod(index, V)
+                    if done or len(chosen) == K or score == float("-inf"):
+                        break
+                    if token == eos_id:
+                        finished[b].append((normalise(score, step + 1), seqs[b * K + beam, 1:].tolist() + [eos_id]))
+                    else:
+                        chosen.append((score, b * K + beam, token))
+                chosen += [(float("-inf"), b * K, eos_id)] * (K - len(chosen))  # a finished source: dead beams
+                new_scores += [score for score, _, _ in chosen]
+                rows += [row for _, row, _ in chosen]
+                tokens += [token for _, _, token in chosen]
+            if all(len(f) >= K for f in finished):
+                break
+            rows = torch.tensor(rows, device=src.device)
+            for self_cache, cross_cache in cache:
+                self_cache.reorder(rows)  # cross-attention keys are the same for every beam of a source
+            seqs = torch.cat([seqs[rows], torch.tensor(tokens, device=src.device)[:, None]], dim=1)
+            scores = torch.tensor(new_scores, device=src.device).view(B, K)
+
+        results = []
+        for b in range(B):
+            if not finished[b]:  # ran out of steps: rank the live beams the same way
+                finished[b] = [(normalise(s, seqs.size(1) - 1), seqs[b * K + j, 1:].tolist()) for j, s in enumerate(scores[b].tolist())]
+            results.append(max(finished[b], key=lambda hyp: hyp[0])[1])
+        out = torch.full((B, max(map(len, results))), self._fill(eos_id), dtype=torch.long, device=src.device)
+        for b, tokens in enumerate(results):
+            out[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        return out
+
+
+MODELS = {"gpt": GPT, "encoder": Encoder, "encoder_decoder": EncoderDecoder}
+
+
+def build_model(config):
+    """The model class that config.arch names, freshly initialised."""
+    return MODELS[config.arch](config)
+
+
+# -----------------------------------------------------------------------------
+# Sampling
+
+
+def check_sampling_args(temperature, top_k, top_p):
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k <= 0:
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """Pick one token per row of logits (B, V): argmax at temperature 0, else sample the filtered softmax. (B, 1)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the likelier ones before it already hold top_p; the first one always stays
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+# -----------------------------------------------------------------------------
+# GPT-2 weights from Hugging Face
+
+
+def load_gpt2(cls, name_or_path, overrides):
+    path = Path(name_or_path)
+    if not path.is_dir():
+        path = download_from_hub(str(name_or_path))
+    hf = json.loads((path / "config.json").read_text())
+    config = ModelConfig(**{
+        "arch": "gpt", "vocab_size": hf["vocab_size"], "block_size": hf["n_positions"], "n_layer": hf["n_layer"],
+        "n_head": hf["n_head"], "n_embd": hf["n_embd"], "d_ff": hf.get("n_inner") or 4 * hf["n_embd"],
+        "bias": True, "pos_encoding": "learned", "norm_position": "pre", "norm": "layernorm",
+        "activation": "gelu_tanh", "tie_embeddings": True, "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+        **overrides,
+    })
+    hf_state = read_state_dict(path)
+    # GPT2LMHeadModel prefixes "transformer."; a bare GPT2Model does not. The attention-mask buffers are not weights.
+    hf_state = {k.removeprefix("transformer."): v for k, v in hf_state.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    names = {"wte.weight": "body.wte.weight", "wpe.weight": "body.wpe.weight", "ln_f.weight": "body.norm.weight", "ln_f.bias": "body.norm.bias"}
+    for i in range(config.n_layer):
+        for hf_name, ours in [("ln_1", "norm1"), ("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.proj"),
+                              ("ln_2", "norm2"), ("mlp.c_fc", "mlp.fc"), ("mlp.c_proj", "mlp.proj")]:
+            for p in ("weight", "bias"):
+                names[f"h.{i}.{hf_name}.{p}"] = f"body.blocks.{i}.{ours}.{p}"
+    hf_state.pop("lm_head.weight", None)  # tied to wte
+    missing = set(names) - set(hf_state)
+    unexpected = set(hf_state) - set(names)
+    if missing or unexpected:
+        raise ValueError(f"{path} does not hold GPT-2 weights: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+
+    model = cls(config)
+    block_size = config.block_size
+    state = {}
+    for hf_name, ours in names.items():
+        tensor = hf_state[hf_name]
+        if hf_name.endswith(".weight") and any(c in hf_name for c in ("c_attn", "c_proj", "c_fc")):
+            tensor = tensor.t()  # HF's Conv1D stores (in, out); nn.Linear wants (out, in)
+        if hf_name == "wpe.weight":
+            tensor = tensor[:block_size]  # fine-tuning with a shorter context keeps the first positions
+        state[ours] = tensor
+    state["lm_head.weight"] = state["body.wte.weight"]
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def read_state_dict(path):
+    if (path / "model.safetensors").exists():
+        from safetensors.torch import load_file
+
+        return load_file(str(path / "model.safetensors"))
+    if (path / "pytorch_model.bin").exists():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{path} has neither model.safetensors nor pytorch_model.bin")
+
+
+def download_from_hub(name):
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, allow_patterns=["config.json", "model.safetensors"]))
+    except Exception as e:
+        raise FileNotFoundError(
+            f"could not load {name!r}: it is not a local directory and the Hugging Face hub is unreachable "
+            f"({type(e).__name__}). Pass a directory holding config.json and model.safetensors "
+            f"(e.g. one saved by transformers' save_pretrained)"
+        ) from None
