@@ -1,0 +1,368 @@
+"""Invariants of model.py on tiny models: each test checks one property that a bug would break."""
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import (
+    ARCHS, IGNORE_INDEX, Attention, EncoderDecoder, GPT, KVCache, ModelConfig, build_model, sample_next,
+)
+
+POS = ("learned", "sinusoidal", "rope")
+V = 37  # a vocabulary no power of two, so shape mix-ups show
+PAD, BOS, EOS = 0, 1, 2
+
+
+def tiny(**overrides):
+    return ModelConfig(**{"vocab_size": V, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32, **overrides})
+
+
+def tokens(*shape, seed=0):
+    return torch.randint(3, V, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def logits_of(model, x, y=None):
+    """Logits of any architecture; the encoder-decoder reads x as the source and y as the target."""
+    if isinstance(model, EncoderDecoder):
+        return model(x, x if y is None else y)[0]
+    return model(x)[0]
+
+
+@pytest.mark.parametrize("arch,pos,norm_position", list(itertools.product(ARCHS, POS, ("pre", "post"))))
+def test_shapes_and_overfit_one_batch(arch, pos, norm_position):
+    torch.manual_seed(0)
+    model = build_model(tiny(arch=arch, pos_encoding=pos, norm_position=norm_position, pad_token_id=PAD))
+    x = tokens(4, 12)
+    if arch == "gpt":
+        inputs, targets = (x[:, :-1],), x[:, 1:]
+    elif arch == "encoder":  # mask a fixed third of the positions, predict the originals there
+        masked = torch.arange(12).repeat(4, 1) % 3 == 0
+        inputs, targets = (x.masked_fill(masked, BOS),), x.masked_fill(~masked, IGNORE_INDEX)
+    else:  # learn to reverse the source
+        targets = x.flip(1)
+        inputs = (x, torch.cat([torch.full((4, 1), BOS), targets[:, :-1]], dim=1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(80):
+        logits, loss = model(*inputs, targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert logits.shape == (*targets.shape, V)
+    assert losses[0] > 3.0  # about ln(37) = 3.6 at init
+    assert losses[-1] < 1.0, f"loss went {losses[0]:.2f} -> {losses[-1]:.2f}"
+
+
+@pytest.mark.parametrize("pos", POS)
+@pytest.mark.parametrize("arch", ["gpt", "encoder_decoder"])
+def test_causal_models_do_not_look_ahead(arch, pos):
+    model = build_model(tiny(arch=arch, pos_encoding=pos)).eval()
+    x = tokens(2, 10)
+    for t in range(9):
+        changed = x.clone()
+        changed[:, t + 1] = (x[:, t + 1] + 1 - 3) % (V - 3) + 3
+        if arch == "gpt":
+            before, after = model(x)[0], model(changed)[0]
+        else:  # change the decoder's input, keep the source
+            before, after = model(x, x)[0], model(x, changed)[0]
+        torch.testing.assert_close(before[:, : t + 1], after[:, : t + 1])
+        assert not torch.allclose(before[:, t + 1], after[:, t + 1])
+
+
+def test_encoder_sees_both_directions():
+    model = build_model(tiny(arch="encoder")).eval()
+    x = tokens(2, 10)
+    changed = x.clone()
+    changed[:, -1] = (x[:, -1] + 1 - 3) % (V - 3) + 3
+    assert not torch.allclose(logits_of(model, x)[:, 0], logits_of(model, changed)[:, 0])
+
+
+@pytest.mark.parametrize("pos", POS)
+def test_padding_does_not_change_real_positions(pos):
+    torch.manual_seed(0)
+    short, long = tokens(1, 6, seed=1), tokens(1, 10, seed=2)
+    batch = torch.cat([F.pad(short, (0, 4), value=PAD), long])  # row 0 padded with 4 PADs
+    encoder = build_model(tiny(arch="encoder", pos_encoding=pos, pad_token_id=PAD)).eval()
+    torch.testing.assert_close(logits_of(encoder, batch)[0, :6], logits_of(encoder, short)[0])
+    torch.testing.assert_close(logits_of(encoder, batch)[1], logits_of(encoder, long)[0])
+
+    seq2seq = build_model(tiny(arch="encoder_decoder", pos_encoding=pos, pad_token_id=PAD)).eval()
+    tgt = tokens(2, 5, seed=3)
+    torch.testing.assert_close(logits_of(seq2seq, batch, tgt)[0], logits_of(seq2seq, short, tgt[:1])[0])
+    # a target padded on the right leaves the real target positions alone too
+    padded_tgt = F.pad(tgt, (0, 3), value=PAD)
+    torch.testing.assert_close(logits_of(seq2seq, batch, padded_tgt)[:, :5], logits_of(seq2seq, batch, tgt))
+
+
+@pytest.mark.parametrize("pos", POS)
+def test_kv_cache_matches_full_forward_gpt(pos):
+    model = build_model(tiny(pos_encoding=pos)).eval()
+    x = tokens(2, 16)
+    full = model(x)[0]
+    cache = model.new_cache()
+    steps = [model.lm_head(model.body(x[:, :5], cache=cache)[0])]  # a 5-token prefill, then one at a time
+    steps += [model.lm_head(model.body(x[:, t : t + 1], cache=cache)[0]) for t in range(5, 16)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pos", POS)
+def test_kv_cache_matches_full_forward_encoder_decoder(pos):
+    model = build_model(tiny(arch="encoder_decoder", pos_encoding=pos, pad_token_id=PAD)).eval()
+    src, tgt = F.pad(tokens(2, 9), (0, 3), value=PAD), tokens(2, 12, seed=1)
+    memory, src_mask = model.encode(src)
+    full = model.decode(tgt, memory, src_mask)
+    cache = model.new_cache()
+    steps = [model.decode(tgt[:, t : t + 1], memory, src_mask, cache) for t in range(12)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pos", POS)
+def test_cached_and_uncached_generation_agree_past_block_size(pos):
+    model = build_model(tiny(pos_encoding=pos)).eval()
+    prompt = tokens(3, 5)
+    runs = [
+        model.generate(prompt, 40, temperature=1.0, top_k=10, generator=torch.Generator().manual_seed(7), use_cache=c)
+        for c in (True, False)
+    ]
+    assert runs[0].shape == (3, 45)
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_context_keep_block_size_is_crop_every_step():
+    """With context_keep=block_size the window is nanoGPT's: always the last block_size tokens."""
+    model = build_model(tiny()).eval()
+    idx = tokens(2, 4)
+    expected = idx
+    for _ in range(30):  # the reference: an explicit crop-and-argmax loop
+        logits = model(expected[:, -16:])[0][:, -1]
+        expected = torch.cat([expected, logits.argmax(-1, keepdim=True)], dim=1)
+    for use_cache in (True, False):
+        got = model.generate(idx, 30, temperature=0, context_keep=16, use_cache=use_cache)
+        assert torch.equal(got, expected)
+
+
+def test_generation_stops_at_stop_token():
+    model = build_model(tiny()).eval()
+    prompt = tokens(2, 3)
+    full = model.generate(prompt, 20, temperature=0)  # the reference: the same decoding without a stop token
+    stop = full[0, 3].item()
+    out = model.generate(prompt, 20, temperature=0, stop_token=stop)
+    cuts = []
+    for row in range(2):  # each row follows the reference up to its first stop token, then holds it
+        new = full[row, 3:].tolist()
+        cut = new.index(stop) + 1 if stop in new else len(new)
+        assert out[row, 3 : 3 + cut].tolist() == new[:cut]
+        assert (out[row, 3 + cut :] == stop).all()
+        cuts.append(cut)
+    assert out.size(1) == 3 + max(cuts)  # decoding ends once every row has stopped
+
+
+def reference_attention(attn, x, context, mask):
+    """float64 loop over heads and queries: softmax over the allowed keys, weighted sum of values."""
+    C, H = x.size(-1), attn.n_head
+    w, b = attn.qkv.weight.double(), attn.qkv.bias.double()
+    kv_in = x if context is None else context
+    q = x.double() @ w[:C].T + b[:C]
+    k = kv_in.double() @ w[C : 2 * C].T + b[C : 2 * C]
+    v = kv_in.double() @ w[2 * C :].T + b[2 * C :]
+    D = C // H
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for bi in range(x.size(0)):
+        for h in range(H):
+            cols = slice(h * D, (h + 1) * D)
+            for t in range(x.size(1)):
+                allowed = [s for s in range(kv_in.size(1)) if mask(bi, t, s)]
+                scores = torch.stack([q[bi, t, cols] @ k[bi, s, cols] for s in allowed]) / math.sqrt(D)
+                probs = scores.softmax(0)
+                out[bi, t, cols] = sum(p * v[bi, s, cols] for p, s in zip(probs, allowed))
+    return out @ attn.proj.weight.double().T + attn.proj.bias.double()
+
+
+def test_attention_against_float64_loop():
+    torch.manual_seed(0)
+    config = tiny()
+    x, context = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    key_mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    causal, bidirectional = Attention(config, causal=True).eval(), Attention(config, causal=False).eval()
+    cases = [
+        (causal, None, None, lambda b, t, s: s <= t),
+        (bidirectional, None, key_mask[:, :5], lambda b, t, s: key_mask[b, s].item()),
+        (bidirectional, context, key_mask, lambda b, t, s: key_mask[b, s].item()),
+    ]
+    for attn, ctx, km, allowed in cases:
+        expected = reference_attention(attn, x, ctx, allowed).float()
+        fast, no_weights = attn(x, ctx, km)
+        slow, weights = attn(x, ctx, km, need_weights=True)
+        assert no_weights is None
+        torch.testing.assert_close(fast, expected, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(slow, expected, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+        for b, t, s in itertools.product(range(2), range(5), range(weights.size(-1))):
+            if not allowed(b, t, s):
+                assert (weights[b, :, t, s] == 0).all()
+
+
+def test_cached_queries_shorter_than_keys_see_all_earlier_positions():
+    """3 cached positions, then 2 new queries: the causal triangle must be aligned to the lower right."""
+    torch.manual_seed(0)
+    attn = Attention(tiny(), causal=True).eval()
+    x = torch.randn(1, 5, 32)
+    cache = KVCache(16)
+    attn(x[:, :3], cache=cache)
+    out, weights = attn(x[:, 3:], cache=cache, need_weights=True)
+    assert weights.shape == (1, 2, 2, 5)
+    assert (weights[0, :, 0, 4] == 0).all() and (weights[0, :, 0, :4] > 0).all()  # query at 3 sees 0..3
+    torch.testing.assert_close(out, reference_attention(attn, x, None, lambda b, t, s: s <= t).float()[:, 3:])
+
+
+def test_attention_maps_per_layer():
+    model = build_model(tiny(arch="encoder_decoder", pad_token_id=PAD)).eval()
+    src, tgt = F.pad(tokens(2, 6), (0, 2), value=PAD), tokens(2, 5, seed=1)
+    maps = model.attention_maps(src, tgt)
+    assert len(maps["encoder"]) == 2 and len(maps["decoder"]) == 2
+    assert maps["decoder"][0]["cross"].shape == (2, 2, 5, 8)
+    assert (maps["decoder"][1]["cross"][..., 6:] == 0).all()  # padded source positions get no attention
+    assert (maps["decoder"][0]["self"].triu(1) == 0).all()
+    gpt_maps = build_model(tiny()).attention_maps(tokens(1, 7))
+    assert gpt_maps[1]["self"].shape == (1, 2, 7, 7)
+
+
+def test_parity_with_hugging_face_gpt2(tmp_path):
+    import transformers  # a dev dependency (requirements-dev.txt)
+    torch.manual_seed(0)
+    hf_config = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=48, n_layer=3, n_head=4)
+    hf = transformers.GPT2LMHeadModel(hf_config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():  # larger than the 0.02 init, so every weight (and bias) shows in the logits
+            p.normal_(0, 0.2)
+    x = torch.randint(0, 97, (2, 20))
+    for safe in (True, False):  # model.safetensors and pytorch_model.bin
+        hf.save_pretrained(tmp_path / str(safe), safe_serialization=safe)
+        ours = GPT.from_pretrained(tmp_path / str(safe)).eval()
+        torch.testing.assert_close(ours(x)[0], hf(x).logits, atol=1e-4, rtol=1e-4)
+    hf_tokens = hf.generate(x[:, :5], max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(x[:, :5], 12, temperature=0), hf_tokens)
+
+
+def test_from_pretrained_offline_names_what_to_pass(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="local directory"):
+        GPT.from_pretrained("no-such-model-here")
+
+
+def test_gpt2_small_parameter_count():
+    with torch.device("meta"):
+        model = GPT(ModelConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768))
+    assert model.num_params() == 124_439_808  # the Hugging Face count, lm_head tied to wte
+
+
+def test_transformer_base_parameter_count():
+    """6+6 layers, d=512, 8 heads, d_ff=2048, 37000 shared tokens: Table 3 of Vaswani et al. says 65M."""
+    config = ModelConfig(
+        arch="encoder_decoder", vocab_size=37000, block_size=256, n_layer=6, n_head=8, n_embd=512, d_ff=2048,
+        pos_encoding="sinusoidal", norm_position="post", activation="relu", share_embeddings=True,
+    )
+    with torch.device("meta"):
+        model = EncoderDecoder(config)
+    d, f = 512, 2048
+    attention, ffn, norm = 4 * (d * d + d), 2 * d * f + f + d, 2 * d
+    encoder_layer = attention + ffn + 2 * norm
+    decoder_layer = 2 * attention + ffn + 3 * norm
+    expected = 37000 * d + 6 * encoder_layer + 6 * decoder_layer  # one embedding for source, target and output
+    assert model.num_params() == expected == 63_082_496
+
+
+def test_flops_and_mfu():
+    with torch.device("meta"):
+        model = GPT(ModelConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768))
+    n = 124_439_808 - 1024 * 768  # position embeddings do no matmul work
+    assert model.flops_per_token() == 6 * n + 12 * 12 * 768 * 1024
+    assert model.estimate_mfu(1e5, "NVIDIA H100 80GB HBM3") == pytest.approx(model.flops_per_token() * 1e5 / 989e12)
+    assert model.estimate_mfu(1e5, "NVIDIA A100-SXM4-40GB") == pytest.approx(model.flops_per_token() * 1e5 / 312e12)
+    assert model.estimate_mfu(1e5, "NVIDIA H200") is not None
+    assert model.estimate_mfu(1e5, "Some Unknown Accelerator") is None
+
+
+def test_optimizer_groups():
+    model = build_model(tiny(arch="encoder_decoder"))
+    optimizer, summary = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    decay, no_decay = optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert {id(p) for p in decay["params"] + no_decay["params"]} == {id(p) for p in model.parameters()}
+    assert "weight decay" in summary
+
+
+def test_sampling_filters():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).repeat(2000, 1)
+    assert torch.equal(sample_next(logits, temperature=0), torch.zeros(2000, 1, dtype=torch.long))
+    g = torch.Generator().manual_seed(0)
+    assert set(sample_next(logits, top_k=2, generator=g).flatten().tolist()) == {0, 1}
+    probs = logits[0].softmax(0)  # nucleus of 0.8: the likeliest tokens until their mass reaches 0.8
+    nucleus = [i for i in range(6) if probs[:i].sum() < 0.8]
+    assert set(sample_next(logits, top_p=0.8, generator=g).flatten().tolist()) == set(nucleus)
+    model = build_model(tiny())
+    for bad, name in (({"temperature": -1}, "temperature"), ({"top_k": 0}, "top_k"), ({"top_p": 0.0}, "top_p"),
+                      ({"top_p": 1.5}, "top_p")):
+        with pytest.raises(ValueError, match=name):
+            model.generate(tokens(1, 2), 1, **bad)
+
+
+def test_beam_size_one_equals_greedy():
+    model = build_model(tiny(arch="encoder_decoder", pad_token_id=PAD)).eval()
+    src = tokens(3, 8)
+    greedy = model.generate(src, 10, BOS, EOS)
+    assert torch.equal(model.beam_search(src, 10, BOS, EOS, beam_size=1), greedy)
+
+
+class TableDecoder(EncoderDecoder):
+    """A decoder whose next-token probabilities depend only on the previous token, from a fixed table."""
+
+    TABLE = {BOS: {3: 0.5, 4: 0.4, EOS: 0.1}, 3: {5: 0.3, 3: 0.25, 4: 0.25, EOS: 0.2}, 4: {EOS: 0.9, 5: 0.1}, 5: {EOS: 1.0}}
+
+    def decode(self, tgt, memory, src_mask, cache=None):
+        probs = torch.full((*tgt.shape, V), 1e-9)
+        for (b, t), token in zip(itertools.product(range(tgt.size(0)), range(tgt.size(1))), tgt.flatten().tolist()):
+            for nxt, p in self.TABLE.get(token, {EOS: 1.0}).items():
+                probs[b, t, nxt] = p
+        return probs.log()
+
+
+def test_beam_search_finds_the_likelier_sequence():
+    model = TableDecoder(tiny(arch="encoder_decoder")).eval()
+    src = tokens(1, 4)
+    assert model.generate(src, 5, BOS, EOS).tolist() == [[3, 5, EOS]]  # greedy: 0.5 * 0.3 * 1.0 = 0.15
+    assert model.beam_search(src, 5, BOS, EOS, beam_size=2).tolist() == [[4, EOS]]  # 0.4 * 0.9 = 0.36
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        ({"arch": "rnn"}, "arch"), ({"n_embd": 30, "n_head": 4}, "n_embd"), ({"n_layer": 0}, "n_layer"),
+        ({"dropout": 1.5}, "dropout"), ({"pos_encoding": "alibi"}, "pos_encoding"), ({"norm": "batchnorm"}, "norm"),
+        ({"pad_token_id": 37}, "pad_token_id"), ({"n_embd": 30, "n_head": 10, "pos_encoding": "rope"}, "rope"),
+        ({"activation": "swish"}, "activation"), ({"norm_position": "middle"}, "norm_position"),
+    ],
+)
+def test_bad_config_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        tiny(**overrides)
+
+
+def test_sequence_longer_than_block_size():
+    for arch in ARCHS:
+        with pytest.raises(ValueError, match="block_size=16"):
+            logits_of(build_model(tiny(arch=arch)), tokens(1, 17))
+
+
+def test_config_round_trip_rejects_unknown_keys():
+    from dataclasses import asdict
+
+    config = tiny(arch="encoder_decoder", n_encoder_layer=3)
+    assert ModelConfig.from_dict(asdict(config)) == config
+    with pytest.raises(ValueError, match="n_layers"):
+        ModelConfig.from_dict({**asdict(config), "n_layers": 2})
