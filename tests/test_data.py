@@ -1,0 +1,642 @@
+"""prepare_data.py: token files, tokenizers and every dataset, checked against independent references.
+
+The references are the raw text, tiktoken itself (r50k_base: the same ids as gpt2, and
+loadable offline), struct-parsed headers and explicit loops, never this module's own output.
+"""
+
+import io
+import json
+import logging
+import random
+import struct
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tiktoken
+
+import prepare_data
+from prepare_data import (
+    DATASETS, DownloadError, Tokenizer, bpe_throughput, dataset_dir, is_prepared, load_meta, load_pairs,
+    load_tokens, prepare, solve, write_tokens,
+)
+
+EOT = 50256
+TRAIN_CHARS = 1_003_854  # nanoGPT's int(0.9 * 1,115,394)
+
+
+@pytest.fixture(scope="module")
+def r50k():
+    return tiktoken.get_encoding("r50k_base")
+
+
+@pytest.fixture(scope="module")
+def text(shakespeare_path):
+    return shakespeare_path.read_text(encoding="utf-8")
+
+
+def leftovers(folder: Path) -> list[str]:
+    """Hidden temporary files or staging folders left in `folder`."""
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def header(path: Path) -> tuple:
+    return struct.unpack("<8sIIQQ", path.read_bytes()[:32])
+
+
+# ----------------------------------------------------------------------------- Shakespeare
+
+
+def test_shakespeare_char_matches_nanogpt(shakespeare_char_dir, text):
+    meta = load_meta(shakespeare_char_dir)
+    chars = sorted(set(text))
+    assert len(text) == 1_115_394 and len(chars) == 65
+    assert meta["kind"] == "lm" and meta["vocab_size"] == 65 and meta["special_tokens"] == {}
+    assert meta["tokenizer"] == {"type": "char", "chars": chars}
+    train, val = load_tokens(shakespeare_char_dir / "train.bin"), load_tokens(shakespeare_char_dir / "val.bin")
+    assert (len(train), len(val)) == (TRAIN_CHARS, 111_540)
+    assert isinstance(train, np.memmap) and train.dtype == np.uint16
+    index = {c: i for i, c in enumerate(chars)}
+    np.testing.assert_array_equal(np.concatenate([train, val]), [index[c] for c in text])
+
+
+def test_char_tokenizer_round_trip(shakespeare_char_dir, text):
+    tok = Tokenizer.from_meta(load_meta(shakespeare_char_dir))
+    assert tok.vocab_size == 65 and tok.special_tokens == {}
+    assert tok.decode(load_tokens(shakespeare_char_dir / "val.bin")) == text[TRAIN_CHARS:]
+    chars = sorted(set(text))
+    assert tok.encode("ROMEO: Hi!") == [chars.index(c) for c in "ROMEO: Hi!"]
+    with pytest.raises(ValueError, match="'é'.*'€'|'€'.*'é'"):
+        tok.encode("café costs 3€")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.decode([65])
+
+
+def test_shakespeare_bpe_matches_tiktoken(tmp_path, text, r50k):
+    folder = prepare("shakespeare", data_dir=tmp_path)
+    meta = load_meta(folder)
+    assert meta["tokenizer"] == {"type": "tiktoken", "encoding": "gpt2"}
+    assert meta["vocab_size"] == 50257 and meta["special_tokens"] == {"eot": EOT}
+    train, val = load_tokens(folder / "train.bin"), load_tokens(folder / "val.bin")
+    assert train.tolist() == r50k.encode_ordinary(text[:TRAIN_CHARS])  # several pieces, encoded in parallel
+    assert val.tolist() == r50k.encode_ordinary(text[TRAIN_CHARS:])
+    assert (len(train), len(val)) == (301_966, 36_059)  # nanoGPT's published counts
+    tok = Tokenizer.from_meta(meta)
+    assert tok.decode(val) == text[TRAIN_CHARS:]
+    assert tok.decode(tok.encode("Hello, world")) == "Hello, world"
+
+
+def test_bpe_pieces_encode_like_the_whole_text(r50k):
+    # whitespace next to newlines is where cutting text changes GPT-2 tokens
+    rng = random.Random(0)
+    parts = ["hello", " world", "'s", "\n", "\n\n", " \n", "\r\n", "\t\n", "  ", "42", " é", "日本", "?!", "\n'll", "\n x"]
+    text = "".join(rng.choice(parts) for _ in range(20_000))
+    blocks, i = [], 0
+    while i < len(text):
+        size = rng.randint(1, 400)
+        blocks.append(text[i:i + size])
+        i += size
+    pieces = list(prepare_data._pieces(blocks))
+    assert len(pieces) > 50 and "".join(pieces) == text
+    assert [t for piece in pieces for t in r50k.encode_ordinary(piece)] == r50k.encode_ordinary(text)
+
+
+def test_gpt2_falls_back_to_r50k_once(monkeypatch, caplog):
+    real = tiktoken.get_encoding
+
+    def offline(name):
+        if name == "gpt2":
+            raise ConnectionError("no network")
+        return real(name)
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    prepare_data._tiktoken_encoding.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="nanoformer.data"):
+            first = Tokenizer({"type": "tiktoken", "encoding": "gpt2"}, 50257, {})
+            second = Tokenizer({"type": "tiktoken", "encoding": "gpt2"}, 50257, {})
+        assert first.encode("Hello world") == second.encode("Hello world") == real("r50k_base").encode_ordinary("Hello world")
+        assert [r.getMessage().count("r50k_base") for r in caplog.records] == [1]
+
+        monkeypatch.setattr(tiktoken, "get_encoding", lambda name: offline("gpt2"))
+        prepare_data._tiktoken_encoding.cache_clear()
+        with pytest.raises(DownloadError, match="TIKTOKEN_CACHE_DIR"):
+            Tokenizer({"type": "tiktoken", "encoding": "gpt2"}, 50257, {})
+    finally:
+        prepare_data._tiktoken_encoding.cache_clear()
+
+
+# ----------------------------------------------------------------------------- token files
+
+
+def test_header_and_dtypes(tmp_path):
+    small = tmp_path / "small.bin"
+    assert write_tokens(small, np.arange(65), vocab_size=65) == 65
+    assert header(small) == (b"NFTOKENS", 1, 2, 65, 65)
+    assert np.frombuffer(small.read_bytes()[32:], "<u2").tolist() == list(range(65))
+
+    edge = tmp_path / "edge.bin"  # 65,536 ids still fit uint16
+    write_tokens(edge, [0, 65535], vocab_size=65536)
+    assert header(edge)[2] == 2 and load_tokens(edge).tolist() == [0, 65535]
+
+    big = tmp_path / "big.bin"  # a made-up 70,000-id vocabulary: uint32, nothing wraps
+    ids = [0, 65535, 65536, 69999]
+    assert write_tokens(big, (np.array(ids[:2]), np.array(ids[2:])), vocab_size=70000) == 4
+    assert header(big) == (b"NFTOKENS", 1, 4, 70000, 4)
+    tokens = load_tokens(big)
+    assert tokens.dtype == np.uint32 and tokens.tolist() == ids
+    with pytest.raises(ValueError):
+        tokens[0] = 1  # read-only
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("tokens, vocab_size, message", [
+    ([70000], 65536, "outside the vocabulary"),
+    ([-1], 10, "outside the vocabulary"),
+    ([1.5], 10, "must be integers"),
+    ([1], 2**32 + 1, "too large"),
+])
+def test_write_tokens_refuses_ids_that_do_not_fit(tmp_path, tokens, vocab_size, message):
+    with pytest.raises(ValueError, match=message):
+        write_tokens(tmp_path / "x.bin", tokens, vocab_size)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_tokens_rejects_damaged_files(tmp_path):
+    good = tmp_path / "good.bin"
+    write_tokens(good, np.arange(100), vocab_size=100)
+    raw = good.read_bytes()
+    cases = {
+        "bad magic": b"NOTTOKEN" + raw[8:],
+        "newer": raw[:8] + struct.pack("<I", 2) + raw[12:],
+        "truncated: its header promises 100": raw[:-3],
+        "shorter than the 32-byte header": raw[:10],
+    }
+    for message, content in cases.items():
+        path = tmp_path / "bad.bin"
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match=message):
+            load_tokens(path)
+
+
+def test_interrupted_write_leaves_nothing(tmp_path):
+    def chunks():
+        yield np.arange(10)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_tokens(tmp_path / "x.bin", chunks(), vocab_size=100)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- preparing
+
+
+def small_corpus(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "corpus.txt"
+    path.write_text("To be, or not to be: that is the question.\n" * 50, encoding="utf-8")
+    return path
+
+
+def test_interrupted_prepare_keeps_the_old_dataset(tmp_path, monkeypatch):
+    corpus = small_corpus(tmp_path / "in")
+    data = tmp_path / "data"
+    folder = prepare("text", data_dir=data, input=str(corpus), tokenizer="char", name="corpus")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    def interrupted(self, texts, num_threads=1):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Tokenizer, "encode_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare("text", data_dir=data, force=True, input=str(corpus), tokenizer="char", name="corpus")
+    with pytest.raises(KeyboardInterrupt):
+        prepare("text", data_dir=data, input=str(corpus), tokenizer="char", name="fresh")
+    assert is_prepared(folder) and {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert sorted(p.name for p in data.iterdir()) == ["corpus"]  # no staging folder, no half-built "fresh"
+
+
+def test_idempotent_unless_forced_or_changed(tmp_path):
+    options = {"num_train": 200, "num_val": 20, "num_test": 20}
+    folder = prepare("reverse", data_dir=tmp_path, **options)
+
+    def identity():
+        return {p.name: (p.stat().st_ino, p.read_bytes()) for p in folder.iterdir()}
+
+    first = identity()
+    assert prepare("reverse", data_dir=tmp_path, **options) == folder and identity() == first  # untouched
+    prepare("reverse", data_dir=tmp_path, force=True, **options)
+    forced = identity()
+    assert all(forced[n][0] != first[n][0] and forced[n][1] == first[n][1] for n in first)  # rewritten, same bytes
+    prepare("reverse", data_dir=tmp_path, seed=1, **options)
+    assert identity()["train_src.bin"][1] != first["train_src.bin"][1]  # a changed option rebuilds
+    (folder / "val_idx.npy").unlink()
+    assert not is_prepared(folder)
+    prepare("reverse", data_dir=tmp_path, seed=1, **options)  # a damaged dataset is rebuilt
+    assert is_prepared(folder)
+
+
+def test_refuses_data_from_another_tokenizer_unless_forced(tmp_path):
+    corpus = small_corpus(tmp_path / "in")
+    folder = prepare("text", data_dir=tmp_path, input=str(corpus), tokenizer="char", name="corpus")
+    with pytest.raises(ValueError, match="different tokenizer.*--force"):
+        prepare("text", data_dir=tmp_path, input=str(corpus), tokenizer="bpe", name="corpus")
+    corpus.write_text("A new character set: XYZ\n" * 50, encoding="utf-8")
+    with pytest.raises(ValueError, match="different tokenizer"):
+        prepare("text", data_dir=tmp_path, input=str(corpus), tokenizer="char", name="corpus")
+    assert load_meta(folder)["tokenizer"]["chars"] == sorted(set("To be, or not to be: that is the question.\n"))
+    prepare("text", data_dir=tmp_path, input=str(corpus), tokenizer="bpe", name="corpus", force=True)
+    assert load_meta(folder)["tokenizer"] == {"type": "tiktoken", "encoding": "gpt2"}
+
+
+def test_refuses_to_replace_a_foreign_folder(tmp_path):
+    foreign = tmp_path / "reverse" / "notes.txt"
+    foreign.parent.mkdir()
+    foreign.write_text("mine")
+    with pytest.raises(ValueError, match="--force"):
+        prepare("reverse", data_dir=tmp_path, num_train=100, num_val=10, num_test=10)
+    assert foreign.read_text() == "mine"
+    prepare("reverse", data_dir=tmp_path, num_train=100, num_val=10, num_test=10, force=True)
+    assert not foreign.exists() and is_prepared(foreign.parent)
+
+
+def test_text_directory_and_glob_bpe_with_end_of_text(tmp_path, r50k):
+    docs = {"a.txt": "First document.\nIt has two lines.\n", "sub/b.txt": "Second one, é and 日本.\n\n", "sub/c.txt": "Third.\r\nEnd"}
+    for name, content in docs.items():
+        (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / name).write_bytes(content.encode("utf-8"))
+    (tmp_path / "in" / ".hidden").write_bytes(b"\x00\x01 not text")  # hidden files are left out
+    expected = "".join(content + "<|endoftext|>" for content in docs.values())
+    for spec in (tmp_path / "in", tmp_path / "in" / "**" / "*.txt"):
+        folder = prepare("text", data_dir=tmp_path / "data", input=str(spec), val_fraction=0.3, force=True)
+        ids = np.concatenate([load_tokens(folder / "train.bin"), load_tokens(folder / "val.bin")]).tolist()
+        assert r50k.decode(ids) == expected and ids.count(EOT) == len(docs)
+        assert load_meta(folder)["special_tokens"] == {"eot": EOT}
+    folder = prepare("text", data_dir=tmp_path / "data", input=str(tmp_path / "in"), tokenizer="char", name="chars")
+    tok = Tokenizer.from_meta(load_meta(folder))
+    whole = "".join(docs.values())
+    assert tok.decode(load_tokens(folder / "train.bin")) == whole[:int(len(whole) * 0.9)]
+    assert tok.decode(load_tokens(folder / "val.bin")) == whole[int(len(whole) * 0.9):]
+
+
+def test_text_char_vocabulary_beyond_uint16(tmp_path):
+    # 70,000 distinct characters (surrogates excluded): ids above 65,535 must come back intact
+    chars = [chr(c) for c in range(0x100, 0x100 + 72_048) if not 0xD800 <= c <= 0xDFFF]
+    corpus = tmp_path / "wide.txt"
+    corpus.write_text("".join(chars) * 2, encoding="utf-8")
+    folder = prepare("text", data_dir=tmp_path, input=str(corpus), tokenizer="char", name="wide")
+    meta = load_meta(folder)
+    assert meta["vocab_size"] == len(chars) == 70_000
+    train = load_tokens(folder / "train.bin")
+    assert train.dtype == np.uint32 and header(folder / "train.bin")[2] == 4 and int(train.max()) == 69_999
+    tok = Tokenizer.from_meta(meta)
+    assert tok.decode(train) + tok.decode(load_tokens(folder / "val.bin")) == "".join(chars) * 2
+
+
+def test_bad_text_inputs(tmp_path):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / "empty.txt").write_text("")
+    (inputs / "binary.dat").write_bytes(b"GIF89a\x00\x00\x01")
+    (inputs / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    data = tmp_path / "data"
+    cases = [
+        ({}, ValueError, "needs --input"),
+        ({"input": str(inputs / "missing.txt")}, FileNotFoundError, "does not exist"),
+        ({"input": str(inputs / "*.md")}, FileNotFoundError, "no files match"),
+        ({"input": str(inputs / "empty.txt")}, ValueError, "holds no text"),
+        ({"input": str(inputs / "binary.dat")}, ValueError, "binary.dat looks binary"),
+        ({"input": str(inputs / "latin1.txt")}, ValueError, "latin1.txt is not UTF-8"),
+        ({"input": str(inputs / "empty.txt"), "tokenizer": "words"}, ValueError, "must be one of char, bpe"),
+        ({"input": str(inputs / "empty.txt"), "val_fraction": 1.5}, ValueError, "between 0 and 1"),
+        ({"input": str(inputs / "empty.txt"), "colour": "red"}, ValueError, "no option 'colour'"),
+        ({"input": str(inputs / "empty.txt"), "name": "../escape"}, ValueError, "plain name"),
+    ]
+    for options, error, message in cases:
+        with pytest.raises(error, match=message):
+            prepare("text", data_dir=data, **options)
+    assert not data.exists() or list(data.iterdir()) == []
+
+
+def test_unknown_dataset_names_the_valid_ones(capsys):
+    with pytest.raises(ValueError, match="choose one of: " + ", ".join(DATASETS)):
+        prepare("shakespear")
+    with pytest.raises(SystemExit) as exit_info:
+        prepare_data.main(["shakespear"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and all(name in err for name in DATASETS)
+
+
+def test_help_lists_every_dataset(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        prepare_data.main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "benchmark" in out and "benchmark" not in DATASETS
+    assert all(name in out and description[:40] in out for name, description in DATASETS.items())
+
+
+def test_cli_error_is_one_line_and_exit_2(tmp_path):
+    script = Path(prepare_data.__file__)
+    result = subprocess.run([sys.executable, str(script), "text", "--input", str(tmp_path / "nope.txt"), "--data_dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: input") and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_cli_prepares_and_reports(tmp_path, capsys):
+    prepare_data.main(["sort", "--data_dir", str(tmp_path), "--num_train", "50", "--num_val", "5", "--num_test", "5", "--force"])
+    assert "train 50 pairs, val 5 pairs, test 5 pairs" in capsys.readouterr().out
+    assert len(load_pairs(tmp_path / "sort", "train")) == 50
+
+
+def test_dataset_dir_and_meta_locations(tmp_path, monkeypatch):
+    monkeypatch.delenv("NANOFORMER_DATA_DIR", raising=False)
+    assert dataset_dir("shakespeare_char") == Path(prepare_data.__file__).resolve().parent / "data" / "shakespeare_char"
+    monkeypatch.setenv("NANOFORMER_DATA_DIR", str(tmp_path))
+    assert dataset_dir("shakespeare_char") == tmp_path / "shakespeare_char"
+    assert dataset_dir("x", data_dir=tmp_path / "other") == tmp_path / "other" / "x"
+    with pytest.raises(FileNotFoundError, match="python prepare_data.py shakespeare_char"):
+        load_meta(dataset_dir("shakespeare_char"))
+    assert not is_prepared(tmp_path / "shakespeare_char")
+
+
+# ----------------------------------------------------------------------------- downloads
+
+
+def test_shakespeare_download_cache_and_checksums(tmp_path, monkeypatch, shakespeare_path):
+    monkeypatch.setenv("NANOFORMER_DATA_MIRROR", str(tmp_path / "empty_mirror"))
+    served = []
+
+    def serve(content):
+        def urlopen(url, timeout):
+            served.append(url)
+            if content is None:
+                raise urllib.error.URLError("Name or service not known")
+            return io.BytesIO(content)
+        return urlopen
+
+    monkeypatch.setattr(urllib.request, "urlopen", serve(None))
+    with pytest.raises(DownloadError) as failed:
+        prepare("shakespeare_char", data_dir=tmp_path / "data")
+    message = str(failed.value)
+    assert prepare_data.SHAKESPEARE_URL in message and "--input" in message and "NANOFORMER_DATA_MIRROR" in message
+    monkeypatch.setattr(urllib.request, "urlopen", serve(b"not shakespeare"))
+    with pytest.raises(DownloadError, match="sha256"):
+        prepare("shakespeare_char", data_dir=tmp_path / "data")
+    assert not (tmp_path / "data" / "downloads").exists() or list((tmp_path / "data" / "downloads").iterdir()) == []
+
+    monkeypatch.setattr(urllib.request, "urlopen", serve(shakespeare_path.read_bytes()))
+    folder = prepare("shakespeare_char", data_dir=tmp_path / "data")
+    assert (tmp_path / "data" / "downloads" / "tinyshakespeare.txt").read_bytes() == shakespeare_path.read_bytes()
+    assert load_meta(folder)["files"] == {"train.bin": TRAIN_CHARS, "val.bin": 111_540}
+    monkeypatch.setattr(urllib.request, "urlopen", serve(None))
+    served.clear()
+    prepare("shakespeare_char", data_dir=tmp_path / "data", force=True)  # from the cache, no network
+    assert served == []
+
+    bad_mirror = tmp_path / "bad_mirror"
+    bad_mirror.mkdir()
+    (bad_mirror / "tinyshakespeare.txt").write_text("something else")
+    monkeypatch.setenv("NANOFORMER_DATA_MIRROR", str(bad_mirror))
+    with pytest.raises(ValueError, match="not tiny Shakespeare"):
+        prepare("shakespeare_char", data_dir=tmp_path / "data2")
+
+
+def offline_hub(monkeypatch):
+    import datasets
+
+    def load_dataset(path, *args, **kwargs):
+        if path in ("json", "parquet", "arrow"):
+            raise AssertionError("local loads are not expected here")
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+
+
+@pytest.mark.parametrize("name, options, url", [
+    ("fineweb_edu", {}, "https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu"),
+    ("openwebtext", {"hf_dataset": "my/owt"}, "https://huggingface.co/datasets/my/owt"),
+    ("translation", {"src": "en", "tgt": "de"}, "https://huggingface.co/datasets/opus_books"),
+])
+def test_hub_failure_is_one_clear_error(tmp_path, monkeypatch, capsys, name, options, url):
+    offline_hub(monkeypatch)
+    monkeypatch.setenv("NANOFORMER_DATA_MIRROR", str(tmp_path / "empty_mirror"))
+    with pytest.raises(DownloadError) as failed:
+        prepare(name, data_dir=tmp_path, **options)
+    assert url in str(failed.value) and "--input" in str(failed.value) and "NANOFORMER_DATA_MIRROR" in str(failed.value)
+    with pytest.raises(SystemExit) as exit_info:
+        prepare_data.main([name, "--data_dir", str(tmp_path)] + [f"--{k}={v}" for k, v in options.items()])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: could not load") and err.count("\n") == 1
+    assert leftovers(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- the datasets library path
+
+
+def documents(n: int) -> list[str]:
+    rng = random.Random(n)
+    return [f"Document {i}. " + " ".join(rng.choice(["alpha", "beta", "gamma", "δέλτα", "\n"]) for _ in range(rng.randint(1, 40)))
+            for i in range(n)]
+
+
+def expected_split(docs: list[str], r50k, period: int) -> tuple[list[int], list[int]]:
+    train, val = [], []
+    for i, doc in enumerate(docs):
+        (val if i % period == 0 else train).extend(r50k.encode_ordinary(doc) + [EOT])
+    return train, val
+
+
+def test_datasets_path_offline_jsonl_parquet_and_mirror(tmp_path, monkeypatch, r50k):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = documents(2500)  # more than one 1024-document batch
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)), encoding="utf-8")
+    folder = prepare("openwebtext", data_dir=tmp_path / "data", input=str(jsonl), val_fraction=0.2)
+    train, val = expected_split(docs, r50k, period=5)
+    assert load_tokens(folder / "train.bin").tolist() == train and load_tokens(folder / "val.bin").tolist() == val
+
+    mirror = tmp_path / "mirror" / "fineweb_edu"
+    mirror.mkdir(parents=True)
+    pq.write_table(pa.table({"text": docs[:1500]}), mirror / "part-0.parquet")
+    pq.write_table(pa.table({"text": docs[1500:]}), mirror / "part-1.parquet")
+    monkeypatch.setenv("NANOFORMER_DATA_MIRROR", str(tmp_path / "mirror"))
+    folder = prepare("fineweb_edu", data_dir=tmp_path / "data", max_docs=30, val_fraction=0.1)
+    train, val = expected_split(docs[:30], r50k, period=10)
+    assert load_tokens(folder / "train.bin").tolist() == train and load_tokens(folder / "val.bin").tolist() == val
+
+    cap = len(r50k.encode_ordinary(docs[0])) + len(r50k.encode_ordinary(docs[1])) + 3  # reached inside document 2
+    folder = prepare("fineweb_edu", data_dir=tmp_path / "data", max_tokens=cap, val_fraction=0.5, force=True)
+    train, val = expected_split(docs[:3], r50k, period=2)
+    assert load_tokens(folder / "train.bin").tolist() == train and load_tokens(folder / "val.bin").tolist() == val
+
+    no_text = tmp_path / "no_text.jsonl"
+    no_text.write_text('{"body": "x"}\n')
+    with pytest.raises(ValueError, match="no 'text' column"):
+        prepare("openwebtext", data_dir=tmp_path / "data", input=str(no_text), force=True)
+    with pytest.raises(ValueError, match="parquet"):
+        prepare("openwebtext", data_dir=tmp_path / "data", input=str(small_corpus(tmp_path / "txt")), force=True)
+
+
+# ----------------------------------------------------------------------------- seq2seq
+
+
+UNITS = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen".split()
+TENS = {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80, "ninety": 90}
+SCALES = {"thousand": 1000, "million": 10**6, "billion": 10**9}
+
+
+def words_to_number(words: str) -> int:
+    """An independent reader of English number words, to check num2words targets against."""
+    total = current = 0
+    for word in words.split(" "):
+        if word == "hundred":
+            current *= 100
+        elif word in SCALES:
+            total, current = total + current * SCALES[word], 0
+        else:
+            current += sum(UNITS.index(part) if part in UNITS else TENS[part] for part in word.split("-"))
+    return total + current
+
+
+def test_solve_knows_the_answers():
+    assert solve("reverse", "abc123") == "321cba" and solve("sort", "b3a1") == "13ab"
+    known = {0: "zero", 7: "seven", 15: "fifteen", 20: "twenty", 40: "forty", 99: "ninety-nine", 100: "one hundred",
+             101: "one hundred one", 1234: "one thousand two hundred thirty-four", 20_000: "twenty thousand",
+             999_999: "nine hundred ninety-nine thousand nine hundred ninety-nine", 1_000_000: "one million"}
+    assert {n: solve("num2words", str(n)) for n in known} == known
+    for bad in ("12a", "-3", ""):
+        with pytest.raises(ValueError, match="num2words takes"):
+            solve("num2words", bad)
+    with pytest.raises(ValueError, match="reverse, sort, num2words"):
+        solve("rot13", "abc")
+
+
+@pytest.mark.parametrize("task", ["reverse", "sort", "num2words"])
+def test_synthetic_task_is_deterministic_disjoint_and_correct(tmp_path, task):
+    options = {"num_train": 400, "num_val": 40, "num_test": 40, "seed": 3}
+    folder = prepare(task, data_dir=tmp_path / "a", **options)
+    again = prepare(task, data_dir=tmp_path / "b", **options)
+    assert all((again / p.name).read_bytes() == p.read_bytes() for p in folder.glob("*_*"))
+    meta = load_meta(folder)
+    assert meta["kind"] == "seq2seq" and meta["task"] == task and meta["vocab_size"] == 41
+    assert meta["special_tokens"] == {"pad": 38, "bos": 39, "eos": 40}
+    tok = Tokenizer.from_meta(meta)
+    sources = {}
+    for split in ("train", "val", "test"):
+        pairs = load_pairs(folder, split)
+        assert len(pairs) == options[f"num_{split}"]
+        sources[split] = []
+        for src_ids, tgt_ids in pairs:
+            assert max(src_ids.max(), tgt_ids.max()) < 38  # no pad/bos/eos stored
+            src, tgt = tok.decode(src_ids), tok.decode(tgt_ids)
+            sources[split].append(src)
+            if task == "reverse":
+                assert 1 <= len(src) <= 12 and tgt == src[::-1]
+            elif task == "sort":
+                assert 1 <= len(src) <= 12 and tgt == "".join(sorted(src))
+            else:
+                assert src == str(int(src)) and int(src) <= 999_999 and words_to_number(tgt) == int(src)
+    assert sum(map(len, sources.values())) == len(set().union(*map(set, sources.values())))  # distinct, disjoint
+    reseeded = prepare(task, data_dir=tmp_path / "c", **options | {"seed": 4})
+    assert (reseeded / "train_src.bin").read_bytes() != (folder / "train_src.bin").read_bytes()
+    bigger = prepare(task, data_dir=tmp_path / "d", **options | {"num_train": 500})
+    assert (bigger / "test_src.bin").read_bytes() == (folder / "test_src.bin").read_bytes()  # held-out set is stable
+
+
+def test_synthetic_bad_options(tmp_path):
+    with pytest.raises(ValueError, match="distinct sources"):
+        prepare("reverse", data_dir=tmp_path, max_len=1, num_train=100)
+    with pytest.raises(ValueError, match="--min_len 5 is larger than --max_len 3"):
+        prepare("sort", data_dir=tmp_path, min_len=5, max_len=3)
+    with pytest.raises(ValueError, match="--num_val must be at least 1"):
+        prepare("num2words", data_dir=tmp_path, num_val=0)
+    with pytest.raises(ValueError, match="--seed must be int"):
+        prepare("num2words", data_dir=tmp_path, seed="abc")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_pairs_api(tmp_path, shakespeare_char_dir):
+    folder = prepare("reverse", data_dir=tmp_path, num_train=30, num_val=5, num_test=5)
+    pairs = load_pairs(folder, "val")
+    src, tgt = pairs[-1]
+    assert len(pairs) == 5 and isinstance(pairs.src, np.memmap) and src.dtype == np.uint16
+    np.testing.assert_array_equal(src[::-1], tgt)
+    assert [s.tolist() for s, _ in pairs] == [pairs[i][0].tolist() for i in range(5)]
+    with pytest.raises(IndexError):
+        pairs[5]
+    with pytest.raises(ValueError, match="unknown split"):
+        load_pairs(folder, "dev")
+    with pytest.raises(FileNotFoundError, match="seq2seq"):
+        load_pairs(shakespeare_char_dir, "train")
+
+
+PAIRS = [(f"The cat number {i} sleeps.", f"Le chat numéro {i} dort.") for i in range(300)] + [("Hello.", "Bonjour."), ("Hello.", "Salut.")]
+
+
+def test_translation_from_tsv_and_jsonl(tmp_path, monkeypatch, r50k):
+    tsv = tmp_path / "pairs.tsv"
+    tsv.write_text("".join(f"{s}\t{t}\n" for s, t in PAIRS) + "\n", encoding="utf-8")
+    folder = prepare("translation", data_dir=tmp_path / "data", input=str(tsv))
+    assert folder.name == "translation_en_fr"
+    meta = load_meta(folder)
+    assert meta["kind"] == "seq2seq" and meta["vocab_size"] == 50260
+    assert meta["special_tokens"] == {"pad": 50257, "bos": 50258, "eos": 50259}
+    decoded, split_of = [], {}
+    for split in ("train", "val", "test"):
+        pairs = load_pairs(folder, split)
+        assert len(pairs) > 0
+        for src_ids, tgt_ids in pairs:
+            src, tgt = r50k.decode(src_ids.tolist()), r50k.decode(tgt_ids.tolist())
+            decoded.append((src, tgt))
+            assert split_of.setdefault(src, split) == split  # a repeated source never straddles splits
+    assert Counter(decoded) == Counter(PAIRS)
+
+    variants = [{"src": s, "tgt": t} for s, t in PAIRS], [{"en": s, "fr": t} for s, t in PAIRS], [{"translation": {"en": s, "fr": t}} for s, t in PAIRS]
+    for i, rows in enumerate(variants):
+        jsonl = tmp_path / f"pairs{i}.jsonl"
+        jsonl.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+        other = prepare("translation", data_dir=tmp_path / "data", input=str(jsonl), name=f"jsonl{i}")
+        assert all((other / p.name).read_bytes() == p.read_bytes() for p in folder.glob("*_*"))
+
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    (mirror / "translation_en_fr.tsv").write_bytes(tsv.read_bytes())
+    monkeypatch.setenv("NANOFORMER_DATA_MIRROR", str(mirror))
+    offline_hub(monkeypatch)
+    from_mirror = prepare("translation", data_dir=tmp_path / "mirrored")
+    assert all((from_mirror / p.name).read_bytes() == p.read_bytes() for p in folder.glob("*_*"))
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("a.tsv", "one\tun\ntwo\tdeux\nthree trois\n", "a.tsv line 3: expected 'source<TAB>target', found 0 tabs"),
+    ("b.tsv", "one\tun\tuno\n", "b.tsv line 1: expected 'source<TAB>target', found 2 tabs"),
+    ("c.tsv", "one\tun\n\ntwo\t \n", "c.tsv line 3: empty source or target"),
+    ("d.jsonl", '{"src": "a", "tgt": "b"}\n{"src": "a", \n', "d.jsonl line 2: invalid JSON"),
+    ("e.jsonl", '{"source": "a", "target": "b"}\n', "e.jsonl line 1: expected an object with string 'src' and 'tgt'"),
+    ("f.csv", "one,un\n", "must be a .tsv"),
+])
+def test_translation_malformed_input_names_the_line(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(ValueError, match=message):
+        prepare("translation", data_dir=tmp_path / "data", input=str(path))
+    assert not (tmp_path / "data").exists() or list((tmp_path / "data").iterdir()) == []
+
+
+def test_translation_missing_input(tmp_path):
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        prepare("translation", data_dir=tmp_path, input=str(tmp_path / "missing.tsv"))
+
+
+def test_bpe_throughput_reports_a_rate_per_repeat():
+    rates = bpe_throughput("The quick brown fox.\nJumps over the lazy dog.\n" * 500, num_threads=2, repeats=3)
+    assert len(rates) == 3 and all(rate > 0 for rate in rates)
