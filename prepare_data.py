@@ -20,6 +20,7 @@ import array
 import codecs
 import contextlib
 import functools
+import glob
 import hashlib
 import http.client
 import itertools
@@ -93,7 +94,7 @@ def _one_line(err: BaseException) -> str:
 
 @contextlib.contextmanager
 def _atomic_output(path: Path):
-    """Yield a binary file beside `path` that replaces `path` only if the block succeeds."""
+    # Yield a binary file beside `path` that replaces `path` only if the block succeeds.
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
         with open(tmp, "xb") as f:
@@ -106,7 +107,7 @@ def _atomic_output(path: Path):
 
 
 class _TokenWriter:
-    """Appends token ids to an open file, then writes the header with the final count."""
+    # Appends token ids to an open file, then writes the header with the final count.
 
     def __init__(self, f, vocab_size: int):
         if not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
@@ -157,7 +158,7 @@ def write_tokens(path, tokens, vocab_size: int) -> int:
 
 
 def _read_header(path: Path) -> tuple[np.dtype, int, int]:
-    fix = "re-create it with prepare_data.py ... --force"
+    fix = "re-create the dataset with: python prepare_data.py NAME --force"
     with open(path, "rb") as f:
         raw = f.read(_HEADER.size)
         size = os.fstat(f.fileno()).st_size
@@ -192,7 +193,7 @@ def load_tokens(path) -> np.memmap:
 
 
 class _PairWriter:
-    """Streams (src, tgt) id pairs of one split into {split}_src.bin, {split}_tgt.bin, {split}_idx.npy."""
+    # Streams (src, tgt) id pairs of one split into {split}_src.bin, {split}_tgt.bin, {split}_idx.npy.
 
     def __init__(self, stack: contextlib.ExitStack, folder: Path, split: str, vocab_size: int):
         self.src = _TokenWriter(stack.enter_context(_atomic_output(folder / f"{split}_src.bin")), vocab_size)
@@ -363,7 +364,7 @@ def _describe(spec: dict) -> str:
 
 
 def _expand_input(spec: str) -> list[Path]:
-    """The files named by a path, a directory (recursively, hidden files left out) or a glob."""
+    # The files named by a path, a directory (recursively, hidden files left out) or a glob.
     path = Path(spec).expanduser()
     if path.is_file():
         return [path]
@@ -373,8 +374,6 @@ def _expand_input(spec: str) -> list[Path]:
             raise ValueError(f"input directory {spec} holds no files")
         return files
     if any(c in spec for c in "*?["):
-        import glob  # only globs need it
-
         files = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())
         if not files:
             raise FileNotFoundError(f"no files match the glob {spec!r}")
@@ -383,12 +382,12 @@ def _expand_input(spec: str) -> list[Path]:
 
 
 def _fingerprint(files: list[Path]) -> list:
-    """What identifies local inputs cheaply: path, size and modification time."""
+    # What identifies local inputs cheaply: path, size and modification time.
     return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 
 def _decoded_blocks(path: Path) -> Iterator[str]:
-    """The text of a UTF-8 file in blocks; undecodable or binary content raises naming the file."""
+    # The text of a UTF-8 file in blocks; undecodable or binary content raises naming the file.
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
     with open(path, "rb") as f:
@@ -409,7 +408,7 @@ def _decoded_blocks(path: Path) -> Iterator[str]:
 
 
 def _last_cut(text: str) -> int:
-    """The last index i > 0 with text[i] == '\\n' and text[i + 1] not whitespace, or 0."""
+    # The last index i > 0 with text[i] == '\n' and text[i + 1] not whitespace, or 0.
     i = text.rfind("\n", 0, len(text) - 1)
     while i > 0:
         if not text[i + 1].isspace():
@@ -419,12 +418,11 @@ def _last_cut(text: str) -> int:
 
 
 def _pieces(blocks: Iterable[str]) -> Iterator[str]:
-    """Regroup text blocks into pieces that BPE-encode exactly like the whole text.
-
-    GPT-2 pre-tokenization always makes a newline followed by a non-space character a
-    token of its own, and no token crosses it; cutting just before such a newline therefore
-    leaves the ids unchanged, so pieces can be encoded independently, in parallel.
-    """
+    # Regroup text blocks into pieces that BPE-encode exactly like the whole text.
+    #
+    # GPT-2 pre-tokenization always makes a newline followed by a non-space character a
+    # token of its own, and no token crosses it; cutting just before such a newline therefore
+    # leaves the ids unchanged, so pieces can be encoded independently, in parallel.
     carry = ""
     for block in blocks:
         text = carry + block
@@ -437,7 +435,7 @@ def _pieces(blocks: Iterable[str]) -> Iterator[str]:
 
 
 def _scan_text(files: list[Path]) -> tuple[int, set[str]]:
-    """Character count and character set of the files, validating that each is UTF-8 text."""
+    # Character count and character set of the files, validating that each is UTF-8 text.
     total, chars = 0, set()
     with tqdm(desc="scanning", unit="char", unit_scale=True, disable=None) as bar:
         for path in files:
@@ -449,10 +447,9 @@ def _scan_text(files: list[Path]) -> tuple[int, set[str]]:
 
 
 def _corpus_items(files: list[Path], split_at: int) -> Iterator[tuple[str, str | None]]:
-    """("train" | "val", text) pieces of the concatenated files, and (split, None) after each non-empty file.
-
-    The first `split_at` characters are train, the rest val, exactly as nanoGPT cuts.
-    """
+    # ("train" | "val", text) pieces of the concatenated files, and (split, None) after each non-empty file.
+    #
+    # The first `split_at` characters are train, the rest val, exactly as nanoGPT cuts.
     pos = 0
     for path in files:
         start = pos
@@ -488,7 +485,7 @@ def _sha256(path: Path) -> str:
 
 
 def _download(url: str, dest: Path, sha256: str, hint: str) -> None:
-    """Fetch `url` into `dest` atomically, refusing content whose sha256 differs."""
+    # Fetch `url` into `dest` atomically, refusing content whose sha256 differs.
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
         with urllib.request.urlopen(url, timeout=20) as response, _atomic_output(dest) as f:
@@ -503,7 +500,7 @@ def _download(url: str, dest: Path, sha256: str, hint: str) -> None:
 
 
 def _shakespeare_file(input_path: str | None, data_root: Path) -> Path:
-    """tiny Shakespeare from --input, else the mirror, else the download cache, else the web."""
+    # tiny Shakespeare from --input, else the mirror, else the download cache, else the web.
     if input_path:
         path = Path(input_path).expanduser()
         if not path.is_file():
@@ -525,7 +522,7 @@ def _shakespeare_file(input_path: str | None, data_root: Path) -> Path:
 
 
 def _load_local_dataset(files: list[Path]):
-    """A streaming `datasets` view of local parquet/json/jsonl/arrow files: the hub's code path, offline."""
+    # A streaming `datasets` view of local parquet/json/jsonl/arrow files: the hub's code path, offline.
     import datasets  # imported on use: it is slow to import and only these datasets need it
 
     builders = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".arrow": "arrow"}
@@ -559,7 +556,7 @@ def _mirror_entry(name: str) -> Path | None:
 
 
 def _write_lm(stage: Path, items: Iterable[tuple[str, Sequence[int]]], vocab_size: int) -> dict[str, int]:
-    """Stream (split, ids) items into train.bin and val.bin; both must end up non-empty."""
+    # Stream (split, ids) items into train.bin and val.bin; both must end up non-empty.
     with contextlib.ExitStack() as stack:
         writers = {s: _TokenWriter(stack.enter_context(_atomic_output(stage / f"{s}.bin")), vocab_size) for s in ("train", "val")}
         for split, ids in items:
@@ -571,7 +568,7 @@ def _write_lm(stage: Path, items: Iterable[tuple[str, Sequence[int]]], vocab_siz
 
 
 def _encode_items(items, tokenizer: Tokenizer, eot: int | None, num_threads: int, bar) -> Iterator[tuple[str, list[int]]]:
-    """(split, ids) for each (split, text) item in parallel batches; a (split, None) item becomes [eot]."""
+    # (split, ids) for each (split, text) item in parallel batches; a (split, None) item becomes [eot].
     for batch in _batched(items, _BATCH_PIECES):
         texts = [text for _, text in batch if text is not None]
         ids = iter(tokenizer.encode_batch(texts, num_threads))
@@ -584,7 +581,7 @@ def _encode_items(items, tokenizer: Tokenizer, eot: int | None, num_threads: int
 
 
 def _build_lm_text(stage, name, opts, files, check_tokenizer, *, tokenizer_type: str, eot_after_files: bool):
-    """train.bin/val.bin from text files: the first (1 - val_fraction) of the characters are train."""
+    # train.bin/val.bin from text files: the first (1 - val_fraction) of the characters are train.
     total, chars = _scan_text(files)
     if total == 0:
         raise ValueError(f"{opts['input'] or files[0]} holds no text; pass a non-empty --input")
@@ -619,11 +616,10 @@ def _build_text(stage, name, opts, files, check_tokenizer):
 
 
 def _encode_documents(dataset, tokenizer: Tokenizer, period: int, max_tokens: int | None, num_threads: int, bar):
-    """(split, ids) per batch of documents, each followed by end-of-text.
-
-    Every period-th document, the first included, is val: deterministic, streaming, and
-    never empty. Stops after the document that reaches max_tokens (kept whole).
-    """
+    # (split, ids) per batch of documents, each followed by end-of-text.
+    #
+    # Every period-th document, the first included, is val: deterministic, streaming, and
+    # never empty. Stops after the document that reaches max_tokens (kept whole).
     eot = tokenizer.special_tokens["eot"]
     seen = written = 0
     for batch in dataset.iter(batch_size=_BATCH_DOCS):
@@ -644,7 +640,7 @@ def _encode_documents(dataset, tokenizer: Tokenizer, period: int, max_tokens: in
 
 
 def _build_hf_lm(stage, name, opts, files, check_tokenizer):
-    """Documents streamed through `datasets` (hub or local files), GPT-2 BPE."""
+    # Documents streamed through `datasets` (hub or local files), GPT-2 BPE.
     spec = _gpt2_spec()
     check_tokenizer(spec)
     encoding = _tiktoken_encoding("gpt2")
@@ -665,7 +661,7 @@ def _build_hf_lm(stage, name, opts, files, check_tokenizer):
 
 
 def _json_pair(obj, src: str, tgt: str) -> tuple[str, str] | None:
-    """(source, target) from {"src", "tgt"}, {src_lang, tgt_lang} or {"translation": {...}}; None if absent."""
+    # (source, target) from {"src", "tgt"}, {src_lang, tgt_lang} or {"translation": {...}}; None if absent.
     if not isinstance(obj, dict):
         return None
     obj = obj.get("translation", obj)
@@ -676,7 +672,7 @@ def _json_pair(obj, src: str, tgt: str) -> tuple[str, str] | None:
 
 
 def _file_pairs(path: Path, src: str, tgt: str) -> Iterator[tuple[str, str]]:
-    """(source, target) texts of a TSV or JSONL file; a malformed line raises naming the line."""
+    # (source, target) texts of a TSV or JSONL file; a malformed line raises naming the line.
     jsonl = path.suffix.lower() == ".jsonl"
     try:
         with open(path, encoding="utf-8") as f:
@@ -723,7 +719,7 @@ def _pair_split(source: str, val_fraction: float, test_fraction: float) -> str:
 
 
 def _write_pairs(stage: Path, pairs: Iterable[tuple[list[int], list[int], str]], vocab_size: int) -> dict:
-    """Stream (src_ids, tgt_ids, split) into the seq2seq files; every split must end up non-empty."""
+    # Stream (src_ids, tgt_ids, split) into the seq2seq files; every split must end up non-empty.
     with contextlib.ExitStack() as stack:
         writers = {s: _PairWriter(stack, stage, s, vocab_size) for s in _SEQ2SEQ_SPLITS}
         for src_ids, tgt_ids, split in pairs:
@@ -733,6 +729,15 @@ def _write_pairs(stage: Path, pairs: Iterable[tuple[list[int], list[int], str]],
             raise ValueError(f"a split came out empty ({counts}); give more pairs or larger --val_fraction/--test_fraction")
     files = {f"{s}_{side}.bin": getattr(w, side).count for s, w in writers.items() for side in ("src", "tgt")}
     return {"files": files, "pairs": counts}
+
+
+def _encode_pairs(pairs, tokenizer: Tokenizer, val_fraction: float, test_fraction: float, num_threads: int, bar):
+    # (src_ids, tgt_ids, split) for each (source, target) text pair, encoded in parallel batches.
+    for batch in _batched(pairs, _BATCH_DOCS):
+        ids = tokenizer.encode_batch([s for s, _ in batch] + [t for _, t in batch], num_threads)
+        for (source, _), src_ids, tgt_ids in zip(batch, ids, ids[len(batch):]):
+            yield src_ids, tgt_ids, _pair_split(source, val_fraction, test_fraction)
+        bar.update(len(batch))
 
 
 def _build_translation(stage, name, opts, files, check_tokenizer):
@@ -747,18 +752,11 @@ def _build_translation(stage, name, opts, files, check_tokenizer):
         hint = f"pass --input PATH to a local .tsv/.jsonl of pairs, or set {MIRROR_ENV} to a folder holding {name}.tsv"
         pairs = _hub_pairs(opts, hint)
     pairs = itertools.islice(pairs, opts["max_pairs"])
-    num_threads = opts["num_proc"] or os.cpu_count()
-
-    def encoded():
-        with tqdm(desc=f"tokenizing {name}", unit="pair", unit_scale=True, disable=None) as bar:
-            for batch in _batched(pairs, _BATCH_DOCS):
-                ids = tokenizer.encode_batch([s for s, _ in batch] + [t for _, t in batch], num_threads)
-                for (source, _), src_ids, tgt_ids in zip(batch, ids, ids[len(batch):]):
-                    yield src_ids, tgt_ids, _pair_split(source, opts["val_fraction"], opts["test_fraction"])
-                bar.update(len(batch))
-
+    with tqdm(desc=f"tokenizing {name}", unit="pair", unit_scale=True, disable=None) as bar:
+        items = _encode_pairs(pairs, tokenizer, opts["val_fraction"], opts["test_fraction"], opts["num_proc"] or os.cpu_count(), bar)
+        written = _write_pairs(stage, items, tokenizer.vocab_size)
     return {"kind": "seq2seq", "tokenizer": spec, "vocab_size": tokenizer.vocab_size, "special_tokens": special,
-            "src_lang": opts["src"], "tgt_lang": opts["tgt"], **_write_pairs(stage, encoded(), tokenizer.vocab_size)}
+            "src_lang": opts["src"], "tgt_lang": opts["tgt"], **written}
 
 
 # ----------------------------------------------------------------------------- synthetic tasks
@@ -815,10 +813,9 @@ def _random_source(task: str, rng: random.Random, opts: dict) -> str:
 
 
 def _synthetic_splits(task: str, opts: dict) -> dict[str, list[str]]:
-    """Distinct random sources for test, val and train, drawn in that order from one seed.
-
-    Drawing the held-out splits first keeps them the same when only --num_train changes.
-    """
+    # Distinct random sources for test, val and train, drawn in that order from one seed.
+    #
+    # Drawing the held-out splits first keeps them the same when only --num_train changes.
     sizes = {"test": opts["num_test"], "val": opts["num_val"], "train": opts["num_train"]}
     total = sum(sizes.values())
     if task == "num2words":
@@ -1067,7 +1064,7 @@ def is_prepared(path) -> bool:
 
 
 def _existing_meta(folder: Path) -> dict | None:
-    """meta of the dataset already in `folder`, None if there is none; a foreign folder raises."""
+    # meta of the dataset already in `folder`, None if there is none; a foreign folder raises.
     if not folder.is_dir() or not any(folder.iterdir()):
         return None
     try:
@@ -1079,7 +1076,7 @@ def _existing_meta(folder: Path) -> dict | None:
 
 @contextlib.contextmanager
 def _staged_folder(folder: Path):
-    """Yield a hidden folder beside `folder` that replaces it only if the block succeeds."""
+    # Yield a hidden folder beside `folder` that replaces it only if the block succeeds.
     folder.parent.mkdir(parents=True, exist_ok=True)
     stage = folder.with_name(f".{folder.name}.partial-{secrets.token_hex(4)}")
     stage.mkdir()
