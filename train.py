@@ -1,0 +1,910 @@
+"""
+Train a GPT, a masked-LM encoder or an encoder-decoder: one loop, from a laptop CPU to many GPUs.
+
+    python train.py configs/shakespeare.py                          # device and dtype picked automatically
+    python train.py configs/shakespeare.py --max_iters=500 --device=cpu
+    torchrun --standalone --nproc_per_node=8 train.py configs/gpt2.py
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py configs/gpt2.py
+    python train.py --help                                          # every setting with its default and meaning
+
+One optimizer step sees batch_size * gradient_accumulation_steps sequences; the accumulation steps are
+shared out over the ranks, so a config means the same optimisation on one device or on eight.
+"""
+
+import ast
+import contextlib
+import difflib
+import inspect
+import io
+import json
+import math
+import os
+import random
+import signal
+import sys
+import textwrap
+import time
+import tokenize
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import prepare_data
+from model import GPT, IGNORE_INDEX, ModelConfig, build_model
+
+FORMAT_VERSION = 1  # of checkpoints; a checkpoint with a larger number needs newer code
+PRETRAINED = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+# ModelConfig fields a TrainConfig sets directly; the vocabulary and padding id come from the dataset
+MODEL_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name not in ("vocab_size", "pad_token_id"))
+
+
+class ConfigError(ValueError):
+    """A bad setting, config file, command line or input file; the message says what is wrong and how to fix it."""
+
+
+@dataclass
+class TrainConfig:
+    # input and output
+    out_dir: str = "out"  # checkpoints (ckpt.pt latest, best.pt best val), config.json and TensorBoard logs
+    eval_interval: int = 2000  # evaluate every this many iterations, and after the last one
+    log_interval: int = 1  # print a progress line every this many iterations
+    eval_iters: int = 200  # batches per split at each evaluation, shared out over the ranks
+    eval_only: bool = False  # evaluate once (e.g. init_from='resume' or 'gpt2') and exit
+    always_save_checkpoint: bool = True  # write ckpt.pt at every evaluation; False: only at the end (best.pt always tracks the best)
+    init_from: str = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl' or a local HF GPT-2 folder
+    tensorboard: bool = True  # write TensorBoard scalars into out_dir (tensorboard --logdir OUT_DIR)
+    wandb_log: bool = False  # also log to Weights & Biases (pip install wandb)
+    wandb_project: str = "nanoformer"  # W&B project
+    wandb_run_name: str = "run"  # W&B run name
+    # data
+    dataset: str = "openwebtext"  # a prepare_data.py dataset (prepared automatically when missing) or a prepared folder's name
+    data_dir: str | None = None  # root of the prepared datasets; None: $NANOFORMER_DATA_DIR, else data/ beside prepare_data.py
+    data_options: dict = field(default_factory=dict)  # prepare_data.py options, e.g. {'num_train': 50000} or {'input': 'pairs.tsv'}
+    gradient_accumulation_steps: int = 40  # micro-batches per optimizer step over all ranks; must divide by the number of ranks
+    batch_size: int = 12  # sequences per micro-batch per rank
+    block_size: int = 1024  # context length: tokens per LM sequence, longest source/target for seq2seq
+    # model (see ModelConfig in model.py)
+    arch: str = "gpt"  # 'gpt' (causal LM), 'encoder' (masked LM), 'encoder_decoder' (sequence to sequence)
+    n_layer: int = 12  # blocks (decoder blocks of an encoder-decoder)
+    n_encoder_layer: int | None = None  # encoder blocks of an encoder-decoder; None: n_layer
+    n_head: int = 12  # attention heads
+    n_embd: int = 768  # width of the residual stream
+    d_ff: int | None = None  # MLP hidden width; None: 4 * n_embd
+    dropout: float = 0.0  # 0 for pretraining, 0.1+ for fine-tuning and small data
+    bias: bool = False  # bias in Linears and LayerNorms; False is a bit better and faster
+    pos_encoding: str = "learned"  # 'learned', 'sinusoidal' or 'rope'
+    norm_position: str = "pre"  # 'pre' (GPT-2) or 'post' (2017 paper)
+    norm: str = "layernorm"  # 'layernorm' or 'rmsnorm'
+    activation: str = "gelu"  # 'gelu', 'gelu_tanh' or 'relu'
+    tie_embeddings: bool = True  # output projection shares the token embedding
+    share_embeddings: bool = False  # encoder_decoder: source and target share one embedding
+    norm_eps: float = 1e-5  # epsilon of the norms
+    rope_theta: float = 10000.0  # rotary base
+    # objective
+    mask_prob: float = 0.15  # encoder: fraction of tokens to predict; 80% shown as [MASK], 10% random, 10% unchanged
+    label_smoothing: float = 0.0  # 0.1 in the 2017 paper; evaluation losses are always plain cross-entropy
+    eval_accuracy_examples: int = 200  # encoder_decoder: val pairs decoded greedily for exact-match accuracy per eval; 0: none
+    # AdamW
+    learning_rate: float = 6e-4  # peak learning rate
+    max_iters: int = 600000  # optimizer steps in total
+    weight_decay: float = 1e-1  # on matrices and embeddings only
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping (the norm is logged either way)
+    # learning-rate schedule
+    decay_lr: bool = True  # False: constant learning_rate
+    lr_schedule: str = "cosine"  # 'cosine': warmup, cosine to min_lr at lr_decay_iters; 'noam': warmup, then 1/sqrt(step)
+    warmup_iters: int = 2000  # linear warmup steps
+    lr_decay_iters: int = 600000  # cosine reaches min_lr here (usually max_iters)
+    min_lr: float = 6e-5  # cosine floor, usually learning_rate / 10
+    # system
+    backend: str = "auto"  # DDP backend: 'auto' (nccl on CUDA, gloo otherwise), 'nccl' or 'gloo'
+    device: str = "auto"  # 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
+    dtype: str = "auto"  # 'auto' (bfloat16 on CUDA where supported, else float16; float32 elsewhere), 'float32', 'bfloat16', 'float16'
+    compile: bool | None = None  # torch.compile the model; None: on for CUDA only
+    seed: int = 1337  # seeds data sampling, initialisation and dropout (dropout differs per rank)
+    dist_timeout: int = 900  # seconds a rank waits for the others before the job fails instead of hanging
+
+    def __post_init__(self):
+        choices = {"dtype": ("auto", "float32", "bfloat16", "float16"), "lr_schedule": ("cosine", "noam"),
+                   "backend": ("auto", "nccl", "gloo")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        for name in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size", "dist_timeout"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_iters", "warmup_iters", "lr_decay_iters", "eval_accuracy_examples", "grad_clip", "weight_decay", "min_lr"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.learning_rate <= 0 or self.min_lr > self.learning_rate:
+            raise ConfigError(f"need 0 < min_lr <= learning_rate, got learning_rate={self.learning_rate}, min_lr={self.min_lr}")
+        if not 0 < self.mask_prob < 1 or not 0 <= self.label_smoothing < 1:
+            raise ConfigError("mask_prob must be in (0, 1) and label_smoothing in [0, 1)")
+        if self.lr_schedule == "noam" and self.warmup_iters < 1:
+            raise ConfigError("lr_schedule='noam' needs warmup_iters >= 1 (4000 in the paper)")
+        try:  # the model settings, checked now rather than after the data is prepared
+            self.model_config(vocab_size=1)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def model_config(self, vocab_size, pad_token_id=None):
+        """The ModelConfig these settings describe, for a vocabulary of vocab_size ids."""
+        return ModelConfig(**{k: getattr(self, k) for k in MODEL_KEYS}, vocab_size=vocab_size, pad_token_id=pad_token_id)
+
+
+# -----------------------------------------------------------------------------
+# Config files and command line
+
+
+def field_docs(cls):
+    """The comment after each field of dataclass cls, by field name: what --help prints."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
+    body = ast.parse(source).body[0].body
+    return {n.target.id: comments.get(n.end_lineno, "") for n in body if isinstance(n, ast.AnnAssign)}
+
+
+def format_help(cls):
+    docs = field_docs(cls)
+    lines = [f"usage: {Path(sys.argv[0]).name} [CONFIG.py ...] [--key=value | --key value ...]", "",
+             "Config files hold `key = value` lines of literals; later files and --key=value override earlier ones.", ""]
+    for f in fields(cls):
+        default = f.default if f.default_factory is MISSING else f.default_factory()
+        shown = f"--{f.name}={default if isinstance(default, str) else repr(default)}"
+        lines.append(f"  {shown:<34} {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def allowed_types(hint):
+    return typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+
+
+def coerce(value, hint, where):
+    """value as the field's type: an int is fine where a float is expected, a whole float where an int is."""
+    for kind in allowed_types(hint):
+        if kind is type(None) and value is None or kind in (bool, str, dict) and isinstance(value, kind):
+            return value
+        if isinstance(value, bool):  # True is an int to Python, never to a config
+            continue
+        if kind is float and isinstance(value, (int, float)):
+            return float(value)
+        if kind is int and (isinstance(value, int) or isinstance(value, float) and value.is_integer()):
+            return int(value)
+    expected = " or ".join("None" if k is type(None) else k.__name__ for k in allowed_types(hint))
+    raise ConfigError(f"{where} must be {expected}, got {value!r}")
+
+
+def parse_text(text, hint, key):
+    """A command-line value: text for str fields, true/false/1/0 for bools, else a Python literal."""
+    kinds = allowed_types(hint)
+    if text == "None" and type(None) in kinds:
+        return None
+    if str in kinds:
+        return text
+    if bool in kinds and text.lower() in ("true", "false", "1", "0"):
+        return text.lower() in ("true", "1")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text  # reported as the wrong type below
+    return coerce(value, hint, f"--{key}")
+
+
+def check_key(key, names, where):
+    if key not in names:
+        close = difflib.get_close_matches(key, names, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "--help lists every key"
+        raise ConfigError(f"{where}: unknown key '{key}'; {hint}")
+    return key
+
+
+def read_config_file(arg, names):
+    """The (key, value, line) assignments of a config file; found relative to the working directory or this file."""
+    path = Path(arg)
+    if not path.is_file() and not path.is_absolute() and (Path(__file__).resolve().parent / path).is_file():
+        path = Path(__file__).resolve().parent / path  # so configs/x.py works from any working directory
+    if not path.is_file():
+        raise ConfigError(f"config file {arg} not found (options are written --key=value)")
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (SyntaxError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not a valid config file ({getattr(e, 'msg', e)}, line {getattr(e, 'lineno', '?')})") from None
+    assignments = []
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            continue  # a docstring
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            raise ConfigError(f"{path} line {node.lineno}: only `key = value` assignments are allowed")
+        key = check_key(node.targets[0].id, names, f"{path} line {node.lineno}")
+        try:
+            value = ast.literal_eval(node.value)
+        except ValueError:
+            raise ConfigError(f"{path} line {node.lineno}: the value of {key} must be a literal "
+                              "(number, string, True/False, None, or a list/tuple/dict of those)") from None
+        assignments.append((key, value, f"{path} line {node.lineno}: {key}"))
+    return assignments
+
+
+def parse_config(cls, argv):
+    """
+    Build dataclass cls from argv: config files (`key = value` literals, read with ast, so no code runs) and
+    --key=value or --key value overrides, applied in order, each value typed by its field. --help prints every
+    key with its default and doc and exits. Raises ConfigError naming the bad file line, key or value.
+    """
+    hints = typing.get_type_hints(cls)
+    values, args = {}, list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in ("-h", "--help"):
+            print(format_help(cls))
+            raise SystemExit(0)
+        if not arg.startswith("--"):
+            for key, value, where in read_config_file(arg, list(hints)):
+                values[key] = coerce(value, hints[key], where)
+            continue
+        key, has_value, text = arg[2:].partition("=")  # only the first '=' splits, values may hold more
+        check_key(key, list(hints), "command line")
+        is_bool = bool in allowed_types(hints[key])
+        if not has_value:
+            if args and not args[0].startswith("--") and (not is_bool or args[0].lower() in ("true", "false", "1", "0")):
+                text = args.pop(0)
+            elif is_bool:
+                text = "true"  # a bare --flag
+            else:
+                raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
+        values[key] = parse_text(text, hints[key], key)
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+
+
+# -----------------------------------------------------------------------------
+# Devices and processes
+
+
+def log(message):
+    """Print on rank 0 only (torchrun sets RANK); flushed so piped logs stay current."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, flush=True)
+
+
+def resolve_device(name, local_rank):
+    """torch.device for 'auto' (cuda, mps, cpu in that order) or an explicit name; CUDA ranks get their own GPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device={name!r} is not a device; use auto, cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available() or device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device={name!r} is not available on this machine; use --device=cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    return device
+
+
+def resolve_dtype(name, device):
+    if name == "auto":
+        on_cuda = device.type == "cuda"
+        name = "float32" if not on_cuda else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if name == "float16" and device.type != "cuda":
+        raise ConfigError(f"dtype=float16 needs CUDA (its gradient scaler); on {device.type} use bfloat16 or float32")
+    if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("this GPU has no bfloat16; use --dtype=float16")
+    return getattr(torch, name)
+
+
+def autocast(device, dtype):
+    """Mixed precision for forward passes when dtype is not float32; a no-op otherwise."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def split_accumulation(steps, world_size):
+    """Micro-batches per rank: the global gradient_accumulation_steps shared out over the ranks."""
+    if steps % world_size:
+        raise ConfigError(f"gradient_accumulation_steps={steps} does not divide among {world_size} ranks; "
+                          f"make it a multiple of {world_size}")
+    return steps // world_size
+
+
+def all_reduce(values, device, world_size):
+    """Sum numbers and 0-d tensors over the ranks in one collective; returns a tensor on device."""
+    dtype = torch.float32 if device.type == "mps" else torch.float64  # float64 keeps token counts exact
+    tensor = torch.stack([torch.as_tensor(v, device=device).to(dtype) for v in values])
+    if world_size > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+class StopRequest:
+    """SIGINT/SIGTERM set a flag instead of killing: the loop finishes its step, saves and exits. A second signal acts as usual."""
+
+    def __enter__(self):
+        self.signal = None
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def handle(self, signum, frame):
+        self.signal = signal.Signals(signum).name
+        signal.signal(signum, self.previous[signum])
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+# -----------------------------------------------------------------------------
+# Data
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a batch is for each architecture, and the special ids that needs."""
+
+    arch: str
+    data_vocab: int  # ids the dataset holds; masked LM draws its random replacements from these
+    mask_id: int | None = None
+    mask_prob: float = 0.15
+    pad_id: int | None = None
+    bos_id: int | None = None
+    eos_id: int | None = None
+
+
+def find_dataset(name, data_dir, options, rank, local_rank, world_size):
+    """The prepared dataset's folder, preparing it first when missing (rank 0, then each node's first rank, then the rest)."""
+    folder = None
+    for my_turn in (rank == 0, rank != 0 and local_rank == 0, local_rank != 0):
+        if my_turn:
+            try:
+                folder = prepare_data.dataset_dir(name, data_dir)
+                if options or not prepare_data.is_prepared(folder):
+                    if name not in prepare_data.DATASETS:
+                        raise ConfigError(f"dataset={name!r} is neither prepared in {folder.parent} nor one of: "
+                                          f"{', '.join(prepare_data.DATASETS)}")
+                    log(f"preparing dataset {name} (once; it is kept in {folder.parent})")
+                    folder = prepare_data.prepare(name, data_dir, **options)
+            except (ValueError, OSError, prepare_data.DownloadError) as e:
+                raise ConfigError(f"dataset {name}: {e}") from None
+        if world_size > 1:  # the others wait until the files exist
+            dist.barrier()
+    return folder
+
+
+def make_objective(arch, meta, mask_prob):
+    """(Objective, model vocabulary size, meta to store in checkpoints) for arch on a dataset with this meta."""
+    kind = "seq2seq" if arch == "encoder_decoder" else "lm"
+    if meta["kind"] != kind:
+        raise ConfigError(f"arch={arch} needs a {kind} dataset but {meta.get('name')} is {meta['kind']}; "
+                          + ("use reverse, sort, num2words or translation" if kind == "seq2seq" else "use shakespeare_char, shakespeare, openwebtext, ..."))
+    vocab, special = meta["vocab_size"], meta["special_tokens"]
+    if arch == "encoder_decoder":
+        objective = Objective(arch, vocab, pad_id=special["pad"], bos_id=special["bos"], eos_id=special["eos"])
+    elif arch == "encoder" and "mask" not in special:
+        # a new id after the vocabulary, recorded so the checkpoint's tokenizer knows it
+        meta = {**meta, "vocab_size": vocab + 1, "special_tokens": {**special, "mask": vocab}}
+        objective = Objective(arch, vocab, mask_id=vocab, mask_prob=mask_prob)
+    else:
+        objective = Objective(arch, vocab, mask_id=special.get("mask"), mask_prob=mask_prob)
+    model_vocab = meta["vocab_size"]
+    if meta["tokenizer"]["type"] == "tiktoken":
+        model_vocab = -(-model_vocab // 64) * 64  # 50257 -> 50304: faster matmuls; the extra ids never occur in the data
+    return objective, model_vocab, meta
+
+
+def load_splits(folder, meta, block_size):
+    """train and val data: token memmaps (LM), or (Pairs, indices of the pairs that fit block_size) (seq2seq)."""
+    splits = {}
+    for split in ("train", "val"):
+        if meta["kind"] == "lm":
+            splits[split] = prepare_data.load_tokens(folder / f"{split}.bin")
+            if len(splits[split]) <= block_size:
+                raise ConfigError(f"{folder.name}'s {split} split has {len(splits[split]):,} tokens, too few for block_size={block_size}")
+            continue
+        pairs = prepare_data.load_pairs(folder, split)
+        lengths = np.diff(pairs.index, axis=0)  # (n, 2): source and target length of each pair
+        # the decoder reads bos + target and predicts target + eos: target + 1 positions
+        fits = np.flatnonzero((lengths[:, 0] <= block_size) & (lengths[:, 1] + 1 <= block_size))
+        if not len(fits):
+            raise ConfigError(f"no {split} pair of {folder.name} fits block_size={block_size}; raise block_size")
+        if len(fits) < len(pairs):
+            log(f"note: {len(pairs) - len(fits):,} of {len(pairs):,} {split} pairs are longer than block_size={block_size} and left out")
+        splits[split] = (pairs, fits)
+    return splits
+
+
+def windows(tokens, batch_size, length, generator):
+    """batch_size windows of `length` consecutive tokens at random offsets: (B, length) int64."""
+    starts = torch.randint(len(tokens) - length + 1, (batch_size,), generator=generator).tolist()
+    return torch.from_numpy(np.stack([tokens[s : s + length] for s in starts]).astype(np.int64))
+
+
+def mask_tokens(tokens, objective, generator):
+    """BERT's corruption of tokens (B, T): (inputs, targets), targets IGNORE_INDEX where nothing is to be predicted."""
+    chosen = torch.rand(tokens.shape, generator=generator) < objective.mask_prob
+    action = torch.rand(tokens.shape, generator=generator)  # < 0.8: [MASK], < 0.9: random token, else unchanged
+    random_tokens = torch.randint(objective.data_vocab, tokens.shape, generator=generator)
+    inputs = torch.where(chosen & (action < 0.8), objective.mask_id, tokens)
+    inputs = torch.where(chosen & (action >= 0.8) & (action < 0.9), random_tokens, inputs)
+    return inputs, torch.where(chosen, tokens, IGNORE_INDEX)
+
+
+def seq2seq_batch(pairs, rows, objective):
+    """
+    Pairs `rows` as (src (B, S), tgt_in (B, T), targets (B, T)): tgt_in = [bos] + target, targets = target + [eos],
+    right-padded with pad_id (IGNORE_INDEX in targets) to the longest of the batch.
+    """
+    examples = [pairs[int(i)] for i in rows]
+    S, T = max(len(s) for s, _ in examples), max(len(t) for _, t in examples) + 1
+    src = torch.full((len(examples), S), objective.pad_id)
+    tgt_in = torch.full((len(examples), T), objective.pad_id)
+    targets = torch.full((len(examples), T), IGNORE_INDEX)
+    for b, (s, t) in enumerate(examples):
+        s, t = torch.from_numpy(s.astype(np.int64)), torch.from_numpy(t.astype(np.int64))
+        src[b, : len(s)] = s
+        tgt_in[b, 0], tgt_in[b, 1 : len(t) + 1] = objective.bos_id, t
+        targets[b, : len(t)], targets[b, len(t)] = t, objective.eos_id
+    return src, tgt_in, targets
+
+
+def get_batch(data, objective, batch_size, block_size, generator):
+    """One micro-batch of a split drawn with generator: (model inputs tuple, targets), int64 CPU tensors."""
+    if objective.arch == "encoder_decoder":
+        pairs, usable = data
+        rows = usable[torch.randint(len(usable), (batch_size,), generator=generator).numpy()]
+        src, tgt_in, targets = seq2seq_batch(pairs, rows, objective)
+        return (src, tgt_in), targets
+    if objective.arch == "encoder":
+        inputs, targets = mask_tokens(windows(data, batch_size, block_size, generator), objective, generator)
+        return (inputs,), targets
+    tokens = windows(data, batch_size, block_size + 1, generator)
+    return (tokens[:, :-1],), tokens[:, 1:]
+
+
+def micro_seeds(generator, n):
+    """Seeds for the next n micro-batches: a micro-batch depends only on its seed, whichever rank draws it."""
+    return torch.randint(2**62, (n,), generator=generator).tolist()
+
+
+def count_targets(targets):
+    return int((targets != IGNORE_INDEX).sum())
+
+
+def count_tokens(inputs, objective):
+    """Input tokens of a batch, padding left out: what tokens/s counts."""
+    return sum(x.numel() if objective.pad_id is None else int((x != objective.pad_id).sum()) for x in inputs)
+
+
+def to_device(tensor, device):
+    # pinned host memory lets the copy overlap with GPU work
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
+
+
+# -----------------------------------------------------------------------------
+# Loss, learning rate, evaluation
+
+
+def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters, schedule="cosine"):
+    """
+    Learning rate of step it (0-based). 'cosine': linear warmup to learning_rate over warmup_iters steps, cosine
+    decay to min_lr at lr_decay_iters, min_lr after. 'noam' (the 2017 paper): the same warmup, then
+    learning_rate * sqrt(warmup_iters / step); the paper's d_model**-0.5 * warmup_iters**-0.5 is learning_rate here.
+    """
+    step = it + 1
+    if schedule == "noam":
+        return learning_rate * min(step / warmup_iters, math.sqrt(warmup_iters / step))
+    if step <= warmup_iters:
+        return learning_rate * step / warmup_iters
+    if it >= lr_decay_iters:
+        return min_lr
+    progress = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
+
+
+def loss_sum(logits, targets, label_smoothing=0.0):
+    """Cross-entropy summed over the real targets (IGNORE_INDEX left out), in float32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum", label_smoothing=label_smoothing)
+
+
+def accumulate_gradients(model, batches, n_targets, world_size, device, dtype, scaler, label_smoothing=0.0):
+    """
+    Forward and backward over this rank's micro-batches; returns their summed loss. Each summed loss is divided by
+    n_targets, the real targets of the whole step on all ranks, and multiplied by world_size to undo DDP's average:
+    the gradient is that of the mean over every target of the step, not a mean of per-micro-batch means.
+    """
+    total = torch.zeros((), device=device)
+    for i, (inputs, targets) in enumerate(batches):
+        # DDP all-reduces the gradients once, after the last micro-batch
+        sync = not isinstance(model, DDP) or i == len(batches) - 1
+        with contextlib.nullcontext() if sync else model.no_sync():
+            with autocast(device, dtype):
+                logits, _ = model(*(to_device(x, device) for x in inputs))
+            loss = loss_sum(logits, to_device(targets, device), label_smoothing)
+            scaler.scale(loss * (world_size / n_targets)).backward()
+        total += loss.detach()
+    return total
+
+
+@torch.no_grad()
+def evaluate(model, splits, objective, batch_size, block_size, eval_iters, seed, rank, world_size, device, dtype):
+    """
+    Mean cross-entropy per real target over eval_iters batches of each split, the batches shared out over the ranks
+    and the sums added over all of them. Fixed seeds: every evaluation sees the same batches.
+    """
+    model.eval()
+    losses = {}
+    for i, (split, data) in enumerate(splits.items()):
+        seeds = micro_seeds(torch.Generator().manual_seed(seed + 1 + i), eval_iters)[rank::world_size]
+        total, count = torch.zeros((), device=device), 0
+        for s in seeds:
+            inputs, targets = get_batch(data, objective, batch_size, block_size, torch.Generator().manual_seed(s))
+            with autocast(device, dtype):
+                logits, _ = model(*(to_device(x, device) for x in inputs))
+            total += loss_sum(logits, to_device(targets, device))
+            count += count_targets(targets)
+        total, count = all_reduce([total, count], device, world_size).tolist()
+        losses[split] = total / max(count, 1)
+    return losses
+
+
+@torch.no_grad()
+def exact_match(model, pairs, rows, objective, max_len, batch_size, rank, world_size, device, dtype):
+    """Fraction of the pairs `rows` whose greedy decoding equals the reference exactly, over all ranks."""
+    model.eval()
+    mine, correct = rows[rank::world_size], 0
+    for start in range(0, len(mine), batch_size):
+        src, _, targets = seq2seq_batch(pairs, mine[start : start + batch_size], objective)
+        with autocast(device, dtype):
+            out = model.generate(to_device(src, device), max_len, objective.bos_id, objective.eos_id).tolist()
+        for hyp, ref in zip(out, targets.tolist()):
+            ref = [t for t in ref if t != IGNORE_INDEX]  # the target and its eos: nothing may follow before eos
+            correct += hyp[: len(ref)] == ref
+    correct, total = all_reduce([correct, len(mine)], device, world_size).tolist()
+    return correct / max(total, 1)
+
+
+def compile_model(model, example, device, dtype):
+    """torch.compile(model), tried on one forward and backward pass; if that fails, the eager model and one warning."""
+    compiled = torch.compile(model)
+    try:
+        # the trial leaves every random generator as it was, so compiling does not change the run
+        with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []):
+            with autocast(device, dtype):
+                logits, _ = compiled(*(to_device(x, device) for x in example))
+            logits.float().mean().backward()
+    except Exception as e:  # a missing C compiler, an unsupported operator, ...: all mean eager mode
+        log(f"warning: torch.compile failed ({type(e).__name__}: {first_line(e)}); training without it")
+        compiled = model
+    model.zero_grad(set_to_none=True)
+    return compiled
+
+
+def first_line(error):
+    return (str(error).strip().splitlines() or [""])[0][:300]
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints
+
+
+def rng_state():
+    """Every random generator's state, as types torch.load(weights_only=True) accepts."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def weights_state(raw_model, cfg, meta, iter_num, best_val_loss):
+    """What best.pt holds: enough to rebuild the model and its tokenizer (the dataset's meta)."""
+    return {"format_version": FORMAT_VERSION, "model": raw_model.state_dict(), "model_config": asdict(raw_model.config),
+            "train_config": asdict(cfg), "meta": meta, "iter_num": iter_num, "best_val_loss": best_val_loss}
+
+
+def training_state(raw_model, cfg, meta, iter_num, best_val_loss, optimizer, scaler, generator, world_size):
+    """What ckpt.pt holds: weights_state plus all a resume needs. Call it on every rank: RNG states are gathered."""
+    rng = [rng_state()]
+    if world_size > 1:
+        rng = [None] * world_size
+        dist.all_gather_object(rng, rng_state())
+    return {**weights_state(raw_model, cfg, meta, iter_num, best_val_loss), "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(), "rng": rng, "sampler": {"generator": generator.get_state()}}
+
+
+def save_checkpoint(state, path):
+    """Write state to path atomically: a temporary file beside it, flushed to disk, then renamed over path."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json(obj, path):
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, map_location="cpu"):
+    """
+    A checkpoint written by train.py, loaded with weights_only=True so that it cannot run code.
+    A missing, corrupt or newer-format file raises ConfigError with a one-line message.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"no checkpoint at {path}; train one first, or point --out_dir at the run's folder")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # truncated archive, refused unpickling, ...: all mean the file cannot be used
+        raise ConfigError(f"{path} is not a readable checkpoint ({type(e).__name__}: {first_line(e)})") from None
+    version = ckpt.get("format_version") if isinstance(ckpt, dict) else None
+    if not isinstance(version, int):
+        raise ConfigError(f"{path} is not a nanoformer checkpoint (it has no format_version)")
+    if version > FORMAT_VERSION:
+        raise ConfigError(f"{path} has checkpoint format {version}, newer than this code's {FORMAT_VERSION}; update nanoformer")
+    return ckpt
+
+
+def model_from_checkpoint(ckpt):
+    """The model a loaded checkpoint describes, with its weights, in eval mode."""
+    model = build_model(ModelConfig.from_dict(ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    return model.eval()
+
+
+def pretrained_gpt2(name, arch, meta, dropout, block_size):
+    """GPT-2 weights (a hub name or a local Hugging Face folder) for fine-tuning on GPT-2 BPE data."""
+    if arch != "gpt" or meta["tokenizer"] != {"type": "tiktoken", "encoding": "gpt2"}:
+        raise ConfigError(f"init_from={name} needs arch='gpt' and a GPT-2 BPE dataset (e.g. dataset='shakespeare')")
+    try:
+        return GPT.from_pretrained(name, dropout=dropout, block_size=block_size)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"init_from={name}: {first_line(e)}") from None
+
+
+class Scalars:
+    """TensorBoard (and W&B) scalars; inert on ranks other than 0 and when both are off."""
+
+    def __init__(self, cfg, active):
+        self.tensorboard = self.wandb = None
+        if active and cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("tensorboard=True needs the tensorboard package: pip install tensorboard (or --tensorboard=false)") from None
+            self.tensorboard = SummaryWriter(cfg.out_dir)
+        if active and cfg.wandb_log:
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("wandb_log=True needs the wandb package: pip install wandb (or --wandb_log=false)") from None
+            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
+
+    def add(self, step, values):
+        if self.tensorboard:
+            for name, value in values.items():
+                self.tensorboard.add_scalar(name, value, step)
+        if self.wandb:
+            self.wandb.log(values, step=step)
+
+    def close(self):
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+# -----------------------------------------------------------------------------
+# The run
+
+
+def format_eta(seconds):
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def main(cfg):
+    """
+    Train (or, with eval_only, evaluate) as cfg says, in one process or under torchrun. Returns a summary:
+    {"losses": {iteration: train loss}, "evals": [{"iter", "train", "val"[, "accuracy"]}], "iter_num", "best_val_loss"}.
+    Raises ConfigError for bad settings or data and FloatingPointError for a non-finite loss.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(cfg.device, local_rank)
+    dtype = resolve_dtype(cfg.dtype, device)
+    accum = split_accumulation(cfg.gradient_accumulation_steps, world_size)
+    out_dir = Path(cfg.out_dir)
+    with contextlib.ExitStack() as stack:
+        if world_size > 1:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            backend = cfg.backend if cfg.backend != "auto" else "nccl" if device.type == "cuda" else "gloo"
+            # the timeout turns a dead or stuck rank into an error on the others instead of a hang
+            dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout))
+            stack.callback(dist.destroy_process_group)
+        torch.manual_seed(cfg.seed + rank)  # dropout differs per rank; DDP copies rank 0's initial weights
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+
+        folder = find_dataset(cfg.dataset, cfg.data_dir, cfg.data_options, rank, local_rank, world_size)
+        meta = prepare_data.load_meta(folder)
+        ckpt = load_checkpoint(out_dir / "ckpt.pt") if cfg.init_from == "resume" else None
+        if ckpt is not None:  # the checkpoint decides the model; say so if the settings given differ
+            changed = [f"{k}={ckpt['model_config'][k]!r}" for k in MODEL_KEYS if getattr(cfg, k) != ckpt["model_config"][k]]
+            if changed:
+                log(f"note: resuming with the checkpoint's model settings: {', '.join(changed)}")
+            cfg = replace(cfg, **{k: ckpt["model_config"][k] for k in MODEL_KEYS})
+        objective, vocab_size, meta_out = make_objective(cfg.arch, meta, cfg.mask_prob)
+        if ckpt is not None:
+            if ckpt["meta"]["tokenizer"] != meta["tokenizer"]:
+                raise ConfigError(f"{out_dir / 'ckpt.pt'} was trained on other data than dataset={cfg.dataset} (another tokenizer)")
+            raw_model, meta_out = model_from_checkpoint(ckpt).train(), ckpt["meta"]
+        elif cfg.init_from == "scratch":
+            raw_model = build_model(cfg.model_config(vocab_size, objective.pad_id))
+        else:
+            raw_model = pretrained_gpt2(cfg.init_from, cfg.arch, meta, cfg.dropout, cfg.block_size)
+            cfg = replace(cfg, **{k: getattr(raw_model.config, k) for k in MODEL_KEYS})
+        splits = load_splits(folder, meta, cfg.block_size)
+        raw_model.to(device)
+        optimizer, summary = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        generator = torch.Generator().manual_seed(cfg.seed)  # the training data stream: identical on every rank
+        start_iter, best_val_loss = 0, math.inf
+        if ckpt is not None:
+            optimizer.load_state_dict(ckpt["optimizer"])
+            if scaler.is_enabled() and ckpt["scaler"]:
+                scaler.load_state_dict(ckpt["scaler"])
+            generator.set_state(ckpt["sampler"]["generator"])
+            start_iter, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+        tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
+        log(f"{cfg.arch} on {folder.name}: {raw_model.num_params():,} parameters, vocab {vocab_size:,}, {device} {str(dtype)[6:]}, "
+            f"{world_size} rank(s); global batch {cfg.batch_size * cfg.gradient_accumulation_steps} sequences "
+            f"(~{tokens_per_step:,} tokens) = {cfg.batch_size} x {accum} micro-steps x {world_size} rank(s)")
+        log(summary)
+
+        model = raw_model
+        if cfg.compile or cfg.compile is None and device.type == "cuda":
+            example = get_batch(splits["train"], objective, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(0))[0]
+            model = compile_model(raw_model, example, device, dtype)
+        eval_model = model  # evaluation runs outside DDP: ranks may see different numbers of eval batches
+        if world_size > 1:
+            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+        if ckpt is not None:
+            rng = ckpt["rng"]
+            if len(rng) == world_size:
+                set_rng_state(rng[rank])
+            else:
+                log(f"note: the checkpoint has RNG states for {len(rng)} rank(s), not {world_size}: dropout restarts from seed")
+        is_writer = rank == 0 and not cfg.eval_only
+        scalars = Scalars(cfg, is_writer)
+        stack.callback(scalars.close)
+        if is_writer:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            write_json({"train_config": asdict(cfg), "model_config": asdict(raw_model.config), "meta": meta_out,
+                        "world_size": world_size}, out_dir / "config.json")
+        stop = stack.enter_context(StopRequest())
+
+        history = {"losses": {}, "evals": []}
+        iter_num, stopping = start_iter, False
+        window = [0.0, 0, 0]  # seconds, steps and tokens since the last progress line
+        while True:
+            last = iter_num >= cfg.max_iters or stopping
+            just_resumed = ckpt is not None and iter_num == start_iter  # nothing new to evaluate or save
+            if cfg.eval_only or not stopping and not just_resumed and (iter_num % cfg.eval_interval == 0 or last):
+                result = evaluate(eval_model, splits, objective, cfg.batch_size, cfg.block_size, cfg.eval_iters,
+                                  cfg.seed, rank, world_size, device, dtype)
+                if objective.arch == "encoder_decoder" and cfg.eval_accuracy_examples:
+                    pairs, usable = splits["val"]
+                    result["accuracy"] = exact_match(raw_model, pairs, usable[: cfg.eval_accuracy_examples], objective,
+                                                     cfg.block_size, cfg.batch_size, rank, world_size, device, dtype)
+                raw_model.train()
+                history["evals"].append({"iter": iter_num, **result})
+                scalars.add(iter_num, {f"eval/{k}": v for k, v in result.items()})
+                saved = []
+                if iter_num > start_iter and result["val"] < best_val_loss:
+                    best_val_loss = result["val"]
+                    if rank == 0:
+                        save_checkpoint(weights_state(raw_model, cfg, meta_out, iter_num, best_val_loss), out_dir / "best.pt")
+                    saved.append("best.pt")
+                if iter_num > start_iter and cfg.always_save_checkpoint and not last:
+                    state = training_state(raw_model, cfg, meta_out, iter_num, best_val_loss, optimizer, scaler, generator, world_size)
+                    if rank == 0:
+                        save_checkpoint(state, out_dir / "ckpt.pt")
+                    saved.append("ckpt.pt")
+                accuracy = f", exact match {result['accuracy']:.1%}" if "accuracy" in result else ""
+                log(f"eval {iter_num}: train loss {result['train']:.4f}, val loss {result['val']:.4f}{accuracy}"
+                    + (f" (saved {', '.join(saved)})" if saved else ""))
+                if cfg.eval_only:
+                    break
+            if last:
+                if iter_num > start_iter:
+                    state = training_state(raw_model, cfg, meta_out, iter_num, best_val_loss, optimizer, scaler, generator, world_size)
+                    if rank == 0:
+                        save_checkpoint(state, out_dir / "ckpt.pt")
+                    log(f"{'stopped by ' + (stop.signal or 'a signal') if stopping else 'done'} at iteration {iter_num}: "
+                        f"saved {out_dir / 'ckpt.pt'}" + (f"; resume with --init_from=resume" if stopping else ""))
+                break
+
+            start = time.perf_counter()
+            lr = get_lr(iter_num, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters, cfg.lr_schedule) if cfg.decay_lr else cfg.learning_rate
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            # every rank draws the seeds of all the step's micro-batches and builds its own share
+            seeds = micro_seeds(generator, cfg.gradient_accumulation_steps)[rank * accum : (rank + 1) * accum]
+            batches = [get_batch(splits["train"], objective, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(s)) for s in seeds]
+            n_targets, n_tokens = all_reduce([sum(count_targets(t) for _, t in batches),
+                                              sum(count_tokens(x, objective) for x, _ in batches)], device, world_size).tolist()
+            loss = accumulate_gradients(model, batches, max(n_targets, 1), world_size, device, dtype, scaler, cfg.label_smoothing)
+            loss, stop_votes = all_reduce([loss, stop.signal is not None], device, world_size).tolist()
+            loss /= max(n_targets, 1)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at iteration {iter_num + 1}; stopped before updating the weights, "
+                                         f"so the last checkpoint in {out_dir} is untouched. Lower learning_rate or raise warmup_iters")
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            iter_num, stopping = iter_num + 1, stop_votes > 0
+            history["losses"][iter_num] = loss
+
+            window = [window[0] + time.perf_counter() - start, window[1] + 1, window[2] + n_tokens]
+            if iter_num % cfg.log_interval == 0:
+                seconds, steps, tokens = window
+                values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm.item(), "perf/tokens_per_sec": tokens / seconds}
+                line = (f"iter {iter_num}/{cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | grad norm {values['train/grad_norm']:.3f} | "
+                        f"{1000 * seconds / steps:.1f} ms/iter | {tokens / seconds:,.0f} tok/s")
+                if device.type == "cuda":
+                    values["perf/mfu"] = raw_model.estimate_mfu(tokens / seconds / world_size, torch.cuda.get_device_name(device)) or 0.0
+                    line += f" | mfu {values['perf/mfu']:.1%}"
+                log(f"{line} | eta {format_eta((cfg.max_iters - iter_num) * seconds / steps)}")
+                scalars.add(iter_num, values)
+                window = [0.0, 0, 0]
+        return {**history, "iter_num": iter_num, "best_val_loss": best_val_loss}
+
+
+def cli(argv):
+    """The command line: returns the exit status. Errors print one line: 2 for bad settings or data, 1 for a diverged run."""
+    try:
+        main(parse_config(TrainConfig, argv))
+    except ConfigError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+    except FloatingPointError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # before training started; during training a signal stops the run cleanly
+        print("train.py: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))
