@@ -168,7 +168,9 @@ def _read_header(path: Path) -> tuple[np.dtype, int, int]:
     if magic != MAGIC:
         raise ValueError(f"{path} is not a nanoformer token file (bad magic {magic!r}); {fix}")
     if version > FORMAT_VERSION:
-        raise ValueError(f"{path} has format version {version}, newer than this code's {FORMAT_VERSION}; update nanoformer")
+        raise ValueError(
+            f"{path} has format version {version}, newer than this code's {FORMAT_VERSION}; update nanoformer"
+        )
     if itemsize not in _DTYPES or (itemsize == 2 and vocab_size > 2**16):
         raise ValueError(f"{path} has a corrupt header ({itemsize} bytes per token for vocab size {vocab_size}); {fix}")
     if size != _HEADER.size + count * itemsize:
@@ -250,10 +252,15 @@ def load_pairs(dataset_dir, split: str) -> Pairs:
     try:
         index = np.load(index_path, mmap_mode="r")
     except ValueError as err:
-        raise ValueError(f"{index_path} is not a valid index ({_one_line(err)}); re-create the dataset with --force") from None
+        raise ValueError(
+            f"{index_path} is not a valid index ({_one_line(err)}); re-create the dataset with --force"
+        ) from None
     if not (
-        index.ndim == 2 and index.shape[1] == 2 and len(index) >= 1
-        and tuple(index[0]) == (0, 0) and tuple(index[-1]) == (len(src), len(tgt))
+        index.ndim == 2
+        and index.shape[1] == 2
+        and len(index) >= 1
+        and tuple(index[0]) == (0, 0)
+        and tuple(index[-1]) == (len(src), len(tgt))
     ):
         raise ValueError(f"{index_path} does not match its token files; re-create the dataset with --force")
     return Pairs(src, tgt, index)
@@ -269,16 +276,22 @@ def _tiktoken_encoding(name: str) -> tiktoken.Encoding:
         return tiktoken.get_encoding(name)
     except Exception as err:  # tiktoken raises requests, blobfile or hash errors depending on what is missing
         if name != "gpt2":
-            raise DownloadError(f"could not load the tiktoken encoding {name!r} ({_one_line(err)}); "
-                                "set TIKTOKEN_CACHE_DIR to a folder holding its cached files") from None
+            raise DownloadError(
+                f"could not load the tiktoken encoding {name!r} ({_one_line(err)}); "
+                "set TIKTOKEN_CACHE_DIR to a folder holding its cached files"
+            ) from None
         gpt2_error = err
     try:
         encoding = tiktoken.get_encoding("r50k_base")
     except Exception as err:
-        raise DownloadError(f"could not load tiktoken 'gpt2' nor its twin 'r50k_base' from {R50K_URL} "
-                            f"({_one_line(err)}); set TIKTOKEN_CACHE_DIR to a tiktoken cache holding r50k_base") from None
-    _log.warning("tiktoken could not load 'gpt2' (%s, offline?); using 'r50k_base', which has the same token ids",
-                 type(gpt2_error).__name__)
+        raise DownloadError(
+            f"could not load tiktoken 'gpt2' nor its twin 'r50k_base' from {R50K_URL} "
+            f"({_one_line(err)}); set TIKTOKEN_CACHE_DIR to a tiktoken cache holding r50k_base"
+        ) from None
+    _log.warning(
+        "tiktoken could not load 'gpt2' (%s, offline?); using 'r50k_base', which has the same token ids",
+        type(gpt2_error).__name__,
+    )
     return encoding
 
 
@@ -301,7 +314,9 @@ class Tokenizer:
         else:
             raise ValueError(f"unknown tokenizer spec {spec!r}; expected type 'char' or 'tiktoken'")
         if vocab_size < base or any(not 0 <= i < vocab_size for i in special_tokens.values()):
-            raise ValueError(f"vocab_size {vocab_size} and special tokens {special_tokens} do not fit a base vocabulary of {base}")
+            raise ValueError(
+                f"vocab_size {vocab_size} and special tokens {special_tokens} do not fit a base vocabulary of {base}"
+            )
         self.spec, self.vocab_size, self.special_tokens = spec, vocab_size, dict(special_tokens)
         self._base = base
         self._markers = {i: f"<{name}>" for name, i in special_tokens.items() if i >= base}
@@ -369,7 +384,11 @@ def _expand_input(spec: str) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
         if not files:
             raise ValueError(f"input directory {spec} holds no files")
         return files
@@ -396,8 +415,10 @@ def _decoded_blocks(path: Path) -> Iterator[str]:
             try:
                 text = decoder.decode(raw, final=not raw)
             except UnicodeDecodeError as err:
-                raise ValueError(f"{path} is not UTF-8 text (undecodable byte near offset {offset + err.start}); "
-                                 "convert it to UTF-8 or leave it out of --input") from None
+                raise ValueError(
+                    f"{path} is not UTF-8 text (undecodable byte near offset {offset + err.start}); "
+                    "convert it to UTF-8 or leave it out of --input"
+                ) from None
             if "\x00" in text:
                 raise ValueError(f"{path} looks binary (it contains NUL bytes); leave it out of --input")
             if text:
@@ -461,7 +482,7 @@ def _corpus_items(files: list[Path], split_at: int) -> Iterator[tuple[str, str |
                 yield "val", piece
             else:
                 yield "train", piece[: split_at - pos]
-                yield "val", piece[split_at - pos:]
+                yield "val", piece[split_at - pos :]
             pos = end
         if pos > start:
             yield ("train" if pos <= split_at else "val"), None
@@ -512,8 +533,10 @@ def _shakespeare_file(input_path: str | None, data_root: Path) -> Path:
         for candidate in (Path(mirror) / "tinyshakespeare.txt", Path(mirror) / "tinyshakespeare" / "input.txt"):
             if candidate.is_file():
                 if _sha256(candidate) != SHAKESPEARE_SHA256:
-                    raise ValueError(f"{candidate} is not tiny Shakespeare (sha256 differs from {SHAKESPEARE_SHA256}); "
-                                     f"replace it, or {hint}")
+                    raise ValueError(
+                        f"{candidate} is not tiny Shakespeare (sha256 differs from {SHAKESPEARE_SHA256}); "
+                        f"replace it, or {hint}"
+                    )
                 return candidate
     cached = data_root / "downloads" / "tinyshakespeare.txt"
     if not (cached.is_file() and _sha256(cached) == SHAKESPEARE_SHA256):
@@ -528,8 +551,11 @@ def _load_local_dataset(files: list[Path]):
     builders = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".arrow": "arrow"}
     kinds = {builders.get(p.suffix.lower()) for p in files}
     if None in kinds or len(kinds) != 1:
-        raise ValueError(f"local dataset files must all be one of {', '.join(builders)}; got {', '.join(sorted({p.suffix or p.name for p in files}))} "
-                         "(for plain text use the 'text' dataset)")
+        found = ", ".join(sorted({p.suffix or p.name for p in files}))
+        raise ValueError(
+            f"local dataset files must all be one of {', '.join(builders)}, got {found} "
+            "(for plain text use the 'text' dataset)"
+        )
     return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in files], split="train", streaming=True)
 
 
@@ -540,7 +566,9 @@ def _load_hub_dataset(hf_dataset: str, hf_config: str | None, hint: str):
     try:
         return datasets.load_dataset(hf_dataset, name=hf_config, split="train", streaming=True)
     except Exception as err:  # connection, missing config or auth errors all mean: not loadable from here
-        raise DownloadError(f"could not load {hf_dataset} ({hf_config or 'default config'}) from {url} ({_one_line(err)}); {hint}") from None
+        raise DownloadError(
+            f"could not load {hf_dataset} ({hf_config or 'default config'}) from {url} ({_one_line(err)}); {hint}"
+        ) from None
 
 
 def _mirror_entry(name: str) -> Path | None:
@@ -558,7 +586,10 @@ def _mirror_entry(name: str) -> Path | None:
 def _write_lm(stage: Path, items: Iterable[tuple[str, Sequence[int]]], vocab_size: int) -> dict[str, int]:
     # Stream (split, ids) items into train.bin and val.bin; both must end up non-empty.
     with contextlib.ExitStack() as stack:
-        writers = {s: _TokenWriter(stack.enter_context(_atomic_output(stage / f"{s}.bin")), vocab_size) for s in ("train", "val")}
+        writers = {
+            s: _TokenWriter(stack.enter_context(_atomic_output(stage / f"{s}.bin")), vocab_size)
+            for s in ("train", "val")
+        }
         for split, ids in items:
             writers[split].write(ids)
         for split, writer in writers.items():
@@ -567,7 +598,9 @@ def _write_lm(stage: Path, items: Iterable[tuple[str, Sequence[int]]], vocab_siz
         return {f"{s}.bin": w.finish() for s, w in writers.items()}
 
 
-def _encode_items(items, tokenizer: Tokenizer, eot: int | None, num_threads: int, bar) -> Iterator[tuple[str, list[int]]]:
+def _encode_items(
+    items, tokenizer: Tokenizer, eot: int | None, num_threads: int, bar
+) -> Iterator[tuple[str, list[int]]]:
     # (split, ids) for each (split, text) item in parallel batches; a (split, None) item becomes [eot].
     for batch in _batched(items, _BATCH_PIECES):
         texts = [text for _, text in batch if text is not None]
@@ -612,7 +645,9 @@ def _build_shakespeare(stage, name, opts, files, check_tokenizer):
 
 
 def _build_text(stage, name, opts, files, check_tokenizer):
-    return _build_lm_text(stage, name, opts, files, check_tokenizer, tokenizer_type=opts["tokenizer"], eot_after_files=True)
+    return _build_lm_text(
+        stage, name, opts, files, check_tokenizer, tokenizer_type=opts["tokenizer"], eot_after_files=True
+    )
 
 
 def _encode_documents(dataset, tokenizer: Tokenizer, period: int, max_tokens: int | None, num_threads: int, bar):
@@ -654,10 +689,17 @@ def _build_hf_lm(stage, name, opts, files, check_tokenizer):
         dataset = dataset.take(opts["max_docs"])
     period = max(1, round(1 / opts["val_fraction"]))
     with tqdm(desc=f"tokenizing {name}", total=opts["max_docs"], unit="doc", unit_scale=True, disable=None) as bar:
-        items = _encode_documents(dataset, tokenizer, period, opts["max_tokens"], opts["num_proc"] or os.cpu_count(), bar)
+        items = _encode_documents(
+            dataset, tokenizer, period, opts["max_tokens"], opts["num_proc"] or os.cpu_count(), bar
+        )
         files_meta = _write_lm(stage, items, tokenizer.vocab_size)
-    return {"kind": "lm", "tokenizer": spec, "vocab_size": tokenizer.vocab_size,
-            "special_tokens": tokenizer.special_tokens, "files": files_meta}
+    return {
+        "kind": "lm",
+        "tokenizer": spec,
+        "vocab_size": tokenizer.vocab_size,
+        "special_tokens": tokenizer.special_tokens,
+        "files": files_meta,
+    }
 
 
 def _json_pair(obj, src: str, tgt: str) -> tuple[str, str] | None:
@@ -689,7 +731,9 @@ def _file_pairs(path: Path, src: str, tgt: str) -> Iterator[tuple[str, str]]:
                     except json.JSONDecodeError as err:
                         raise ValueError(f"{where}: invalid JSON ({err.msg})") from None
                     if pair is None:
-                        raise ValueError(f"{where}: expected an object with string 'src' and 'tgt' (or '{src}' and '{tgt}') keys")
+                        raise ValueError(
+                            f"{where}: expected an object with string 'src' and 'tgt' (or '{src}' and '{tgt}') keys"
+                        )
                 else:
                     pair = line.split("\t")
                     if len(pair) != 2:
@@ -707,7 +751,9 @@ def _hub_pairs(opts, hint) -> Iterator[tuple[str, str]]:
     for row in _load_hub_dataset(opts["hf_dataset"], config, hint):
         pair = _json_pair(row, src, tgt)
         if pair is None:
-            raise ValueError(f"{opts['hf_dataset']} rows have no {src!r}/{tgt!r} texts (keys: {', '.join(row)}); check --src/--tgt")
+            raise ValueError(
+                f"{opts['hf_dataset']} rows have no {src!r}/{tgt!r} texts (keys: {', '.join(row)}); check --src/--tgt"
+            )
         if pair[0].strip() and pair[1].strip():  # published corpora hold a few one-sided segments; skip them
             yield pair
 
@@ -726,7 +772,9 @@ def _write_pairs(stage: Path, pairs: Iterable[tuple[list[int], list[int], str]],
             writers[split].add(src_ids, tgt_ids)
         counts = {s: w.finish() for s, w in writers.items()}
         if not all(counts.values()):
-            raise ValueError(f"a split came out empty ({counts}); give more pairs or larger --val_fraction/--test_fraction")
+            raise ValueError(
+                f"a split came out empty ({counts}); give more pairs or larger --val_fraction/--test_fraction"
+            )
     files = {f"{s}_{side}.bin": getattr(w, side).count for s, w in writers.items() for side in ("src", "tgt")}
     return {"files": files, "pairs": counts}
 
@@ -735,7 +783,7 @@ def _encode_pairs(pairs, tokenizer: Tokenizer, val_fraction: float, test_fractio
     # (src_ids, tgt_ids, split) for each (source, target) text pair, encoded in parallel batches.
     for batch in _batched(pairs, _BATCH_DOCS):
         ids = tokenizer.encode_batch([s for s, _ in batch] + [t for _, t in batch], num_threads)
-        for (source, _), src_ids, tgt_ids in zip(batch, ids, ids[len(batch):]):
+        for (source, _), src_ids, tgt_ids in zip(batch, ids, ids[len(batch) :]):
             yield src_ids, tgt_ids, _pair_split(source, val_fraction, test_fraction)
         bar.update(len(batch))
 
@@ -749,20 +797,34 @@ def _build_translation(stage, name, opts, files, check_tokenizer):
     if files is not None:
         pairs = _file_pairs(files[0], opts["src"], opts["tgt"])
     else:
-        hint = f"pass --input PATH to a local .tsv/.jsonl of pairs, or set {MIRROR_ENV} to a folder holding {name}.tsv"
+        hint = (
+            f"pass --input PATH to a local .tsv/.jsonl of pairs, or set {MIRROR_ENV} to a folder holding "
+            f"{_folder_name(name, opts)}.tsv"
+        )
         pairs = _hub_pairs(opts, hint)
     pairs = itertools.islice(pairs, opts["max_pairs"])
     with tqdm(desc=f"tokenizing {name}", unit="pair", unit_scale=True, disable=None) as bar:
-        items = _encode_pairs(pairs, tokenizer, opts["val_fraction"], opts["test_fraction"], opts["num_proc"] or os.cpu_count(), bar)
+        items = _encode_pairs(
+            pairs, tokenizer, opts["val_fraction"], opts["test_fraction"], opts["num_proc"] or os.cpu_count(), bar
+        )
         written = _write_pairs(stage, items, tokenizer.vocab_size)
-    return {"kind": "seq2seq", "tokenizer": spec, "vocab_size": tokenizer.vocab_size, "special_tokens": special,
-            "src_lang": opts["src"], "tgt_lang": opts["tgt"], **written}
+    return {
+        "kind": "seq2seq",
+        "tokenizer": spec,
+        "vocab_size": tokenizer.vocab_size,
+        "special_tokens": special,
+        "src_lang": opts["src"],
+        "tgt_lang": opts["tgt"],
+        **written,
+    }
 
 
 # ----------------------------------------------------------------------------- synthetic tasks
 
-_ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
-         "sixteen seventeen eighteen nineteen").split()
+_ONES = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen"
+).split()
 _TENS = ("", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
 _SCALES = ("", " thousand", " million", " billion")
 _MAX_NUMBER = 1000 ** len(_SCALES) - 1
@@ -797,7 +859,9 @@ def solve(task: str, src_text: str) -> str:
         return "".join(sorted(src_text))
     if task == "num2words":
         if not (src_text.isascii() and src_text.isdigit()) or int(src_text) > _MAX_NUMBER:
-            raise ValueError(f"num2words takes a whole number from 0 to {_MAX_NUMBER:,} written in digits, got {src_text!r}")
+            raise ValueError(
+                f"num2words takes a whole number from 0 to {_MAX_NUMBER:,} written in digits, got {src_text!r}"
+            )
         return _number_words(int(src_text))
     raise ValueError(f"unknown synthetic task {task!r}; choose one of: reverse, sort, num2words")
 
@@ -828,15 +892,17 @@ def _synthetic_splits(task: str, opts: dict) -> dict[str, list[str]]:
         space = sum(len(_SYNTH_SYMBOLS) ** k for k in range(opts["min_len"], opts["max_len"] + 1))
         knob = "raise --max_len"
     if 2 * total > space:  # rejection sampling stays fast while at least half the space is free
-        raise ValueError(f"{task} has only {space:,} distinct sources with these settings, too few for {total:,} distinct "
-                         f"examples (at most half of them can be used); lower --num_train/--num_val/--num_test or {knob}")
+        raise ValueError(
+            f"{task} has only {space:,} distinct sources with these settings, too few for {total:,} distinct "
+            f"examples (at most half of them can be used); lower --num_train/--num_val/--num_test or {knob}"
+        )
     rng = random.Random(opts["seed"])
     seen: dict[str, None] = {}  # insertion-ordered set
     while len(seen) < total:
         seen.setdefault(_random_source(task, rng, opts))
     drawn, start, out = list(seen), 0, {}
     for split, n in sizes.items():
-        out[split], start = drawn[start:start + n], start + n
+        out[split], start = drawn[start : start + n], start + n
     return out
 
 
@@ -847,9 +913,19 @@ def _build_synthetic(stage, name, opts, files, check_tokenizer):
     special = {"pad": base, "bos": base + 1, "eos": base + 2}
     tokenizer = Tokenizer(spec, base + 3, special)
     splits = _synthetic_splits(name, opts)
-    pairs = ((tokenizer.encode(s), tokenizer.encode(solve(name, s)), split) for split, sources in splits.items() for s in sources)
-    return {"kind": "seq2seq", "task": name, "tokenizer": spec, "vocab_size": tokenizer.vocab_size, "special_tokens": special,
-            **_write_pairs(stage, pairs, tokenizer.vocab_size)}
+    pairs = (
+        (tokenizer.encode(s), tokenizer.encode(solve(name, s)), split)
+        for split, sources in splits.items()
+        for s in sources
+    )
+    return {
+        "kind": "seq2seq",
+        "task": name,
+        "tokenizer": spec,
+        "vocab_size": tokenizer.vocab_size,
+        "special_tokens": special,
+        **_write_pairs(stage, pairs, tokenizer.vocab_size),
+    }
 
 
 # ----------------------------------------------------------------------------- options and recipes
@@ -898,7 +974,18 @@ def _synthetic_options(task: str):
     return common + (_Option("min_len", int, 1, "shortest string"), _Option("max_len", int, 12, "longest string"))
 
 
-_POSITIVE = ("max_docs", "max_tokens", "max_pairs", "num_proc", "num_train", "num_val", "num_test", "min_len", "max_len", "max_number")
+_POSITIVE = (
+    "max_docs",
+    "max_tokens",
+    "max_pairs",
+    "num_proc",
+    "num_train",
+    "num_val",
+    "num_test",
+    "min_len",
+    "max_len",
+    "max_number",
+)
 _FRACTIONS = ("val_fraction", "test_fraction")
 
 
@@ -953,32 +1040,44 @@ def _synthetic_inputs(name, opts, data_root):
 
 
 _SHAKESPEARE_INPUT = _input(f"local copy of tinyshakespeare.txt (else ${MIRROR_ENV}, the download cache, the web)")
+_TEXT_OPTIONS = (
+    _input("UTF-8 text file, directory (recursive) or glob; required"),
+    _Option(
+        "tokenizer",
+        str,
+        "bpe",
+        "char: the corpus's characters; bpe: GPT-2 BPE with end-of-text after each file",
+        choices=("char", "bpe"),
+    ),
+    _Option("name", str, "text", "output folder name under data_dir", affects_output=False),
+    _Option("val_fraction", float, 0.1, "the last fraction of the characters is the val split"),
+    _num_proc(),
+)
+_TRANSLATION_OPTIONS = (
+    _input(
+        f"local .tsv (source<TAB>target) or .jsonl (src/tgt keys, or the language codes) instead of the hub; "
+        f"${MIRROR_ENV}/<folder>.tsv|.jsonl is used when present"
+    ),
+    _Option("hf_dataset", str, "opus_books", "Hugging Face dataset id (opus_books, wmt14, ...)"),
+    _Option("hf_config", str, None, "dataset config (default: SRC-TGT, e.g. en-fr)"),
+    _Option("src", str, "en", "source language code"),
+    _Option("tgt", str, "fr", "target language code"),
+    _Option("name", str, None, "output folder name (default: translation_SRC_TGT)", affects_output=False),
+    _Option("val_fraction", float, 0.05, "fraction of pairs held out for val (by a hash of the source)"),
+    _Option("test_fraction", float, 0.05, "fraction of pairs held out for test (by a hash of the source)"),
+    _Option("max_pairs", int, None, "use only the first this many pairs"),
+    _num_proc(),
+)
 _RECIPES = {
     "shakespeare_char": _Recipe((_SHAKESPEARE_INPUT,), _shakespeare_inputs, _build_shakespeare_char),
     "shakespeare": _Recipe((_SHAKESPEARE_INPUT,), _shakespeare_inputs, _build_shakespeare),
     "openwebtext": _Recipe(_hf_lm_options("Skylion007/openwebtext", None), _hf_lm_inputs, _build_hf_lm),
     "fineweb_edu": _Recipe(_hf_lm_options("HuggingFaceFW/fineweb-edu", "sample-10BT"), _hf_lm_inputs, _build_hf_lm),
-    "text": _Recipe((
-        _input("UTF-8 text file, directory (recursive) or glob; required"),
-        _Option("tokenizer", str, "bpe", "char: the corpus's characters; bpe: GPT-2 BPE with end-of-text after each file", choices=("char", "bpe")),
-        _Option("name", str, "text", "output folder name under data_dir", affects_output=False),
-        _Option("val_fraction", float, 0.1, "the last fraction of the characters is the val split"),
-        _num_proc(),
-    ), _text_inputs, _build_text),
-    "translation": _Recipe((
-        _input(f"local .tsv (source<TAB>target) or .jsonl (src/tgt keys, or the language codes) instead of the hub; "
-               f"${MIRROR_ENV}/<folder>.tsv|.jsonl is used when present"),
-        _Option("hf_dataset", str, "opus_books", "Hugging Face dataset id (opus_books, wmt14, ...)"),
-        _Option("hf_config", str, None, "dataset config (default: SRC-TGT, e.g. en-fr)"),
-        _Option("src", str, "en", "source language code"),
-        _Option("tgt", str, "fr", "target language code"),
-        _Option("name", str, None, "output folder name (default: translation_SRC_TGT)", affects_output=False),
-        _Option("val_fraction", float, 0.05, "fraction of pairs held out for val (by a hash of the source)"),
-        _Option("test_fraction", float, 0.05, "fraction of pairs held out for test (by a hash of the source)"),
-        _Option("max_pairs", int, None, "use only the first this many pairs"),
-        _num_proc(),
-    ), _translation_inputs, _build_translation),
-    **{task: _Recipe(_synthetic_options(task), _synthetic_inputs, _build_synthetic) for task in ("reverse", "sort", "num2words")},
+    "text": _Recipe(_TEXT_OPTIONS, _text_inputs, _build_text),
+    "translation": _Recipe(_TRANSLATION_OPTIONS, _translation_inputs, _build_translation),
+    "reverse": _Recipe(_synthetic_options("reverse"), _synthetic_inputs, _build_synthetic),
+    "sort": _Recipe(_synthetic_options("sort"), _synthetic_inputs, _build_synthetic),
+    "num2words": _Recipe(_synthetic_options("num2words"), _synthetic_inputs, _build_synthetic),
 }
 
 
@@ -1040,14 +1139,19 @@ def load_meta(dataset_dir) -> dict:
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path} not found; prepare the data first: python prepare_data.py {Path(dataset_dir).name}") from None
+        raise FileNotFoundError(
+            f"{path} not found; prepare the data first: python prepare_data.py {Path(dataset_dir).name}"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON ({_one_line(err)}); re-create the dataset with --force") from None
     required = ("format_version", "kind", "tokenizer", "vocab_size", "special_tokens", "files")
     if not isinstance(meta, dict) or any(key not in meta for key in required):
         raise ValueError(f"{path} lacks the keys {', '.join(required)}; re-create the dataset with --force")
     if meta["format_version"] > FORMAT_VERSION:
-        raise ValueError(f"{path} has format version {meta['format_version']}, newer than this code's {FORMAT_VERSION}; update nanoformer")
+        raise ValueError(
+            f"{path} has format version {meta['format_version']}, newer than this code's {FORMAT_VERSION}; "
+            "update nanoformer"
+        )
     return meta
 
 
@@ -1070,8 +1174,10 @@ def _existing_meta(folder: Path) -> dict | None:
     try:
         return load_meta(folder)
     except (FileNotFoundError, ValueError) as err:
-        raise ValueError(f"{folder} exists but is not a dataset this script can update ({_one_line(err)}); "
-                         "pass --force to replace it, or choose another --data_dir") from None
+        raise ValueError(
+            f"{folder} exists but is not a dataset this script can update ({_one_line(err)}); "
+            "pass --force to replace it, or choose another --data_dir"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -1109,20 +1215,33 @@ def prepare(name: str, /, data_dir=None, force: bool = False, **options) -> Path
     folder = dataset_dir(_folder_name(name, opts), data_root)
     files, fingerprint = recipe.inputs(name, opts, data_root)
     # everything the outputs depend on; JSON round trip so it compares equal to what meta.json holds
-    record = json.loads(json.dumps({"dataset": name, "inputs": fingerprint,
-                                    **{o.name: opts[o.name] for o in recipe.options if o.affects_output}}))
+    record = json.loads(
+        json.dumps(
+            {
+                "dataset": name,
+                "inputs": fingerprint,
+                **{o.name: opts[o.name] for o in recipe.options if o.affects_output},
+            }
+        )
+    )
     old = None if force else _existing_meta(folder)
     if old is not None and old.get("source") == record and is_prepared(folder):
         return folder
 
     def check_tokenizer(spec: dict) -> None:
         if old is not None and old["tokenizer"] != spec:
-            raise ValueError(f"{folder} holds data from a different tokenizer ({_describe(old['tokenizer'])}, now "
-                             f"{_describe(spec)}); pass --force to replace it, or choose another --name/--data_dir")
+            raise ValueError(
+                f"{folder} holds data from a different tokenizer ({_describe(old['tokenizer'])}, now "
+                f"{_describe(spec)}); pass --force to replace it, or choose another --name/--data_dir"
+            )
 
     with _staged_folder(folder) as stage:
-        meta = {"format_version": FORMAT_VERSION, "name": folder.name,
-                **recipe.build(stage, name, opts, files, check_tokenizer), "source": record}
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "name": folder.name,
+            **recipe.build(stage, name, opts, files, check_tokenizer),
+            "source": record,
+        }
         with _atomic_output(stage / "meta.json") as f:
             f.write(json.dumps(meta, indent=1, ensure_ascii=False).encode("utf-8"))
     return folder
@@ -1138,11 +1257,15 @@ def bpe_throughput(text: str, num_threads: int, repeats: int) -> list[float]:
     share of preparing a corpus, without reading or writing files.
     """
     encoding = _tiktoken_encoding("gpt2")
-    pieces = list(_pieces(text[i:i + _BLOCK_BYTES] for i in range(0, len(text), _BLOCK_BYTES)))
+    pieces = list(_pieces(text[i : i + _BLOCK_BYTES] for i in range(0, len(text), _BLOCK_BYTES)))
     rates = []
     for _ in range(repeats):
         start = time.perf_counter()
-        count = sum(len(ids) for batch in _batched(pieces, _BATCH_PIECES) for ids in encoding.encode_ordinary_batch(batch, num_threads=num_threads))
+        count = sum(
+            len(ids)
+            for batch in _batched(pieces, _BATCH_PIECES)
+            for ids in encoding.encode_ordinary_batch(batch, num_threads=num_threads)
+        )
         rates.append(count / (time.perf_counter() - start))
     return rates
 
@@ -1154,10 +1277,13 @@ def _run_benchmark(args) -> None:
     if not text:
         raise ValueError(f"{path} is empty; pass a non-empty --input")
     text *= max(1, round(args.size_mb * 1e6 / len(text)))  # repeated to a multi-megabyte corpus
-    print(f"GPT-2 BPE on {len(text) / 1e6:.1f} MB of text ({path.name}), {args.repeats} runs each, {os.cpu_count()} cores")
+    print(
+        f"GPT-2 BPE on {len(text) / 1e6:.1f} MB of text ({path.name}), {args.repeats} runs each, {os.cpu_count()} cores"
+    )
 
     def report(label: str, rates: list[float]) -> None:
-        print(f"  {label:<32} median {statistics.median(rates) / 1e6:6.2f}M tokens/s  (min {min(rates) / 1e6:.2f}M, max {max(rates) / 1e6:.2f}M)")
+        low, mid, high = min(rates) / 1e6, statistics.median(rates) / 1e6, max(rates) / 1e6
+        print(f"  {label:<32} median {mid:6.2f}M tokens/s  (min {low:.2f}M, max {high:.2f}M)")
 
     for threads in sorted({1, os.cpu_count()}):
         report(f"encode, {threads} thread{'s' if threads > 1 else ''}", bpe_throughput(text, threads, args.repeats))
@@ -1179,23 +1305,38 @@ def _run_benchmark(args) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="prepare_data.py", description="Prepare a dataset as token files under <data_dir>/<name>/.",
+        prog="prepare_data.py",
+        description="Prepare a dataset as token files under <data_dir>/<name>/.",
         epilog=f"Offline: --input PATH, ${MIRROR_ENV} (a local mirror folder), $TIKTOKEN_CACHE_DIR. "
-               f"Output root: --data_dir, else ${DATA_DIR_ENV}, else data/ beside this script.")
+        f"Output root: --data_dir, else ${DATA_DIR_ENV}, else data/ beside this script.",
+    )
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--data_dir", help=f"root of the dataset folders (default: ${DATA_DIR_ENV} or data/ beside this script)")
-    common.add_argument("--force", action="store_true", help="rebuild even if up to date, and replace data from another tokenizer")
+    common.add_argument(
+        "--data_dir", help=f"root of the dataset folders (default: ${DATA_DIR_ENV} or data/ beside this script)"
+    )
+    common.add_argument(
+        "--force", action="store_true", help="rebuild even if up to date, and replace data from another tokenizer"
+    )
     commands = parser.add_subparsers(dest="dataset", metavar="NAME", required=True)
     for name, description in DATASETS.items():
         sub = commands.add_parser(name, parents=[common], help=description, description=description)
         for option in _RECIPES[name].options:
             default = "" if option.default is None else f" (default: {option.default})"
-            sub.add_argument(f"--{option.name}", type=option.type, default=argparse.SUPPRESS,
-                             choices=option.choices or None, help=option.help + default)
-    bench = commands.add_parser("benchmark", help="measure BPE tokenization throughput, 1 thread vs all cores (not a dataset)")
+            sub.add_argument(
+                f"--{option.name}",
+                type=option.type,
+                default=argparse.SUPPRESS,
+                choices=option.choices or None,
+                help=option.help + default,
+            )
+    bench = commands.add_parser(
+        "benchmark", help="measure BPE tokenization throughput, 1 thread vs all cores (not a dataset)"
+    )
     bench.add_argument("--input", help="UTF-8 text to tokenize (default: tiny Shakespeare)")
     bench.add_argument("--repeats", type=int, default=5, help="measurements per setting (default: 5)")
-    bench.add_argument("--size_mb", type=float, default=10.0, help="repeat the text to about this many MB (default: 10)")
+    bench.add_argument(
+        "--size_mb", type=float, default=10.0, help="repeat the text to about this many MB (default: 10)"
+    )
     bench.add_argument("--data_dir", help="where tiny Shakespeare's download cache lives")
     return parser
 

@@ -15,8 +15,10 @@ def shakespeare_path() -> Path:
     """tinyshakespeare.txt from the offline mirror named by NANOFORMER_DATA_MIRROR."""
     mirror = os.environ.get("NANOFORMER_DATA_MIRROR")
     if not mirror:
-        pytest.fail("NANOFORMER_DATA_MIRROR is not set: export NANOFORMER_DATA_MIRROR=<folder holding "
-                    "tinyshakespeare.txt> (and TIKTOKEN_CACHE_DIR for BPE), as .ci/run does")
+        pytest.fail(
+            "NANOFORMER_DATA_MIRROR is not set: export NANOFORMER_DATA_MIRROR=<folder holding "
+            "tinyshakespeare.txt> (and TIKTOKEN_CACHE_DIR for BPE), as .ci/run does"
+        )
     path = Path(mirror) / "tinyshakespeare.txt"
     if not path.is_file():
         pytest.fail(f"{path} not found: NANOFORMER_DATA_MIRROR must name a folder holding tinyshakespeare.txt")

@@ -22,8 +22,18 @@ import tiktoken
 
 import prepare_data
 from prepare_data import (
-    DATASETS, DownloadError, Tokenizer, bpe_throughput, dataset_dir, is_prepared, load_meta, load_pairs,
-    load_tokens, prepare, solve, write_tokens,
+    DATASETS,
+    DownloadError,
+    Tokenizer,
+    bpe_throughput,
+    dataset_dir,
+    is_prepared,
+    load_meta,
+    load_pairs,
+    load_tokens,
+    prepare,
+    solve,
+    write_tokens,
 )
 
 EOT = 50256
@@ -94,12 +104,28 @@ def test_shakespeare_bpe_matches_tiktoken(tmp_path, text, r50k):
 def test_bpe_pieces_encode_like_the_whole_text(r50k):
     # whitespace next to newlines is where cutting text changes GPT-2 tokens
     rng = random.Random(0)
-    parts = ["hello", " world", "'s", "\n", "\n\n", " \n", "\r\n", "\t\n", "  ", "42", " é", "日本", "?!", "\n'll", "\n x"]
+    parts = [
+        "hello",
+        " world",
+        "'s",
+        "\n",
+        "\n\n",
+        " \n",
+        "\r\n",
+        "\t\n",
+        "  ",
+        "42",
+        " é",
+        "日本",
+        "?!",
+        "\n'll",
+        "\n x",
+    ]
     text = "".join(rng.choice(parts) for _ in range(20_000))
     blocks, i = [], 0
     while i < len(text):
         size = rng.randint(1, 400)
-        blocks.append(text[i:i + size])
+        blocks.append(text[i : i + size])
         i += size
     pieces = list(prepare_data._pieces(blocks))
     assert len(pieces) > 50 and "".join(pieces) == text
@@ -120,7 +146,11 @@ def test_gpt2_falls_back_to_r50k_once(monkeypatch, caplog):
         with caplog.at_level(logging.WARNING, logger="nanoformer.data"):
             first = Tokenizer({"type": "tiktoken", "encoding": "gpt2"}, 50257, {})
             second = Tokenizer({"type": "tiktoken", "encoding": "gpt2"}, 50257, {})
-        assert first.encode("Hello world") == second.encode("Hello world") == real("r50k_base").encode_ordinary("Hello world")
+        assert (
+            first.encode("Hello world")
+            == second.encode("Hello world")
+            == real("r50k_base").encode_ordinary("Hello world")
+        )
         assert [r.getMessage().count("r50k_base") for r in caplog.records] == [1]
 
         monkeypatch.setattr(tiktoken, "get_encoding", lambda name: offline("gpt2"))
@@ -155,12 +185,15 @@ def test_header_and_dtypes(tmp_path):
     assert leftovers(tmp_path) == []
 
 
-@pytest.mark.parametrize("tokens, vocab_size, message", [
-    ([70000], 65536, "outside the vocabulary"),
-    ([-1], 10, "outside the vocabulary"),
-    ([1.5], 10, "must be integers"),
-    ([1], 2**32 + 1, "too large"),
-])
+@pytest.mark.parametrize(
+    "tokens, vocab_size, message",
+    [
+        ([70000], 65536, "outside the vocabulary"),
+        ([-1], 10, "outside the vocabulary"),
+        ([1.5], 10, "must be integers"),
+        ([1], 2**32 + 1, "too large"),
+    ],
+)
 def test_write_tokens_refuses_ids_that_do_not_fit(tmp_path, tokens, vocab_size, message):
     with pytest.raises(ValueError, match=message):
         write_tokens(tmp_path / "x.bin", tokens, vocab_size)
@@ -267,7 +300,11 @@ def test_refuses_to_replace_a_foreign_folder(tmp_path):
 
 
 def test_text_directory_and_glob_bpe_with_end_of_text(tmp_path, r50k):
-    docs = {"a.txt": "First document.\nIt has two lines.\n", "sub/b.txt": "Second one, é and 日本.\n\n", "sub/c.txt": "Third.\r\nEnd"}
+    docs = {
+        "a.txt": "First document.\nIt has two lines.\n",
+        "sub/b.txt": "Second one, é and 日本.\n\n",
+        "sub/c.txt": "Third.\r\nEnd",
+    }
     for name, content in docs.items():
         (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "in" / name).write_bytes(content.encode("utf-8"))
@@ -281,8 +318,8 @@ def test_text_directory_and_glob_bpe_with_end_of_text(tmp_path, r50k):
     folder = prepare("text", data_dir=tmp_path / "data", input=str(tmp_path / "in"), tokenizer="char", name="chars")
     tok = Tokenizer.from_meta(load_meta(folder))
     whole = "".join(docs.values())
-    assert tok.decode(load_tokens(folder / "train.bin")) == whole[:int(len(whole) * 0.9)]
-    assert tok.decode(load_tokens(folder / "val.bin")) == whole[int(len(whole) * 0.9):]
+    assert tok.decode(load_tokens(folder / "train.bin")) == whole[: int(len(whole) * 0.9)]
+    assert tok.decode(load_tokens(folder / "val.bin")) == whole[int(len(whole) * 0.9) :]
 
 
 def test_text_char_vocabulary_beyond_uint16(tmp_path):
@@ -343,14 +380,22 @@ def test_help_lists_every_dataset(capsys):
 
 def test_cli_error_is_one_line_and_exit_2(tmp_path):
     script = Path(prepare_data.__file__)
-    result = subprocess.run([sys.executable, str(script), "text", "--input", str(tmp_path / "nope.txt"), "--data_dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(script), "text", "--input", str(tmp_path / "nope.txt"), "--data_dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
-    assert result.stderr.startswith("error: input") and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert (
+        result.stderr.startswith("error: input") and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    )
 
 
 def test_cli_prepares_and_reports(tmp_path, capsys):
-    prepare_data.main(["sort", "--data_dir", str(tmp_path), "--num_train", "50", "--num_val", "5", "--num_test", "5", "--force"])
+    prepare_data.main(
+        ["sort", "--data_dir", str(tmp_path), "--num_train", "50", "--num_val", "5", "--num_test", "5", "--force"]
+    )
     assert "train 50 pairs, val 5 pairs, test 5 pairs" in capsys.readouterr().out
     assert len(load_pairs(tmp_path / "sort", "train")) == 50
 
@@ -379,6 +424,7 @@ def test_shakespeare_download_cache_and_checksums(tmp_path, monkeypatch, shakesp
             if content is None:
                 raise urllib.error.URLError("Name or service not known")
             return io.BytesIO(content)
+
         return urlopen
 
     monkeypatch.setattr(urllib.request, "urlopen", serve(None))
@@ -419,17 +465,22 @@ def offline_hub(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
 
 
-@pytest.mark.parametrize("name, options, url", [
-    ("fineweb_edu", {}, "https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu"),
-    ("openwebtext", {"hf_dataset": "my/owt"}, "https://huggingface.co/datasets/my/owt"),
-    ("translation", {"src": "en", "tgt": "de"}, "https://huggingface.co/datasets/opus_books"),
-])
+@pytest.mark.parametrize(
+    "name, options, url",
+    [
+        ("fineweb_edu", {}, "https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu"),
+        ("openwebtext", {"hf_dataset": "my/owt"}, "https://huggingface.co/datasets/my/owt"),
+        ("translation", {"src": "en", "tgt": "de"}, "https://huggingface.co/datasets/opus_books"),
+    ],
+)
 def test_hub_failure_is_one_clear_error(tmp_path, monkeypatch, capsys, name, options, url):
     offline_hub(monkeypatch)
     monkeypatch.setenv("NANOFORMER_DATA_MIRROR", str(tmp_path / "empty_mirror"))
     with pytest.raises(DownloadError) as failed:
         prepare(name, data_dir=tmp_path, **options)
     assert url in str(failed.value) and "--input" in str(failed.value) and "NANOFORMER_DATA_MIRROR" in str(failed.value)
+    if name == "translation":
+        assert "translation_en_de.tsv" in str(failed.value)  # the mirror file it would have used
     with pytest.raises(SystemExit) as exit_info:
         prepare_data.main([name, "--data_dir", str(tmp_path)] + [f"--{k}={v}" for k, v in options.items()])
     err = capsys.readouterr().err
@@ -442,8 +493,11 @@ def test_hub_failure_is_one_clear_error(tmp_path, monkeypatch, capsys, name, opt
 
 def documents(n: int) -> list[str]:
     rng = random.Random(n)
-    return [f"Document {i}. " + " ".join(rng.choice(["alpha", "beta", "gamma", "δέλτα", "\n"]) for _ in range(rng.randint(1, 40)))
-            for i in range(n)]
+    return [
+        f"Document {i}. "
+        + " ".join(rng.choice(["alpha", "beta", "gamma", "δέλτα", "\n"]) for _ in range(rng.randint(1, 40)))
+        for i in range(n)
+    ]
 
 
 def expected_split(docs: list[str], r50k, period: int) -> tuple[list[int], list[int]]:
@@ -489,7 +543,10 @@ def test_datasets_path_offline_jsonl_parquet_and_mirror(tmp_path, monkeypatch, r
 # ----------------------------------------------------------------------------- seq2seq
 
 
-UNITS = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen".split()
+UNITS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen "
+    "eighteen nineteen"
+).split()
 TENS = {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80, "ninety": 90}
 SCALES = {"thousand": 1000, "million": 10**6, "billion": 10**9}
 
@@ -509,9 +566,20 @@ def words_to_number(words: str) -> int:
 
 def test_solve_knows_the_answers():
     assert solve("reverse", "abc123") == "321cba" and solve("sort", "b3a1") == "13ab"
-    known = {0: "zero", 7: "seven", 15: "fifteen", 20: "twenty", 40: "forty", 99: "ninety-nine", 100: "one hundred",
-             101: "one hundred one", 1234: "one thousand two hundred thirty-four", 20_000: "twenty thousand",
-             999_999: "nine hundred ninety-nine thousand nine hundred ninety-nine", 1_000_000: "one million"}
+    known = {
+        0: "zero",
+        7: "seven",
+        15: "fifteen",
+        20: "twenty",
+        40: "forty",
+        99: "ninety-nine",
+        100: "one hundred",
+        101: "one hundred one",
+        1234: "one thousand two hundred thirty-four",
+        20_000: "twenty thousand",
+        999_999: "nine hundred ninety-nine thousand nine hundred ninety-nine",
+        1_000_000: "one million",
+    }
     assert {n: solve("num2words", str(n)) for n in known} == known
     for bad in ("12a", "-3", ""):
         with pytest.raises(ValueError, match="num2words takes"):
@@ -579,7 +647,10 @@ def test_load_pairs_api(tmp_path, shakespeare_char_dir):
         load_pairs(shakespeare_char_dir, "train")
 
 
-PAIRS = [(f"The cat number {i} sleeps.", f"Le chat numéro {i} dort.") for i in range(300)] + [("Hello.", "Bonjour."), ("Hello.", "Salut.")]
+PAIRS = [(f"The cat number {i} sleeps.", f"Le chat numéro {i} dort.") for i in range(300)] + [
+    ("Hello.", "Bonjour."),
+    ("Hello.", "Salut."),
+]
 
 
 def test_translation_from_tsv_and_jsonl(tmp_path, monkeypatch, r50k):
@@ -600,7 +671,11 @@ def test_translation_from_tsv_and_jsonl(tmp_path, monkeypatch, r50k):
             assert split_of.setdefault(src, split) == split  # a repeated source never straddles splits
     assert Counter(decoded) == Counter(PAIRS)
 
-    variants = [{"src": s, "tgt": t} for s, t in PAIRS], [{"en": s, "fr": t} for s, t in PAIRS], [{"translation": {"en": s, "fr": t}} for s, t in PAIRS]
+    variants = (
+        [{"src": s, "tgt": t} for s, t in PAIRS],
+        [{"en": s, "fr": t} for s, t in PAIRS],
+        [{"translation": {"en": s, "fr": t}} for s, t in PAIRS],
+    )
     for i, rows in enumerate(variants):
         jsonl = tmp_path / f"pairs{i}.jsonl"
         jsonl.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
@@ -616,14 +691,21 @@ def test_translation_from_tsv_and_jsonl(tmp_path, monkeypatch, r50k):
     assert all((from_mirror / p.name).read_bytes() == p.read_bytes() for p in folder.glob("*_*"))
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("a.tsv", "one\tun\ntwo\tdeux\nthree trois\n", "a.tsv line 3: expected 'source<TAB>target', found 0 tabs"),
-    ("b.tsv", "one\tun\tuno\n", "b.tsv line 1: expected 'source<TAB>target', found 2 tabs"),
-    ("c.tsv", "one\tun\n\ntwo\t \n", "c.tsv line 3: empty source or target"),
-    ("d.jsonl", '{"src": "a", "tgt": "b"}\n{"src": "a", \n', "d.jsonl line 2: invalid JSON"),
-    ("e.jsonl", '{"source": "a", "target": "b"}\n', "e.jsonl line 1: expected an object with string 'src' and 'tgt'"),
-    ("f.csv", "one,un\n", "must be a .tsv"),
-])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("a.tsv", "one\tun\ntwo\tdeux\nthree trois\n", "a.tsv line 3: expected 'source<TAB>target', found 0 tabs"),
+        ("b.tsv", "one\tun\tuno\n", "b.tsv line 1: expected 'source<TAB>target', found 2 tabs"),
+        ("c.tsv", "one\tun\n\ntwo\t \n", "c.tsv line 3: empty source or target"),
+        ("d.jsonl", '{"src": "a", "tgt": "b"}\n{"src": "a", \n', "d.jsonl line 2: invalid JSON"),
+        (
+            "e.jsonl",
+            '{"source": "a", "target": "b"}\n',
+            "e.jsonl line 1: expected an object with string 'src' and 'tgt'",
+        ),
+        ("f.csv", "one,un\n", "must be a .tsv"),
+    ],
+)
 def test_translation_malformed_input_names_the_line(tmp_path, name, content, message):
     path = tmp_path / name
     path.write_text(content, encoding="utf-8")
