@@ -1200,12 +1200,12 @@ def _staged_folder(folder: Path):
 def prepare(name: str, /, data_dir=None, force: bool = False, **options) -> Path:
     """Prepare dataset `name` (a key of DATASETS) and return its folder.
 
-    `name` is positional-only, so the text/translation option `name=` (the output
-    folder) can be passed too. Options are those listed by `python prepare_data.py NAME
-    --help`, as keyword arguments. Outputs that are up to date (same inputs and options) are kept unless
-    force=True; an existing dataset with a different tokenizer is refused unless
-    force=True. Raises ValueError, FileNotFoundError or DownloadError with a one-line
-    message; nothing half-written is left behind.
+    Options are those of `python prepare_data.py NAME --help`, as keyword arguments;
+    `name` is positional-only, so the text/translation option `name=` (the output folder)
+    can be passed too. Outputs that are up to date (same inputs and options) are kept, and
+    an existing dataset from a different tokenizer is refused, unless force=True. Raises
+    ValueError, FileNotFoundError or DownloadError with a one-line message; nothing
+    half-written is left behind.
     """
     recipe = _RECIPES.get(name)
     if recipe is None:
@@ -1215,15 +1215,12 @@ def prepare(name: str, /, data_dir=None, force: bool = False, **options) -> Path
     folder = dataset_dir(_folder_name(name, opts), data_root)
     files, fingerprint = recipe.inputs(name, opts, data_root)
     # everything the outputs depend on; JSON round trip so it compares equal to what meta.json holds
-    record = json.loads(
-        json.dumps(
-            {
-                "dataset": name,
-                "inputs": fingerprint,
-                **{o.name: opts[o.name] for o in recipe.options if o.affects_output},
-            }
-        )
-    )
+    record = {
+        "dataset": name,
+        "inputs": fingerprint,
+        **{o.name: opts[o.name] for o in recipe.options if o.affects_output},
+    }
+    record = json.loads(json.dumps(record))
     old = None if force else _existing_meta(folder)
     if old is not None and old.get("source") == record and is_prepared(folder):
         return folder
@@ -1271,6 +1268,8 @@ def bpe_throughput(text: str, num_threads: int, repeats: int) -> list[float]:
 
 
 def _run_benchmark(args) -> None:
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     data_root = _data_root(args.data_dir)
     path = Path(args.input).expanduser() if args.input else _shakespeare_file(None, data_root)
     text = path.read_text(encoding="utf-8")
