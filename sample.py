@@ -1,0 +1,338 @@
+"""
+Generate from a checkpoint of train.py, or from GPT-2's weights, for every architecture:
+a GPT continues the prompt, an encoder-decoder translates it, an encoder fills in its [MASK]s.
+
+    python sample.py --out_dir=out-shakespeare --start "ROMEO:" --num_samples=3 --temperature=0.8
+    python sample.py --init_from=gpt2 --start "The meaning of life is" --top_p=0.9
+    python sample.py --out_dir=out-reverse --start "hello" --beam_size=4
+    python sample.py --help
+"""
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model import GPT, Stack, check_sampling_args
+from prepare_data import Tokenizer, solve
+from train import autocast, load_checkpoint, model_from_checkpoint, parse_config, resolve_device, resolve_dtype
+
+MASK = "[MASK]"  # what the encoder's prompt writes where a token is to be filled in
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# GPT-2's tokenizer as a dataset's meta.json would describe it: tiktoken's gpt2 encoding, 50256 = <|endoftext|>
+GPT2_META = {"kind": "lm", "tokenizer": {"type": "tiktoken", "encoding": "gpt2"}, "vocab_size": 50257, "special_tokens": {"eot": 50256}}
+
+
+@dataclass
+class SampleConfig:
+    init_from: str = "resume"  # "resume": the checkpoint in out_dir; else GPT-2 weights: a hub id (gpt2, gpt2-xl, ...) or a local directory
+    out_dir: str = "out-shakespeare"  # the folder train.py wrote its checkpoints to
+    checkpoint: str = "ckpt.pt"  # which file of out_dir: "ckpt.pt" (the latest) or "best.pt" (the lowest validation loss)
+    start: str = ""  # the prompt; "FILE:path" reads it from a file; "" starts from the end-of-text token (or a newline)
+    num_samples: int = 1  # GPT: continuations drawn, all in one batch
+    max_new_tokens: int = 500  # GPT: tokens added to each sample; encoder-decoder: the longest output (at most block_size)
+    temperature: float = 0.8  # GPT: divides the logits; below 1 sharper, above 1 flatter, 0 picks the likeliest token (greedy)
+    top_k: int | None = 200  # GPT: sample among the k likeliest tokens only; None: all of them
+    top_p: float | None = None  # GPT: sample among the fewest likeliest tokens that hold p of the probability (nucleus); None: all
+    stream: bool | None = None  # GPT: print tokens as they are generated; None: when printing one sample to a terminal
+    use_cache: bool = True  # GPT: keep the keys and values of earlier positions (KV cache); False recomputes them, same tokens
+    beam_size: int = 1  # encoder-decoder: 1 decodes greedily, more runs beam search with that many hypotheses
+    length_penalty: float = 0.6  # encoder-decoder beam search: a hypothesis scores log p / ((5 + length) / 6) ** length_penalty
+    candidates: int = 5  # encoder: the likeliest tokens listed for each [MASK]
+    attention: str = ""  # write the prompt's attention maps (one heat map per layer and head) to this PNG; needs matplotlib
+    seed: int = 1337  # seeds the sampling: the same seed and options give the same text
+    device: str = "auto"  # "cpu", "cuda", "cuda:1", "mps"; "auto": cuda, else mps, else cpu
+    dtype: str = "auto"  # "float32", "bfloat16" or "float16" (autocast); "auto": bfloat16 where the GPU supports it, float16 on other GPUs, float32 on cpu
+    compile: bool = False  # torch.compile the layers: a slow first step, faster ones after it
+
+    def __post_init__(self):
+        check_sampling_args(self.temperature, self.top_k, self.top_p)
+        for name in ("num_samples", "beam_size", "candidates"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.stream and self.num_samples > 1:
+            raise ValueError(f"stream=True prints one sample as it grows; set num_samples=1 (got {self.num_samples}) or stream=False")
+
+
+def load_model(cfg, device):
+    """(model in eval mode on device, its Tokenizer, the dataset meta) from out_dir's checkpoint or GPT-2's weights."""
+    if cfg.init_from == "resume":
+        path = Path(cfg.out_dir) / cfg.checkpoint
+        ckpt = load_checkpoint(path, map_location="cpu")
+        try:
+            model, meta = model_from_checkpoint(ckpt), ckpt["meta"]
+        except (KeyError, RuntimeError) as err:  # a missing entry, or weights that do not fit the config
+            raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
+    else:
+        model, meta = GPT.from_pretrained(cfg.init_from), GPT2_META
+    model.eval().to(device)
+    if cfg.compile:
+        # generation calls the layer stacks, not the model's forward, so those are what gets compiled
+        for module in model.modules():
+            if isinstance(module, Stack):
+                module.compile(dynamic=True)
+    return model, Tokenizer.from_meta(meta), meta
+
+
+def read_prompt(start):
+    """The prompt text: start itself, or the contents of the file that "FILE:path" names."""
+    if not start.startswith("FILE:"):
+        return start
+    path = Path(start.removeprefix("FILE:")).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"prompt file {path} not found") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"prompt file {path} is not UTF-8 text") from None
+
+
+def crop_prompt(ids, block_size):
+    """The last block_size ids of the prompt, with a notice on stderr when that drops some."""
+    if len(ids) <= block_size:
+        return ids
+    print(f"note: the prompt has {len(ids)} tokens, more than the model's block_size={block_size}; "
+          f"keeping its last {block_size}", file=sys.stderr)
+    return ids[-block_size:]
+
+
+def sample_gpt(model, prompt, cfg, stop_token, generator):
+    """
+    Continue prompt (a list of ids) cfg.num_samples times in one batch with cfg's sampling options.
+    Yields the (num_samples, 1) new tokens step by step; rows that reached stop_token keep repeating it.
+    """
+    device = next(model.parameters()).device
+    idx = torch.tensor([prompt] * cfg.num_samples, dtype=torch.long, device=device)
+    return model.generate_stream(
+        idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
+        stop_token=stop_token, generator=generator, use_cache=cfg.use_cache,
+    )
+
+
+def until_stop(ids, stop_token):
+    """ids up to (not including) the first stop_token."""
+    return ids[: ids.index(stop_token)] if stop_token in ids else ids
+
+
+def print_stream(steps, shown, tokenizer, stop_token, out):
+    """
+    Print one sample as its tokens arrive. shown: the prompt ids to print first.
+    The whole sequence is decoded each step and only the new text printed, and text ending in an
+    incomplete UTF-8 character (which BPE splits over several tokens) waits for the next token.
+    """
+    ids = list(shown)
+    printed = tokenizer.decode(ids)
+    print(printed, end="", file=out, flush=True)
+    for step in steps:
+        token = step[0, 0].item()
+        if token == stop_token:
+            break
+        ids.append(token)
+        text = tokenizer.decode(ids)
+        if not text.endswith("\ufffd"):
+            print(text[len(printed):], end="", file=out, flush=True)
+            printed = text
+    print(tokenizer.decode(ids)[len(printed):], file=out)
+
+
+def translate(model, src, cfg, meta):
+    """Output ids (without BOS and EOS) for the source ids src: greedy, or beam search when cfg.beam_size > 1."""
+    special = meta["special_tokens"]
+    device = next(model.parameters()).device
+    out = model.generate(
+        torch.tensor([src], dtype=torch.long, device=device), min(cfg.max_new_tokens, model.config.block_size),
+        special["bos"], special["eos"], beam_size=cfg.beam_size, length_penalty=cfg.length_penalty,
+    )
+    return until_stop(out[0].tolist(), special["eos"])
+
+
+def encode_masked(text, tokenizer, mask_id):
+    """(ids, positions of the masks) for text holding [MASK]s; each piece between them is encoded on its own."""
+    pieces = text.split(MASK)
+    if len(pieces) == 1:
+        raise ValueError(f'an encoder fills in masks: put {MASK} in --start, e.g. --start "To be or {MASK} to be"')
+    ids, positions = tokenizer.encode(pieces[0]), []
+    for piece in pieces[1:]:
+        positions.append(len(ids))
+        ids += [mask_id, *tokenizer.encode(piece)]
+    return ids, positions
+
+
+def fill_mask(model, ids, positions, k, exclude):
+    """
+    The k likeliest (token id, probability) pairs at each masked position of ids.
+    exclude: token ids never proposed (special tokens, and ids the tokenizer cannot decode).
+    """
+    idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    logits = model(idx)[0][0, positions].float()  # (masks, V)
+    logits[:, exclude] = float("-inf")
+    probs, tokens = logits.softmax(dim=-1).topk(k, dim=-1)
+    return [list(zip(t.tolist(), p.tolist())) for t, p in zip(tokens, probs)]
+
+
+def plot_attention(panels, path):
+    """
+    Save a grid of attention heat maps to path: one row per panel, one column per head.
+    panels: (title, weights (H, Tq, Tk), query labels, key labels) each; labels are shown when short enough.
+    """
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no window, no global figure state
+    except ImportError:
+        raise ImportError("--attention needs matplotlib: pip install matplotlib") from None
+    heads = max(w.size(0) for _, w, _, _ in panels)
+    fig = Figure(figsize=(2.4 * heads, 2.4 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), heads, squeeze=False)
+    for row, (title, weights, queries, keys) in zip(axes, panels):
+        for h, ax in enumerate(row):
+            if h >= weights.size(0):
+                ax.set_axis_off()
+                continue
+            ax.imshow(weights[h].float().cpu().numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
+            ax.set_title(f"{title}, head {h}", fontsize=8)
+            for set_ticks, set_labels, labels in ((ax.set_yticks, ax.set_yticklabels, queries), (ax.set_xticks, ax.set_xticklabels, keys)):
+                set_ticks(range(len(labels)) if len(labels) <= 32 else [])
+                if len(labels) <= 32:
+                    set_labels(labels, fontsize=5, rotation=90 if set_ticks == ax.set_xticks else 0)
+    fig.savefig(path, dpi=100)
+
+
+def token_labels(ids, tokenizer):
+    return [repr(tokenizer.decode([i]))[1:-1] for i in ids]
+
+
+def attention_panels(model, tokenizer, src, tgt=None):
+    """The panels plot_attention draws: every layer's self-attention over src, and for an encoder-decoder
+    the decoder's self-attention over tgt and its cross-attention from tgt to src."""
+    device = next(model.parameters()).device
+    src_t = torch.tensor([src], dtype=torch.long, device=device)
+    src_labels = token_labels(src, tokenizer)
+    if tgt is None:
+        maps = model.attention_maps(src_t)
+        return [(f"layer {i}", m["self"][0], src_labels, src_labels) for i, m in enumerate(maps)]
+    maps = model.attention_maps(src_t, torch.tensor([tgt], dtype=torch.long, device=device))
+    tgt_labels = token_labels(tgt, tokenizer)
+    panels = [(f"encoder {i}", m["self"][0], src_labels, src_labels) for i, m in enumerate(maps["encoder"])]
+    for i, m in enumerate(maps["decoder"]):
+        panels += [(f"decoder {i} self", m["self"][0], tgt_labels, tgt_labels), (f"decoder {i} cross", m["cross"][0], tgt_labels, src_labels)]
+    return panels
+
+
+def show_samples(model, tokenizer, meta, text, cfg, out):
+    """GPT: print cfg.num_samples continuations of text, streamed or all at the end. Returns the prompt ids."""
+    stop = meta["special_tokens"].get("eot")
+    if text:
+        prompt = crop_prompt(tokenizer.encode(text), model.config.block_size)
+    else:  # start where a document starts: after end-of-text, or for char-level data after a newline
+        prompt = [stop] if stop is not None else tokenizer.encode("\n")
+    shown = prompt if text else []
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(cfg.seed)
+    steps = sample_gpt(model, prompt, cfg, stop, generator)
+    stream = cfg.stream if cfg.stream is not None else cfg.num_samples == 1 and out.isatty()
+    if stream:
+        print_stream(steps, shown, tokenizer, stop, out)
+        return prompt
+    rows = [[] for _ in range(cfg.num_samples)]
+    for step in steps:
+        for row, token in zip(rows, step[:, 0].tolist()):
+            row.append(token)
+    for i, row in enumerate(rows):
+        if i:
+            print("-" * 15, file=out)
+        print(tokenizer.decode(shown + until_stop(row, stop)), file=out)
+    return prompt
+
+
+def show_translation(model, tokenizer, meta, text, cfg, out):
+    """Encoder-decoder: print the output for the source text, and for a synthetic task whether it is right.
+    Returns (source ids, decoder input ids) for the attention maps."""
+    src = tokenizer.encode(text)
+    block = model.config.block_size
+    if len(src) > block:  # cropping would change the question, so refuse
+        raise ValueError(f"the source has {len(src)} tokens, more than the model's block_size={block}")
+    output = translate(model, src, cfg, meta)
+    answer = tokenizer.decode(output)
+    print(answer, file=out)
+    if meta.get("task"):
+        expected = solve(meta["task"], text)
+        print("correct" if answer == expected else f"wrong: expected {expected!r}", file=out)
+    return src, [meta["special_tokens"]["bos"], *output][:block]
+
+
+def show_fills(model, tokenizer, meta, text, cfg, out):
+    """Encoder: print text with each [MASK] filled by its likeliest token, then the candidates per mask.
+    Returns the ids with the masks, for the attention maps."""
+    special = meta["special_tokens"]
+    ids, positions = encode_masked(text, tokenizer, special["mask"])
+    block = model.config.block_size
+    if len(ids) > block:
+        raise ValueError(f"the text has {len(ids)} tokens, more than the model's block_size={block}")
+    # special tokens, and the ids that pad the embedding beyond the tokenizer's vocabulary, are no answer
+    exclude = sorted({*special.values(), *range(tokenizer.vocab_size, model.config.vocab_size)})
+    k = min(cfg.candidates, model.config.vocab_size - len(exclude))
+    fills = fill_mask(model, ids, positions, k, exclude)
+    best = list(ids)
+    for position, candidates in zip(positions, fills):
+        best[position] = candidates[0][0]
+    print(tokenizer.decode(best), file=out)
+    for n, candidates in enumerate(fills, 1):
+        print(f"{MASK} {n}: " + "  ".join(f"{tokenizer.decode([t])!r} {p:.3f}" for t, p in candidates), file=out)
+    return ids
+
+
+def run(cfg, out):
+    """Load the model, generate as cfg says and print to out; write the attention maps if asked."""
+    device = resolve_device(cfg.device, 0)
+    dtype = resolve_dtype(cfg.dtype, device)
+    text = read_prompt(cfg.start)
+    model, tokenizer, meta = load_model(cfg, device)
+    with torch.no_grad(), autocast(device, dtype):
+        if model.config.arch == "gpt":
+            inputs = (show_samples(model, tokenizer, meta, text, cfg, out),)
+        elif model.config.arch == "encoder_decoder":
+            inputs = show_translation(model, tokenizer, meta, text, cfg, out)
+        else:
+            inputs = (show_fills(model, tokenizer, meta, text, cfg, out),)
+        if cfg.attention:
+            plot_attention(attention_panels(model, tokenizer, *inputs), cfg.attention)
+            print(f"attention maps written to {cfg.attention}", file=sys.stderr)
+
+
+def sampling_speed(model, prompt, num_samples, max_new_tokens, use_cache, batched, repeats):
+    """
+    Tokens generated per second, one measurement per repeat: num_samples continuations of prompt (a list of ids)
+    by max_new_tokens tokens each (no early stop), either in one batch or one sample after another.
+    """
+    device = next(model.parameters()).device
+    batches = [num_samples] if batched else [1] * num_samples
+    rates = []
+    for repeat in range(repeats):
+        generator = torch.Generator(device).manual_seed(repeat)
+        begin = time.perf_counter()
+        for size in batches:
+            idx = torch.tensor([prompt] * size, dtype=torch.long, device=device)
+            model.generate(idx, max_new_tokens, generator=generator, use_cache=use_cache)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rates.append(num_samples * max_new_tokens / (time.perf_counter() - begin))
+    return rates
+
+
+def main(argv=None):
+    """Command-line entry point: returns the exit code, 2 with a one-line message for bad input."""
+    try:
+        cfg = parse_config(SampleConfig, sys.argv[1:] if argv is None else argv)
+        run(cfg, sys.stdout)
+    except (ValueError, OSError, ImportError) as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
