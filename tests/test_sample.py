@@ -1,0 +1,497 @@
+"""sample.py end to end: the command line on tiny checkpoints, checked against references computed here."""
+
+import ast
+import io
+import itertools
+import math
+import re
+import subprocess
+import sys
+from contextlib import contextmanager
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import pytest
+import torch
+
+import prepare_data
+import sample
+import train
+from model import ModelConfig, build_model
+
+SEPARATOR = "\n" + "-" * 15 + "\n"  # what sample.py prints between samples
+TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
+
+
+@contextmanager
+def one_thread():
+    # Tiny models spend their time in per-op overhead, which a second thread only adds to; on cores shared with
+    # other jobs, two spinning threads per op made these tests over ten times slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_threaded():
+    with one_thread():
+        yield
+
+
+def train_tiny(out_dir, data_dir, dataset, arch, **overrides):
+    """A few optimizer steps of train.py on a 2-layer, 32-wide model: a real checkpoint, quickly."""
+    cfg = train.TrainConfig(
+        out_dir=str(out_dir), data_dir=str(data_dir), dataset=dataset, arch=arch, **TINY, batch_size=4,
+        gradient_accumulation_steps=1, max_iters=20, eval_interval=20, eval_iters=1, log_interval=100, learning_rate=1e-2,
+        min_lr=1e-3, warmup_iters=0, lr_decay_iters=20, device="cpu", tensorboard=False, compile=False, **overrides,
+    )
+    with one_thread():  # session fixtures are set up before the module's single_threaded
+        train.main(cfg)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def gpt_dir(shakespeare_char_dir, tmp_path_factory):
+    return train_tiny(tmp_path_factory.mktemp("gpt"), shakespeare_char_dir.parent, "shakespeare_char", "gpt")
+
+
+@pytest.fixture(scope="session")
+def encoder_dir(shakespeare_char_dir, tmp_path_factory):
+    return train_tiny(tmp_path_factory.mktemp("encoder"), shakespeare_char_dir.parent, "shakespeare_char", "encoder")
+
+
+@pytest.fixture(scope="session")
+def reverse_dir(tmp_path_factory):
+    """The synthetic 'reverse' task, small: its meta (character vocabulary, pad/bos/eos) is what matters here."""
+    return prepare_data.prepare("reverse", data_dir=tmp_path_factory.mktemp("data"), num_train=300, num_val=20, num_test=20)
+
+
+@pytest.fixture(scope="session")
+def seq2seq_dir(reverse_dir, tmp_path_factory):
+    return train_tiny(tmp_path_factory.mktemp("seq2seq"), reverse_dir.parent, "reverse", "encoder_decoder",
+                      eval_accuracy_examples=0)
+
+
+def load(out_dir):
+    ckpt = train.load_checkpoint(Path(out_dir) / "ckpt.pt")
+    return train.model_from_checkpoint(ckpt), prepare_data.Tokenizer.from_meta(ckpt["meta"]), ckpt["meta"]
+
+
+def cli(capsys, *args):
+    """Run sample.py's main in this process: (exit code, stdout, stderr)."""
+    code = sample.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def samples(out):
+    return out.removesuffix("\n").split(SEPARATOR)
+
+
+# -----------------------------------------------------------------------------
+# Table-driven models: the next-token distribution depends only on the previous token
+
+
+def bigram_model(arch, vocab_size, table):
+    """
+    A real GPT or encoder-decoder whose next-token probabilities are table[previous token] (rows not in the table
+    are uniform): one-hot token embeddings, every attention and MLP branch zeroed, and an output matrix that
+    undoes the final LayerNorm. A row {token: p} gives p to those tokens and 1e-6 to the others, renormalised.
+    """
+    C = vocab_size + 1  # one spare channel keeps the columns of the output matrix summing to zero
+    config = ModelConfig(arch=arch, vocab_size=vocab_size, block_size=32, n_layer=1, n_head=1, n_embd=C, bias=False,
+                         tie_embeddings=False, norm_eps=1e-12)
+    model = build_model(config).eval()
+    sigma = math.sqrt((1 - 1 / C) / C)  # the standard deviation of a one-hot vector of C channels
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.zero_()
+        for stack in (model.body,) if arch == "gpt" else (model.encoder, model.decoder):
+            stack.wte.weight[:, :vocab_size] = torch.eye(vocab_size)
+        # LayerNorm turns one-hot e_i into (e_i - 1/C) / sigma; with zero-sum rows, W (e_i - 1/C) / sigma = W[:, i] / sigma
+        for prev in range(vocab_size):
+            probs = torch.full((vocab_size,), 1e-6)
+            for token, p in table.get(prev, {}).items():
+                probs[token] = p
+            model.lm_head.weight[:, prev] = sigma * (probs / probs.sum()).log()
+        model.lm_head.weight[:, -1] = -model.lm_head.weight[:, :-1].sum(dim=1)
+    return model
+
+
+def save_checkpoint(out_dir, model, meta):
+    """model in train.py's checkpoint layout, as far as sample.py reads it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = {"format_version": train.FORMAT_VERSION, "model": model.state_dict(), "model_config": asdict(model.config), "meta": meta}
+    torch.save(ckpt, out_dir / "ckpt.pt")
+    return out_dir
+
+
+# -----------------------------------------------------------------------------
+# GPT
+
+
+def test_same_seed_same_samples_other_seed_other_samples(gpt_dir, capsys):
+    args = ("--out_dir", gpt_dir, "--start", "ROMEO:", "--num_samples=3", "--max_new_tokens=20", "--temperature=1.0")
+    code, first, _ = cli(capsys, *args, "--seed=1")
+    assert code == 0
+    assert cli(capsys, *args, "--seed=1")[1] == first
+    assert cli(capsys, *args, "--seed=2")[1] != first
+    texts = samples(first)
+    assert len(texts) == 3 and len(set(texts)) == 3  # one batch, three different samples
+    assert all(t.startswith("ROMEO:") and len(t) == len("ROMEO:") + 20 for t in texts)
+
+
+@pytest.mark.parametrize("start,context", [("ROMEO:", "ROMEO:"), ("", "\n")])
+def test_greedy_equals_argmax_loop(gpt_dir, capsys, start, context):
+    model, tokenizer, _ = load(gpt_dir)
+    ids = tokenizer.encode(context)
+    with torch.no_grad():
+        for _ in range(20):
+            ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
+    shown = ids if start else ids[len(context):]  # an empty start prints only what was generated
+    code, out, _ = cli(capsys, "--out_dir", gpt_dir, "--start", start, "--temperature=0", "--max_new_tokens=20")
+    assert code == 0 and out == tokenizer.decode(shown) + "\n"
+
+
+def next_token_probs(model, tokenizer, texts, prompt):
+    """(probabilities before each generated token (N, V), the generated tokens (N,)) over all texts."""
+    probs, tokens = [], []
+    with torch.no_grad():
+        for text in texts:
+            ids = torch.tensor([tokenizer.encode(text)])
+            p = model(ids)[0][0].softmax(dim=-1)  # position t predicts token t + 1
+            probs.append(p[len(prompt) - 1 : -1])
+            tokens.append(ids[0, len(prompt) :])
+    return torch.cat(probs), torch.cat(tokens)
+
+
+def test_top_k_never_emits_a_token_outside_the_k_likeliest(gpt_dir, capsys):
+    code, out, _ = cli(capsys, "--out_dir", gpt_dir, "--start", "ROMEO:", "--num_samples=8", "--max_new_tokens=24",
+                       "--top_k=3", "--temperature=2.0")
+    assert code == 0
+    model, tokenizer, _ = load(gpt_dir)
+    probs, tokens = next_token_probs(model, tokenizer, samples(out), "ROMEO:")
+    for p, token in zip(probs, tokens):
+        assert token in p.topk(3).indices
+    assert (tokens != probs.argmax(dim=-1)).any()  # sampled, not greedy
+
+
+def test_top_p_samples_only_from_the_nucleus(gpt_dir, capsys):
+    top_p = 0.6
+    code, out, _ = cli(capsys, "--out_dir", gpt_dir, "--start", "ROMEO:", "--num_samples=8", "--max_new_tokens=24",
+                       f"--top_p={top_p}", "--top_k=None", "--temperature=1.0")
+    assert code == 0
+    model, tokenizer, _ = load(gpt_dir)
+    probs, tokens = next_token_probs(model, tokenizer, samples(out), "ROMEO:")
+    # the nucleus: the likeliest tokens, in order, until they hold top_p; a token is in it when the ones
+    # likelier than it hold less than top_p
+    ahead = torch.stack([p[p > p[token]].sum() for p, token in zip(probs, tokens)])
+    assert (ahead < top_p + 1e-5).all(), f"tokens outside the nucleus: mass ahead of them {ahead.max():.3f}"
+    assert (tokens != probs.argmax(dim=-1)).any()  # sampled, not greedy
+
+
+def test_cached_and_uncached_give_the_same_samples(gpt_dir, capsys):
+    # 60 new tokens run past block_size=32: the context window slides, and both paths must agree about it
+    args = ("--out_dir", gpt_dir, "--start", "ROMEO:", "--num_samples=2", "--max_new_tokens=60", "--temperature=1.0")
+    code, cached, _ = cli(capsys, *args)
+    assert code == 0
+    assert cli(capsys, *args, "--use_cache=False")[1] == cached
+
+
+def test_prompt_from_file(gpt_dir, capsys, tmp_path):
+    (tmp_path / "prompt.txt").write_text("JULIET:\nO", encoding="utf-8")
+    args = ("--out_dir", gpt_dir, "--max_new_tokens=10", "--temperature=0")
+    code, out, _ = cli(capsys, *args, "--start", f"FILE:{tmp_path / 'prompt.txt'}")
+    assert code == 0 and out.startswith("JULIET:\nO")
+    assert out == cli(capsys, *args, "--start", "JULIET:\nO")[1]
+
+
+def test_long_prompt_is_cropped_from_the_left_with_a_notice(gpt_dir, capsys):
+    prompt = "First Citizen:\nBefore we proceed any further, hear me speak."  # longer than block_size=32
+    code, out, err = cli(capsys, "--out_dir", gpt_dir, "--start", prompt, "--max_new_tokens=1", "--temperature=0")
+    assert code == 0
+    assert f"{len(prompt)} tokens" in err and "last 32" in err and len(err.splitlines()) == 1
+    model, tokenizer, _ = load(gpt_dir)
+    ids = tokenizer.encode(prompt[-32:])
+    with torch.no_grad():
+        ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
+    assert out == tokenizer.decode(ids) + "\n"
+
+
+class Terminal(io.StringIO):
+    """An output that says it is a terminal and counts how often it is written to."""
+
+    writes = 0
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        self.writes += bool(text)
+        return super().write(text)
+
+
+def test_stream_is_the_default_on_a_terminal_and_prints_the_same_text(gpt_dir, capsys):
+    args = ["--out_dir", str(gpt_dir), "--start", "ROMEO:", "--max_new_tokens=30", "--temperature=1.0"]
+    terminal, pipe = Terminal(), Terminal()
+    sample.run(train.parse_config(sample.SampleConfig, args), out=terminal)
+    sample.run(train.parse_config(sample.SampleConfig, args + ["--stream=False"]), out=pipe)
+    assert terminal.getvalue() == pipe.getvalue()
+    assert terminal.writes > 30 and pipe.writes <= 2  # one write per token, against the whole text at once
+    assert cli(capsys, *args)[1] == pipe.getvalue()  # stdout captured by pytest is no terminal: no streaming
+
+
+CHARS = list("abc")  # a char-level vocabulary of three letters, end-of-text appended as id 3
+A, B, C, EOT = range(4)
+
+
+def test_empty_start_begins_at_end_of_text_and_sampling_stops_there(tmp_path, capsys):
+    model = bigram_model("gpt", 4, {EOT: {C: 0.9}, C: {A: 0.9}, A: {B: 0.9}, B: {EOT: 0.6, C: 0.4}})
+    meta = {"kind": "lm", "tokenizer": {"type": "char", "chars": CHARS}, "vocab_size": 4, "special_tokens": {"eot": EOT}}
+    out_dir = save_checkpoint(tmp_path / "bigram", model, meta)
+    code, out, _ = cli(capsys, "--out_dir", out_dir, "--start", "", "--temperature=0", "--max_new_tokens=20")
+    assert code == 0 and out == "cab\n"  # eot -> c -> a -> b -> eot: stopped, the marker not printed
+    code, out, _ = cli(capsys, "--out_dir", out_dir, "--start", "b", "--num_samples=20", "--max_new_tokens=20", "--temperature=1.0")
+    texts = samples(out)
+    assert code == 0 and "b" in texts and "bcab" in texts  # each sample ends at its own end-of-text
+    assert all(re.fullmatch("b(cab)*", text) for text in texts)
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(tmp_path_factory):
+    """A tiny randomly initialised GPT-2 with the real 50,257-token vocabulary, saved as Hugging Face does."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    path = tmp_path_factory.mktemp("gpt2")
+    hf.save_pretrained(path)
+    return path
+
+
+def test_init_from_gpt2_weights_matches_hugging_face_greedy(gpt2_dir, capsys):
+    import tiktoken
+    import transformers
+
+    hf = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir).eval()
+    bpe = tiktoken.get_encoding("r50k_base")  # GPT-2's token ids (the offline cache holds this twin of "gpt2")
+    prompt = torch.tensor([bpe.encode("Hello, my name is")])
+    expected = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0].tolist()
+    assert 50256 not in expected  # no end-of-text: all 12 tokens are printed
+    code, out, _ = cli(capsys, "--init_from", gpt2_dir, "--start", "Hello, my name is", "--temperature=0", "--max_new_tokens=12")
+    assert code == 0 and out == bpe.decode(expected) + "\n"
+
+
+def test_streamed_bpe_text_is_the_whole_text(gpt2_dir):
+    # a random GPT-2 samples byte-level tokens that split characters; streaming must not print them half
+    args = ["--init_from", str(gpt2_dir), "--start", "Ünïcödé ✓", "--max_new_tokens=40", "--temperature=1.0", "--top_k=None"]
+    terminal, pipe = Terminal(), Terminal()
+    sample.run(train.parse_config(sample.SampleConfig, args + ["--stream=True"]), out=terminal)
+    sample.run(train.parse_config(sample.SampleConfig, args + ["--stream=False"]), out=pipe)
+    assert terminal.getvalue() == pipe.getvalue()
+
+
+# -----------------------------------------------------------------------------
+# Encoder-decoder
+
+
+def walk(table, bos, eos, max_len):
+    """Every output of the table-driven decoder up to max_len tokens: (token list ending with eos, probability)."""
+    paths, done = [([bos], 1.0)], []
+    for _ in range(max_len):
+        grown = []
+        for tokens, p in paths:
+            for token, q in table[tokens[-1]].items():
+                if token == eos:
+                    done.append((tokens[1:] + [token], p * q))
+                else:
+                    grown.append((tokens + [token], p * q))
+        paths = grown
+    return done
+
+
+def test_greedy_and_beam_search_on_a_constructed_decoder(reverse_dir, tmp_path, capsys):
+    meta = prepare_data.load_meta(reverse_dir)
+    tokenizer = prepare_data.Tokenizer.from_meta(meta)
+    bos, eos = meta["special_tokens"]["bos"], meta["special_tokens"]["eos"]
+    a, b, c = tokenizer.encode("abc")
+    # greedy takes a (0.5), then c (0.3), then eos: 0.15; b then eos holds 0.36, which beam search finds
+    table = {bos: {a: 0.5, b: 0.4, eos: 0.1}, a: {c: 0.3, a: 0.25, b: 0.25, eos: 0.2}, b: {eos: 0.9, c: 0.1}, c: {eos: 1.0}}
+    out_dir = save_checkpoint(tmp_path / "bigram", bigram_model("encoder_decoder", meta["vocab_size"], table), meta)
+
+    greedy, token = [], bos
+    while token != eos:
+        token = max(table[token], key=table[token].get)
+        greedy.append(token)
+    # beam search ranks finished outputs by log p / ((5 + length) / 6) ** 0.6, the length counting eos
+    best = max(walk(table, bos, eos, 6), key=lambda path: math.log(path[1]) / ((5 + len(path[0])) / 6) ** 0.6)[0]
+    assert greedy != best
+
+    code, out, _ = cli(capsys, "--out_dir", out_dir, "--start", "ca")
+    assert code == 0 and out == f"{tokenizer.decode(greedy[:-1])}\ncorrect\n"  # "ac" is "ca" reversed
+    for beam_size in (1, 3):
+        code, out, _ = cli(capsys, "--out_dir", out_dir, "--start", "ca", f"--beam_size={beam_size}")
+        expected = greedy if beam_size == 1 else best
+        answer = tokenizer.decode(expected[:-1])
+        assert code == 0 and out == f"{answer}\n" + ("correct\n" if answer == "ac" else "wrong: expected 'ac'\n")
+
+
+def test_translation_is_the_greedy_argmax_loop(seq2seq_dir, capsys):
+    model, tokenizer, meta = load(seq2seq_dir)
+    bos, eos = meta["special_tokens"]["bos"], meta["special_tokens"]["eos"]
+    src = torch.tensor([tokenizer.encode("hello42")])
+    tgt = [bos]
+    with torch.no_grad():
+        while tgt[-1] != eos and len(tgt) <= 32:
+            tgt.append(int(model(src, torch.tensor([tgt]))[0][0, -1].argmax()))
+    answer = tokenizer.decode([t for t in tgt[1:] if t != eos])
+    code, out, _ = cli(capsys, "--out_dir", seq2seq_dir, "--start", "hello42")
+    verdict = "correct" if answer == "24olleh" else "wrong: expected '24olleh'"
+    assert code == 0 and out == f"{answer}\n{verdict}\n"
+
+
+# -----------------------------------------------------------------------------
+# Encoder
+
+
+def parse_candidates(line):
+    """[(token text, probability)] from a line "[MASK] n: 'x' 0.123  'y' 0.045 ..."."""
+    found = re.findall(r"""('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*") (\d\.\d+)""", line.split(": ", 1)[1])
+    return [(ast.literal_eval(text), float(p)) for text, p in found]
+
+
+def test_fill_mask_lists_the_likeliest_valid_tokens(encoder_dir, capsys):
+    code, out, _ = cli(capsys, "--out_dir", encoder_dir, "--start", "To be or [MASK]ot to [MASK]e", "--candidates=4")
+    assert code == 0
+    filled, *lines = out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("[MASK] 1: ") and lines[1].startswith("[MASK] 2: ")
+    model, tokenizer, meta = load(encoder_dir)
+    mask = meta["special_tokens"]["mask"]
+    ids = tokenizer.encode("To be or ") + [mask] + tokenizer.encode("ot to ") + [mask] + tokenizer.encode("e")
+    with torch.no_grad():
+        probs = model(torch.tensor([ids]))[0][0].softmax(dim=-1)
+    vocabulary = set(meta["tokenizer"]["chars"])
+    for line, position in zip(lines, (9, 16)):
+        candidates = parse_candidates(line)
+        assert len(candidates) == 4 and all(text in vocabulary for text, _ in candidates)  # no <mask>, no unknown id
+        p = probs[position].clone()
+        p[mask] = 0
+        p /= p.sum()  # the mask token is no answer: the others' probabilities renormalised
+        expected = [tokenizer.decode([i]) for i in p.topk(4).indices.tolist()]
+        assert [text for text, _ in candidates] == expected
+        assert [prob for _, prob in candidates] == pytest.approx(p.topk(4).values.tolist(), abs=1e-3)
+    top = [parse_candidates(line)[0][0] for line in lines]
+    assert filled == f"To be or {top[0]}ot to {top[1]}e"
+
+
+# -----------------------------------------------------------------------------
+# Attention maps
+
+
+@pytest.mark.parametrize("arch,panels", [("gpt", 2), ("encoder", 2), ("encoder_decoder", 2 + 2 * 2)])
+def test_attention_png_has_a_panel_per_layer_and_head(request, tmp_path, capsys, arch, panels):
+    import matplotlib.image
+
+    out_dir = request.getfixturevalue({"gpt": "gpt_dir", "encoder": "encoder_dir", "encoder_decoder": "seq2seq_dir"}[arch])
+    start = {"gpt": "ROMEO:", "encoder": "To be or [MASK]ot", "encoder_decoder": "abc123"}[arch]
+    path = tmp_path / "attention.png"
+    code, _, err = cli(capsys, "--out_dir", out_dir, "--start", start, "--max_new_tokens=5", "--attention", path)
+    assert code == 0 and str(path) in err
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # rows: a GPT's or encoder's layers; an encoder-decoder's encoder layers, then self and cross per decoder layer.
+    # columns: the 2 heads. Each panel is 2.4 inches at 100 dpi.
+    assert matplotlib.image.imread(path).shape[:2] == (240 * panels, 240 * 2)
+
+
+def test_attention_without_matplotlib_says_how_to_get_it(gpt_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if it were not installed
+    code, _, err = cli(capsys, "--out_dir", gpt_dir, "--start", "A", "--max_new_tokens=1", "--attention", tmp_path / "a.png")
+    assert code == 2 and err == "error: --attention needs matplotlib: pip install matplotlib\n"
+
+
+# -----------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.fixture(scope="session")
+def broken_dirs(tmp_path_factory):
+    """Checkpoint folders that cannot be used: corrupted, and from a newer format."""
+    root = tmp_path_factory.mktemp("broken")
+    (root / "corrupted").mkdir()
+    (root / "corrupted" / "ckpt.pt").write_bytes(b"PK\x03\x04 this is not a checkpoint")
+    (root / "newer").mkdir()
+    torch.save({"format_version": train.FORMAT_VERSION + 1}, root / "newer" / "ckpt.pt")
+    return root
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--start", "ROMEO: ✓ ü"], "characters not in the 65-character vocabulary: 'ü', '✓'"),
+    (["--top_k=0"], "top_k must be a positive integer"),
+    (["--top_p=0"], "top_p must be in (0, 1]"),
+    (["--top_p=1.5"], "top_p must be in (0, 1]"),
+    (["--temperature=-0.5"], "temperature must be >= 0"),
+    (["--num_samples=0"], "num_samples must be at least 1"),
+    (["--beam_size=0"], "beam_size must be at least 1"),
+    (["--num_samples=2", "--stream=True"], "set num_samples=1"),
+    (["--top_kk=5"], "unknown key 'top_kk'; did you mean 'top_k'?"),
+    (["--num_samples=two"], "--num_samples must be int"),
+    (["--dtype=float8"], "dtype must be one of auto, float32, bfloat16, float16"),
+    (["--start", "FILE:no/such/prompt.txt"], "prompt file no/such/prompt.txt not found"),
+])
+def test_bad_option_or_prompt_is_one_line_and_exit_code_2(gpt_dir, capsys, args, message):
+    code, out, err = cli(capsys, "--out_dir", gpt_dir, *args)
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("folder,message", [
+    ("missing", "no checkpoint at"), ("corrupted", "is not a readable checkpoint"), ("newer", "newer than this code's"),
+])
+def test_unusable_checkpoint_is_one_line_and_exit_code_2(broken_dirs, capsys, folder, message):
+    code, out, err = cli(capsys, "--out_dir", broken_dirs / folder, "--start", "a")
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_unknown_gpt2_weights_offline_is_one_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = cli(capsys, "--init_from", tmp_path / "no-such-model")
+    assert code == 2 and err.count("\n") == 1 and "not a local directory" in err
+
+
+def test_encoder_inputs_that_do_not_fit(encoder_dir, seq2seq_dir, capsys):
+    code, _, err = cli(capsys, "--out_dir", encoder_dir, "--start", "no mask here")
+    assert code == 2 and "put [MASK] in --start" in err
+    code, _, err = cli(capsys, "--out_dir", encoder_dir, "--start", "[MASK]" + "x" * 40)
+    assert code == 2 and "41 tokens, more than the model's block_size=32" in err
+    code, _, err = cli(capsys, "--out_dir", seq2seq_dir, "--start", "abc" * 11)
+    assert code == 2 and "33 tokens, more than the model's block_size=32" in err
+    code, _, err = cli(capsys, "--out_dir", seq2seq_dir, "--start", "ABC")
+    assert code == 2 and "'A', 'B', 'C'" in err
+
+
+def test_command_line_exit_code_and_no_traceback():
+    result = subprocess.run([sys.executable, "sample.py", "--top_p=2"], capture_output=True,
+                            text=True, cwd=Path(sample.__file__).parent)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == "error: top_p must be in (0, 1], got 2.0\n"
+
+
+def test_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sample.main(["--help"])
+    assert exit_info.value.code == 0
+    shown = capsys.readouterr().out
+    for field in fields(sample.SampleConfig):
+        assert re.search(rf"^  --{field.name}=\S*\s+\S", shown, re.MULTILINE), field.name  # each with its doc
+
+
+def test_sampling_speed_counts_every_token(gpt_dir):
+    model = load(gpt_dir)[0]
+    for use_cache, batched in itertools.product((True, False), repeat=2):
+        rates = sample.sampling_speed(model, [0], num_samples=2, max_new_tokens=5, use_cache=use_cache, batched=batched, repeats=2)
+        assert len(rates) == 2 and all(r > 0 for r in rates)
