@@ -67,7 +67,7 @@ def load_model(cfg, device):
         ckpt = load_checkpoint(path, map_location="cpu")
         try:
             model, meta = model_from_checkpoint(ckpt), ckpt["meta"]
-        except (KeyError, RuntimeError) as err:  # a missing entry, or weights that do not fit the config
+        except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit the config
             raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
     else:
         model, meta = GPT.from_pretrained(cfg.init_from), GPT2_META
@@ -105,7 +105,7 @@ def crop_prompt(ids, block_size):
 def sample_gpt(model, prompt, cfg, stop_token, generator):
     """
     Continue prompt (a list of ids) cfg.num_samples times in one batch with cfg's sampling options.
-    Yields the (num_samples, 1) new tokens step by step; rows that reached stop_token keep repeating it.
+    Returns an iterator over the (num_samples, 1) new tokens of each step; rows that reached stop_token repeat it.
     """
     device = next(model.parameters()).device
     idx = torch.tensor([prompt] * cfg.num_samples, dtype=torch.long, device=device)
@@ -185,20 +185,16 @@ def plot_attention(panels, path):
         from matplotlib.figure import Figure  # no pyplot: no window, no global figure state
     except ImportError:
         raise ImportError("--attention needs matplotlib: pip install matplotlib") from None
-    heads = max(w.size(0) for _, w, _, _ in panels)
+    heads = panels[0][1].size(0)
     fig = Figure(figsize=(2.4 * heads, 2.4 * len(panels)), layout="constrained")
     axes = fig.subplots(len(panels), heads, squeeze=False)
     for row, (title, weights, queries, keys) in zip(axes, panels):
         for h, ax in enumerate(row):
-            if h >= weights.size(0):
-                ax.set_axis_off()
-                continue
             ax.imshow(weights[h].float().cpu().numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
             ax.set_title(f"{title}, head {h}", fontsize=8)
-            for set_ticks, set_labels, labels in ((ax.set_yticks, ax.set_yticklabels, queries), (ax.set_xticks, ax.set_xticklabels, keys)):
-                set_ticks(range(len(labels)) if len(labels) <= 32 else [])
-                if len(labels) <= 32:
-                    set_labels(labels, fontsize=5, rotation=90 if set_ticks == ax.set_xticks else 0)
+            if max(len(queries), len(keys)) <= 32:  # more token labels would overlap; positions are shown instead
+                ax.set_xticks(range(len(keys)), keys, fontsize=5, rotation=90)
+                ax.set_yticks(range(len(queries)), queries, fontsize=5)
     fig.savefig(path, dpi=100)
 
 
@@ -253,13 +249,15 @@ def show_translation(model, tokenizer, meta, text, cfg, out):
     Returns (source ids, decoder input ids) for the attention maps."""
     src = tokenizer.encode(text)
     block = model.config.block_size
+    if not src:
+        raise ValueError('an encoder-decoder translates --start: give it a source, e.g. --start "hello42"')
     if len(src) > block:  # cropping would change the question, so refuse
         raise ValueError(f"the source has {len(src)} tokens, more than the model's block_size={block}")
+    expected = solve(meta["task"], text) if meta.get("task") else None  # first: it rejects sources the task cannot take
     output = translate(model, src, cfg, meta)
     answer = tokenizer.decode(output)
     print(answer, file=out)
-    if meta.get("task"):
-        expected = solve(meta["task"], text)
+    if expected is not None:
         print("correct" if answer == expected else f"wrong: expected {expected!r}", file=out)
     return src, [meta["special_tokens"]["bos"], *output][:block]
 
@@ -329,7 +327,7 @@ def main(argv=None):
         cfg = parse_config(SampleConfig, sys.argv[1:] if argv is None else argv)
         run(cfg, sys.stdout)
     except (ValueError, OSError, ImportError) as err:
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        print(f"error: {' '.join(str(err).splitlines())}", file=sys.stderr)
         return 2
     return 0
 

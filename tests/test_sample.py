@@ -202,6 +202,14 @@ def test_cached_and_uncached_give_the_same_samples(gpt_dir, capsys):
     assert cli(capsys, *args, "--use_cache=False")[1] == cached
 
 
+def test_bfloat16_autocast_and_best_checkpoint(gpt_dir, capsys):
+    # train_tiny evaluates only after its last step, so best.pt holds the same weights as ckpt.pt
+    args = ("--out_dir", gpt_dir, "--start", "ROMEO:", "--max_new_tokens=20", "--temperature=0")
+    code, out, _ = cli(capsys, *args, "--dtype=bfloat16", "--device=cpu")
+    assert code == 0 and out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 20 + 1
+    assert cli(capsys, *args, "--checkpoint=best.pt")[1] == cli(capsys, *args)[1]
+
+
 def test_prompt_from_file(gpt_dir, capsys, tmp_path):
     (tmp_path / "prompt.txt").write_text("JULIET:\nO", encoding="utf-8")
     args = ("--out_dir", gpt_dir, "--max_new_tokens=10", "--temperature=0")
@@ -448,11 +456,12 @@ def test_bad_option_or_prompt_is_one_line_and_exit_code_2(gpt_dir, capsys, args,
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
 
 
-@pytest.mark.parametrize("folder,message", [
-    ("missing", "no checkpoint at"), ("corrupted", "is not a readable checkpoint"), ("newer", "newer than this code's"),
+@pytest.mark.parametrize("folder,name,message", [
+    ("missing", "ckpt.pt", "no checkpoint at"), ("corrupted", "ckpt.pt", "is not a readable checkpoint"),
+    ("newer", "ckpt.pt", "newer than this code's"), ("newer", "best.pt", "newer/best.pt"),
 ])
-def test_unusable_checkpoint_is_one_line_and_exit_code_2(broken_dirs, capsys, folder, message):
-    code, out, err = cli(capsys, "--out_dir", broken_dirs / folder, "--start", "a")
+def test_unusable_checkpoint_is_one_line_and_exit_code_2(broken_dirs, capsys, folder, name, message):
+    code, out, err = cli(capsys, "--out_dir", broken_dirs / folder, "--checkpoint", name, "--start", "a")
     assert code == 2 and out == ""
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
 
@@ -472,6 +481,8 @@ def test_encoder_inputs_that_do_not_fit(encoder_dir, seq2seq_dir, capsys):
     assert code == 2 and "33 tokens, more than the model's block_size=32" in err
     code, _, err = cli(capsys, "--out_dir", seq2seq_dir, "--start", "ABC")
     assert code == 2 and "'A', 'B', 'C'" in err
+    code, _, err = cli(capsys, "--out_dir", seq2seq_dir, "--start", "")
+    assert code == 2 and "give it a source" in err
 
 
 def test_command_line_exit_code_and_no_traceback():
