@@ -125,8 +125,8 @@ class TrainConfig:
         for name in ("max_iters", "warmup_iters", "lr_decay_iters", "eval_accuracy_examples", "grad_clip", "weight_decay", "min_lr"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
-        if self.learning_rate <= 0 or self.min_lr > self.learning_rate:
-            raise ConfigError(f"need 0 < min_lr <= learning_rate, got learning_rate={self.learning_rate}, min_lr={self.min_lr}")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"learning_rate must be positive, got {self.learning_rate}")
         if not 0 < self.mask_prob < 1 or not 0 <= self.label_smoothing < 1:
             raise ConfigError("mask_prob must be in (0, 1) and label_smoothing in [0, 1)")
         if self.lr_schedule == "noam" and self.warmup_iters < 1:
@@ -795,7 +795,7 @@ def main(cfg):
             model = compile_model(raw_model, example, device, dtype)
         eval_model = model  # evaluation runs outside DDP: ranks may see different numbers of eval batches
         if world_size > 1:
-            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         if ckpt is not None:
             rng = ckpt["rng"]
             if len(rng) == world_size:
