@@ -17,7 +17,7 @@ import torch
 import prepare_data
 import sample
 import train
-from model import ModelConfig, build_model
+from model import GPT, ModelConfig, build_model
 
 SEPARATOR = "\n" + "-" * 15 + "\n"  # what sample.py prints between samples
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
@@ -101,7 +101,7 @@ def bigram_model(arch, vocab_size, table):
     are uniform): one-hot token embeddings, every attention and MLP branch zeroed, and an output matrix that
     undoes the final LayerNorm. A row {token: p} gives p to those tokens and 1e-6 to the others, renormalised.
     """
-    C = vocab_size + 1  # one spare channel keeps the columns of the output matrix summing to zero
+    C = vocab_size + 1  # a spare channel, so that every row of the output matrix can sum to zero
     config = ModelConfig(arch=arch, vocab_size=vocab_size, block_size=32, n_layer=1, n_head=1, n_embd=C, bias=False,
                          tie_embeddings=False, norm_eps=1e-12)
     model = build_model(config).eval()
@@ -112,7 +112,7 @@ def bigram_model(arch, vocab_size, table):
                 p.zero_()
         for stack in (model.body,) if arch == "gpt" else (model.encoder, model.decoder):
             stack.wte.weight[:, :vocab_size] = torch.eye(vocab_size)
-        # LayerNorm turns one-hot e_i into (e_i - 1/C) / sigma; with zero-sum rows, W (e_i - 1/C) / sigma = W[:, i] / sigma
+        # LayerNorm turns one-hot e_i into (e_i - 1/C) / sigma; when the rows of W sum to zero, W (e_i - 1/C) / sigma = W[:, i] / sigma
         for prev in range(vocab_size):
             probs = torch.full((vocab_size,), 1e-6)
             for token, p in table.get(prev, {}).items():
@@ -194,12 +194,20 @@ def test_top_p_samples_only_from_the_nucleus(gpt_dir, capsys):
     assert (tokens != probs.argmax(dim=-1)).any()  # sampled, not greedy
 
 
-def test_cached_and_uncached_give_the_same_samples(gpt_dir, capsys):
+def test_cached_and_uncached_give_the_same_samples(gpt_dir, capsys, monkeypatch):
+    used, generate_stream = [], GPT.generate_stream
+
+    def spy(self, *args, **options):
+        used.append(options["use_cache"])
+        return generate_stream(self, *args, **options)
+
+    monkeypatch.setattr(GPT, "generate_stream", spy)
     # 60 new tokens run past block_size=32: the context window slides, and both paths must agree about it
     args = ("--out_dir", gpt_dir, "--start", "ROMEO:", "--num_samples=2", "--max_new_tokens=60", "--temperature=1.0")
     code, cached, _ = cli(capsys, *args)
     assert code == 0
     assert cli(capsys, *args, "--use_cache=False")[1] == cached
+    assert used == [True, False]
 
 
 def test_bfloat16_autocast_and_best_checkpoint(gpt_dir, capsys):
@@ -231,15 +239,18 @@ def test_long_prompt_is_cropped_from_the_left_with_a_notice(gpt_dir, capsys):
 
 
 class Terminal(io.StringIO):
-    """An output that says it is a terminal and counts how often it is written to."""
+    """An output that says it is a terminal and records what is written to it."""
 
-    writes = 0
+    def __init__(self):
+        super().__init__()
+        self.written = []  # every non-empty write, in order
 
     def isatty(self):
         return True
 
     def write(self, text):
-        self.writes += bool(text)
+        if text:
+            self.written.append(text)
         return super().write(text)
 
 
@@ -249,7 +260,7 @@ def test_stream_is_the_default_on_a_terminal_and_prints_the_same_text(gpt_dir, c
     sample.run(train.parse_config(sample.SampleConfig, args), out=terminal)
     sample.run(train.parse_config(sample.SampleConfig, args + ["--stream=False"]), out=pipe)
     assert terminal.getvalue() == pipe.getvalue()
-    assert terminal.writes > 30 and pipe.writes <= 2  # one write per token, against the whole text at once
+    assert len(terminal.written) > 30 and len(pipe.written) <= 2  # a write per token, against all text at once
     assert cli(capsys, *args)[1] == pipe.getvalue()  # stdout captured by pytest is no terminal: no streaming
 
 
@@ -294,13 +305,18 @@ def test_init_from_gpt2_weights_matches_hugging_face_greedy(gpt2_dir, capsys):
     assert code == 0 and out == bpe.decode(expected) + "\n"
 
 
-def test_streamed_bpe_text_is_the_whole_text(gpt2_dir):
-    # a random GPT-2 samples byte-level tokens that split characters; streaming must not print them half
-    args = ["--init_from", str(gpt2_dir), "--start", "Ünïcödé ✓", "--max_new_tokens=40", "--temperature=1.0", "--top_k=None"]
-    terminal, pipe = Terminal(), Terminal()
-    sample.run(train.parse_config(sample.SampleConfig, args + ["--stream=True"]), out=terminal)
-    sample.run(train.parse_config(sample.SampleConfig, args + ["--stream=False"]), out=pipe)
-    assert terminal.getvalue() == pipe.getvalue()
+def test_streaming_never_prints_half_a_character():
+    tokenizer = prepare_data.Tokenizer.from_meta(sample.GPT2_META)
+    # GPT-2 BPE splits each of these characters over two tokens: b"\xe2\x9c" + b"\x93", b"\xf0\x9f" + b"\x99\x82"
+    text = "ok ✓🙂✓ done"
+    ids = tokenizer.encode(text)
+    prompt, new = ids[:2], ids[2:]
+    assert any("\ufffd" in tokenizer.decode([token]) for token in new)  # some tokens hold part of a character
+    steps = (torch.tensor([[token]]) for token in [*new, sample.GPT2_META["special_tokens"]["eot"], 0])
+    out = Terminal()
+    sample.print_stream(steps, prompt, tokenizer, sample.GPT2_META["special_tokens"]["eot"], out)
+    assert out.getvalue() == text + "\n"  # stopped at end-of-text, which is not printed
+    assert "\ufffd" not in "".join(out.written)
 
 
 # -----------------------------------------------------------------------------
@@ -501,8 +517,18 @@ def test_help_lists_every_option(capsys):
         assert re.search(rf"^  --{field.name}=\S*\s+\S", shown, re.MULTILINE), field.name  # each with its doc
 
 
-def test_sampling_speed_counts_every_token(gpt_dir):
+def test_sampling_speed_generates_what_it_counts(gpt_dir, monkeypatch):
     model = load(gpt_dir)[0]
+    calls, generate = [], model.generate
+
+    def spy(idx, max_new_tokens, **options):
+        calls.append((idx.size(0), max_new_tokens, options["use_cache"]))
+        return generate(idx, max_new_tokens, **options)
+
+    monkeypatch.setattr(model, "generate", spy)
     for use_cache, batched in itertools.product((True, False), repeat=2):
-        rates = sample.sampling_speed(model, [0], num_samples=2, max_new_tokens=5, use_cache=use_cache, batched=batched, repeats=2)
+        calls.clear()
+        rates = sample.sampling_speed(model, [0], num_samples=3, max_new_tokens=4, use_cache=use_cache, batched=batched, repeats=2)
         assert len(rates) == 2 and all(r > 0 for r in rates)
+        # per repeat: one batch of 3, or 3 batches of 1
+        assert calls == ([(3, 4, use_cache)] if batched else [(1, 4, use_cache)] * 3) * 2
