@@ -41,9 +41,9 @@ import prepare_data
 from model import GPT, IGNORE_INDEX, ModelConfig, build_model
 
 FORMAT_VERSION = 1  # of checkpoints; a checkpoint with a larger number needs newer code
-PRETRAINED = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 # ModelConfig fields a TrainConfig sets directly; the vocabulary and padding id come from the dataset
 MODEL_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name not in ("vocab_size", "pad_token_id"))
+BOOL_WORDS = types.MappingProxyType({"true": True, "false": False, "1": True, "0": False})  # read-only
 
 
 class ConfigError(ValueError):
@@ -58,17 +58,17 @@ class TrainConfig:
     log_interval: int = 1  # print a progress line every this many iterations
     eval_iters: int = 200  # batches per split at each evaluation, shared out over the ranks
     eval_only: bool = False  # evaluate once (e.g. init_from='resume' or 'gpt2') and exit
-    always_save_checkpoint: bool = True  # write ckpt.pt at every evaluation; False: only at the end (best.pt always tracks the best)
-    init_from: str = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl' or a local HF GPT-2 folder
+    always_save_checkpoint: bool = True  # ckpt.pt at every eval; False: only at the end (best.pt tracks the best)
+    init_from: str = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), 'gpt2'...'gpt2-xl' or a local HF GPT-2 folder
     tensorboard: bool = True  # write TensorBoard scalars into out_dir (tensorboard --logdir OUT_DIR)
     wandb_log: bool = False  # also log to Weights & Biases (pip install wandb)
     wandb_project: str = "nanoformer"  # W&B project
     wandb_run_name: str = "run"  # W&B run name
     # data
-    dataset: str = "openwebtext"  # a prepare_data.py dataset (prepared automatically when missing) or a prepared folder's name
-    data_dir: str | None = None  # root of the prepared datasets; None: $NANOFORMER_DATA_DIR, else data/ beside prepare_data.py
-    data_options: dict = field(default_factory=dict)  # prepare_data.py options, e.g. {'num_train': 50000} or {'input': 'pairs.tsv'}
-    gradient_accumulation_steps: int = 40  # micro-batches per optimizer step over all ranks; must divide by the number of ranks
+    dataset: str = "openwebtext"  # a prepare_data.py dataset (prepared when missing) or a prepared folder's name
+    data_dir: str | None = None  # root of the datasets; None: $NANOFORMER_DATA_DIR, else data/ beside prepare_data.py
+    data_options: dict = field(default_factory=dict)  # prepare_data.py options, e.g. {'input': 'pairs.tsv'}
+    gradient_accumulation_steps: int = 40  # micro-batches per step over all ranks together: a multiple of the ranks
     batch_size: int = 12  # sequences per micro-batch per rank
     block_size: int = 1024  # context length: tokens per LM sequence, longest source/target for seq2seq
     # model (see ModelConfig in model.py)
@@ -91,7 +91,7 @@ class TrainConfig:
     # objective
     mask_prob: float = 0.15  # encoder: fraction of tokens to predict; 80% shown as [MASK], 10% random, 10% unchanged
     label_smoothing: float = 0.0  # 0.1 in the 2017 paper; evaluation losses are always plain cross-entropy
-    eval_accuracy_examples: int = 200  # encoder_decoder: val pairs decoded greedily for exact-match accuracy per eval; 0: none
+    eval_accuracy_examples: int = 200  # encoder_decoder: val pairs greedily decoded for exact-match accuracy; 0: none
     # AdamW
     learning_rate: float = 6e-4  # peak learning rate
     max_iters: int = 600000  # optimizer steps in total
@@ -101,14 +101,14 @@ class TrainConfig:
     grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping (the norm is logged either way)
     # learning-rate schedule
     decay_lr: bool = True  # False: constant learning_rate
-    lr_schedule: str = "cosine"  # 'cosine': warmup, cosine to min_lr at lr_decay_iters; 'noam': warmup, then 1/sqrt(step)
+    lr_schedule: str = "cosine"  # 'cosine': warmup, cosine to min_lr at lr_decay_iters; 'noam': warmup, 1/sqrt(step)
     warmup_iters: int = 2000  # linear warmup steps
     lr_decay_iters: int = 600000  # cosine reaches min_lr here (usually max_iters)
     min_lr: float = 6e-5  # cosine floor, usually learning_rate / 10
     # system
     backend: str = "auto"  # DDP backend: 'auto' (nccl on CUDA, gloo otherwise), 'nccl' or 'gloo'
     device: str = "auto"  # 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
-    dtype: str = "auto"  # 'auto' (bfloat16 on CUDA where supported, else float16; float32 elsewhere), 'float32', 'bfloat16', 'float16'
+    dtype: str = "auto"  # 'float32', 'bfloat16', 'float16'; 'auto': bf16 (else fp16) on CUDA, float32 elsewhere
     compile: bool | None = None  # torch.compile the model; None: on for CUDA only
     seed: int = 1337  # seeds data sampling, initialisation and dropout (dropout differs per rank)
     dist_timeout: int = 900  # seconds a rank waits for the others before the job fails instead of hanging
@@ -119,10 +119,11 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        for name in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size", "dist_timeout"):
+        for name in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
+                     "dist_timeout"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_iters", "warmup_iters", "lr_decay_iters", "eval_accuracy_examples", "grad_clip", "weight_decay", "min_lr"):
+        for name in ("max_iters", "warmup_iters", "lr_decay_iters", "eval_accuracy_examples", "grad_clip", "min_lr"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.learning_rate <= 0:
@@ -138,7 +139,8 @@ class TrainConfig:
 
     def model_config(self, vocab_size, pad_token_id=None):
         """The ModelConfig these settings describe, for a vocabulary of vocab_size ids."""
-        return ModelConfig(**{k: getattr(self, k) for k in MODEL_KEYS}, vocab_size=vocab_size, pad_token_id=pad_token_id)
+        settings = {k: getattr(self, k) for k in MODEL_KEYS}
+        return ModelConfig(**settings, vocab_size=vocab_size, pad_token_id=pad_token_id)
 
 
 # -----------------------------------------------------------------------------
@@ -157,7 +159,7 @@ def field_docs(cls):
 def format_help(cls):
     docs = field_docs(cls)
     lines = [f"usage: {Path(sys.argv[0]).name} [CONFIG.py ...] [--key=value | --key value ...]", "",
-             "Config files hold `key = value` lines of literals; later files and --key=value override earlier ones.", ""]
+             "Config files hold `key = value` lines of literals; later files and options override earlier ones.", ""]
     for f in fields(cls):
         default = f.default if f.default_factory is MISSING else f.default_factory()
         shown = f"--{f.name}={default if isinstance(default, str) else repr(default)}"
@@ -191,8 +193,8 @@ def parse_text(text, hint, key):
         return None
     if str in kinds:
         return text
-    if bool in kinds and text.lower() in ("true", "false", "1", "0"):
-        return text.lower() in ("true", "1")
+    if bool in kinds and text.lower() in BOOL_WORDS:
+        return BOOL_WORDS[text.lower()]
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
@@ -217,8 +219,8 @@ def read_config_file(arg, names):
         raise ConfigError(f"config file {arg} not found (options are written --key=value)")
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    except (SyntaxError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not a valid config file ({getattr(e, 'msg', e)}, line {getattr(e, 'lineno', '?')})") from None
+    except SyntaxError as e:
+        raise ConfigError(f"{path} line {e.lineno}: not a `key = value` config file ({e.msg})") from None
     assignments = []
     for node in tree.body:
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
@@ -256,7 +258,9 @@ def parse_config(cls, argv):
         check_key(key, list(hints), "command line")
         is_bool = bool in allowed_types(hints[key])
         if not has_value:
-            if args and not args[0].startswith("--") and (not is_bool or args[0].lower() in ("true", "false", "1", "0")):
+            # a bool flag takes the next word only if it is a bool word: `--eval_only config.py` stays a flag
+            takes_next = args and not args[0].startswith("--") and (not is_bool or args[0].lower() in BOOL_WORDS)
+            if takes_next:
                 text = args.pop(0)
             elif is_bool:
                 text = "true"  # a bare --flag
@@ -287,7 +291,8 @@ def resolve_device(name, local_rank):
         device = torch.device(name)
     except RuntimeError:
         raise ConfigError(f"device={name!r} is not a device; use auto, cpu, cuda, cuda:N or mps") from None
-    if device.type == "cuda" and not torch.cuda.is_available() or device.type == "mps" and not torch.backends.mps.is_available():
+    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not available.get(device.type, True):
         raise ConfigError(f"device={name!r} is not available on this machine; use --device=cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", local_rank)
@@ -328,7 +333,7 @@ def all_reduce(values, device, world_size):
 
 
 class StopRequest:
-    """SIGINT/SIGTERM set a flag instead of killing: the loop finishes its step, saves and exits. A second signal acts as usual."""
+    """SIGINT and SIGTERM set a flag: the loop finishes its step, saves and exits. A second signal acts as usual."""
 
     def __enter__(self):
         self.signal = None
@@ -362,7 +367,7 @@ class Objective:
 
 
 def find_dataset(name, data_dir, options, rank, local_rank, world_size):
-    """The prepared dataset's folder, preparing it first when missing (rank 0, then each node's first rank, then the rest)."""
+    """The dataset's folder, prepared first if missing: by rank 0, then by each node's first rank, then by the rest."""
     folder = None
     for my_turn in (rank == 0, rank != 0 and local_rank == 0, local_rank != 0):
         if my_turn:
@@ -385,8 +390,8 @@ def make_objective(arch, meta, mask_prob):
     """(Objective, model vocabulary size, meta to store in checkpoints) for arch on a dataset with this meta."""
     kind = "seq2seq" if arch == "encoder_decoder" else "lm"
     if meta["kind"] != kind:
-        raise ConfigError(f"arch={arch} needs a {kind} dataset but {meta.get('name')} is {meta['kind']}; "
-                          + ("use reverse, sort, num2words or translation" if kind == "seq2seq" else "use shakespeare_char, shakespeare, openwebtext, ..."))
+        examples = "reverse, sort, num2words, translation" if kind == "seq2seq" else "shakespeare_char, shakespeare"
+        raise ConfigError(f"arch={arch} needs a {kind} dataset ({examples}); {meta.get('name')} is {meta['kind']}")
     vocab, special = meta["vocab_size"], meta["special_tokens"]
     if arch == "encoder_decoder":
         objective = Objective(arch, vocab, pad_id=special["pad"], bos_id=special["bos"], eos_id=special["eos"])
@@ -398,7 +403,7 @@ def make_objective(arch, meta, mask_prob):
         objective = Objective(arch, vocab, mask_id=special.get("mask"), mask_prob=mask_prob)
     model_vocab = meta["vocab_size"]
     if meta["tokenizer"]["type"] == "tiktoken":
-        model_vocab = -(-model_vocab // 64) * 64  # 50257 -> 50304: faster matmuls; the extra ids never occur in the data
+        model_vocab = -(-model_vocab // 64) * 64  # 50257 -> 50304: faster matmuls; the data never holds the extra ids
     return objective, model_vocab, meta
 
 
@@ -409,7 +414,7 @@ def load_splits(folder, meta, block_size):
         if meta["kind"] == "lm":
             splits[split] = prepare_data.load_tokens(folder / f"{split}.bin")
             if len(splits[split]) <= block_size:
-                raise ConfigError(f"{folder.name}'s {split} split has {len(splits[split]):,} tokens, too few for block_size={block_size}")
+                raise ConfigError(f"{folder.name}'s {split} split is shorter than block_size={block_size}")
             continue
         pairs = prepare_data.load_pairs(folder, split)
         lengths = np.diff(pairs.index, axis=0)  # (n, 2): source and target length of each pair
@@ -418,7 +423,8 @@ def load_splits(folder, meta, block_size):
         if not len(fits):
             raise ConfigError(f"no {split} pair of {folder.name} fits block_size={block_size}; raise block_size")
         if len(fits) < len(pairs):
-            log(f"note: {len(pairs) - len(fits):,} of {len(pairs):,} {split} pairs are longer than block_size={block_size} and left out")
+            log(f"note: {len(pairs) - len(fits):,} of {len(pairs):,} {split} pairs do not fit block_size={block_size}; "
+                "they are left out")
         splits[split] = (pairs, fits)
     return splits
 
@@ -666,7 +672,8 @@ def load_checkpoint(path, map_location="cpu"):
     if not isinstance(version, int):
         raise ConfigError(f"{path} is not a nanoformer checkpoint (it has no format_version)")
     if version > FORMAT_VERSION:
-        raise ConfigError(f"{path} has checkpoint format {version}, newer than this code's {FORMAT_VERSION}; update nanoformer")
+        raise ConfigError(f"{path} has checkpoint format {version}, newer than this code's {FORMAT_VERSION}; "
+                          "update nanoformer")
     return ckpt
 
 
@@ -696,13 +703,13 @@ class Scalars:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ConfigError("tensorboard=True needs the tensorboard package: pip install tensorboard (or --tensorboard=false)") from None
+                raise ConfigError("tensorboard=True needs: pip install tensorboard (or --tensorboard=false)") from None
             self.tensorboard = SummaryWriter(cfg.out_dir)
         if active and cfg.wandb_log:
             try:
                 import wandb
             except ImportError:
-                raise ConfigError("wandb_log=True needs the wandb package: pip install wandb (or --wandb_log=false)") from None
+                raise ConfigError("wandb_log=True needs: pip install wandb (or --wandb_log=false)") from None
             self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
 
     def add(self, step, values):
@@ -723,6 +730,56 @@ class Scalars:
 # The run
 
 
+def init_model(cfg, meta):
+    """
+    (cfg, model, objective, meta for checkpoints, checkpoint or None) for cfg.init_from. A checkpoint or GPT-2
+    decides the model's settings, and cfg is updated to match (with a note when the settings given differ).
+    """
+    ckpt = None
+    if cfg.init_from == "resume":
+        ckpt = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt")
+        if ckpt["meta"]["tokenizer"] != meta["tokenizer"]:
+            raise ConfigError(f"{cfg.out_dir}/ckpt.pt was trained with another tokenizer than dataset={cfg.dataset}'s")
+        changed = [f"{k}={ckpt['model_config'][k]!r}" for k in MODEL_KEYS if getattr(cfg, k) != ckpt["model_config"][k]]
+        if changed:
+            log(f"note: resuming with the checkpoint's model settings: {', '.join(changed)}")
+        cfg = replace(cfg, **{k: ckpt["model_config"][k] for k in MODEL_KEYS})
+    objective, vocab_size, meta_out = make_objective(cfg.arch, meta, cfg.mask_prob)
+    if ckpt is not None:
+        return cfg, model_from_checkpoint(ckpt).train(), objective, ckpt["meta"], ckpt
+    if cfg.init_from == "scratch":
+        return cfg, build_model(cfg.model_config(vocab_size, objective.pad_id)), objective, meta_out, None
+    model = pretrained_gpt2(cfg.init_from, cfg.arch, meta, cfg.dropout, cfg.block_size)
+    return replace(cfg, **{k: getattr(model.config, k) for k in MODEL_KEYS}), model, objective, meta_out, None
+
+
+def train_step(model, optimizer, scaler, batches, objective, lr, cfg, iteration, stop_requested, world_size, device,
+               dtype):
+    """
+    One optimizer step on this rank's micro-batches. Returns (mean loss over every target of the step on all ranks,
+    gradient norm, input tokens on all ranks, whether any rank was asked to stop). A non-finite loss raises
+    FloatingPointError before the weights change.
+    """
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    # the step's loss is a mean over all its targets, so their number is needed before the first backward
+    n_targets, n_tokens = all_reduce([sum(count_targets(t) for _, t in batches),
+                                      sum(count_tokens(x, objective) for x, _ in batches)], device, world_size).tolist()
+    n_targets = max(n_targets, 1)  # a masked-LM batch may, rarely, have nothing to predict
+    loss = accumulate_gradients(model, batches, n_targets, world_size, device, dtype, scaler, cfg.label_smoothing)
+    loss, stop_votes = all_reduce([loss, stop_requested], device, world_size).tolist()
+    loss /= n_targets
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"loss is {loss} at iteration {iteration}; stopped before updating the weights, "
+                                 "so the last checkpoint is untouched. Lower learning_rate or raise warmup_iters")
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm, n_tokens, stop_votes > 0
+
+
 def format_eta(seconds):
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
@@ -740,7 +797,6 @@ def main(cfg):
     device = resolve_device(cfg.device, local_rank)
     dtype = resolve_dtype(cfg.dtype, device)
     accum = split_accumulation(cfg.gradient_accumulation_steps, world_size)
-    out_dir = Path(cfg.out_dir)
     with contextlib.ExitStack() as stack:
         if world_size > 1:
             if device.type == "cuda":
@@ -755,27 +811,13 @@ def main(cfg):
 
         folder = find_dataset(cfg.dataset, cfg.data_dir, cfg.data_options, rank, local_rank, world_size)
         meta = prepare_data.load_meta(folder)
-        ckpt = load_checkpoint(out_dir / "ckpt.pt") if cfg.init_from == "resume" else None
-        if ckpt is not None:  # the checkpoint decides the model; say so if the settings given differ
-            changed = [f"{k}={ckpt['model_config'][k]!r}" for k in MODEL_KEYS if getattr(cfg, k) != ckpt["model_config"][k]]
-            if changed:
-                log(f"note: resuming with the checkpoint's model settings: {', '.join(changed)}")
-            cfg = replace(cfg, **{k: ckpt["model_config"][k] for k in MODEL_KEYS})
-        objective, vocab_size, meta_out = make_objective(cfg.arch, meta, cfg.mask_prob)
-        if ckpt is not None:
-            if ckpt["meta"]["tokenizer"] != meta["tokenizer"]:
-                raise ConfigError(f"{out_dir / 'ckpt.pt'} was trained on other data than dataset={cfg.dataset} (another tokenizer)")
-            raw_model, meta_out = model_from_checkpoint(ckpt).train(), ckpt["meta"]
-        elif cfg.init_from == "scratch":
-            raw_model = build_model(cfg.model_config(vocab_size, objective.pad_id))
-        else:
-            raw_model = pretrained_gpt2(cfg.init_from, cfg.arch, meta, cfg.dropout, cfg.block_size)
-            cfg = replace(cfg, **{k: getattr(raw_model.config, k) for k in MODEL_KEYS})
+        cfg, raw_model, objective, meta_out, ckpt = init_model(cfg, meta)
         splits = load_splits(folder, meta, cfg.block_size)
         raw_model.to(device)
-        optimizer, summary = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
+        betas = (cfg.beta1, cfg.beta2)
+        optimizer, summary = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, device.type)
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        generator = torch.Generator().manual_seed(cfg.seed)  # the training data stream: identical on every rank
+        generator = torch.Generator().manual_seed(cfg.seed)  # the training data stream: the same on every rank
         start_iter, best_val_loss = 0, math.inf
         if ckpt is not None:
             optimizer.load_state_dict(ckpt["optimizer"])
@@ -783,26 +825,26 @@ def main(cfg):
                 scaler.load_state_dict(ckpt["scaler"])
             generator.set_state(ckpt["sampler"]["generator"])
             start_iter, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
-        tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
-        log(f"{cfg.arch} on {folder.name}: {raw_model.num_params():,} parameters, vocab {vocab_size:,}, {device} {str(dtype)[6:]}, "
-            f"{world_size} rank(s); global batch {cfg.batch_size * cfg.gradient_accumulation_steps} sequences "
-            f"(~{tokens_per_step:,} tokens) = {cfg.batch_size} x {accum} micro-steps x {world_size} rank(s)")
+        sequences = cfg.batch_size * cfg.gradient_accumulation_steps
+        log(f"{cfg.arch} on {folder.name}: {raw_model.num_params():,} parameters, {device} {str(dtype)[6:]}, "
+            f"{world_size} rank(s); {sequences} sequences per step ({cfg.batch_size} x {accum} micro-batches x "
+            f"{world_size} rank(s))")
         log(summary)
 
         model = raw_model
         if cfg.compile or cfg.compile is None and device.type == "cuda":
-            example = get_batch(splits["train"], objective, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(0))[0]
+            example, _ = get_batch(splits["train"], objective, cfg.batch_size, cfg.block_size, torch.Generator())
             model = compile_model(raw_model, example, device, dtype)
         eval_model = model  # evaluation runs outside DDP: ranks may see different numbers of eval batches
         if world_size > 1:
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         if ckpt is not None:
-            rng = ckpt["rng"]
-            if len(rng) == world_size:
-                set_rng_state(rng[rank])
+            if len(ckpt["rng"]) == world_size:
+                set_rng_state(ckpt["rng"][rank])
             else:
-                log(f"note: the checkpoint has RNG states for {len(rng)} rank(s), not {world_size}: dropout restarts from seed")
-        is_writer = rank == 0 and not cfg.eval_only
+                log(f"note: the checkpoint has RNG states for {len(ckpt['rng'])} rank(s), not {world_size}; "
+                    "dropout restarts from the seed")
+        out_dir, is_writer = Path(cfg.out_dir), rank == 0 and not cfg.eval_only
         scalars = Scalars(cfg, is_writer)
         stack.callback(scalars.close)
         if is_writer:
@@ -831,10 +873,12 @@ def main(cfg):
                 if iter_num > start_iter and result["val"] < best_val_loss:
                     best_val_loss = result["val"]
                     if rank == 0:
-                        save_checkpoint(weights_state(raw_model, cfg, meta_out, iter_num, best_val_loss), out_dir / "best.pt")
+                        state = weights_state(raw_model, cfg, meta_out, iter_num, best_val_loss)
+                        save_checkpoint(state, out_dir / "best.pt")
                     saved.append("best.pt")
-                if iter_num > start_iter and cfg.always_save_checkpoint and not last:
-                    state = training_state(raw_model, cfg, meta_out, iter_num, best_val_loss, optimizer, scaler, generator, world_size)
+                if iter_num > start_iter and cfg.always_save_checkpoint and not last:  # at the end it is saved below
+                    state = training_state(raw_model, cfg, meta_out, iter_num, best_val_loss, optimizer, scaler,
+                                           generator, world_size)
                     if rank == 0:
                         save_checkpoint(state, out_dir / "ckpt.pt")
                     saved.append("ckpt.pt")
@@ -845,44 +889,38 @@ def main(cfg):
                     break
             if last:
                 if iter_num > start_iter:
-                    state = training_state(raw_model, cfg, meta_out, iter_num, best_val_loss, optimizer, scaler, generator, world_size)
+                    state = training_state(raw_model, cfg, meta_out, iter_num, best_val_loss, optimizer, scaler,
+                                           generator, world_size)
                     if rank == 0:
                         save_checkpoint(state, out_dir / "ckpt.pt")
-                    log(f"{'stopped by ' + (stop.signal or 'a signal') if stopping else 'done'} at iteration {iter_num}: "
-                        f"saved {out_dir / 'ckpt.pt'}" + (f"; resume with --init_from=resume" if stopping else ""))
+                    how = f"stopped by {stop.signal or 'a signal to another rank'}" if stopping else "done"
+                    log(f"{how} at iteration {iter_num}: saved {out_dir / 'ckpt.pt'}"
+                        + ("; resume with --init_from=resume" if stopping else ""))
                 break
 
             start = time.perf_counter()
-            lr = get_lr(iter_num, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters, cfg.lr_schedule) if cfg.decay_lr else cfg.learning_rate
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            lr = cfg.learning_rate
+            if cfg.decay_lr:
+                lr = get_lr(iter_num, lr, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters, cfg.lr_schedule)
             # every rank draws the seeds of all the step's micro-batches and builds its own share
             seeds = micro_seeds(generator, cfg.gradient_accumulation_steps)[rank * accum : (rank + 1) * accum]
-            batches = [get_batch(splits["train"], objective, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(s)) for s in seeds]
-            n_targets, n_tokens = all_reduce([sum(count_targets(t) for _, t in batches),
-                                              sum(count_tokens(x, objective) for x, _ in batches)], device, world_size).tolist()
-            loss = accumulate_gradients(model, batches, max(n_targets, 1), world_size, device, dtype, scaler, cfg.label_smoothing)
-            loss, stop_votes = all_reduce([loss, stop.signal is not None], device, world_size).tolist()
-            loss /= max(n_targets, 1)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at iteration {iter_num + 1}; stopped before updating the weights, "
-                                         f"so the last checkpoint in {out_dir} is untouched. Lower learning_rate or raise warmup_iters")
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            iter_num, stopping = iter_num + 1, stop_votes > 0
+            batches = [get_batch(splits["train"], objective, cfg.batch_size, cfg.block_size,
+                                 torch.Generator().manual_seed(seed)) for seed in seeds]
+            loss, grad_norm, n_tokens, stopping = train_step(model, optimizer, scaler, batches, objective, lr, cfg,
+                                                             iter_num + 1, stop.signal is not None, world_size,
+                                                             device, dtype)
+            iter_num += 1
             history["losses"][iter_num] = loss
-
             window = [window[0] + time.perf_counter() - start, window[1] + 1, window[2] + n_tokens]
             if iter_num % cfg.log_interval == 0:
                 seconds, steps, tokens = window
-                values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm.item(), "perf/tokens_per_sec": tokens / seconds}
-                line = (f"iter {iter_num}/{cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | grad norm {values['train/grad_norm']:.3f} | "
-                        f"{1000 * seconds / steps:.1f} ms/iter | {tokens / seconds:,.0f} tok/s")
+                norm, speed = grad_norm.item(), tokens / seconds
+                values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm, "perf/tokens_per_sec": speed}
+                line = (f"iter {iter_num}/{cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f} | "
+                        f"{1000 * seconds / steps:.1f} ms/iter | {speed:,.0f} tok/s")
                 if device.type == "cuda":
-                    values["perf/mfu"] = raw_model.estimate_mfu(tokens / seconds / world_size, torch.cuda.get_device_name(device)) or 0.0
+                    mfu = raw_model.estimate_mfu(speed / world_size, torch.cuda.get_device_name(device))
+                    values["perf/mfu"] = mfu or 0.0
                     line += f" | mfu {values['perf/mfu']:.1%}"
                 log(f"{line} | eta {format_eta((cfg.max_iters - iter_num) * seconds / steps)}")
                 scalars.add(iter_num, values)
@@ -891,7 +929,7 @@ def main(cfg):
 
 
 def cli(argv):
-    """The command line: returns the exit status. Errors print one line: 2 for bad settings or data, 1 for a diverged run."""
+    """The command line; returns the exit status. Errors print one line: 2 bad settings or data, 1 divergence."""
     try:
         main(parse_config(TrainConfig, argv))
     except ConfigError as e:

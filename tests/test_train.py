@@ -56,7 +56,8 @@ def env(data_root):
 
 
 def tiny(data_root, out_dir, **overrides):
-    return TrainConfig(**{**TINY, "dataset": "shakespeare_char", "data_dir": data_root, "out_dir": str(out_dir), **overrides})
+    settings = {**TINY, "dataset": "shakespeare_char", "data_dir": data_root, "out_dir": str(out_dir)}
+    return TrainConfig(**{**settings, **overrides})
 
 
 def ckpt_weights(path):
@@ -71,8 +72,9 @@ def test_config_file_and_overrides_are_typed_by_field(tmp_path):
     config = tmp_path / "c.py"
     config.write_text('"""a docstring is fine"""\nn_layer = 4  # comments too\nlearning_rate = 1e-3\nbias = True\n'
                       'data_options = {"num_train": 10}\ndropout = 0.2\n')
-    cfg = parse_config(TrainConfig, [str(config), "--dropout=0", "--learning_rate", "2", "--init_from=a=b", "--d_ff=None",
-                                     "--compile=false", "--eval_only", "--n_head", "2", "--min_lr=-0", "--max_iters=1e4"])
+    overrides = ["--dropout=0", "--learning_rate", "2", "--init_from=a=b", "--d_ff=None", "--compile=false",
+                 "--eval_only", "--n_head", "2", "--min_lr=-0", "--max_iters=1e4"]
+    cfg = parse_config(TrainConfig, [str(config), *overrides])
     assert (cfg.n_layer, cfg.bias, cfg.data_options, cfg.init_from, cfg.d_ff, cfg.compile, cfg.eval_only) == (
         4, True, {"num_train": 10}, "a=b", None, False, True, )
     assert cfg.dropout == 0.0 and type(cfg.dropout) is float
@@ -158,8 +160,9 @@ def test_cli_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys
 
 def test_cli_runs_from_another_directory_and_logs_tensorboard(tmp_path, env):
     """The real entry point: configs/ found from elsewhere, exit 0, checkpoint and TensorBoard events in out_dir."""
-    run = subprocess.run([sys.executable, str(REPO / "train.py"), "configs/shakespeare.py", *SHRINK, "--tensorboard=true",
-                          "--log_interval=1", "--out_dir=out"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    argv = [sys.executable, str(REPO / "train.py"), "configs/shakespeare.py", *SHRINK, "--tensorboard=true",
+            "--log_interval=1", "--out_dir=out"]
+    run = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "iter 3/3" in run.stdout
     assert load_checkpoint(tmp_path / "out" / "ckpt.pt")["iter_num"] == 3
@@ -248,7 +251,8 @@ def test_loss_is_the_mean_over_all_targets_of_the_step():
     for mine, theirs in zip(ours, (p.grad for p in model.parameters())):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-7)
     # a mean of the two micro-batch means would weigh 3 targets like 32: clearly another number
-    means = [F.cross_entropy(logits[s].flatten(0, 1), targets[s].flatten(), ignore_index=IGNORE_INDEX) for s in (slice(0, 3), slice(3, 6))]
+    means = [F.cross_entropy(logits[s].flatten(0, 1), targets[s].flatten(), ignore_index=IGNORE_INDEX)
+             for s in (slice(0, 3), slice(3, 6))]
     assert abs((means[0] + means[1]).item() / 2 - reference.item()) > 1e-3
 
 
@@ -258,8 +262,8 @@ def test_loss_is_the_mean_over_all_targets_of_the_step():
 
 @pytest.mark.parametrize("arch, extra", [("gpt", {}), ("encoder", {"batch_size": 16})])
 def test_loss_falls_from_uniform(tmp_path, data_root, arch, extra):
-    cfg = tiny(data_root, tmp_path, arch=arch, max_iters=80, eval_interval=80, eval_iters=8, learning_rate=1e-2, min_lr=1e-3,
-               lr_decay_iters=80, **extra)
+    cfg = tiny(data_root, tmp_path, arch=arch, max_iters=80, eval_interval=80, eval_iters=8, learning_rate=1e-2,
+               min_lr=1e-3, lr_decay_iters=80, **extra)
     result = main(cfg)
     vocab_size = load_checkpoint(tmp_path / "ckpt.pt")["model_config"]["vocab_size"]
     first, last = result["evals"][0], result["evals"][-1]
@@ -272,9 +276,9 @@ def test_loss_falls_from_uniform(tmp_path, data_root, arch, extra):
 def test_seq2seq_learns_and_its_exact_match_agrees_with_the_task_solver(tmp_path, data_root):
     """Sorting short strings: the loss falls from uniform, and the logged accuracy equals one computed here by
     decoding the checkpoint greedily, one source at a time, and grading with prepare_data.solve."""
-    cfg = tiny(data_root, tmp_path, arch="encoder_decoder", dataset="sort", data_options=SORT, block_size=8, batch_size=32,
-               n_embd=64, max_iters=150, eval_interval=150, eval_iters=8, learning_rate=3e-3, min_lr=1e-4, warmup_iters=10,
-               lr_decay_iters=150, eval_accuracy_examples=100)
+    cfg = tiny(data_root, tmp_path, arch="encoder_decoder", dataset="sort", data_options=SORT, block_size=8,
+               batch_size=32, n_embd=64, max_iters=150, eval_interval=150, eval_iters=8, learning_rate=3e-3,
+               min_lr=1e-4, warmup_iters=10, lr_decay_iters=150, eval_accuracy_examples=100)
     result = main(cfg)
     first, last = result["evals"][0], result["evals"][-1]
     assert first["val"] == pytest.approx(math.log(41), abs=0.1)  # 38 characters + pad, bos, eos
@@ -301,7 +305,8 @@ def test_seq2seq_learns_and_its_exact_match_agrees_with_the_task_solver(tmp_path
 ])
 def test_exact_resume(tmp_path, data_root, extra):
     """Six steps straight == three steps, stop, resume, three more: bitwise the same losses and weights."""
-    common = dict(max_iters=6, eval_interval=2, warmup_iters=2, lr_decay_iters=6, gradient_accumulation_steps=2, **extra)
+    common = dict(max_iters=6, eval_interval=2, warmup_iters=2, lr_decay_iters=6, gradient_accumulation_steps=2,
+                  **extra)
     straight = main(tiny(data_root, tmp_path / "a", **common))
     first = main(tiny(data_root, tmp_path / "b", **{**common, "max_iters": 3}))
     second = main(tiny(data_root, tmp_path / "b", **{**common, "init_from": "resume"}))
@@ -379,8 +384,9 @@ def test_non_finite_loss_stops_with_the_iteration_and_keeps_the_checkpoint(tmp_p
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path, env):
-    process = subprocess.Popen([sys.executable, str(REPO / "train.py"), "configs/shakespeare.py", *SHRINK, "--max_iters=100000",
-                                "--log_interval=1", f"--out_dir={tmp_path}"], env=env, stdout=subprocess.PIPE, text=True)
+    argv = [sys.executable, str(REPO / "train.py"), "configs/shakespeare.py", *SHRINK, "--max_iters=100000",
+            "--log_interval=1", f"--out_dir={tmp_path}"]
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
     try:
         for line in process.stdout:
             if line.startswith("iter 3/"):
@@ -429,14 +435,14 @@ def tensorboard_scalars(folder, tag):
 
 def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, data_root, env):
     """Masked LM: micro-batches hold different numbers of targets, so the global token mean is really exercised."""
-    settings = dict(arch="encoder", batch_size=4, gradient_accumulation_steps=4, max_iters=4, eval_interval=4, eval_iters=3,
-                    log_interval=1, warmup_iters=1, dropout=0.0)
+    settings = dict(arch="encoder", batch_size=4, gradient_accumulation_steps=4, max_iters=4, eval_interval=4,
+                    eval_iters=3, log_interval=1, warmup_iters=1, dropout=0.0)
     single = main(tiny(data_root, tmp_path / "single", **settings))
     args = [f"--{k}={v}" for k, v in {**TINY, **settings}.items()] + [
         "--dataset=shakespeare_char", "--tensorboard=true", f"--out_dir={tmp_path / 'ddp'}"]
     run = torchrun(args, env)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "2 rank(s)" in run.stdout and "4 x 2 micro-steps x 2 rank(s)" in run.stdout
+    assert "2 rank(s)" in run.stdout and "4 x 2 micro-batches x 2 rank(s)" in run.stdout
     ddp_losses = tensorboard_scalars(tmp_path / "ddp", "train/loss")
     assert sorted(ddp_losses) == [1, 2, 3, 4]
     assert [ddp_losses[i] for i in range(1, 5)] == pytest.approx([single["losses"][i] for i in range(1, 5)], rel=1e-5)
@@ -448,8 +454,9 @@ def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, data_root,
 
 
 def test_ddp_indivisible_accumulation_fails_fast_on_every_rank(tmp_path, data_root, env):
-    run = torchrun([f"--{k}={v}" for k, v in TINY.items()] + ["--dataset=shakespeare_char", "--gradient_accumulation_steps=3",
-                                                              f"--out_dir={tmp_path}"], env, timeout=120)
+    args = [f"--{k}={v}" for k, v in TINY.items()]
+    run = torchrun([*args, "--dataset=shakespeare_char", "--gradient_accumulation_steps=3", f"--out_dir={tmp_path}"],
+                   env, timeout=120)
     assert run.returncode != 0
     assert run.stderr.count("gradient_accumulation_steps=3 does not divide among 2 ranks") == 2
     assert not tmp_path.joinpath("ckpt.pt").exists()
@@ -473,7 +480,8 @@ def tiny_gpt2_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def pairs_tsv(tmp_path_factory):
     """A small English-French TSV standing in for opus_books offline."""
-    words = [("cat", "chat"), ("dog", "chien"), ("house", "maison"), ("tree", "arbre"), ("book", "livre"), ("car", "voiture")]
+    words = [("cat", "chat"), ("dog", "chien"), ("house", "maison"), ("tree", "arbre"), ("book", "livre"),
+             ("car", "voiture")]
     lines = [f"the {a} sees the {b}.\tle {x} voit le {y}." for a, x in words for b, y in words for _ in range(10)]
     path = tmp_path_factory.mktemp("pairs") / "pairs.tsv"
     path.write_text("\n".join(lines) + "\n")
@@ -499,7 +507,8 @@ def test_shipped_config_runs_shrunk(config, tmp_path, data_root, tiny_gpt2_dir, 
         "reverse": [f"--data_options={REVERSE}"],
         "translation": [f"--data_options={{'input': '{pairs_tsv}', 'val_fraction': 0.1, 'test_fraction': 0.1}}"],
     }.get(config.stem, [])
-    cfg = parse_config(TrainConfig, [str(config), *SHRINK, *offline, f"--data_dir={data_root}", f"--out_dir={tmp_path}"])
+    places = [f"--data_dir={data_root}", f"--out_dir={tmp_path}"]
+    cfg = parse_config(TrainConfig, [str(config), *SHRINK, *offline, *places])
     result = main(cfg)
     assert sorted(result["losses"]) == [1, 2, 3] and all(math.isfinite(v) for v in result["losses"].values())
     assert load_checkpoint(tmp_path / "ckpt.pt")["train_config"]["dataset"] == cfg.dataset
