@@ -190,7 +190,8 @@ def plot_attention(panels, path):
     axes = fig.subplots(len(panels), heads, squeeze=False)
     for row, (title, weights, queries, keys) in zip(axes, panels):
         for h, ax in enumerate(row):
-            ax.imshow(weights[h].float().cpu().numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
+            # each map on its own scale: over many keys even a clear pattern is far from probability 1
+            ax.imshow(weights[h].float().cpu().numpy(), cmap="viridis", vmin=0.0)
             ax.set_title(f"{title}, head {h}", fontsize=8)
             if max(len(queries), len(keys)) <= 32:  # more token labels would overlap; positions are shown instead
                 ax.set_xticks(range(len(keys)), keys, fontsize=5, rotation=90)
