@@ -373,11 +373,12 @@ def find_dataset(name, data_dir, options, rank, local_rank, world_size):
         if my_turn:
             try:
                 folder = prepare_data.dataset_dir(name, data_dir)
-                if options or not prepare_data.is_prepared(folder):
-                    if name not in prepare_data.DATASETS:
-                        raise ConfigError(f"dataset={name!r} is neither prepared in {folder.parent} nor one of: "
-                                          f"{', '.join(prepare_data.DATASETS)}")
-                    log(f"preparing dataset {name} (once; it is kept in {folder.parent})")
+                ready = prepare_data.is_prepared(folder)
+                if name not in prepare_data.DATASETS and (options or not ready):
+                    raise ConfigError(f"dataset={name!r} is not one of {', '.join(prepare_data.DATASETS)}, nor a "
+                                      f"folder prepared in {folder.parent} (data_options need one of the former)")
+                if options or not ready:
+                    log(f"dataset {name}: preparing it in {folder.parent} unless up to date")
                     folder = prepare_data.prepare(name, data_dir, **options)
             except (ValueError, OSError, prepare_data.DownloadError) as e:
                 raise ConfigError(f"dataset {name}: {e}") from None

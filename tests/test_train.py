@@ -400,6 +400,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path, env):
     assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] >= 3
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")  # from inside torch.compile
 def test_compile_on_cpu(tmp_path, data_root, capsys):
     result = main(tiny(data_root, tmp_path, compile=True, max_iters=2))
     assert "torch.compile failed" not in capsys.readouterr().out
