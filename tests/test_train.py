@@ -505,6 +505,40 @@ def test_ddp_indivisible_accumulation_fails_fast_on_every_rank(tmp_path, data_ro
     assert not tmp_path.joinpath("ckpt.pt").exists()
 
 
+def child_processes(pid):
+    """Linux: the ids of the processes whose parent is pid."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # "pid (name) state ppid ..."
+        except (OSError, IndexError):
+            continue  # the process ended meanwhile
+        if parent == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's workers through /proc")
+def test_a_dead_rank_ends_the_job_instead_of_hanging(tmp_path, env):
+    args = [f"--{k}={v}" for k, v in TINY.items()] + ["--dataset=shakespeare_char", "--max_iters=100000",
+                                                      "--gradient_accumulation_steps=2", "--log_interval=1",
+                                                      f"--out_dir={tmp_path}"]
+    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                str(REPO / "train.py"), *args], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in process.stdout:
+            if line.startswith("iter 3/"):
+                break
+        workers = child_processes(process.pid)
+        assert len(workers) == 2
+        os.kill(workers[-1], signal.SIGKILL)
+        process.communicate(timeout=120)  # a hang would end here, as a failure
+    finally:
+        process.kill()
+    assert process.returncode not in (0, None)
+
+
 # -----------------------------------------------------------------------------
 # Every shipped config runs (shrunk)
 
