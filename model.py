@@ -438,7 +438,7 @@ class GPT(TransformerModel):
     @torch.no_grad()
     def generate_stream(
         self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-        stop_token=None, generator=None, use_cache=True, context_keep=None,
+        stop_token=None, generator=None, use_cache=True, context_keep=None, vocab_size=None,
     ):
         """
         Yield the next (B, 1) tokens one step at a time after the prompt idx (B, T).
@@ -448,6 +448,7 @@ class GPT(TransformerModel):
         tokens instead of one per token. context_keep=block_size is nanoGPT's crop-every-step, exact but as slow
         as no cache. Without the cache the same windows are recomputed from scratch, giving the same tokens.
         Rows that produced stop_token keep producing it; the stream ends when all rows have.
+        vocab_size: draw only ids below it, for a tokenizer smaller than the (padded) embedding, e.g. 50257 of 50304.
         """
         check_sampling_args(temperature, top_k, top_p)
         block = self.config.block_size
@@ -464,7 +465,7 @@ class GPT(TransformerModel):
             else:
                 cache = self.new_cache() if use_cache else None
                 x, _ = self.body(idx[:, start:], cache=cache)
-            logits = self.lm_head(x[:, -1])  # (B, V)
+            logits = self.lm_head(x[:, -1])[:, :vocab_size]  # (B, V)
             token = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
             if stop_token is not None:
                 token = token.masked_fill(done[:, None], stop_token)
@@ -478,7 +479,7 @@ class GPT(TransformerModel):
         """
         Continue the prompts idx (B, T) by up to max_new_tokens tokens; returns (B, T + new).
         temperature 0 is greedy; top_k keeps the k likeliest tokens, top_p the smallest set holding p of the
-        probability. Further options (stop_token, generator, use_cache, context_keep): see generate_stream.
+        probability. Further options (stop_token, generator, use_cache, context_keep, vocab_size): see generate_stream.
         """
         new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, **kwargs))
         return torch.cat([idx, *new], dim=1)

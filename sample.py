@@ -102,16 +102,16 @@ def crop_prompt(ids, block_size):
     return ids[-block_size:]
 
 
-def sample_gpt(model, prompt, cfg, stop_token, generator):
+def sample_gpt(model, prompt, cfg, stop_token, generator, vocab_size):
     """
-    Continue prompt (a list of ids) cfg.num_samples times in one batch with cfg's sampling options.
-    Returns an iterator over the (num_samples, 1) new tokens of each step; rows that reached stop_token repeat it.
+    Continue prompt (a list of ids) cfg.num_samples times in one batch with cfg's sampling options, drawing only
+    ids below vocab_size (the tokenizer's; BPE models pad their embedding to 50304). Returns an iterator over the (num_samples, 1) new tokens of each step; rows that reached stop_token repeat it.
     """
     device = next(model.parameters()).device
     idx = torch.tensor([prompt] * cfg.num_samples, dtype=torch.long, device=device)
     return model.generate_stream(
         idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
-        stop_token=stop_token, generator=generator, use_cache=cfg.use_cache,
+        stop_token=stop_token, generator=generator, use_cache=cfg.use_cache, vocab_size=vocab_size,
     )
 
 
@@ -229,7 +229,7 @@ def show_samples(model, tokenizer, meta, text, cfg, out):
         prompt = [stop] if stop is not None else tokenizer.encode("\n")
     shown = prompt if text else []
     generator = torch.Generator(next(model.parameters()).device).manual_seed(cfg.seed)
-    steps = sample_gpt(model, prompt, cfg, stop, generator)
+    steps = sample_gpt(model, prompt, cfg, stop, generator, tokenizer.vocab_size)
     stream = cfg.stream if cfg.stream is not None else cfg.num_samples == 1 and out.isatty()
     if stream:
         print_stream(steps, shown, tokenizer, stop, out)

@@ -366,3 +366,13 @@ def test_config_round_trip_rejects_unknown_keys():
     assert ModelConfig.from_dict(asdict(config)) == config
     with pytest.raises(ValueError, match="n_layers"):
         ModelConfig.from_dict({**asdict(config), "n_layers": 2})
+
+
+def test_generation_draws_only_below_vocab_size():
+    """A tokenizer smaller than the padded embedding (GPT-2's 50257 of 50304): the extra ids are never drawn."""
+    model = build_model(tiny()).eval()
+    with torch.no_grad():
+        model.lm_head.weight[20:] += 5.0  # make the ids a tokenizer could not decode the likeliest ones
+    out = model.generate(tokens(4, 3), 30, temperature=1.0, generator=torch.Generator().manual_seed(0), vocab_size=20)
+    assert out[:, 3:].max() < 20
+    assert model.generate(tokens(4, 3), 5, temperature=1.0)[:, 3:].max() >= 20  # without the limit they dominate
