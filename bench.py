@@ -1,0 +1,129 @@
+"""
+Performance numbers in one table: training throughput (and MFU on a GPU), time to a target validation loss,
+the best validation loss within a time budget, and sampling speed with and without the KV cache.
+
+    python bench.py                                  # the quick start, configs/shakespeare.py
+    python bench.py --config=configs/shakespeare_gpu.py --target_loss=1.47 --budget=600
+    python bench.py --parts=sample --out_dir=out-shakespeare
+
+Each training run is a real `python train.py CONFIG` process, timed from its launch, so compilation, data
+preparation and evaluation all count. Numbers vary from run to run: each is the median of several, with the spread.
+"""
+
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sample import sampling_speed
+from train import load_checkpoint, model_from_checkpoint, parse_config
+
+ROOT = Path(__file__).resolve().parent
+
+
+@dataclass
+class BenchConfig:
+    config: str = "configs/shakespeare.py"  # the training config to measure
+    runs: int = 3  # full training runs, for time-to-target and best loss (median and spread over them)
+    target_loss: float = 1.88  # time-to-quality: seconds until the first evaluation at or below this val loss
+    budget: float = 120.0  # best val loss among evaluations within this many seconds of the launch
+    train_args: str = ""  # extra train.py overrides for every run, e.g. "--device=cpu --compile=true"
+    parts: str = "train,sample"  # what to measure: train (the runs above), sample (speed of generation)
+    out_dir: str = ""  # sample only: a checkpoint folder to sample from; "": the last training run's
+    samples: int = 5  # sampling: continuations drawn
+    sample_tokens: int = 500  # sampling: tokens per continuation
+    repeats: int = 5  # sampling: timed repeats of each way of sampling
+
+
+def summary(values, fmt):
+    """median (min-max) of values, each formatted with fmt."""
+    values = sorted(values)
+    return f"{fmt.format(statistics.median(values))} ({fmt.format(values[0])}-{fmt.format(values[-1])})"
+
+
+def timed_run(cfg, out_dir):
+    """
+    One `python train.py` process. Returns (evals: [(seconds since launch, iter, val loss)],
+    tokens/s of every progress line, MFU of every progress line, total seconds).
+    """
+    command = [sys.executable, str(ROOT / "train.py"), cfg.config, f"--out_dir={out_dir}", "--tensorboard=false"]
+    command += cfg.train_args.split()
+    begin = time.perf_counter()
+    evals, speeds, mfus = [], [], []
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            if m := re.match(r"eval (\d+): .*val loss ([\d.]+)", line):
+                evals.append((time.perf_counter() - begin, int(m[1]), float(m[2])))
+            if m := re.search(r"\| ([\d,]+) tok/s", line):
+                speeds.append(float(m[1].replace(",", "")))
+            if m := re.search(r"\| mfu ([\d.]+)%", line):
+                mfus.append(float(m[1]))
+    if proc.returncode:
+        raise SystemExit(f"error: {' '.join(command)} failed with exit status {proc.returncode}")
+    return evals, speeds, mfus, time.perf_counter() - begin
+
+
+def bench_training(cfg, work):
+    rows, reached, best, finals, walls, speeds, mfus = [], [], [], [], [], [], []
+    for run in range(cfg.runs):
+        evals, run_speeds, run_mfus, wall = timed_run(cfg, work / f"run{run}")
+        speeds += run_speeds[1:]  # the first progress line includes warm-up (and compilation)
+        mfus += run_mfus[1:]
+        hits = [seconds for seconds, _, loss in evals if loss <= cfg.target_loss]
+        reached.append(hits[0] if hits else float("inf"))
+        best.append(min((loss for seconds, _, loss in evals if seconds <= cfg.budget), default=float("inf")))
+        finals.append(evals[-1][2])
+        walls.append(wall)
+    rows.append(("training tokens/s (per progress line)", summary(speeds, "{:,.0f}")))
+    if mfus:
+        rows.append(("MFU %", summary(mfus, "{:.1f}")))
+    rows.append((f"seconds to val loss <= {cfg.target_loss}", summary(reached, "{:.1f}")))
+    rows.append((f"best val loss within {cfg.budget:.0f} s", summary(best, "{:.4f}")))
+    rows.append(("final val loss", summary(finals, "{:.4f}")))
+    rows.append(("wall seconds per run", summary(walls, "{:.1f}")))
+    return rows
+
+
+def bench_sampling(cfg, out_dir):
+    ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
+    model = model_from_checkpoint(ckpt)
+    prompt = [0]  # the speed does not depend on the prompt's content
+    args = (model, prompt, cfg.samples, cfg.sample_tokens)
+    cached = sampling_speed(*args, use_cache=True, batched=True, repeats=cfg.repeats)
+    uncached = sampling_speed(*args, use_cache=False, batched=False, repeats=cfg.repeats)
+    what = f"{cfg.samples} x {cfg.sample_tokens} tokens"
+    return [
+        (f"sampling tokens/s, KV cache, batched ({what})", summary(cached, "{:,.0f}")),
+        (f"sampling tokens/s, no cache, one at a time ({what})", summary(uncached, "{:,.0f}")),
+        ("sampling speedup (medians)", f"{statistics.median(cached) / statistics.median(uncached):.1f}x"),
+    ]
+
+
+def main(argv):
+    try:
+        cfg = parse_config(BenchConfig, argv)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    parts = set(cfg.parts.split(","))
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
+    rows = [("config", cfg.config), ("device", device), ("torch", torch.__version__)]
+    with tempfile.TemporaryDirectory() as work:
+        if "train" in parts:
+            rows += bench_training(cfg, Path(work))
+        if "sample" in parts:
+            rows += bench_sampling(cfg, cfg.out_dir or Path(work) / f"run{cfg.runs - 1}")
+    width = max(len(name) for name, _ in rows)
+    print(f"| {'measure':<{width}} | median (min-max) |")
+    print(f"|{'-' * (width + 2)}|------------------|")
+    for name, value in rows:
+        print(f"| {name:<{width}} | {value} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
