@@ -42,8 +42,10 @@ class BenchConfig:
 
 
 def summary(values, fmt):
-    """median (min-max) of values, each formatted with fmt."""
+    """median (min-max) of values, each formatted with fmt; n/a when there are none."""
     values = sorted(values)
+    if not values:
+        return "n/a"
     return f"{fmt.format(statistics.median(values))} ({fmt.format(values[0])}-{fmt.format(values[-1])})"
 
 
@@ -78,7 +80,7 @@ def bench_training(cfg, work):
         hits = [seconds for seconds, _, loss in evals if loss <= cfg.target_loss]
         reached.append(hits[0] if hits else float("inf"))
         best.append(min((loss for seconds, _, loss in evals if seconds <= cfg.budget), default=float("inf")))
-        finals.append(evals[-1][2])
+        finals += [evals[-1][2]] if evals else []
         walls.append(wall)
     rows.append(("training tokens/s (per progress line)", summary(speeds, "{:,.0f}")))
     if mfus:
@@ -92,7 +94,7 @@ def bench_training(cfg, work):
 
 def bench_sampling(cfg, out_dir):
     ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
-    model = model_from_checkpoint(ckpt)
+    model = model_from_checkpoint(ckpt).to("cuda" if torch.cuda.is_available() else "cpu")
     prompt = [0]  # the speed does not depend on the prompt's content
     args = (model, prompt, cfg.samples, cfg.sample_tokens)
     cached = sampling_speed(*args, use_cache=True, batched=True, repeats=cfg.repeats)

@@ -451,6 +451,8 @@ class GPT(TransformerModel):
         vocab_size: draw only ids below it, for a tokenizer smaller than the (padded) embedding, e.g. 50257 of 50304.
         """
         check_sampling_args(temperature, top_k, top_p)
+        if idx.size(1) == 0:
+            raise ValueError("the prompt is empty: start from at least one token, e.g. the end-of-text id")
         block = self.config.block_size
         keep = block // 2 if context_keep is None else context_keep
         if not 1 <= keep <= block:
@@ -645,8 +647,9 @@ class EncoderDecoder(TransformerModel):
 
         results = []
         for b in range(B):
-            if not finished[b]:  # ran out of steps: rank the live beams the same way
-                finished[b] = [(normalise(s, seqs.size(1) - 1), seqs[b * K + j, 1:].tolist()) for j, s in enumerate(scores[b].tolist())]
+            if len(finished[b]) < K:  # ran out of steps: the live beams compete with the finished ones
+                live = [(normalise(s, seqs.size(1) - 1), seqs[b * K + j, 1:].tolist()) for j, s in enumerate(scores[b].tolist())]
+                finished[b] += [hyp for hyp in live if hyp[0] > float("-inf")]
             results.append(max(finished[b], key=lambda hyp: hyp[0])[1])
         out = torch.full((B, max(map(len, results))), self._fill(eos_id), dtype=torch.long, device=src.device)
         for b, tokens in enumerate(results):
@@ -709,6 +712,9 @@ def load_gpt2(cls, name_or_path, overrides):
         "activation": "gelu_tanh", "tie_embeddings": True, "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
         **overrides,
     })
+    if config.block_size > hf["n_positions"]:
+        raise ValueError(f"block_size={config.block_size} is longer than the {hf['n_positions']} positions "
+                         f"{name_or_path} was trained with; use block_size <= {hf['n_positions']}")
     hf_state = read_state_dict(path)
     # GPT2LMHeadModel prefixes "transformer."; a bare GPT2Model does not. The attention-mask buffers are not weights.
     hf_state = {k.removeprefix("transformer."): v for k, v in hf_state.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}

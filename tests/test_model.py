@@ -376,3 +376,29 @@ def test_generation_draws_only_below_vocab_size():
     out = model.generate(tokens(4, 3), 30, temperature=1.0, generator=torch.Generator().manual_seed(0), vocab_size=20)
     assert out[:, 3:].max() < 20
     assert model.generate(tokens(4, 3), 5, temperature=1.0)[:, 3:].max() >= 20  # without the limit they dominate
+
+
+class LongBeamDecoder(TableDecoder):
+    """One hypothesis ends at once with p=0.1; the live ones never end but stay far likelier."""
+
+    TABLE = {BOS: {3: 0.85, EOS: 0.10, 4: 0.05}, 3: {3: 0.98, 4: 0.0199, EOS: 0.0001}, 4: {4: 0.98, 3: 0.0199, EOS: 0.0001}}
+
+
+def test_beam_search_out_of_steps_keeps_better_live_beams():
+    model = LongBeamDecoder(tiny(arch="encoder_decoder")).eval()
+    # finished "eos": log 0.1 = -2.30; live "3 3 3 3": log(0.85 * 0.98^3) = -0.22, better even after normalising
+    assert model.beam_search(tokens(1, 4), 4, BOS, EOS, beam_size=2).tolist() == [[3, 3, 3, 3]]
+
+
+def test_generate_rejects_an_empty_prompt():
+    with pytest.raises(ValueError, match="prompt is empty"):
+        build_model(tiny()).generate(torch.zeros(1, 0, dtype=torch.long), 3)
+
+
+def test_from_pretrained_rejects_a_longer_block_size(tmp_path):
+    import transformers
+
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_positions=8, n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path)
+    assert GPT.from_pretrained(tmp_path, block_size=4).config.block_size == 4
+    with pytest.raises(ValueError, match="block_size=16 is longer than the 8 positions"):
+        GPT.from_pretrained(tmp_path, block_size=16)
