@@ -362,6 +362,10 @@ class TransformerModel(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, 0.02)
 
+    def key_mask(self, idx):
+        """(B, T) bool, True at real tokens; None when the model has no pad_token_id."""
+        return None if self.config.pad_token_id is None else idx != self.config.pad_token_id
+
     def _loss(self, logits, targets):
         if targets is None:
             return None
@@ -512,9 +516,6 @@ class Encoder(TransformerModel):
         if config.tie_embeddings:
             self.lm_head.weight = self.body.wte.weight
 
-    def key_mask(self, idx):
-        return None if self.config.pad_token_id is None else idx != self.config.pad_token_id
-
     def forward(self, idx, targets=None):
         """idx: (B, T) with masked positions; targets: the original ids there, IGNORE_INDEX elsewhere."""
         x, _ = self.body(idx, key_mask=self.key_mask(idx))
@@ -539,9 +540,6 @@ class EncoderDecoder(TransformerModel):
         self._init_weights()
         if config.tie_embeddings:
             self.lm_head.weight = self.decoder.wte.weight
-
-    def key_mask(self, src):
-        return None if self.config.pad_token_id is None else src != self.config.pad_token_id
 
     def encode(self, src):
         """src: (B, S). Returns (memory (B, S, C), source key mask (B, S) or None)."""

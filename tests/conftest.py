@@ -5,9 +5,22 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 # the project is a flat layout: make its modules importable however pytest is started
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """
+    Tiny models spend their time in per-op overhead, which a second thread only adds to; on cores shared with
+    other jobs, two spinning threads per op made the training and sampling tests over ten times slower.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ import math
 import re
 import subprocess
 import sys
-from contextlib import contextmanager
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -23,24 +22,6 @@ SEPARATOR = "\n" + "-" * 15 + "\n"  # what sample.py prints between samples
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
 
 
-@contextmanager
-def one_thread():
-    # Tiny models spend their time in per-op overhead, which a second thread only adds to; on cores shared with
-    # other jobs, two spinning threads per op made these tests over ten times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_threaded():
-    with one_thread():
-        yield
-
-
 def train_tiny(out_dir, data_dir, dataset, arch, **overrides):
     """A few optimizer steps of train.py on a 2-layer, 32-wide model: a real checkpoint, quickly."""
     cfg = train.TrainConfig(
@@ -48,8 +29,7 @@ def train_tiny(out_dir, data_dir, dataset, arch, **overrides):
         gradient_accumulation_steps=1, max_iters=20, eval_interval=20, eval_iters=1, log_interval=100, learning_rate=1e-2,
         min_lr=1e-3, warmup_iters=0, lr_decay_iters=20, device="cpu", tensorboard=False, compile=False, **overrides,
     )
-    with one_thread():  # session fixtures are set up before the module's single_threaded
-        train.main(cfg)
+    train.main(cfg)
     return out_dir
 
 

@@ -35,15 +35,6 @@ SHRINK = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--d_ff=None", "--block_si
           "--eval_accuracy_examples=8", "--device=cpu", "--dtype=float32", "--compile=false", "--tensorboard=false"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run best on one thread, and do not stall when other processes hold the other cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
