@@ -19,7 +19,7 @@ import prepare_data
 from model import IGNORE_INDEX, ModelConfig, build_model
 from train import (
     MODEL_KEYS, ConfigError, Objective, TrainConfig, accumulate_gradients, cli, get_lr, load_checkpoint, main,
-    mask_tokens, model_from_checkpoint, parse_config, save_checkpoint, seq2seq_batch, split_accumulation,
+    mask_tokens, model_from_checkpoint, parse_config, save_checkpoint, seq2seq_batch, split_accumulation, update_ema,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,8 +54,8 @@ def tiny(data_root, out_dir, **overrides):
     return TrainConfig(**{**settings, **overrides})
 
 
-def ckpt_weights(path):
-    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+def ckpt_weights(path, key="model"):
+    return torch.load(path, map_location="cpu", weights_only=True)[key]
 
 
 # -----------------------------------------------------------------------------
@@ -296,6 +296,7 @@ def test_seq2seq_learns_and_its_exact_match_agrees_with_the_task_solver(tmp_path
     {"arch": "encoder", "dropout": 0.1},
     {"arch": "encoder_decoder", "dataset": "reverse", "data_options": REVERSE, "dropout": 0.1, "label_smoothing": 0.1,
      "eval_accuracy_examples": 4},
+    {"arch": "gpt", "ema_decay": 0.9},
 ])
 def test_exact_resume(tmp_path, data_root, extra):
     """Six steps straight == three steps, stop, resume, three more: bitwise the same losses and weights."""
@@ -306,8 +307,40 @@ def test_exact_resume(tmp_path, data_root, extra):
     second = main(tiny(data_root, tmp_path / "b", **{**common, "init_from": "resume"}))
     assert sorted(second["losses"]) == [4, 5, 6]
     assert {**first["losses"], **second["losses"]} == straight["losses"]
-    a, b = ckpt_weights(tmp_path / "a" / "ckpt.pt"), ckpt_weights(tmp_path / "b" / "ckpt.pt")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for key in ("model", "train_model") if "ema_decay" in extra else ("model",):
+        a, b = ckpt_weights(tmp_path / "a" / "ckpt.pt", key), ckpt_weights(tmp_path / "b" / "ckpt.pt", key)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_update_ema_is_the_weighted_average_of_past_weights():
+    """Against the closed form in float64: ema_n = prod(d_i) * w_0 + sum_i (1 - d_i) * prod_{j > i} d_j * w_i."""
+    torch.manual_seed(0)
+    model, decay = torch.nn.Linear(3, 2), 0.8
+    ema = torch.nn.Linear(3, 2).requires_grad_(False)
+    ema.load_state_dict(model.state_dict())
+    history = [model.weight.detach().double().clone()]
+    for step in range(1, 31):
+        with torch.no_grad():
+            model.weight.add_(torch.randn(2, 3))
+        history.append(model.weight.detach().double().clone())
+        update_ema(ema, model, decay, step)
+    d = [min(decay, (1 + i) / (10 + i)) for i in range(1, 31)]  # d[i - 1] mixes in the weights after step i
+    expected = math.prod(d) * history[0]
+    for i in range(1, 31):
+        expected = expected + (1 - d[i - 1]) * math.prod(d[i:]) * history[i]
+    torch.testing.assert_close(ema.weight.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_ema_is_what_is_evaluated_saved_and_resumed(tmp_path, data_root):
+    trained = main(tiny(data_root, tmp_path, max_iters=6, ema_decay=0.5))
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert not torch.equal(ckpt["model"]["lm_head.weight"], ckpt["train_model"]["lm_head.weight"])
+    best = torch.load(tmp_path / "best.pt", weights_only=True)
+    assert all(torch.equal(best["model"][k], ckpt["model"][k]) for k in best["model"])  # the average, not the raw
+    evaluated = main(tiny(data_root, tmp_path, init_from="resume", eval_only=True, ema_decay=0.5))
+    assert evaluated["evals"][0]["val"] == pytest.approx(trained["evals"][-1]["val"], rel=1e-6)
+    raw = main(tiny(data_root, tmp_path, init_from="resume", eval_only=True))  # ema_decay=0: the optimizer's weights
+    assert raw["evals"][0]["val"] != pytest.approx(trained["evals"][-1]["val"], rel=1e-6)
 
 
 def test_checkpoints_load_safely_and_describe_the_run(tmp_path, data_root):
