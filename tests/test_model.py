@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from model import (
-    ARCHS, IGNORE_INDEX, Attention, EncoderDecoder, GPT, KVCache, ModelConfig, build_model, sample_next,
+    ARCHS, IGNORE_INDEX, MLP, Attention, EncoderDecoder, GPT, KVCache, ModelConfig, build_model, sample_next,
 )
 
 POS = ("learned", "sinusoidal", "rope")
@@ -204,6 +204,22 @@ def test_attention_against_float64_loop():
         for b, t, s in itertools.product(range(2), range(5), range(weights.size(-1))):
             if not allowed(b, t, s):
                 assert (weights[b, :, t, s] == 0).all()
+
+
+@pytest.mark.parametrize("activation, reference", [
+    ("relu", F.relu), ("gelu", F.gelu), ("gelu_tanh", lambda h: F.gelu(h, approximate="tanh"))])
+def test_mlp_output_and_gradients_against_float64(activation, reference):
+    """The in-place ReLU must leave autograd intact: values and all three gradients match a float64 formula."""
+    mlp = MLP(tiny(activation=activation, bias=True))
+    x = torch.randn(3, 5, 32, requires_grad=True)
+    mlp(x).square().sum().backward()
+    w1, b1, w2, b2 = (p.detach().double().requires_grad_() for p in (*mlp.fc.parameters(), *mlp.proj.parameters()))
+    x64 = x.detach().double().requires_grad_()
+    y = reference(x64 @ w1.T + b1) @ w2.T + b2
+    y.square().sum().backward()
+    torch.testing.assert_close(mlp(x).double(), y, rtol=1e-5, atol=1e-5)
+    for got, want in [(x.grad, x64.grad), (mlp.fc.weight.grad, w1.grad), (mlp.proj.weight.grad, w2.grad)]:
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
 
 
 def test_cached_queries_shorter_than_keys_see_all_earlier_positions():
