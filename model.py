@@ -244,7 +244,7 @@ class Attention(nn.Module):
 # MLP and block
 
 def make_activation(name):
-    if name == "relu":  # in place: the Linear before it does not keep its output, so one buffer less per layer
+    if name == "relu":  # in place: nothing else needs the Linear's output, so no second buffer to allocate and fill
         return nn.ReLU(inplace=True)
     return nn.GELU(approximate="tanh" if name == "gelu_tanh" else "none")
 

@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import prepare_data
 from model import GPT, IGNORE_INDEX, ModelConfig, build_model
 
-FORMAT_VERSION = 1  # of checkpoints; a checkpoint with a larger number needs newer code
+FORMAT_VERSION = 2  # of checkpoints; a checkpoint with a larger number needs newer code. 2: train_model
 # ModelConfig fields a TrainConfig sets directly; the vocabulary and padding id come from the dataset
 MODEL_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name not in ("vocab_size", "pad_token_id"))
 BOOL_WORDS = types.MappingProxyType({"true": True, "false": False, "1": True, "0": False})  # read-only
@@ -327,12 +327,12 @@ def keep_freed_memory():
     faults of touching them again cost 5-15% of a small model's step (README, Performance). No-op without glibc.
     """
     try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # macOS, Windows, musl
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # macOS, Windows, musl, or a C library without mallopt
         return
     m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
-    libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum: blocks up to 32 MiB come from the reusable heap
-    libc.mallopt(m_trim_threshold, 1 << 30)  # and up to 1 GiB of freed heap is kept rather than returned
+    mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum: blocks up to 32 MiB come from the reusable heap
+    mallopt(m_trim_threshold, 1 << 30)  # and up to 1 GiB of freed heap is kept rather than returned
 
 
 def split_accumulation(steps, world_size):
@@ -776,10 +776,10 @@ def init_model(cfg, meta):
     objective, vocab_size, meta_out = make_objective(cfg.arch, meta, cfg.mask_prob)
     if ckpt is not None:
         model = model_from_checkpoint(ckpt)
-        if "train_model" in ckpt:  # trained with ema_decay: "model" is the average, these are the optimizer's weights
-            model.load_state_dict(ckpt["train_model"])
+        if "train_model" in ckpt and not cfg.eval_only:  # trained with ema_decay: "model" is the average,
+            model.load_state_dict(ckpt["train_model"])  # these are the optimizer's weights (eval_only: the average)
             if not cfg.ema_decay:
-                log("note: the checkpoint's moving average of the weights is dropped (ema_decay=0)")
+                log("note: training goes on from the un-averaged weights; their average is dropped (ema_decay=0)")
         return cfg, model.train(), objective, ckpt["meta"], ckpt
     if cfg.init_from == "scratch":
         return cfg, build_model(cfg.model_config(vocab_size, objective.pad_id)), objective, meta_out, None
@@ -859,12 +859,6 @@ def main(cfg):
         cfg, raw_model, objective, meta_out, ckpt = init_model(cfg, meta)
         splits = load_splits(folder, meta, cfg.block_size)
         raw_model.to(device)
-        ema_model = None  # with ema_decay: the moving average of raw_model's weights
-        if cfg.ema_decay:
-            ema_model = copy.deepcopy(raw_model).eval().requires_grad_(False)
-            if ckpt is not None and "train_model" in ckpt:
-                ema_model.load_state_dict(ckpt["model"])
-        kept_model = raw_model if ema_model is None else ema_model  # what is evaluated, saved as "model", sampled
         if device.type == "cpu":
             keep_freed_memory()
         betas = (cfg.beta1, cfg.beta2)
@@ -888,9 +882,15 @@ def main(cfg):
         if cfg.compile or cfg.compile is None and device.type == "cuda":
             example, _ = get_batch(splits["train"], objective, cfg.batch_size, cfg.block_size, torch.Generator())
             model = compile_model(raw_model, example, device, dtype)
-        eval_model = model if ema_model is None else ema_model  # outside DDP: ranks may see different eval batches
-        if world_size > 1:
+        eval_model = model  # evaluation runs outside DDP: ranks may see different numbers of eval batches
+        if world_size > 1:  # DDP also gives every rank rank 0's initial weights
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ema_model = None  # with ema_decay: the moving average of raw_model's weights, from the same start on all ranks
+        if cfg.ema_decay:
+            ema_model = eval_model = copy.deepcopy(raw_model).eval().requires_grad_(False)
+            if ckpt is not None and "train_model" in ckpt:
+                ema_model.load_state_dict(ckpt["model"])
+        kept_model = raw_model if ema_model is None else ema_model  # what is evaluated, saved as "model", sampled
         if ckpt is not None:
             if len(ckpt["rng"]) == world_size:
                 set_rng_state(ckpt["rng"][rank])

@@ -1,5 +1,5 @@
 # Character-level tiny Shakespeare: the quick start. On a 2-core CPU it passes val loss 1.88 in about 30 s
-# and ends near 1.64 after about 2 minutes; on a GPU it is done in seconds.
+# and ends near 1.65 after about 2 minutes; on a GPU it is done in seconds.
 # python train.py configs/shakespeare.py, then python sample.py --out_dir=out-shakespeare
 #
 # Tuned for time-to-quality on 2 CPU cores (fp32); the measurements are in the README's Performance section.
