@@ -97,13 +97,16 @@ def bench_sampling(cfg, out_dir):
     model = model_from_checkpoint(ckpt).to("cuda" if torch.cuda.is_available() else "cpu")
     prompt = [0]  # the speed does not depend on the prompt's content
     args = (model, prompt, cfg.samples, cfg.sample_tokens)
-    cached = sampling_speed(*args, use_cache=True, batched=True, repeats=cfg.repeats)
-    uncached = sampling_speed(*args, use_cache=False, batched=False, repeats=cfg.repeats)
+    cached, uncached = [], []
+    for _ in range(cfg.repeats):  # in turns, so that the machine's drift in speed hits both ways alike
+        cached += sampling_speed(*args, use_cache=True, batched=True, repeats=1)
+        uncached += sampling_speed(*args, use_cache=False, batched=False, repeats=1)
     what = f"{cfg.samples} x {cfg.sample_tokens} tokens"
     return [
         (f"sampling tokens/s, KV cache, batched ({what})", summary(cached, "{:,.0f}")),
         (f"sampling tokens/s, no cache, one at a time ({what})", summary(uncached, "{:,.0f}")),
-        ("sampling speedup (medians)", f"{statistics.median(cached) / statistics.median(uncached):.1f}x"),
+        ("sampling speedup (each cached run over the uncached run after it)",
+         summary([c / u for c, u in zip(cached, uncached)], "{:.1f}x")),
     ]
 
 

@@ -1,4 +1,4 @@
-# Character-level tiny Shakespeare: the quick start. On a 2-core CPU it passes val loss 1.88 in about 30 s
+# Character-level tiny Shakespeare: the quick start. On a 2-core CPU it passes val loss 1.88 in about 25 s
 # and ends near 1.65 after about 2 minutes; on a GPU it is done in seconds.
 # python train.py configs/shakespeare.py, then python sample.py --out_dir=out-shakespeare
 #

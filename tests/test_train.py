@@ -5,6 +5,7 @@ import dataclasses
 import math
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -622,3 +623,23 @@ def test_shipped_config_runs_shrunk(config, tmp_path, data_root, tiny_gpt2_dir, 
     result = main(cfg)
     assert sorted(result["losses"]) == [1, 2, 3] and all(math.isfinite(v) for v in result["losses"].values())
     assert load_checkpoint(tmp_path / "ckpt.pt")["train_config"]["dataset"] == cfg.dataset
+
+
+# -----------------------------------------------------------------------------
+# bench.py
+
+
+def test_bench_prints_every_measure(tmp_path, env):
+    """The table's rows and their formats; the numbers themselves are the machine's business, not a test's."""
+    train_args = " ".join([*SHRINK, "--log_interval=1", "--dataset=shakespeare_char"])
+    run = subprocess.run([sys.executable, str(REPO / "bench.py"), "--runs=2", "--repeats=2", "--samples=2",
+                          "--sample_tokens=8", "--target_loss=10", "--budget=600", f"--train_args={train_args}"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = dict(line.strip("|").split("|")[:2] for line in run.stdout.splitlines()[2:])
+    rows = {name.strip(): value.strip() for name, value in rows.items()}
+    number = r"[\d,.]+ \([\d,.]+-[\d,.]+\)"  # median (min-max)
+    assert re.fullmatch(number, rows["training tokens/s (per progress line)"])
+    assert re.fullmatch(number, rows["seconds to val loss <= 10.0"])  # the first evaluation, at step 0, is below 10
+    assert re.fullmatch(number, rows["best val loss within 600 s"])
+    assert re.fullmatch(r"[\d.]+x \([\d.]+x-[\d.]+x\)", rows[next(k for k in rows if k.startswith("sampling speedup"))])
