@@ -814,15 +814,16 @@ def train_step(model, optimizer, scaler, batches, objective, lr, cfg, iteration,
     return loss, grad_norm, n_tokens, stop_votes > 0
 
 
-def update_ema(ema_model, model, decay, step):
+def update_ema(averages, weights, decay, step):
     """
-    After optimizer step number `step`: ema = d * ema + (1 - d) * weights with d = min(decay, (1 + step) / (10 + step)),
-    so the average soon forgets the first weights and then spans about 1 / (1 - decay) steps. Evaluated mid-run,
-    the average is about as good as the weights would be after a learning-rate decay, without the decay.
+    After optimizer step number `step`: average = d * average + (1 - d) * weight for each pair of tensors of the
+    lists, with d = min(decay, (1 + step) / (10 + step)), so the average soon forgets the first weights and then
+    spans about 1 / (1 - decay) steps. Evaluated mid-run, the average is about as good as the weights would be
+    after a learning-rate decay, without the decay.
     """
     d = min(decay, (1 + step) / (10 + step))
     with torch.no_grad():  # one fused lerp over all tensors (what torch.optim.swa_utils uses): 3x faster than a loop
-        torch._foreach_lerp_(list(ema_model.parameters()), list(model.parameters()), 1 - d)
+        torch._foreach_lerp_(averages, weights, 1 - d)
 
 
 def format_eta(seconds):
@@ -890,6 +891,7 @@ def main(cfg):
             ema_model = eval_model = copy.deepcopy(raw_model).eval().requires_grad_(False)
             if ckpt is not None and "train_model" in ckpt:
                 ema_model.load_state_dict(ckpt["model"])
+            ema_pairs = list(ema_model.parameters()), list(raw_model.parameters())  # listed once, not every step
         kept_model = raw_model if ema_model is None else ema_model  # what is evaluated, saved as "model", sampled
         if ckpt is not None:
             if len(ckpt["rng"]) == world_size:
@@ -964,7 +966,7 @@ def main(cfg):
                                                              device, dtype)
             iter_num += 1
             if ema_model is not None:
-                update_ema(ema_model, raw_model, cfg.ema_decay, iter_num)
+                update_ema(*ema_pairs, cfg.ema_decay, iter_num)
             history["losses"][iter_num] = loss
             window = [window[0] + time.perf_counter() - start, window[1] + 1, window[2] + n_tokens]
             if iter_num % cfg.log_interval == 0:

@@ -119,6 +119,7 @@ def test_config_file_cannot_run_code(tmp_path, monkeypatch, body):
     (["--n_embd=30", "--n_head=4"], "divisible by n_head"),
     (["--arch=rnn"], "arch='rnn' is not one of"),
     (["--learning_rate=0"], "learning_rate must be positive"),
+    (["--ema_decay=1"], "ema_decay must be in"),
 ])
 def test_bad_settings_are_one_line_errors(argv, message):
     with pytest.raises(ConfigError, match=message) as error:
@@ -326,7 +327,7 @@ def test_update_ema_is_the_weighted_average_of_past_weights():
         with torch.no_grad():
             model.weight.add_(torch.randn(2, 3))
         history.append(model.weight.detach().double().clone())
-        update_ema(ema, model, decay, step)
+        update_ema(list(ema.parameters()), list(model.parameters()), decay, step)
     d = [min(decay, (1 + i) / (10 + i)) for i in range(1, 31)]  # d[i - 1] mixes in the weights after step i
     expected = math.prod(d) * history[0]
     for i in range(1, 31):
