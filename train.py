@@ -29,6 +29,7 @@ import time
 import tokenize
 import types
 import typing
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path
@@ -36,11 +37,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import prepare_data
-from model import GPT, IGNORE_INDEX, ModelConfig, build_model
+from model import GPT, IGNORE_INDEX, ModelConfig, build_model, peak_flops
 
 FORMAT_VERSION = 2  # of checkpoints; a checkpoint with a larger number needs newer code. 2: train_model
 # ModelConfig fields a TrainConfig sets directly; the vocabulary and padding id come from the dataset
@@ -305,13 +306,14 @@ def resolve_device(name, local_rank):
 
 
 def resolve_dtype(name, device):
+    # V100s and T4s run bfloat16 only by emulation (slowly): they count as having none, and get float16 + scaler
+    native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if name == "auto":
-        on_cuda = device.type == "cuda"
-        name = "float32" if not on_cuda else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        name = "float32" if device.type != "cuda" else "bfloat16" if native_bf16 else "float16"
     if name == "float16" and device.type != "cuda":
         raise ConfigError(f"dtype=float16 needs CUDA (its gradient scaler); on {device.type} use bfloat16 or float32")
-    if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("this GPU has no bfloat16; use --dtype=float16")
+    if name == "bfloat16" and device.type == "cuda" and not native_bf16:
+        raise ConfigError("this GPU has no native bfloat16; use --dtype=float16")
     return getattr(torch, name)
 
 
@@ -336,7 +338,12 @@ def keep_freed_memory():
 
 
 def split_accumulation(steps, world_size):
-    """Micro-batches per rank: the global gradient_accumulation_steps shared out over the ranks."""
+    """
+    Micro-batches per rank: the global gradient_accumulation_steps shared out over the ranks. Fewer steps than
+    ranks (e.g. the quick start's 1 on 2 ranks) give each rank one micro-batch, as nanoGPT users expect.
+    """
+    if steps < world_size:
+        return 1
     if steps % world_size:
         raise ConfigError(f"gradient_accumulation_steps={steps} does not divide among {world_size} ranks; "
                           f"make it a multiple of {world_size}")
@@ -350,6 +357,20 @@ def all_reduce(values, device, world_size):
     if world_size > 1:
         dist.all_reduce(tensor)
     return tensor
+
+
+def raise_if_any_failed(error, world_size):
+    """
+    Every rank passes its one-line error (or None); if any rank failed, all raise the first rank's error at once,
+    instead of the others waiting in their next collective until dist_timeout.
+    """
+    errors = [error]
+    if world_size > 1:
+        errors = [None] * world_size
+        dist.all_gather_object(errors, error)
+    failed = next((e for e in errors if e), None)
+    if failed:
+        raise ConfigError(failed)
 
 
 class StopRequest:
@@ -386,24 +407,35 @@ class Objective:
     eos_id: int | None = None
 
 
+def prepared_dataset(name, data_dir, options):
+    """The folder of dataset `name`, prepared first if missing or out of date; ConfigError says why it cannot be."""
+    try:
+        folder = prepare_data.dataset_dir(name, data_dir)
+        if name not in prepare_data.DATASETS:  # a folder of the user's own: say what is wrong with it, if anything
+            if options:
+                raise ValueError(f"data_options need one of the datasets {', '.join(prepare_data.DATASETS)}")
+            if not folder.is_dir():
+                raise ValueError(f"not one of {', '.join(prepare_data.DATASETS)}, nor a folder in {folder.parent}")
+            prepare_data.check_prepared(folder)
+        elif options or not prepare_data.is_prepared(folder):
+            log(f"dataset {name}: preparing it in {folder.parent} unless up to date")
+            folder = prepare_data.prepare(name, data_dir, **options)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"dataset {name}: {e}") from None
+    return folder
+
+
 def find_dataset(name, data_dir, options, rank, local_rank, world_size):
     """The dataset's folder, prepared first if missing: by rank 0, then by each node's first rank, then by the rest."""
     folder = None
     for my_turn in (rank == 0, rank != 0 and local_rank == 0, local_rank != 0):
+        error = None
         if my_turn:
             try:
-                folder = prepare_data.dataset_dir(name, data_dir)
-                ready = prepare_data.is_prepared(folder)
-                if name not in prepare_data.DATASETS and (options or not ready):
-                    raise ConfigError(f"dataset={name!r} is not one of {', '.join(prepare_data.DATASETS)}, nor a "
-                                      f"folder prepared in {folder.parent} (data_options need one of the former)")
-                if options or not ready:
-                    log(f"dataset {name}: preparing it in {folder.parent} unless up to date")
-                    folder = prepare_data.prepare(name, data_dir, **options)
-            except (ValueError, OSError, prepare_data.DownloadError) as e:
-                raise ConfigError(f"dataset {name}: {e}") from None
-        if world_size > 1:  # the others wait until the files exist
-            dist.barrier()
+                folder = prepared_dataset(name, data_dir, options)
+            except ConfigError as e:
+                error = str(e)
+        raise_if_any_failed(error, world_size)  # also makes the others wait until the files exist
     return folder
 
 
@@ -434,8 +466,10 @@ def load_splits(folder, meta, block_size):
     for split in ("train", "val"):
         if meta["kind"] == "lm":
             splits[split] = prepare_data.load_tokens(folder / f"{split}.bin")
-            if len(splits[split]) <= block_size:
-                raise ConfigError(f"{folder.name}'s {split} split is shorter than block_size={block_size}")
+            if len(splits[split]) <= block_size:  # a GPT's window is block_size + 1 tokens (inputs and targets)
+                raise ConfigError(f"{folder.name}'s {split} split has {len(splits[split]):,} tokens, too few for "
+                                  f"block_size={block_size}: use block_size <= {len(splits[split]) - 1}, or give "
+                                  "the split more text (e.g. a larger val_fraction)")
             continue
         pairs = prepare_data.load_pairs(folder, split)
         lengths = np.diff(pairs.index, axis=0)  # (n, 2): source and target length of each pair
@@ -512,13 +546,59 @@ def count_tokens(inputs, objective):
     return sum(x.numel() if objective.pad_id is None else int((x != objective.pad_id).sum()) for x in inputs)
 
 
-def to_device(tensor, device):
-    # pinned host memory lets the copy overlap with GPU work
-    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
+def model_inputs(inputs, targets, device):
+    """
+    A batch on device: (inputs tuple, targets). Pinned host memory (see TrainBatches) lets the copy overlap with GPU
+    work. Sequence-to-sequence batches (src, tgt) vary in length from batch to batch: their lengths are marked
+    dynamic, so torch.compile builds one graph for all of them instead of recompiling for each new length.
+    """
+    moved = [x.to(device, non_blocking=x.is_pinned()) for x in (*inputs, targets)]
+    if len(inputs) == 2:
+        for x in moved:
+            torch._dynamo.maybe_mark_dynamic(x, 1)
+    return tuple(moved[:-1]), moved[-1]
+
+
+class TrainBatches:
+    """
+    The training micro-batches of this rank, one step ahead: while the device runs a step, a background thread
+    builds the next step's batches (pinned in memory on CUDA) and counts their targets and tokens, so a small
+    model's step does not wait for Python. Each micro-batch depends only on its seed, drawn in order from
+    `generator` for the micro-batches of all ranks: the stream is the same on any number of ranks.
+    """
+
+    def __init__(self, data, objective, cfg, generator, rank, per_rank, world_size, pin):
+        self.data, self.objective, self.cfg, self.pin = data, objective, cfg, pin
+        self.generator, self.rank, self.per_rank, self.world_size = generator, rank, per_rank, world_size
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.advance()
+
+    def advance(self):
+        """Start building the next step's batches."""
+        self.resume_state = self.generator.get_state()  # what a checkpoint stores: the pending step is not taken
+        seeds = micro_seeds(self.generator, self.per_rank * self.world_size)
+        mine = seeds[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
+        self.pending = self.pool.submit(self.build, mine)
+
+    def build(self, seeds):
+        cfg, objective = self.cfg, self.objective
+        batches = [get_batch(self.data, objective, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(s))
+                   for s in seeds]
+        if self.pin:
+            batches = [(tuple(x.pin_memory() for x in inputs), targets.pin_memory()) for inputs, targets in batches]
+        n_targets = sum(count_targets(targets) for _, targets in batches)
+        return batches, n_targets, sum(count_tokens(inputs, objective) for inputs, _ in batches)
+
+    def peek(self):
+        """(micro-batches, real targets, input tokens) of the next step, without taking it."""
+        return self.pending.result()
+
+    def close(self):
+        self.pool.shutdown(cancel_futures=True)
 
 
 # -----------------------------------------------------------------------------
-# Loss, learning rate, evaluation
+# Learning rate, one step, evaluation
 
 
 def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters, schedule="cosine"):
@@ -538,29 +618,88 @@ def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters, schedule="co
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
-def loss_sum(logits, targets, label_smoothing=0.0):
-    """Cross-entropy summed over the real targets (IGNORE_INDEX left out), in float32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum", label_smoothing=label_smoothing)
-
-
-def accumulate_gradients(model, batches, n_targets, world_size, device, dtype, scaler, label_smoothing=0.0):
+def accumulate_gradients(model, batches, n_targets, world_size, device, dtype, scaler, label_smoothing=0.0, ddp=None):
     """
     Forward and backward over this rank's micro-batches; returns their summed loss. Each summed loss is divided by
     n_targets, the real targets of the whole step on all ranks, and multiplied by world_size to undo DDP's average:
     the gradient is that of the mean over every target of the step, not a mean of per-micro-batch means.
+    ddp: the DistributedDataParallel module inside `model`, if any: it all-reduces after the last micro-batch only.
     """
     total = torch.zeros((), device=device)
     for i, (inputs, targets) in enumerate(batches):
-        # DDP all-reduces the gradients once, after the last micro-batch
-        sync = not isinstance(model, DDP) or i == len(batches) - 1
-        with contextlib.nullcontext() if sync else model.no_sync():
+        sync = ddp is None or i == len(batches) - 1
+        with contextlib.nullcontext() if sync else ddp.no_sync():
+            inputs, targets = model_inputs(inputs, targets, device)
             with autocast(device, dtype):
-                logits, _ = model(*(to_device(x, device) for x in inputs))
-            loss = loss_sum(logits, to_device(targets, device), label_smoothing)
+                # the model sums the loss itself, in chunks of positions: the (B, T, V) logits never exist whole
+                _, loss = model(*inputs, targets, label_smoothing=label_smoothing, reduction="sum",
+                                return_logits=False)
             scaler.scale(loss * (world_size / n_targets)).backward()
         total += loss.detach()
     return total
+
+
+def train_step(model, optimizer, scaler, batches, n_targets, lr, cfg, world_size, device, dtype, ddp=None):
+    """
+    One optimizer step on this rank's micro-batches (n_targets: the real targets of the step on all ranks).
+    Returns device tensors, without waiting for the device: (this rank's share of the step's mean loss, the
+    gradient norm, 1.0 if the step was skipped else 0.0). A step whose gradient is not finite (a bf16 overflow in
+    backward, say) is skipped: the weights and the optimizer's state stay as they were.
+    """
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = accumulate_gradients(model, batches, n_targets, world_size, device, dtype, scaler, cfg.label_smoothing, ddp)
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    skipped = (~torch.isfinite(grad_norm)).float()  # DDP averaged the gradients: the same on every rank
+    if scaler.is_enabled():
+        scaler.step(optimizer)  # float16: the gradient scaler skips such steps itself
+        scaler.update()
+    elif getattr(optimizer, "_step_supports_amp_scaling", False):
+        # fused AdamW takes the flag a gradient scaler would pass and skips the update on the device: no host sync
+        optimizer.found_inf = skipped
+        optimizer.step()
+        del optimizer.found_inf
+    elif not skipped.item():
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss / n_targets, grad_norm, skipped
+
+
+class StepLosses:
+    """
+    The losses of the latest steps, kept on the device and read back at log lines and evaluations only: reading a
+    number from a GPU waits for all the work queued before it, so a read every step would leave the GPU idle.
+    """
+
+    def __init__(self, device, world_size):
+        self.world_size = world_size
+        self.pending = []  # (iteration, this rank's share of the step's mean loss)
+        self.skipped = torch.zeros((), device=device)  # steps with a non-finite gradient since the last read
+
+    def add(self, iteration, loss, skipped):
+        self.pending.append((iteration, loss))
+        self.skipped += skipped
+
+    def read(self):
+        """
+        ({iteration: mean loss over all ranks} of the steps since the last read, how many of them were skipped).
+        FloatingPointError at the first non-finite loss: its step left the weights as they were.
+        """
+        if not self.pending:
+            return {}, 0
+        losses = torch.stack([loss for _, loss in self.pending])
+        if self.world_size > 1:
+            dist.all_reduce(losses)
+        *losses, skipped = torch.cat([losses.float(), self.skipped[None]]).tolist()
+        iterations = [iteration for iteration, _ in self.pending]
+        self.pending, self.skipped = [], torch.zeros_like(self.skipped)
+        for iteration, loss in zip(iterations, losses):
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at iteration {iteration}; stopped before updating the "
+                                         "weights, so the last checkpoint is untouched. Lower learning_rate or raise "
+                                         "warmup_iters")
+        return dict(zip(iterations, losses)), int(skipped)
 
 
 @torch.no_grad()
@@ -576,10 +715,11 @@ def evaluate(model, splits, objective, batch_size, block_size, eval_iters, seed,
         total, count = torch.zeros((), device=device), 0
         for s in seeds:
             inputs, targets = get_batch(data, objective, batch_size, block_size, torch.Generator().manual_seed(s))
-            with autocast(device, dtype):
-                logits, _ = model(*(to_device(x, device) for x in inputs))
-            total += loss_sum(logits, to_device(targets, device))
             count += count_targets(targets)
+            inputs, targets = model_inputs(inputs, targets, device)
+            with autocast(device, dtype):
+                _, loss = model(*inputs, targets, reduction="sum", return_logits=False)
+            total += loss.float()
         total, count = all_reduce([total, count], device, world_size).tolist()
         losses[split] = total / max(count, 1)
     return losses
@@ -593,7 +733,7 @@ def exact_match(model, pairs, rows, objective, max_len, batch_size, rank, world_
     for start in range(0, len(mine), batch_size):
         src, _, targets = seq2seq_batch(pairs, mine[start : start + batch_size], objective)
         with autocast(device, dtype):
-            out = model.generate(to_device(src, device), max_len, objective.bos_id, objective.eos_id).tolist()
+            out = model.generate(src.to(device), max_len, objective.bos_id, objective.eos_id).tolist()
         for hyp, ref in zip(out, targets.tolist()):
             ref = [t for t in ref if t != IGNORE_INDEX]  # the target and its eos: nothing may follow before eos
             correct += hyp[: len(ref)] == ref
@@ -601,20 +741,48 @@ def exact_match(model, pairs, rows, objective, max_len, batch_size, rank, world_
     return correct / max(total, 1)
 
 
+class CompiledModel(nn.Module):
+    """
+    torch.compile(module), falling back to the eager module with one warning if a compilation fails, whenever it
+    happens: at the first call or at a later recompilation (evaluation mode, say).
+    """
+
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.compiled, self.failed = module, torch.compile(module), False
+
+    def forward(self, *args, **kwargs):
+        if not self.failed:
+            try:
+                return self.compiled(*args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as e:  # what compilation raises, not the model's errors
+                self.fall_back(e)
+        return self.module(*args, **kwargs)
+
+    def fall_back(self, error):
+        self.failed = True
+        log(f"warning: torch.compile failed ({type(error).__name__}: {first_line(error)}); going on without it")
+
+
 def compile_model(model, example, device, dtype):
-    """torch.compile(model), tried on one forward and backward pass; if that fails, the eager model and one warning."""
-    compiled = torch.compile(model)
+    """
+    CompiledModel(model), tried on one forward and backward pass (the backward is compiled at its first call);
+    if that fails, one warning and the eager model. Running out of memory is no compile failure: it is raised.
+    """
+    compiled = CompiledModel(model)
     try:
         # the trial leaves every random generator as it was, so compiling does not change the run
         with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []):
+            inputs, targets = model_inputs(*example, device)
             with autocast(device, dtype):
-                logits, _ = compiled(*(to_device(x, device) for x in example))
-            logits.float().mean().backward()
+                _, loss = compiled(*inputs, targets, reduction="sum", return_logits=False)
+            loss.backward()
+    except torch.OutOfMemoryError:
+        raise
     except Exception as e:  # a missing C compiler, an unsupported operator, ...: all mean eager mode
-        log(f"warning: torch.compile failed ({type(e).__name__}: {first_line(e)}); training without it")
-        compiled = model
+        compiled.fall_back(e)
     model.zero_grad(set_to_none=True)
-    return compiled
+    return model if compiled.failed else compiled
 
 
 def first_line(error):
@@ -641,13 +809,24 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def finite_weights(model, iter_num):
+    """model's state_dict; FloatingPointError if any weight is not finite, so that no checkpoint ever holds one."""
+    state = model.state_dict()
+    floats = [v for v in state.values() if v.is_floating_point()]
+    if not torch.stack([torch.isfinite(v).all() for v in floats]).all():
+        raise FloatingPointError(f"the weights hold non-finite values at iteration {iter_num}; nothing saved, the "
+                                 "last checkpoint is untouched. Lower learning_rate or raise warmup_iters")
+    return state
+
+
 def weights_state(model, cfg, meta, iter_num, best_val_loss):
     """What best.pt holds: the weights to use (the average, with ema_decay), the model settings, the dataset's meta."""
-    return {"format_version": FORMAT_VERSION, "model": model.state_dict(), "model_config": asdict(model.config),
-            "train_config": asdict(cfg), "meta": meta, "iter_num": iter_num, "best_val_loss": best_val_loss}
+    return {"format_version": FORMAT_VERSION, "model": finite_weights(model, iter_num),
+            "model_config": asdict(model.config), "train_config": asdict(cfg), "meta": meta, "iter_num": iter_num,
+            "best_val_loss": best_val_loss}
 
 
-def training_state(raw_model, ema_model, cfg, meta, iter_num, best_val_loss, optimizer, scaler, generator,
+def training_state(raw_model, ema_model, cfg, meta, iter_num, best_val_loss, optimizer, scaler, sampler_state,
                    world_size):
     """
     What ckpt.pt holds: weights_state plus all a resume needs, including the optimizer's own weights as
@@ -659,14 +838,17 @@ def training_state(raw_model, ema_model, cfg, meta, iter_num, best_val_loss, opt
         dist.all_gather_object(rng, rng_state())
     state = {**weights_state(raw_model if ema_model is None else ema_model, cfg, meta, iter_num, best_val_loss),
              "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "rng": rng,
-             "sampler": {"generator": generator.get_state()}}
+             "sampler": {"generator": sampler_state}}
     if ema_model is not None:
-        state["train_model"] = raw_model.state_dict()
+        state["train_model"] = finite_weights(raw_model, iter_num)
     return state
 
 
 def save_checkpoint(state, path):
-    """Write state to path atomically: a temporary file beside it, flushed to disk, then renamed over path."""
+    """
+    Write state to path atomically: a temporary file beside it, flushed to disk, then renamed over path. A failed
+    write (a full disk, a folder gone read-only) raises OSError naming the file, and path keeps its old contents.
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -675,8 +857,12 @@ def save_checkpoint(state, path):
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
         os.replace(tmp, path)
+    except OSError as e:
+        raise OSError(f"could not write {path} ({e.strerror or first_line(e)}); the previous {path.name}, if any, "
+                      "is intact: free space or fix the folder, then go on with --init_from=resume") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def write_json(obj, path):
@@ -693,10 +879,17 @@ def load_checkpoint(path, map_location="cpu"):
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"no checkpoint at {path}; train one first, or point --out_dir at the run's folder")
+    other = path.with_name("best.pt" if path.name == "ckpt.pt" else "ckpt.pt")
+    fallback = f"; {other.name} beside it may still be usable" if other.is_file() else ""
+    if path.stat().st_size == 0:
+        raise ConfigError(f"{path} is empty, not a checkpoint (a save cut short?){fallback}")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated archive, refused unpickling, ...: all mean the file cannot be used
-        raise ConfigError(f"{path} is not a readable checkpoint ({type(e).__name__}: {first_line(e)})") from None
+        if "Unsupported global" in str(e):  # objects that weights_only=True refuses to rebuild
+            raise ConfigError(f"{path} is not a readable checkpoint: it holds Python objects other than tensors and "
+                              "plain data, and unpickling them could run code") from None
+        raise ConfigError(f"{path} is not a readable checkpoint (truncated or corrupted){fallback}") from None
     version = ckpt.get("format_version") if isinstance(ckpt, dict) else None
     if not isinstance(version, int):
         raise ConfigError(f"{path} is not a nanoformer checkpoint (it has no format_version)")
@@ -721,6 +914,17 @@ def pretrained_gpt2(name, arch, meta, dropout, block_size):
         return GPT.from_pretrained(name, dropout=dropout, block_size=block_size)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"init_from={name}: {first_line(e)}") from None
+
+
+def out_dir_problem(out_dir):
+    """Why out_dir could not be written (None if it can), found before any work is done, creating nothing."""
+    path = Path(out_dir).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"out_dir={out_dir} cannot be a folder: {existing} is a file; choose another --out_dir"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"out_dir={out_dir} cannot be written: {existing} is not writable by this user; choose another --out_dir"
+    return None
 
 
 class Scalars:
@@ -762,14 +966,19 @@ class Scalars:
 def init_model(cfg, meta):
     """
     (cfg, model, objective, meta for checkpoints, checkpoint or None) for cfg.init_from. A checkpoint or GPT-2
-    decides the model's settings, and cfg is updated to match (with a note when the settings given differ).
+    decides the model's settings, and cfg is updated to match (with a note when settings given differ).
     """
     ckpt = None
     if cfg.init_from == "resume":
-        ckpt = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt")
+        path = Path(cfg.out_dir) / "ckpt.pt"
+        ckpt = load_checkpoint(path)
         if ckpt["meta"]["tokenizer"] != meta["tokenizer"]:
-            raise ConfigError(f"{cfg.out_dir}/ckpt.pt was trained with another tokenizer than dataset={cfg.dataset}'s")
-        changed = [f"{k}={ckpt['model_config'][k]!r}" for k in MODEL_KEYS if getattr(cfg, k) != ckpt["model_config"][k]]
+            raise ConfigError(f"{path} was trained with another tokenizer than dataset={cfg.dataset}'s")
+        # settings the user gave (not left at their defaults) that the checkpoint overrides; None resolved first
+        defaults = {f.name: f.default for f in fields(TrainConfig)}
+        given = asdict(cfg.model_config(vocab_size=1))
+        changed = [f"{k}={ckpt['model_config'][k]!r}" for k in MODEL_KEYS
+                   if getattr(cfg, k) != defaults[k] and given[k] != ckpt["model_config"][k]]
         if changed:
             log(f"note: resuming with the checkpoint's model settings: {', '.join(changed)}")
         cfg = replace(cfg, **{k: ckpt["model_config"][k] for k in MODEL_KEYS})
@@ -785,33 +994,6 @@ def init_model(cfg, meta):
         return cfg, build_model(cfg.model_config(vocab_size, objective.pad_id)), objective, meta_out, None
     model = pretrained_gpt2(cfg.init_from, cfg.arch, meta, cfg.dropout, cfg.block_size)
     return replace(cfg, **{k: getattr(model.config, k) for k in MODEL_KEYS}), model, objective, meta_out, None
-
-
-def train_step(model, optimizer, scaler, batches, objective, lr, cfg, iteration, stop_requested, world_size, device,
-               dtype):
-    """
-    One optimizer step on this rank's micro-batches. Returns (mean loss over every target of the step on all ranks,
-    gradient norm, input tokens on all ranks, whether any rank was asked to stop). A non-finite loss raises
-    FloatingPointError before the weights change.
-    """
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    # the step's loss is a mean over all its targets, so their number is needed before the first backward
-    n_targets, n_tokens = all_reduce([sum(count_targets(t) for _, t in batches),
-                                      sum(count_tokens(x, objective) for x, _ in batches)], device, world_size).tolist()
-    n_targets = max(n_targets, 1)  # a masked-LM batch may, rarely, have nothing to predict
-    loss = accumulate_gradients(model, batches, n_targets, world_size, device, dtype, scaler, cfg.label_smoothing)
-    loss, stop_votes = all_reduce([loss, stop_requested], device, world_size).tolist()
-    loss /= n_targets
-    if not math.isfinite(loss):
-        raise FloatingPointError(f"loss is {loss} at iteration {iteration}; stopped before updating the weights, "
-                                 "so the last checkpoint is untouched. Lower learning_rate or raise warmup_iters")
-    scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm, n_tokens, stop_votes > 0
 
 
 def update_ema(averages, weights, decay, step):
@@ -836,7 +1018,8 @@ def main(cfg):
     """
     Train (or, with eval_only, evaluate) as cfg says, in one process or under torchrun. Returns a summary:
     {"losses": {iteration: train loss}, "evals": [{"iter", "train", "val"[, "accuracy"]}], "iter_num", "best_val_loss"}.
-    Raises ConfigError for bad settings or data and FloatingPointError for a non-finite loss.
+    Raises ConfigError for bad settings or data, FloatingPointError for a non-finite loss and OSError for a failed
+    save.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -844,6 +1027,7 @@ def main(cfg):
     dtype = resolve_dtype(cfg.dtype, device)
     accum = split_accumulation(cfg.gradient_accumulation_steps, world_size)
     with contextlib.ExitStack() as stack:
+        host_group = None  # for numbers the host already has (target counts, stop votes): no wait for the GPU
         if world_size > 1:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
@@ -851,13 +1035,20 @@ def main(cfg):
             # the timeout turns a dead or stuck rank into an error on the others instead of a hang
             dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout))
             stack.callback(dist.destroy_process_group)
+            host_group = dist.new_group(backend="gloo")
         torch.manual_seed(cfg.seed + rank)  # dropout differs per rank; DDP copies rank 0's initial weights
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        out_dir, is_writer = Path(cfg.out_dir), rank == 0 and not cfg.eval_only
+        raise_if_any_failed(out_dir_problem(out_dir) if is_writer else None, world_size)
 
         folder = find_dataset(cfg.dataset, cfg.data_dir, cfg.data_options, rank, local_rank, world_size)
         meta = prepare_data.load_meta(folder)
         cfg, raw_model, objective, meta_out, ckpt = init_model(cfg, meta)
+        if ckpt is not None and ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
+            raise ConfigError(f"{out_dir / 'ckpt.pt'} is at iteration {ckpt['iter_num']}, which max_iters="
+                              f"{cfg.max_iters} has reached: nothing to train. To train further, pass a larger "
+                              "--max_iters (and --lr_decay_iters, where the cosine schedule ends)")
         splits = load_splits(folder, meta, cfg.block_size)
         raw_model.to(device)
         if device.type == "cpu":
@@ -873,19 +1064,30 @@ def main(cfg):
                 scaler.load_state_dict(ckpt["scaler"])
             generator.set_state(ckpt["sampler"]["generator"])
             start_iter, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
-        sequences = cfg.batch_size * cfg.gradient_accumulation_steps
+        batches = TrainBatches(splits["train"], objective, cfg, generator, rank, accum, world_size,
+                               pin=device.type == "cuda")
+        stack.callback(batches.close)
+        sequences = cfg.batch_size * accum * world_size
         log(f"{cfg.arch} on {folder.name}: {raw_model.num_params():,} parameters, {device} {str(dtype)[6:]}, "
             f"{world_size} rank(s); {sequences} sequences per step ({cfg.batch_size} x {accum} micro-batches x "
             f"{world_size} rank(s))")
+        if accum * world_size > cfg.gradient_accumulation_steps:
+            log(f"note: gradient_accumulation_steps={cfg.gradient_accumulation_steps} is fewer than the {world_size} "
+                f"ranks: each rank runs one micro-batch, so a step sees {world_size} x batch_size sequences")
         log(summary)
 
-        model = raw_model
-        if cfg.compile or cfg.compile is None and device.type == "cuda":
-            example, _ = get_batch(splits["train"], objective, cfg.batch_size, cfg.block_size, torch.Generator())
-            model = compile_model(raw_model, example, device, dtype)
-        eval_model = model  # evaluation runs outside DDP: ranks may see different numbers of eval batches
+        ddp = None
         if world_size > 1:  # DDP also gives every rank rank 0's initial weights
-            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+            ddp = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
+        model = raw_model if ddp is None else ddp  # what the training step calls
+        eval_model = raw_model  # evaluation runs outside DDP: ranks may see different numbers of eval batches
+        if cfg.compile or cfg.compile is None and device.type == "cuda":
+            # DDP is compiled, not wrapped around a compiled model: then its graph is split at the gradient buckets,
+            # so each bucket's all-reduce starts while the backward of the layers before it still runs
+            example = get_batch(splits["train"], objective, cfg.batch_size, cfg.block_size, torch.Generator())
+            model = compile_model(model, example, device, dtype)
+            if isinstance(model, CompiledModel):
+                eval_model = model if ddp is None else CompiledModel(raw_model)
         ema_model = None  # with ema_decay: the moving average of raw_model's weights, from the same start on all ranks
         if cfg.ema_decay:
             ema_model = eval_model = copy.deepcopy(raw_model).eval().requires_grad_(False)
@@ -899,24 +1101,36 @@ def main(cfg):
             else:
                 log(f"note: the checkpoint has RNG states for {len(ckpt['rng'])} rank(s), not {world_size}; "
                     "dropout restarts from the seed")
-        out_dir, is_writer = Path(cfg.out_dir), rank == 0 and not cfg.eval_only
-        scalars = Scalars(cfg, is_writer)
-        stack.callback(scalars.close)
         if is_writer:
             out_dir.mkdir(parents=True, exist_ok=True)
             write_json({"train_config": asdict(cfg), "model_config": asdict(raw_model.config), "meta": meta_out,
                         "world_size": world_size}, out_dir / "config.json")
+        scalars = Scalars(cfg, is_writer)
+        stack.callback(scalars.close)
         stop = stack.enter_context(StopRequest())
+        peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+        def save_training_state():
+            state = training_state(raw_model, ema_model, cfg, meta_out, iter_num, best_val_loss, optimizer, scaler,
+                                   batches.resume_state, world_size)
+            if rank == 0:
+                save_checkpoint(state, out_dir / "ckpt.pt")
 
         history = {"losses": {}, "evals": []}
+        step_losses = StepLosses(device, world_size)
         iter_num, stopping = start_iter, False
-        window = [0.0, 0, 0]  # seconds, steps and tokens since the last progress line
+        window = {"start": time.perf_counter(), "steps": 0, "tokens": 0, "flops": 0.0}  # since the last progress line
         while True:
             last = iter_num >= cfg.max_iters or stopping
             just_resumed = ckpt is not None and iter_num == start_iter  # nothing new to evaluate or save
-            if cfg.eval_only or not stopping and not just_resumed and (iter_num % cfg.eval_interval == 0 or last):
+            if cfg.eval_only or (not stopping and not just_resumed and (iter_num % cfg.eval_interval == 0 or last)):
+                began = time.perf_counter()
+                history["losses"].update(step_losses.read()[0])  # a non-finite loss stops the run before any save
                 result = evaluate(eval_model, splits, objective, cfg.batch_size, cfg.block_size, cfg.eval_iters,
                                   cfg.seed, rank, world_size, device, dtype)
+                if not all(map(math.isfinite, result.values())):
+                    raise FloatingPointError(f"the evaluation at iteration {iter_num} gave {result}; nothing saved, "
+                                             "the last checkpoint is untouched. Lower learning_rate")
                 if objective.arch == "encoder_decoder" and cfg.eval_accuracy_examples:
                     pairs, usable = splits["val"]
                     result["accuracy"] = exact_match(kept_model, pairs, usable[: cfg.eval_accuracy_examples], objective,
@@ -928,72 +1142,87 @@ def main(cfg):
                 if iter_num > start_iter and result["val"] < best_val_loss:
                     best_val_loss = result["val"]
                     if rank == 0:
-                        state = weights_state(kept_model, cfg, meta_out, iter_num, best_val_loss)
-                        save_checkpoint(state, out_dir / "best.pt")
+                        save_checkpoint(weights_state(kept_model, cfg, meta_out, iter_num, best_val_loss),
+                                        out_dir / "best.pt")
                     saved.append("best.pt")
                 if iter_num > start_iter and cfg.always_save_checkpoint and not last:  # at the end it is saved below
-                    state = training_state(raw_model, ema_model, cfg, meta_out, iter_num, best_val_loss, optimizer,
-                                           scaler, generator, world_size)
-                    if rank == 0:
-                        save_checkpoint(state, out_dir / "ckpt.pt")
+                    save_training_state()
                     saved.append("ckpt.pt")
                 accuracy = f", exact match {result['accuracy']:.1%}" if "accuracy" in result else ""
                 log(f"eval {iter_num}: train loss {result['train']:.4f}, val loss {result['val']:.4f}{accuracy}"
                     + (f" (saved {', '.join(saved)})" if saved else ""))
+                window["start"] += time.perf_counter() - began  # progress lines time the training steps only
                 if cfg.eval_only:
                     break
             if last:
                 if iter_num > start_iter:
-                    state = training_state(raw_model, ema_model, cfg, meta_out, iter_num, best_val_loss, optimizer,
-                                           scaler, generator, world_size)
-                    if rank == 0:
-                        save_checkpoint(state, out_dir / "ckpt.pt")
+                    history["losses"].update(step_losses.read()[0])
+                    save_training_state()
                     how = f"stopped by {stop.signal or 'a signal to another rank'}" if stopping else "done"
                     log(f"{how} at iteration {iter_num}: saved {out_dir / 'ckpt.pt'}"
                         + ("; resume with --init_from=resume" if stopping else ""))
                 break
 
-            start = time.perf_counter()
+            micro_batches, n_targets, n_tokens = batches.peek()
+            # the step's loss is a mean over all its targets, so their number is needed before the first backward
+            counts = torch.tensor([n_targets, n_tokens, stop.signal is not None])
+            if world_size > 1:
+                dist.all_reduce(counts, group=host_group)
+            n_targets, n_tokens, stop_votes = counts.tolist()
+            if stop_votes:  # a signal reached some rank: every rank stops here, before this step
+                stopping = True
+                continue
+            batches.advance()  # the next step's batches are built while this one runs
             lr = cfg.learning_rate
             if cfg.decay_lr:
                 lr = get_lr(iter_num, lr, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters, cfg.lr_schedule)
-            # every rank draws the seeds of all the step's micro-batches and builds its own share
-            seeds = micro_seeds(generator, cfg.gradient_accumulation_steps)[rank * accum : (rank + 1) * accum]
-            batches = [get_batch(splits["train"], objective, cfg.batch_size, cfg.block_size,
-                                 torch.Generator().manual_seed(seed)) for seed in seeds]
-            loss, grad_norm, n_tokens, stopping = train_step(model, optimizer, scaler, batches, objective, lr, cfg,
-                                                             iter_num + 1, stop.signal is not None, world_size,
-                                                             device, dtype)
+            loss, grad_norm, skipped = train_step(model, optimizer, scaler, micro_batches, max(n_targets, 1), lr, cfg,
+                                                  world_size, device, dtype, ddp=ddp)
             iter_num += 1
             if ema_model is not None:
                 update_ema(*ema_pairs, cfg.ema_decay, iter_num)
-            history["losses"][iter_num] = loss
-            window = [window[0] + time.perf_counter() - start, window[1] + 1, window[2] + n_tokens]
+            step_losses.add(iter_num, loss, skipped)
+            window["steps"] += 1
+            window["tokens"] += n_tokens
+            if peak:
+                window["flops"] += sum(raw_model.training_flops(*inputs) for inputs, _ in micro_batches)
             if iter_num % cfg.log_interval == 0:
-                seconds, steps, tokens = window
-                norm, speed = grad_norm.item(), tokens / seconds
+                losses, n_skipped = step_losses.read()  # waits for the device: the window's time is real
+                history["losses"].update(losses)
+                seconds, steps = time.perf_counter() - window["start"], window["steps"]
+                loss, norm, speed = losses[iter_num], grad_norm.item(), window["tokens"] / seconds
                 values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm, "perf/tokens_per_sec": speed}
                 line = (f"iter {iter_num}/{cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f} | "
                         f"{1000 * seconds / steps:.1f} ms/iter | {speed:,.0f} tok/s")
-                if device.type == "cuda":
-                    mfu = raw_model.estimate_mfu(speed / world_size, torch.cuda.get_device_name(device))
-                    values["perf/mfu"] = mfu or 0.0
+                if peak:
+                    values["perf/mfu"] = window["flops"] / seconds / peak
                     line += f" | mfu {values['perf/mfu']:.1%}"
+                if n_skipped:
+                    line += f" | {n_skipped} step(s) skipped: gradient not finite, weights left as they were"
                 log(f"{line} | eta {format_eta((cfg.max_iters - iter_num) * seconds / steps)}")
                 scalars.add(iter_num, values)
-                window = [0.0, 0, 0]
+                window = {"start": time.perf_counter(), "steps": 0, "tokens": 0, "flops": 0.0}
         return {**history, "iter_num": iter_num, "best_val_loss": best_val_loss}
 
 
 def cli(argv):
-    """The command line; returns the exit status. Errors print one line: 2 bad settings or data, 1 divergence."""
+    """
+    The command line; returns the exit status. Errors print one line: 2 bad settings or data; 1 a run that cannot
+    go on (non-finite loss, out of memory, a checkpoint that cannot be written).
+    """
     try:
-        main(parse_config(TrainConfig, argv))
+        cfg = parse_config(TrainConfig, argv)
+        main(cfg)
     except ConfigError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
-    except FloatingPointError as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
+    except (FloatingPointError, OSError) as e:
+        print(f"train.py: error: {first_line(e)}", file=sys.stderr)
+        return 1
+    except torch.OutOfMemoryError:
+        print(f"train.py: error: out of GPU memory with batch_size={cfg.batch_size}, block_size={cfg.block_size}: "
+              "lower batch_size (raising gradient_accumulation_steps keeps the step's size), block_size or the "
+              "model's size", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # before training started; during training a signal stops the run cleanly
         print("train.py: interrupted", file=sys.stderr)
