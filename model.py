@@ -10,6 +10,7 @@ Shape letters used in comments:
 
 import json
 import math
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -19,18 +20,38 @@ import torch.nn.functional as F
 
 IGNORE_INDEX = -100  # targets with this value add nothing to the loss (padding, unmasked MLM positions)
 
-# Peak dense bf16 tensor-core FLOP/s per GPU, from the vendors' data sheets (SXM parts, no sparsity).
-PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "A10G": 70e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "V100": 125e12,  # fp16: V100 has no bf16
-    "4090": 165e12,
-    "3090": 71e12,
-}
+# float32 logits the loss computes at a time (see TransformerModel.head_and_loss). On CPUs glibc serves allocations
+# below its 32 MiB mmap threshold from a heap it reuses, instead of mapping and zeroing fresh pages every step (with
+# GPT-2's vocabulary those page faults took a third of a CPU step); GPUs get larger chunks, so that the head's
+# matmuls stay large enough to be fast while the float32 copy of the logits stays bounded.
+LOSS_CHUNK_BYTES = 16 * 2**20
+ACCELERATOR_LOSS_CHUNK_BYTES = 2**30
+
+# Peak dense bf16 tensor-core FLOP/s (no sparsity) from the vendors' data sheets, keyed by a pattern searched in the
+# name torch.cuda.get_device_name returns. Tried in order: a variant comes before the family name it contains.
+PEAK_FLOPS = (
+    (r"\bH100 PCIe\b", 756e12),  # "NVIDIA H100 PCIe"
+    (r"\b(H100|H200) NVL\b", 835e12),  # "NVIDIA H100 NVL", "NVIDIA H200 NVL"
+    (r"\b(H100|H200|GH200)\b", 989e12),  # SXM: "NVIDIA H100 80GB HBM3", "NVIDIA H200"; the GH200 superchip
+    (r"\bA100\b", 312e12),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB"
+    (r"\bA10G\b", 70e12),
+    (r"\bA10\b", 125e12),
+    (r"\bL40S\b", 362e12),
+    (r"\bL40\b", 181e12),
+    (r"\bL4\b", 121e12),
+    (r"\bV100-PCIE\b", 112e12),  # fp16 for V100 and T4, which have no bf16. "Tesla V100-PCIE-32GB"
+    (r"\bV100S\b", 130e12),  # "Tesla V100S-PCIE-32GB"
+    (r"\bV100\b", 125e12),  # "Tesla V100-SXM2-16GB"
+    (r"\bT4\b", 65e12),  # "Tesla T4"
+    (r"\bRTX 4090\b", 165e12),  # "NVIDIA GeForce RTX 4090"
+    (r"\bRTX 3090\b", 71e12),
+)
+
+
+def peak_flops(device_name):
+    """Peak dense bf16 FLOP/s of a GPU from its torch.cuda.get_device_name(); None for one not in PEAK_FLOPS."""
+    return next((peak for pattern, peak in PEAK_FLOPS if re.search(pattern, device_name)), None)
+
 
 ARCHS = ("gpt", "encoder", "encoder_decoder")
 CHOICES = {
@@ -78,7 +99,9 @@ class ModelConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.pos_encoding == "rope" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"pos_encoding='rope' needs an even head size, got n_embd/n_head={self.n_embd // self.n_head}")
+            raise ValueError(
+                f"pos_encoding='rope' needs an even head size, got n_embd/n_head={self.n_embd // self.n_head}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
@@ -346,11 +369,11 @@ class Stack(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Shared model machinery: init, counting, optimizer
+# Shared model machinery: init, head and loss, counting, optimizer
 
 
 class TransformerModel(nn.Module):
-    """What the three models share: GPT-2 initialisation, parameter and FLOP counts, the optimizer."""
+    """What the three models share: GPT-2 initialisation, the head and loss, parameter and FLOP counts, AdamW."""
 
     def _init_weights(self):
         # GPT-2: N(0, 0.02) everywhere; projections that write into the residual stream are scaled by
@@ -368,10 +391,32 @@ class TransformerModel(nn.Module):
         """(B, T) bool, True at real tokens; None when the model has no pad_token_id."""
         return None if self.config.pad_token_id is None else idx != self.config.pad_token_id
 
-    def _loss(self, logits, targets):
+    def head(self, x):
+        """Hidden states (..., C) -> logits (..., V)."""
+        return self.lm_head(x)
+
+    def head_and_loss(self, x, targets, label_smoothing, reduction, return_logits):
+        """
+        The head over x (B, T, C) and, given targets (B, T), the cross-entropy in float32, computed a chunk of
+        positions at a time so that the float32 logits are never whole (LOSS_CHUNK_BYTES). reduction: "mean" over
+        the targets that are not IGNORE_INDEX, or "sum". Returns (logits (B, T, V) or None if not return_logits, loss).
+        """
         if targets is None:
-            return None
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+            return (self.head(x) if return_logits else None), None
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        budget = LOSS_CHUNK_BYTES if x.device.type == "cpu" else ACCELERATOR_LOSS_CHUNK_BYTES
+        rows = max(1, budget // (4 * self.config.vocab_size))
+        loss, chunks = torch.zeros((), device=x.device), []
+        for x_chunk, target_chunk in zip(x.flatten(0, 1).split(rows), targets.flatten().split(rows)):
+            logits = self.head(x_chunk)  # (rows, V)
+            loss = loss + F.cross_entropy(logits.float(), target_chunk, ignore_index=IGNORE_INDEX,
+                                          label_smoothing=label_smoothing, reduction="sum")
+            if return_logits:
+                chunks.append(logits)
+        if reduction == "mean":
+            loss = loss / (targets != IGNORE_INDEX).sum()
+        return (torch.cat(chunks).view(*targets.shape, -1) if return_logits else None), loss
 
     def num_params(self, non_embedding=False):
         """Parameters, each shared tensor counted once. non_embedding: leave out position embeddings."""
@@ -380,16 +425,31 @@ class TransformerModel(nn.Module):
             n -= sum(m.wpe.weight.numel() for m in self.modules() if isinstance(m, Stack) and hasattr(m, "wpe"))
         return n
 
-    def flops_per_token(self):
-        """Training FLOPs per token, forward + backward: 6 per weight plus the attention scores (PaLM, app. B)."""
+    def training_flops(self, *inputs):
+        """
+        FLOPs of one forward and backward pass over a batch, from the shapes of the inputs forward() takes: (B, T) idx,
+        or (B, S) src and (B, T) tgt. Matmuls only, 2 FLOPs per multiply-add, times 3 for forward and backward (which
+        multiplies twice, for the gradients of both operands): each weight on the tokens it multiplies, attention over
+        the real lengths (T * T even when causal). Model FLOPs utilisation: this per second over peak_flops(device).
+        """
         c = self.config
-        attn_layers = c.n_layer + (c.n_encoder_layer + c.n_layer if c.arch == "encoder_decoder" else 0)
-        return 6 * self.num_params(non_embedding=True) + 12 * attn_layers * c.n_embd * c.block_size
+        C = c.n_embd
 
-    def estimate_mfu(self, tokens_per_second, device_name):
-        """Model FLOPs utilisation: achieved FLOP/s over the GPU's peak bf16 FLOP/s; None for an unknown GPU."""
-        peak = next((flops for kind, flops in PEAK_FLOPS.items() if kind in device_name.upper()), None)
-        return None if peak is None else self.flops_per_token() * tokens_per_second / peak
+        def stack(B, T, n_layer):  # multiply-adds of self-attention blocks: q, k, v, out, MLP; scores, weighted sum
+            return n_layer * B * T * (4 * C * C + 2 * C * c.d_ff + 2 * T * C)
+
+        if c.arch == "encoder_decoder":
+            src, tgt = inputs
+            (B, S), T = src.shape, tgt.size(1)
+            # cross-attention: q and out on the targets, k and v on the source, scores and weighted sum over T * S
+            cross = c.n_layer * B * (2 * T * C * C + 2 * S * C * C + 2 * T * S * C)
+            macs = stack(B, S, c.n_encoder_layer) + stack(B, T, c.n_layer) + cross
+        else:
+            (idx,) = inputs
+            B, T = idx.shape
+            macs = stack(B, T, c.n_layer) + (B * T * C * C if c.arch == "encoder" else 0)  # BERT's transform
+        macs += B * T * C * c.vocab_size  # the head, once even when tied to the embedding
+        return 6.0 * macs
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """
@@ -404,7 +464,8 @@ class TransformerModel(nn.Module):
         optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
         summary = (
             f"AdamW{' (fused)' if fused else ''}: {len(decay)} tensors with weight decay "
-            f"({sum(p.numel() for p in decay):,} params), {len(no_decay)} without ({sum(p.numel() for p in no_decay):,} params)"
+            f"({sum(p.numel() for p in decay):,} params), "
+            f"{len(no_decay)} without ({sum(p.numel() for p in no_decay):,} params)"
         )
         return optimizer, summary
 
@@ -431,11 +492,14 @@ class GPT(TransformerModel):
         if config.tie_embeddings:
             self.lm_head.weight = self.body.wte.weight
 
-    def forward(self, idx, targets=None):
-        """idx, targets: (B, T). Returns (logits (B, T, V), mean cross-entropy or None)."""
+    def forward(self, idx, targets=None, *, label_smoothing=0.0, reduction="mean", return_logits=True):
+        """
+        idx, targets: (B, T). Returns (logits (B, T, V), cross-entropy or None without targets).
+        label_smoothing and reduction as in F.cross_entropy: "mean" over the targets that are not IGNORE_INDEX, or
+        "sum". return_logits=False gives None for the logits, so that training never holds the whole (B, T, V).
+        """
         x, _ = self.body(idx)
-        logits = self.lm_head(x)
-        return logits, self._loss(logits, targets)
+        return self.head_and_loss(x, targets, label_smoothing, reduction, return_logits)
 
     def attention_maps(self, idx):
         """Attention probabilities of every layer for one forward pass: a list of {"self": (B, H, T, T)}."""
@@ -511,18 +575,24 @@ class Encoder(TransformerModel):
         self.body = Stack(config, config.n_layer, causal=False, cross=False)
         # BERT's prediction head: a dense layer and a norm before the projection to the vocabulary
         self.transform = nn.Sequential(
-            nn.Linear(config.n_embd, config.n_embd, bias=config.bias), make_activation(config.activation), make_norm(config)
+            nn.Linear(config.n_embd, config.n_embd, bias=config.bias), make_activation(config.activation),
+            make_norm(config),
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self._init_weights()
         if config.tie_embeddings:
             self.lm_head.weight = self.body.wte.weight
 
-    def forward(self, idx, targets=None):
-        """idx: (B, T) with masked positions; targets: the original ids there, IGNORE_INDEX elsewhere."""
+    def forward(self, idx, targets=None, *, label_smoothing=0.0, reduction="mean", return_logits=True):
+        """
+        idx: (B, T) with masked positions; targets: the original ids there, IGNORE_INDEX elsewhere.
+        Returns (logits, loss) as GPT.forward does.
+        """
         x, _ = self.body(idx, key_mask=self.key_mask(idx))
-        logits = self.lm_head(self.transform(x))
-        return logits, self._loss(logits, targets)
+        return self.head_and_loss(x, targets, label_smoothing, reduction, return_logits)
+
+    def head(self, x):
+        return self.lm_head(self.transform(x))
 
     def attention_maps(self, idx):
         """A list of {"self": (B, H, T, T)}, one per layer."""
@@ -553,10 +623,14 @@ class EncoderDecoder(TransformerModel):
         x, _ = self.decoder(tgt, context=memory, context_mask=src_mask, cache=cache)
         return self.lm_head(x)  # (B, T, V)
 
-    def forward(self, src, tgt, targets=None):
-        """src: (B, S) source ids, tgt: (B, T) target ids starting with BOS, targets: tgt shifted left."""
-        logits = self.decode(tgt, *self.encode(src))
-        return logits, self._loss(logits, targets)
+    def forward(self, src, tgt, targets=None, *, label_smoothing=0.0, reduction="mean", return_logits=True):
+        """
+        src: (B, S) source ids, tgt: (B, T) target ids starting with BOS, targets: tgt shifted left.
+        Returns (logits, loss) as GPT.forward does.
+        """
+        memory, src_mask = self.encode(src)
+        x, _ = self.decoder(tgt, context=memory, context_mask=src_mask)
+        return self.head_and_loss(x, targets, label_smoothing, reduction, return_logits)
 
     def attention_maps(self, src, tgt):
         """{"encoder": [{"self"}...], "decoder": [{"self", "cross"}...]}, each map (B, H, Tq, Tk)."""
@@ -586,7 +660,8 @@ class EncoderDecoder(TransformerModel):
         out = []
         for _ in range(max_new_tokens):
             logits = self.decode(token, memory, src_mask, cache)[:, -1]
-            token = sample_next(logits, temperature, top_k, top_p, generator).masked_fill(done[:, None], self._fill(eos_id))
+            token = sample_next(logits, temperature, top_k, top_p, generator)
+            token = token.masked_fill(done[:, None], self._fill(eos_id))
             out.append(token)
             done = done | (token[:, 0] == eos_id)
             if done.all():
@@ -599,9 +674,12 @@ class EncoderDecoder(TransformerModel):
     @torch.no_grad()
     def beam_search(self, src, max_new_tokens, bos_id, eos_id, beam_size=4, length_penalty=0.6):
         """
-        Keep the beam_size best partial translations per source; a hypothesis ends at eos_id. Finished ones are
-        ranked by log-probability / ((5 + length) / 6) ** length_penalty (Wu et al. 2016; 0.6 in the 2017 paper).
-        A source is done when beam_size hypotheses have finished. Returns (B, L) as generate does.
+        Keep the beam_size best partial translations per source. Each step ranks the 2 * beam_size best extensions:
+        those ending at eos_id finish if ranked among the first beam_size, the best beam_size others stay live
+        (as in fairseq and Hugging Face). Hypotheses are compared by log-probability / ((5 + length) / 6) **
+        length_penalty (Wu et al. 2016; 0.6 in the 2017 paper). A source is done once no live beam can beat its best
+        finished hypothesis; if the steps run out first, its live beams compete with the finished ones.
+        Returns (B, L) as generate does.
         """
         B, K = src.size(0), beam_size
         memory, src_mask = self.encode(src)
@@ -612,32 +690,36 @@ class EncoderDecoder(TransformerModel):
         scores = torch.full((B, K), float("-inf"), device=src.device)
         scores[:, 0] = 0.0  # all beams start identical: expand only the first
         finished = [[] for _ in range(B)]  # (normalised score, token list) per source
+        done = [False] * B
 
-        def normalise(score, length):
-            return score / ((5 + length) / 6) ** length_penalty
+        def penalty(length):
+            return ((5 + length) / 6) ** length_penalty
 
         for step in range(max_new_tokens):
             logprobs = self.decode(seqs[:, -1:], memory, src_mask, cache)[:, -1].float().log_softmax(dim=-1)
             V = logprobs.size(-1)
             candidates = (scores.view(B * K, 1) + logprobs).view(B, K * V)
-            top_scores, top_index = candidates.topk(2 * K, dim=1)  # 2K: enough to refill K after eos endings
+            top_scores, top_index = candidates.topk(2 * K, dim=1)  # at most K of them end at eos: K are left to go on
             rows, tokens, new_scores = [], [], []
             for b in range(B):
                 chosen = []
-                done = len(finished[b]) >= K
-                for score, index in zip(top_scores[b].tolist(), top_index[b].tolist()):
+                for rank, (score, index) in enumerate(zip(top_scores[b].tolist(), top_index[b].tolist())):
                     beam, token = divmod(index, V)
-                    if done or len(chosen) == K or score == float("-inf"):
+                    if done[b] or len(chosen) == K or score == float("-inf"):
                         break
-                    if token == eos_id:
-                        finished[b].append((normalise(score, step + 1), seqs[b * K + beam, 1:].tolist() + [eos_id]))
-                    else:
+                    if token != eos_id:
                         chosen.append((score, b * K + beam, token))
+                    elif rank < K:  # an ending ranked below the beam is not among the K best hypotheses
+                        finished[b].append((score / penalty(step + 1), seqs[b * K + beam, 1:].tolist() + [eos_id]))
                 chosen += [(float("-inf"), b * K, eos_id)] * (K - len(chosen))  # a finished source: dead beams
+                # Log-probabilities only fall as a hypothesis grows, so a live beam's best possible ending is its score
+                # now over the largest penalty of the lengths it can still end at, step + 2 to max_new_tokens.
+                best_live = max(score for score, _, _ in chosen) / max(penalty(step + 2), penalty(max_new_tokens))
+                done[b] = any(hyp[0] >= best_live for hyp in finished[b])
                 new_scores += [score for score, _, _ in chosen]
                 rows += [row for _, row, _ in chosen]
                 tokens += [token for _, _, token in chosen]
-            if all(len(f) >= K for f in finished):
+            if all(done):
                 break
             rows = torch.tensor(rows, device=src.device)
             for self_cache, cross_cache in cache:
@@ -647,8 +729,9 @@ class EncoderDecoder(TransformerModel):
 
         results = []
         for b in range(B):
-            if len(finished[b]) < K:  # ran out of steps: the live beams compete with the finished ones
-                live = [(normalise(s, seqs.size(1) - 1), seqs[b * K + j, 1:].tolist()) for j, s in enumerate(scores[b].tolist())]
+            if not done[b]:  # ran out of steps: the live beams compete with the finished ones
+                length = seqs.size(1) - 1
+                live = [(s / penalty(length), seqs[b * K + j, 1:].tolist()) for j, s in enumerate(scores[b].tolist())]
                 finished[b] += [hyp for hyp in live if hyp[0] > float("-inf")]
             results.append(max(finished[b], key=lambda hyp: hyp[0])[1])
         out = torch.full((B, max(map(len, results))), self._fill(eos_id), dtype=torch.long, device=src.device)
@@ -717,8 +800,10 @@ def load_gpt2(cls, name_or_path, overrides):
                          f"{name_or_path} was trained with; use block_size <= {hf['n_positions']}")
     hf_state = read_state_dict(path)
     # GPT2LMHeadModel prefixes "transformer."; a bare GPT2Model does not. The attention-mask buffers are not weights.
-    hf_state = {k.removeprefix("transformer."): v for k, v in hf_state.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
-    names = {"wte.weight": "body.wte.weight", "wpe.weight": "body.wpe.weight", "ln_f.weight": "body.norm.weight", "ln_f.bias": "body.norm.bias"}
+    hf_state = {k.removeprefix("transformer."): v for k, v in hf_state.items()
+                if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    names = {"wte.weight": "body.wte.weight", "wpe.weight": "body.wpe.weight",
+             "ln_f.weight": "body.norm.weight", "ln_f.bias": "body.norm.bias"}
     for i in range(config.n_layer):
         for hf_name, ours in [("ln_1", "norm1"), ("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.proj"),
                               ("ln_2", "norm2"), ("mlp.c_fc", "mlp.fc"), ("mlp.c_proj", "mlp.proj")]:
@@ -728,7 +813,8 @@ def load_gpt2(cls, name_or_path, overrides):
     missing = set(names) - set(hf_state)
     unexpected = set(hf_state) - set(names)
     if missing or unexpected:
-        raise ValueError(f"{path} does not hold GPT-2 weights: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        raise ValueError(f"{path} does not hold GPT-2 weights: "
+                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
 
     model = cls(config)
     block_size = config.block_size

@@ -77,11 +77,17 @@ _SYNTH_SYMBOLS = string.digits + string.ascii_lowercase  # what reverse/sort str
 _SYNTH_CHARS = sorted(" -" + _SYNTH_SYMBOLS)  # one vocabulary for all synthetic tasks
 _SEQ2SEQ_SPLITS = ("train", "val", "test")
 
+# train.py forwards its data_options dict to prepare(), so there the same option is spelled as a dict entry
+_INPUT_OPTION = "--input PATH (in train.py: --data_options=\"{'input': 'PATH'}\")"
+
 _log = logging.getLogger("nanoformer.data")
 
 
-class DownloadError(RuntimeError):
-    """A download (or hub load) failed; the message names the URL and the offline alternative."""
+class DownloadError(OSError):
+    """A download (or hub load) failed; the message names the URL and the offline alternative.
+
+    An OSError, as any failed I/O is, so every `except OSError` reports it like a missing file.
+    """
 
 
 def _one_line(err: BaseException) -> str:
@@ -516,6 +522,8 @@ def _download(url: str, dest: Path, sha256: str, hint: str) -> None:
                 f.write(block)
             if digest.hexdigest() != sha256:
                 raise DownloadError(f"{url} arrived with sha256 {digest.hexdigest()}, expected {sha256}; {hint}")
+    except DownloadError:
+        raise  # an OSError too, but already the whole story: not to be wrapped by the clause below
     except (OSError, http.client.HTTPException) as err:  # URLError, timeouts and resets are OSErrors
         raise DownloadError(f"could not download {url} ({_one_line(err)}); {hint}") from None
 
@@ -527,7 +535,7 @@ def _shakespeare_file(input_path: str | None, data_root: Path) -> Path:
         if not path.is_file():
             raise FileNotFoundError(f"--input {input_path} is not a file")
         return path
-    hint = f"pass --input PATH to a local copy, or set {MIRROR_ENV} to a folder holding tinyshakespeare.txt"
+    hint = f"pass a local copy as {_INPUT_OPTION}, or set {MIRROR_ENV} to a folder holding tinyshakespeare.txt"
     mirror = os.environ.get(MIRROR_ENV)
     if mirror:
         for candidate in (Path(mirror) / "tinyshakespeare.txt", Path(mirror) / "tinyshakespeare" / "input.txt"):
@@ -683,7 +691,7 @@ def _build_hf_lm(stage, name, opts, files, check_tokenizer):
     if files is not None:
         dataset = _load_local_dataset(files)
     else:
-        hint = f"pass --input PATH with local parquet/json files, or set {MIRROR_ENV} to a folder holding {name}/"
+        hint = f"pass local parquet/json files as {_INPUT_OPTION}, or set {MIRROR_ENV} to a folder holding {name}/"
         dataset = _load_hub_dataset(opts["hf_dataset"], opts["hf_config"], hint)
     if opts["max_docs"]:
         dataset = dataset.take(opts["max_docs"])
@@ -798,7 +806,7 @@ def _build_translation(stage, name, opts, files, check_tokenizer):
         pairs = _file_pairs(files[0], opts["src"], opts["tgt"])
     else:
         hint = (
-            f"pass --input PATH to a local .tsv/.jsonl of pairs, or set {MIRROR_ENV} to a folder holding "
+            f"pass a local .tsv/.jsonl of pairs as {_INPUT_OPTION}, or set {MIRROR_ENV} to a folder holding "
             f"{_folder_name(name, opts)}.tsv"
         )
         pairs = _hub_pairs(opts, hint)
@@ -1003,7 +1011,7 @@ def _shakespeare_inputs(name, opts, data_root):
 
 def _text_inputs(name, opts, data_root):
     if not opts["input"]:
-        raise ValueError("text needs --input PATH: a UTF-8 text file, a directory or a glob such as 'books/*.txt'")
+        raise ValueError(f"text needs {_INPUT_OPTION}: a UTF-8 text file, a directory or a glob such as 'books/*.txt'")
     files = _expand_input(opts["input"])
     return files, _fingerprint(files)
 
@@ -1155,16 +1163,43 @@ def load_meta(dataset_dir) -> dict:
     return meta
 
 
-def is_prepared(path) -> bool:
-    """True when `path` holds a complete dataset: meta.json and every file it lists, intact."""
+def check_prepared(path) -> None:
+    """Raise ValueError or FileNotFoundError unless `path` holds a complete, intact dataset.
+
+    Complete: meta.json, listing what its kind needs (train.bin and val.bin, or train/val/test pairs).
+    Intact: every listed file present, with a valid header and the token count meta.json records, and each
+    split's pair index matching its token files and pair count. The message is one line naming the file
+    and the fix; a file that cannot be read at all raises its own OSError.
+    """
     path = Path(path)
+    meta = load_meta(path)
+    fix = "re-create the dataset with: python prepare_data.py NAME --force"
+    if meta["kind"] == "lm":
+        missing = [f for f in ("train.bin", "val.bin") if f not in meta["files"]]
+    else:
+        missing = [f"{s} pairs" for s in _SEQ2SEQ_SPLITS if s not in meta.get("pairs", {})]
+    if missing:
+        raise ValueError(f"{path / 'meta.json'} lists no {' nor '.join(missing)}; {fix}")
+    for fname, count in meta["files"].items():
+        if not (path / fname).is_file():
+            raise FileNotFoundError(f"{path / fname} is missing (meta.json lists it); {fix}")
+        held = _read_header(path / fname)[2]
+        if held != count:
+            raise ValueError(f"{path / fname} holds {held:,} tokens but meta.json records {count:,}; {fix}")
+    for split, count in meta.get("pairs", {}).items():
+        held = len(load_pairs(path, split))
+        if held != count:
+            index = path / f"{split}_idx.npy"
+            raise ValueError(f"{index} holds {held:,} pairs but meta.json records {count:,}; {fix}")
+
+
+def is_prepared(path) -> bool:
+    """True when `path` holds a complete, intact dataset, that is when check_prepared(path) raises nothing."""
     try:
-        meta = load_meta(path)
-        if any(_read_header(path / fname)[2] != count for fname, count in meta["files"].items()):
-            return False
-        return all(len(load_pairs(path, split)) == n for split, n in meta.get("pairs", {}).items())
+        check_prepared(path)
     except (OSError, ValueError):
         return False
+    return True
 
 
 def _existing_meta(folder: Path) -> dict | None:
@@ -1204,8 +1239,8 @@ def prepare(name: str, /, data_dir=None, force: bool = False, **options) -> Path
     `name` is positional-only, so the text/translation option `name=` (the output folder)
     can be passed too. Outputs that are up to date (same inputs and options) are kept, and
     an existing dataset from a different tokenizer is refused, unless force=True. Raises
-    ValueError, FileNotFoundError or DownloadError with a one-line message; nothing
-    half-written is left behind.
+    ValueError, FileNotFoundError or DownloadError (an OSError) with a one-line message;
+    nothing half-written is left behind.
     """
     recipe = _RECIPES.get(name)
     if recipe is None:
@@ -1359,7 +1394,7 @@ def main(argv=None) -> None:
         options = {k: v for k, v in vars(args).items() if k not in ("dataset", "data_dir", "force")}
         folder = prepare(args.dataset, data_dir=args.data_dir, force=args.force, **options)
         print(_summary(folder))
-    except (ValueError, FileNotFoundError, DownloadError) as err:
+    except (ValueError, OSError) as err:  # OSError: a missing or unwritable file, a failed download
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:

@@ -8,6 +8,7 @@ a GPT continues the prompt, an encoder-decoder translates it, an encoder fills i
     python sample.py --help
 """
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -22,7 +23,13 @@ from train import autocast, load_checkpoint, model_from_checkpoint, parse_config
 MASK = "[MASK]"  # what the encoder's prompt writes where a token is to be filled in
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # GPT-2's tokenizer as a dataset's meta.json would describe it: tiktoken's gpt2 encoding, 50256 = <|endoftext|>
-GPT2_META = {"kind": "lm", "tokenizer": {"type": "tiktoken", "encoding": "gpt2"}, "vocab_size": 50257, "special_tokens": {"eot": 50256}}
+GPT2_META = {
+    "kind": "lm",
+    "tokenizer": {"type": "tiktoken", "encoding": "gpt2"},
+    "vocab_size": 50257,
+    "special_tokens": {"eot": 50256},
+}
+MAX_TICK_LABELS = 32  # token labels per axis of a heat map; more would overlap
 
 
 @dataclass
@@ -57,17 +64,19 @@ class SampleConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.stream and self.num_samples > 1:
-            raise ValueError(f"stream=True prints one sample as it grows; set num_samples=1 (got {self.num_samples}) or stream=False")
+            raise ValueError(
+                f"stream=True prints one sample as it grows; set num_samples=1 (got {self.num_samples}) or stream=False"
+            )
 
 
 def load_model(cfg, device):
-    """(model in eval mode on device, its Tokenizer, the dataset meta) from out_dir's checkpoint or GPT-2's weights."""
+    """(model in eval mode on device, its Tokenizer, the dataset meta) from out_dir's checkpoint or GPT-2 weights."""
     if cfg.init_from == "resume":
         path = Path(cfg.out_dir) / cfg.checkpoint
         ckpt = load_checkpoint(path, map_location="cpu")
         try:
             model, meta = model_from_checkpoint(ckpt), ckpt["meta"]
-        except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit the config
+        except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit
             raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
     else:
         model, meta = GPT.from_pretrained(cfg.init_from), GPT2_META
@@ -105,7 +114,8 @@ def crop_prompt(ids, block_size):
 def sample_gpt(model, prompt, cfg, stop_token, generator, vocab_size):
     """
     Continue prompt (a list of ids) cfg.num_samples times in one batch with cfg's sampling options, drawing only
-    ids below vocab_size (the tokenizer's; BPE models pad their embedding to 50304). Returns an iterator over the (num_samples, 1) new tokens of each step; rows that reached stop_token repeat it.
+    ids below vocab_size (the tokenizer's; BPE models pad their embedding to 50304). Returns an iterator over the
+    (num_samples, 1) new tokens of each step; rows that reached stop_token repeat it.
     """
     device = next(model.parameters()).device
     idx = torch.tensor([prompt] * cfg.num_samples, dtype=torch.long, device=device)
@@ -176,10 +186,20 @@ def fill_mask(model, ids, positions, k, exclude):
     return [list(zip(t.tolist(), p.tolist())) for t, p in zip(tokens, probs)]
 
 
+def token_ticks(labels):
+    """
+    (positions, texts) of an axis's tick labels: every token, or on an axis of more than MAX_TICK_LABELS tokens
+    every k-th token with its position in front, so that at most MAX_TICK_LABELS show.
+    """
+    step = math.ceil(len(labels) / MAX_TICK_LABELS)
+    positions = range(0, len(labels), step)
+    return positions, [labels[i] if step == 1 else f"{i}: {labels[i]}" for i in positions]
+
+
 def plot_attention(panels, path):
     """
-    Save a grid of attention heat maps to path: one row per panel, one column per head.
-    panels: (title, weights (H, Tq, Tk), query labels, key labels) each; labels are shown when short enough.
+    Save a grid of attention heat maps, each with its colour bar, to path: one row per panel, one column per head.
+    panels: (title, weights (H, Tq, Tk), query labels, key labels) each.
     """
     try:
         from matplotlib.figure import Figure  # no pyplot: no window, no global figure state
@@ -191,11 +211,11 @@ def plot_attention(panels, path):
     for row, (title, weights, queries, keys) in zip(axes, panels):
         for h, ax in enumerate(row):
             # each map on its own scale: over many keys even a clear pattern is far from probability 1
-            ax.imshow(weights[h].float().cpu().numpy(), cmap="viridis", vmin=0.0)
+            image = ax.imshow(weights[h].float().cpu().numpy(), cmap="viridis", vmin=0.0)
+            fig.colorbar(image, ax=ax).ax.tick_params(labelsize=5)
             ax.set_title(f"{title}, head {h}", fontsize=8)
-            if max(len(queries), len(keys)) <= 32:  # more token labels would overlap; positions are shown instead
-                ax.set_xticks(range(len(keys)), keys, fontsize=5, rotation=90)
-                ax.set_yticks(range(len(queries)), queries, fontsize=5)
+            ax.set_xticks(*token_ticks(keys), fontsize=5, rotation=90)
+            ax.set_yticks(*token_ticks(queries), fontsize=5)
     fig.savefig(path, dpi=100)
 
 
@@ -216,7 +236,10 @@ def attention_panels(model, tokenizer, src, tgt=None):
     tgt_labels = token_labels(tgt, tokenizer)
     panels = [(f"encoder {i}", m["self"][0], src_labels, src_labels) for i, m in enumerate(maps["encoder"])]
     for i, m in enumerate(maps["decoder"]):
-        panels += [(f"decoder {i} self", m["self"][0], tgt_labels, tgt_labels), (f"decoder {i} cross", m["cross"][0], tgt_labels, src_labels)]
+        panels += [
+            (f"decoder {i} self", m["self"][0], tgt_labels, tgt_labels),
+            (f"decoder {i} cross", m["cross"][0], tgt_labels, src_labels),
+        ]
     return panels
 
 
@@ -284,12 +307,27 @@ def show_fills(model, tokenizer, meta, text, cfg, out):
     return ids
 
 
+def check_beam_options(cfg, arch):
+    """Refuse beam search options for a model that does not search, rather than ignore them silently."""
+    given = [f"--beam_size={cfg.beam_size}"] if cfg.beam_size > 1 else []
+    if cfg.length_penalty != SampleConfig.length_penalty:  # it has a default, so only a changed value is a request
+        given.append(f"--length_penalty={cfg.length_penalty}")
+    if arch == "encoder_decoder" or not given:
+        return
+    if arch == "gpt":
+        instead = "a GPT samples with --temperature, --top_k and --top_p (greedy: --temperature=0)"
+    else:
+        instead = f"an encoder lists the --candidates likeliest tokens for each {MASK}"
+    raise ValueError(f"{' and '.join(given)}: beam search applies to encoder-decoder checkpoints only; {instead}")
+
+
 def run(cfg, out):
     """Load the model, generate as cfg says and print to out; write the attention maps if asked."""
     device = resolve_device(cfg.device, 0)
     dtype = resolve_dtype(cfg.dtype, device)
     text = read_prompt(cfg.start)
     model, tokenizer, meta = load_model(cfg, device)
+    check_beam_options(cfg, model.config.arch)
     with torch.no_grad(), autocast(device, dtype):
         if model.config.arch == "gpt":
             inputs = (show_samples(model, tokenizer, meta, text, cfg, out),)

@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import random
+import shutil
 import struct
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from prepare_data import (
     DownloadError,
     Tokenizer,
     bpe_throughput,
+    check_prepared,
     dataset_dir,
     is_prepared,
     load_meta,
@@ -275,6 +277,37 @@ def test_idempotent_unless_forced_or_changed(tmp_path):
     assert is_prepared(folder)
 
 
+def test_check_prepared_names_the_damaged_file(tmp_path):
+    good = prepare("text", data_dir=tmp_path, input=str(small_corpus(tmp_path / "in")), tokenizer="char", name="good")
+    check_prepared(good)  # raises nothing
+    assert is_prepared(good)
+    count = load_meta(good)["files"]["train.bin"]
+    damaged = {name: shutil.copytree(good, tmp_path / name) for name in ("truncated", "missing", "miscounted")}
+    train = damaged["truncated"] / "train.bin"
+    train.write_bytes(train.read_bytes()[:-3])  # a token and a half short
+    (damaged["missing"] / "val.bin").unlink()
+    meta = load_meta(damaged["miscounted"])
+    meta["files"]["train.bin"] += 1
+    (damaged["miscounted"] / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    fix = r"; re-create the dataset with: python prepare_data.py NAME --force$"
+    cases = {
+        "truncated": (
+            ValueError,
+            rf"truncated/train.bin is truncated: its header promises {count:,} tokens but it "
+            rf"holds {count - 1.5:,.1f}{fix}",
+        ),
+        "missing": (FileNotFoundError, rf"missing/val.bin is missing \(meta.json lists it\){fix}"),
+        "miscounted": (
+            ValueError,
+            rf"miscounted/train.bin holds {count:,} tokens but meta.json records {count + 1:,}{fix}",
+        ),
+    }
+    for name, (error, message) in cases.items():
+        with pytest.raises(error, match=message):
+            check_prepared(damaged[name])
+        assert not is_prepared(damaged[name])
+
+
 def test_refuses_data_from_another_tokenizer_unless_forced(tmp_path):
     corpus = small_corpus(tmp_path / "in")
     folder = prepare("text", data_dir=tmp_path, input=str(corpus), tokenizer="char", name="corpus")
@@ -432,9 +465,12 @@ def test_shakespeare_download_cache_and_checksums(tmp_path, monkeypatch, shakesp
         prepare("shakespeare_char", data_dir=tmp_path / "data")
     message = str(failed.value)
     assert prepare_data.SHAKESPEARE_URL in message and "--input" in message and "NANOFORMER_DATA_MIRROR" in message
+    assert isinstance(failed.value, OSError)  # so that `except OSError` reports it, in every script
     monkeypatch.setattr(urllib.request, "urlopen", serve(b"not shakespeare"))
-    with pytest.raises(DownloadError, match="sha256"):
+    with pytest.raises(DownloadError) as failed:
         prepare("shakespeare_char", data_dir=tmp_path / "data")
+    # a DownloadError is an OSError too, yet its message is not wrapped in "could not download" a second time
+    assert str(failed.value).startswith(f"{prepare_data.SHAKESPEARE_URL} arrived with sha256")
     assert not (tmp_path / "data" / "downloads").exists() or list((tmp_path / "data" / "downloads").iterdir()) == []
 
     monkeypatch.setattr(urllib.request, "urlopen", serve(shakespeare_path.read_bytes()))
@@ -452,6 +488,19 @@ def test_shakespeare_download_cache_and_checksums(tmp_path, monkeypatch, shakesp
     monkeypatch.setenv("NANOFORMER_DATA_MIRROR", str(bad_mirror))
     with pytest.raises(ValueError, match="not tiny Shakespeare"):
         prepare("shakespeare_char", data_dir=tmp_path / "data2")
+
+
+def test_download_hint_spells_the_option_for_both_scripts(tmp_path, monkeypatch):
+    monkeypatch.delenv("NANOFORMER_DATA_MIRROR", raising=False)
+
+    def unreachable(url, timeout):
+        raise urllib.error.URLError("Network is unreachable")
+
+    monkeypatch.setattr(urllib.request, "urlopen", unreachable)
+    with pytest.raises(DownloadError) as failed:
+        prepare("shakespeare_char", data_dir=tmp_path)
+    # prepare_data.py takes --input; train.py forwards its data_options dict to prepare() instead
+    assert "--input PATH" in str(failed.value) and "--data_options=\"{'input': 'PATH'}\"" in str(failed.value)
 
 
 def offline_hub(monkeypatch):
@@ -479,6 +528,7 @@ def test_hub_failure_is_one_clear_error(tmp_path, monkeypatch, capsys, name, opt
     with pytest.raises(DownloadError) as failed:
         prepare(name, data_dir=tmp_path, **options)
     assert url in str(failed.value) and "--input" in str(failed.value) and "NANOFORMER_DATA_MIRROR" in str(failed.value)
+    assert "--data_options=\"{'input': 'PATH'}\"" in str(failed.value)
     if name == "translation":
         assert "translation_en_de.tsv" in str(failed.value)  # the mirror file it would have used
     with pytest.raises(SystemExit) as exit_info:

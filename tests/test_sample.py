@@ -4,7 +4,9 @@ import ast
 import io
 import itertools
 import math
+import os
 import re
+import socket
 import subprocess
 import sys
 from dataclasses import asdict, fields
@@ -26,8 +28,9 @@ def train_tiny(out_dir, data_dir, dataset, arch, **overrides):
     """A few optimizer steps of train.py on a 2-layer, 32-wide model: a real checkpoint, quickly."""
     cfg = train.TrainConfig(
         out_dir=str(out_dir), data_dir=str(data_dir), dataset=dataset, arch=arch, **TINY, batch_size=4,
-        gradient_accumulation_steps=1, max_iters=20, eval_interval=20, eval_iters=1, log_interval=100, learning_rate=1e-2,
-        min_lr=1e-3, warmup_iters=0, lr_decay_iters=20, device="cpu", tensorboard=False, compile=False, **overrides,
+        gradient_accumulation_steps=1, max_iters=20, eval_interval=20, eval_iters=1, log_interval=100,
+        learning_rate=1e-2, min_lr=1e-3, warmup_iters=0, lr_decay_iters=20, device="cpu", tensorboard=False,
+        compile=False, **overrides,
     )
     train.main(cfg)
     return out_dir
@@ -46,7 +49,8 @@ def encoder_dir(shakespeare_char_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def reverse_dir(tmp_path_factory):
     """The synthetic 'reverse' task, small: its meta (character vocabulary, pad/bos/eos) is what matters here."""
-    return prepare_data.prepare("reverse", data_dir=tmp_path_factory.mktemp("data"), num_train=300, num_val=20, num_test=20)
+    return prepare_data.prepare("reverse", data_dir=tmp_path_factory.mktemp("data"), num_train=300, num_val=20,
+                                num_test=20)
 
 
 @pytest.fixture(scope="session")
@@ -92,7 +96,8 @@ def bigram_model(arch, vocab_size, table):
                 p.zero_()
         for stack in (model.body,) if arch == "gpt" else (model.encoder, model.decoder):
             stack.wte.weight[:, :vocab_size] = torch.eye(vocab_size)
-        # LayerNorm turns one-hot e_i into (e_i - 1/C) / sigma; when the rows of W sum to zero, W (e_i - 1/C) / sigma = W[:, i] / sigma
+        # LayerNorm turns one-hot e_i into (e_i - 1/C) / sigma; when the rows of W sum to zero,
+        # W (e_i - 1/C) / sigma = W[:, i] / sigma
         for prev in range(vocab_size):
             probs = torch.full((vocab_size,), 1e-6)
             for token, p in table.get(prev, {}).items():
@@ -105,7 +110,8 @@ def bigram_model(arch, vocab_size, table):
 def save_checkpoint(out_dir, model, meta):
     """model in train.py's checkpoint layout, as far as sample.py reads it."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = {"format_version": train.FORMAT_VERSION, "model": model.state_dict(), "model_config": asdict(model.config), "meta": meta}
+    ckpt = {"format_version": train.FORMAT_VERSION, "model": model.state_dict(), "model_config": asdict(model.config),
+            "meta": meta}
     torch.save(ckpt, out_dir / "ckpt.pt")
     return out_dir
 
@@ -250,11 +256,13 @@ A, B, C, EOT = range(4)
 
 def test_empty_start_begins_at_end_of_text_and_sampling_stops_there(tmp_path, capsys):
     model = bigram_model("gpt", 4, {EOT: {C: 0.9}, C: {A: 0.9}, A: {B: 0.9}, B: {EOT: 0.6, C: 0.4}})
-    meta = {"kind": "lm", "tokenizer": {"type": "char", "chars": CHARS}, "vocab_size": 4, "special_tokens": {"eot": EOT}}
+    meta = {"kind": "lm", "tokenizer": {"type": "char", "chars": CHARS}, "vocab_size": 4,
+            "special_tokens": {"eot": EOT}}
     out_dir = save_checkpoint(tmp_path / "bigram", model, meta)
     code, out, _ = cli(capsys, "--out_dir", out_dir, "--start", "", "--temperature=0", "--max_new_tokens=20")
     assert code == 0 and out == "cab\n"  # eot -> c -> a -> b -> eot: stopped, the marker not printed
-    code, out, _ = cli(capsys, "--out_dir", out_dir, "--start", "b", "--num_samples=20", "--max_new_tokens=20", "--temperature=1.0")
+    code, out, _ = cli(capsys, "--out_dir", out_dir, "--start", "b", "--num_samples=20", "--max_new_tokens=20",
+                       "--temperature=1.0")
     texts = samples(out)
     assert code == 0 and "b" in texts and "bcab" in texts  # each sample ends at its own end-of-text
     assert all(re.fullmatch("b(cab)*", text) for text in texts)
@@ -281,7 +289,8 @@ def test_init_from_gpt2_weights_matches_hugging_face_greedy(gpt2_dir, capsys):
     prompt = torch.tensor([bpe.encode("Hello, my name is")])
     expected = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0].tolist()
     assert 50256 not in expected  # no end-of-text: all 12 tokens are printed
-    code, out, _ = cli(capsys, "--init_from", gpt2_dir, "--start", "Hello, my name is", "--temperature=0", "--max_new_tokens=12")
+    code, out, _ = cli(capsys, "--init_from", gpt2_dir, "--start", "Hello, my name is", "--temperature=0",
+                       "--max_new_tokens=12")
     assert code == 0 and out == bpe.decode(expected) + "\n"
 
 
@@ -324,7 +333,8 @@ def test_greedy_and_beam_search_on_a_constructed_decoder(reverse_dir, tmp_path, 
     bos, eos = meta["special_tokens"]["bos"], meta["special_tokens"]["eos"]
     a, b, c = tokenizer.encode("abc")
     # greedy takes a (0.5), then c (0.3), then eos: 0.15; b then eos holds 0.36, which beam search finds
-    table = {bos: {a: 0.5, b: 0.4, eos: 0.1}, a: {c: 0.3, a: 0.25, b: 0.25, eos: 0.2}, b: {eos: 0.9, c: 0.1}, c: {eos: 1.0}}
+    table = {bos: {a: 0.5, b: 0.4, eos: 0.1}, a: {c: 0.3, a: 0.25, b: 0.25, eos: 0.2}, b: {eos: 0.9, c: 0.1},
+             c: {eos: 1.0}}
     out_dir = save_checkpoint(tmp_path / "bigram", bigram_model("encoder_decoder", meta["vocab_size"], table), meta)
 
     greedy, token = [], bos
@@ -400,7 +410,8 @@ def test_fill_mask_lists_the_likeliest_valid_tokens(encoder_dir, capsys):
 def test_attention_png_has_a_panel_per_layer_and_head(request, tmp_path, capsys, arch, panels):
     import matplotlib.image
 
-    out_dir = request.getfixturevalue({"gpt": "gpt_dir", "encoder": "encoder_dir", "encoder_decoder": "seq2seq_dir"}[arch])
+    out_dir = request.getfixturevalue({"gpt": "gpt_dir", "encoder": "encoder_dir",
+                                       "encoder_decoder": "seq2seq_dir"}[arch])
     start = {"gpt": "ROMEO:", "encoder": "To be or [MASK]ot", "encoder_decoder": "abc123"}[arch]
     path = tmp_path / "attention.png"
     code, _, err = cli(capsys, "--out_dir", out_dir, "--start", start, "--max_new_tokens=5", "--attention", path)
@@ -411,9 +422,39 @@ def test_attention_png_has_a_panel_per_layer_and_head(request, tmp_path, capsys,
     assert matplotlib.image.imread(path).shape[:2] == (240 * panels, 240 * 2)
 
 
+@pytest.mark.parametrize("length", [10, 100])
+def test_attention_maps_have_colour_bars_and_token_labels(shakespeare_char_dir, shakespeare_path, tmp_path, capsys,
+                                                          monkeypatch, length):
+    from matplotlib.figure import Figure
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(arch="gpt", vocab_size=65, block_size=128, n_layer=1, n_head=2, n_embd=32))
+    out_dir = save_checkpoint(tmp_path / "long", model, prepare_data.load_meta(shakespeare_char_dir))
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, path, **options: figures.append(self))
+    prompt = shakespeare_path.read_text(encoding="utf-8")[:length]
+    code, _, _ = cli(capsys, "--out_dir", out_dir, "--start", prompt, "--max_new_tokens=1", "--attention", "a.png")
+    assert code == 0 and len(figures) == 1
+    labels = [repr(c)[1:-1] for c in prompt]  # char-level: each token is one character, written as repr shows it
+    heat_maps = [ax for ax in figures[0].axes if ax.images]
+    assert len(heat_maps) == 2  # one layer, two heads
+    for ax in heat_maps:
+        assert ax.images[0].colorbar is not None and ax.images[0].colorbar.ax in figures[0].axes
+        for axis in (ax.xaxis, ax.yaxis):
+            positions = [round(p) for p in axis.get_ticklocs()]
+            texts = [t.get_text() for t in axis.get_ticklabels()]
+            if length <= 32:  # every token, as it is
+                assert texts == labels
+            else:  # every k-th token, spread over the whole axis, with its position
+                step = positions[1] - positions[0]
+                assert 16 <= len(texts) <= 32 and positions == list(range(0, length, step))
+                assert texts == [f"{p}: {labels[p]}" for p in positions]
+
+
 def test_attention_without_matplotlib_says_how_to_get_it(gpt_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if it were not installed
-    code, _, err = cli(capsys, "--out_dir", gpt_dir, "--start", "A", "--max_new_tokens=1", "--attention", tmp_path / "a.png")
+    code, _, err = cli(capsys, "--out_dir", gpt_dir, "--start", "A", "--max_new_tokens=1",
+                       "--attention", tmp_path / "a.png")
     assert code == 2 and err == "error: --attention needs matplotlib: pip install matplotlib\n"
 
 
@@ -462,6 +503,40 @@ def test_unusable_checkpoint_is_one_line_and_exit_code_2(broken_dirs, capsys, fo
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.parametrize("arch,option,instead", [
+    ("gpt", "--beam_size=4", "greedy: --temperature=0"),
+    ("gpt", "--length_penalty=1.0", "--top_p"),
+    ("encoder", "--beam_size=2", "--candidates"),
+])
+def test_beam_options_on_a_model_without_beam_search_are_refused(request, capsys, arch, option, instead):
+    out_dir = request.getfixturevalue(f"{arch}_dir")
+    capsys.readouterr()  # what training the checkpoint printed, if this test was the first to need it
+    start = {"gpt": "ROMEO:", "encoder": "To be or [MASK]"}[arch]
+    args = ("--out_dir", out_dir, "--start", start, "--max_new_tokens=1")
+    code, out, err = cli(capsys, *args, option)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert option in err and "beam search applies to encoder-decoder checkpoints" in err and instead in err
+    assert cli(capsys, *args, "--beam_size=1", "--length_penalty=0.6")[0] == 0  # the defaults, spelled out, are fine
+
+
+def test_bpe_checkpoint_without_tiktoken_files_is_one_line(tmp_path):
+    """A GPT-2 BPE checkpoint, offline, with an empty tiktoken cache: its tokenizer cannot load; one line, exit 2."""
+    model = build_model(ModelConfig(arch="gpt", vocab_size=50257, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    out_dir = save_checkpoint(tmp_path / "bpe", model, sample.GPT2_META)
+    (tmp_path / "empty_cache").mkdir()
+    env = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy"}
+    with socket.socket() as refusing:
+        # tiktoken downloads through this proxy, which refuses at once: offline however this machine is connected
+        refusing.bind(("127.0.0.1", 0))  # bound, never listening
+        proxy = "http://127.0.0.1:%d" % refusing.getsockname()[1]
+        env |= {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache"), "HTTPS_PROXY": proxy, "https_proxy": proxy}
+        result = subprocess.run([sys.executable, "sample.py", "--out_dir", out_dir, "--start", "Hi"], env=env,
+                                capture_output=True, text=True, cwd=Path(sample.__file__).parent, timeout=120)
+    assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: could not load tiktoken") and result.stderr.count("\n") == 1
+    assert "TIKTOKEN_CACHE_DIR" in result.stderr
+
+
 def test_unknown_gpt2_weights_offline_is_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code, _, err = cli(capsys, "--init_from", tmp_path / "no-such-model")
@@ -508,7 +583,8 @@ def test_sampling_speed_generates_what_it_counts(gpt_dir, monkeypatch):
     monkeypatch.setattr(model, "generate", spy)
     for use_cache, batched in itertools.product((True, False), repeat=2):
         calls.clear()
-        rates = sample.sampling_speed(model, [0], num_samples=3, max_new_tokens=4, use_cache=use_cache, batched=batched, repeats=2)
+        rates = sample.sampling_speed(model, [0], num_samples=3, max_new_tokens=4, use_cache=use_cache,
+                                      batched=batched, repeats=2)
         assert len(rates) == 2 and all(r > 0 for r in rates)
         # per repeat: one batch of 3, or 3 batches of 1
         assert calls == ([(3, 4, use_cache)] if batched else [(1, 4, use_cache)] * 3) * 2

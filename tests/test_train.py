@@ -2,11 +2,14 @@
 exact resume, checkpoints, signals, DDP against one process, compile and bf16 on the CPU."""
 
 import dataclasses
+import errno
 import math
 import os
 import pickle
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +20,12 @@ import torch
 import torch.nn.functional as F
 
 import prepare_data
+import train
 from model import IGNORE_INDEX, ModelConfig, build_model
 from train import (
-    MODEL_KEYS, ConfigError, Objective, TrainConfig, accumulate_gradients, cli, get_lr, init_model, load_checkpoint, main,
-    mask_tokens, model_from_checkpoint, parse_config, save_checkpoint, seq2seq_batch, split_accumulation, update_ema,
+    MODEL_KEYS, ConfigError, Objective, TrainConfig, accumulate_gradients, cli, get_lr, init_model, load_checkpoint,
+    main, mask_tokens, model_from_checkpoint, parse_config, save_checkpoint, seq2seq_batch, split_accumulation,
+    train_step, update_ema,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -653,3 +658,318 @@ def test_bench_prints_every_measure(tmp_path, env):
     assert re.fullmatch(number, rows["seconds to val loss <= 10.0"])  # the first evaluation, at step 0, is below 10
     assert re.fullmatch(number, rows["best val loss within 600 s"])
     assert re.fullmatch(r"[\d.]+x \([\d.]+x-[\d.]+x\)", rows[next(k for k in rows if k.startswith("sampling speedup"))])
+
+
+# -----------------------------------------------------------------------------
+# Non-finite gradients, losses and evaluations
+
+
+def poison_gradient(model, at_call):
+    """Make the gradient of lm_head.weight infinite in the backward pass number `at_call` (1-based)."""
+    calls = []
+
+    def hook(grad):
+        calls.append(1)
+        if len(calls) == at_call:
+            grad = grad.clone()
+            grad[0, 0] = math.inf  # what an overflow in a bf16 backward leaves
+        return grad
+
+    model.lm_head.weight.register_hook(hook)
+    return model
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_step_with_a_non_finite_gradient_changes_nothing(fused):
+    """Against plain PyTorch: a finite step is AdamW after clipping; an infinite gradient leaves weights and state."""
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    model, reference = build_model(config), build_model(config)
+    reference.load_state_dict(model.state_dict())
+    cfg = TrainConfig(grad_clip=1.0, label_smoothing=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused, foreach=None if fused else False)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    x, y = torch.randint(0, 20, (2, 8)), torch.randint(0, 20, (2, 8))
+    cpu = torch.device("cpu")
+
+    loss, norm, skipped = train_step(model, optimizer, scaler, [((x,), y)], 16, 0.1, cfg, 1, cpu, torch.float32)
+    ref_loss = F.cross_entropy(reference(x)[0].flatten(0, 1), y.flatten())
+    ref_loss.backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    ref_optimizer.step()
+    assert skipped.item() == 0 and loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert norm.item() == pytest.approx(ref_norm.item(), rel=1e-5)
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state_before = {k: v.clone() for k, v in optimizer.state[model.lm_head.weight].items()}
+    poison_gradient(model, at_call=1)
+    loss, norm, skipped = train_step(model, optimizer, scaler, [((x,), y)], 16, 0.1, cfg, 1, cpu, torch.float32)
+    assert skipped.item() == 1 and not math.isfinite(norm.item()) and math.isfinite(loss.item())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    state_after = optimizer.state[model.lm_head.weight]
+    assert all(torch.equal(state_before[k], state_after[k]) for k in state_before)  # step count and moments too
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_infinite_gradient_mid_run_is_skipped_said_and_never_saved(tmp_path, data_root, monkeypatch, capsys):
+    real_build = train.build_model
+    monkeypatch.setattr(train, "build_model", lambda config: poison_gradient(real_build(config), at_call=3))
+    result = main(tiny(data_root, tmp_path, max_iters=6, eval_interval=3, log_interval=1))
+    out = capsys.readouterr().out
+    assert re.search(r"iter 3/6 .*1 step\(s\) skipped: gradient not finite", out)
+    assert "skipped" not in out.replace(re.search(r"iter 3/6 .*\n", out)[0], "")  # only that step
+    assert all(math.isfinite(v) for v in result["losses"].values()) and sorted(result["losses"]) == list(range(1, 7))
+    for name in ("ckpt.pt", "best.pt"):
+        assert all(torch.isfinite(v).all() for v in ckpt_weights(tmp_path / name).values())
+
+
+def test_a_non_finite_evaluation_saves_nothing(tmp_path, data_root, monkeypatch, capsys):
+    argv = [f"--{k}={v}" for k, v in TINY.items()] + [
+        "--dataset=shakespeare_char", f"--data_dir={data_root}", f"--out_dir={tmp_path}", "--max_iters=4",
+        "--eval_interval=2"]
+    real_evaluate = train.evaluate
+    evaluations = []
+
+    def evaluate(*args, **kwargs):
+        evaluations.append(1)
+        losses = real_evaluate(*args, **kwargs)
+        return {**losses, "val": math.nan} if len(evaluations) == 3 else losses  # at iteration 4
+
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    assert cli(argv) == 1
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "iteration 4" in error and "nothing saved" in error
+    assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] == 2 and load_checkpoint(tmp_path / "best.pt")
+
+
+# -----------------------------------------------------------------------------
+# Compilation
+
+
+def counting_backend(graphs, fail_after=None):
+    """A torch.compile backend that runs each graph as traced (no code generation) and records it."""
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        if fail_after is not None and len(graphs) > fail_after:
+            raise RuntimeError("this backend fails on purpose")
+        return gm.forward
+
+    return backend
+
+
+def test_a_failed_recompilation_falls_back_to_eager(tmp_path, data_root, monkeypatch, capsys):
+    """The first graph compiles, the evaluation's (a recompilation) fails: one warning, then the same numbers as eager."""
+    eager = main(tiny(data_root, tmp_path / "eager", max_iters=3, eval_interval=3))
+    real_compile, graphs = torch.compile, []
+    monkeypatch.setattr(torch, "compile", lambda module: real_compile(module, backend=counting_backend(graphs, 1)))
+    compiled = main(tiny(data_root, tmp_path / "compiled", max_iters=3, eval_interval=3, compile=True))
+    out = capsys.readouterr().out
+    assert out.count("warning: torch.compile failed") == 1 and len(graphs) == 2
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-6)
+    assert [e["val"] for e in compiled["evals"]] == pytest.approx([e["val"] for e in eager["evals"]], rel=1e-6)
+
+
+def test_out_of_memory_while_compiling_is_reported_as_such(tmp_path, data_root, monkeypatch, capsys):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(torch, "compile", lambda module: out_of_memory)
+    argv = [f"--{k}={v}" for k, v in TINY.items()] + [
+        "--dataset=shakespeare_char", f"--data_dir={data_root}", f"--out_dir={tmp_path}", "--compile=true"]
+    assert cli(argv) == 1
+    captured = capsys.readouterr()
+    assert "torch.compile failed" not in captured.out
+    error = captured.err.strip()
+    assert len(error.splitlines()) == 1 and "out of GPU memory" in error and "batch_size=8" in error
+
+
+def test_seq2seq_lengths_compile_once(tmp_path, data_root, monkeypatch):
+    """Batches of many lengths: one training graph and one evaluation graph, not one per length."""
+    real_compile, graphs = torch.compile, []
+    monkeypatch.setattr(torch, "compile", lambda module: real_compile(module, backend=counting_backend(graphs)))
+    main(tiny(data_root, tmp_path, arch="encoder_decoder", dataset="reverse", data_options=REVERSE, compile=True,
+              max_iters=6, eval_interval=3, eval_iters=3, eval_accuracy_examples=0))
+    assert len(graphs) == 2
+
+
+DDP_GRAPHS = """
+import sys, torch
+import train
+graphs, counts = [], []
+real_compile, real_compile_model = torch.compile, train.compile_model
+def backend(gm, example_inputs):
+    graphs.append(gm)
+    return gm.forward
+def compile_model(*args, **kwargs):
+    compiled = real_compile_model(*args, **kwargs)
+    counts.append(len(graphs))  # the graphs of the first forward and backward, inside DDP
+    return compiled
+torch.compile = lambda module: real_compile(module, backend=backend)
+train.compile_model = compile_model
+sys.exit(train.cli(sys.argv[1:]) or print("graphs", counts[0]))
+"""
+
+
+def test_ddp_compiles_one_graph_per_gradient_bucket(tmp_path, data_root, env):
+    """DDP's graph split (its all-reduce overlapping the backward) needs DDP compiled, not wrapping a compiled model."""
+    script = tmp_path / "count_graphs.py"
+    script.write_text(DDP_GRAPHS)
+    # 6 x 384-wide layers: 42 MB of fp32 weights, two or more of DDP's 25 MB buckets
+    args = [f"--{k}={v}" for k, v in TINY.items()] + [
+        "--dataset=shakespeare_char", "--n_layer=6", "--n_embd=384", "--batch_size=2", "--block_size=16",
+        "--max_iters=1", "--eval_iters=2", "--compile=true", "--gradient_accumulation_steps=2",
+        f"--out_dir={tmp_path / 'out'}"]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(script), *args], env={**env, "PYTHONPATH": str(REPO)}, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert int(re.search(r"graphs (\d+)", run.stdout)[1]) > 1
+
+
+# -----------------------------------------------------------------------------
+# Devices and ranks
+
+
+def test_auto_dtype_takes_float16_where_bfloat16_is_only_emulated(monkeypatch):
+    """A V100 or T4: is_bf16_supported() says True by emulation unless asked not to count it."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert train.resolve_dtype("auto", cuda) == torch.float16
+    with pytest.raises(ConfigError, match="no native bfloat16"):
+        train.resolve_dtype("bfloat16", cuda)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # an A100 or newer
+    assert train.resolve_dtype("auto", cuda) == torch.bfloat16
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_rank_failing_to_prepare_the_data_stops_every_rank_at_once(tmp_path, env):
+    """Ranks started by hand, as on two nodes: rank 0 cannot prepare the data, rank 1 must not wait for it."""
+    args = [f"--{k}={v}" for k, v in TINY.items()] + [
+        "--dataset=text", "--data_options={'input': '/no/such/corpus.txt', 'name': 'corpus'}",
+        f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", "--dist_timeout=600",
+        "--gradient_accumulation_steps=2"]
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], stderr=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in range(2)]
+    try:
+        errors = [rank.communicate(timeout=60)[1].strip() for rank in ranks]  # not dist_timeout
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [2, 2]
+    assert errors[0] == errors[1] and len(errors[0].splitlines()) == 1 and "/no/such/corpus.txt" in errors[0]
+
+
+def test_fewer_accumulation_steps_than_ranks_give_each_rank_one_micro_batch(tmp_path, data_root, env):
+    """The quick-start config's 1 step on 2 ranks works: the same losses as one process accumulating 2."""
+    assert split_accumulation(1, 2) == 1 and split_accumulation(3, 8) == 1
+    settings = dict(max_iters=3, log_interval=1, warmup_iters=1)
+    single = main(tiny(data_root, tmp_path / "single", gradient_accumulation_steps=2, **settings))
+    args = [f"--{k}={v}" for k, v in {**TINY, **settings}.items()] + [
+        "--dataset=shakespeare_char", "--tensorboard=true", f"--out_dir={tmp_path / 'ddp'}"]
+    assert "--gradient_accumulation_steps=1" in args
+    run = torchrun(args, env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "16 sequences per step (8 x 1 micro-batches x 2 rank(s))" in run.stdout
+    assert "each rank runs one micro-batch" in run.stdout
+    ddp_losses = tensorboard_scalars(tmp_path / "ddp", "train/loss")
+    assert [ddp_losses[i] for i in (1, 2, 3)] == pytest.approx([single["losses"][i] for i in (1, 2, 3)], rel=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# Bad input, bad files, failed saves
+
+
+def cli_argv(data_root, out_dir, **settings):
+    return ["--dataset=shakespeare_char", f"--data_dir={data_root}", f"--out_dir={out_dir}"] + [
+        f"--{k}={v}" for k, v in {**TINY, **settings}.items()]
+
+
+def test_an_out_dir_that_cannot_be_written_is_one_line_before_any_work(tmp_path, data_root, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a folder")
+    for out_dir in (a_file, a_file / "run"):
+        assert cli(cli_argv(data_root, out_dir)) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and "is a file" in error and "--out_dir" in error
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_a_failed_save_mid_run_names_the_file_and_keeps_the_last_checkpoint(tmp_path, data_root, monkeypatch,
+                                                                            capsys):
+    real_save, saves = torch.save, []
+
+    def disk_fills_up(obj, f):
+        saves.append(1)
+        if len(saves) > 2:  # best.pt and ckpt.pt at iteration 2 are written, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, f)
+
+    monkeypatch.setattr(torch, "save", disk_fills_up)
+    assert cli(cli_argv(data_root, tmp_path, max_iters=4, eval_interval=2)) == 1
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "No space left on device" in error and "best.pt" in error
+    assert "Traceback" not in error and "--init_from=resume" in error
+    monkeypatch.undo()
+    assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix in (".pt", ".tmp")) == ["best.pt", "ckpt.pt"]
+
+
+def test_corrupt_checkpoints_are_short_plain_messages(tmp_path):
+    good = tmp_path / "best.pt"
+    save_checkpoint({"format_version": 1, "x": torch.ones(10000)}, good)
+    ckpt = tmp_path / "ckpt.pt"
+    for contents, expected in [(good.read_bytes()[:5000], "truncated or corrupted"),
+                               (os.urandom(5000), "truncated or corrupted"), (b"", "is empty")]:
+        ckpt.write_bytes(contents)
+        with pytest.raises(ConfigError) as error:
+            load_checkpoint(ckpt)
+        message = str(error.value)
+        assert expected in message and "best.pt beside it may still be usable" in message
+        assert len(message) < 100 + len(str(ckpt)) and "weights_only" not in message and "\n" not in message
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path, data_root, capsys):
+    main(tiny(data_root, tmp_path, max_iters=3))
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert cli(cli_argv(data_root, tmp_path, max_iters=3, init_from="resume")) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "nothing to train" in error and "--max_iters" in error
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
+
+
+def test_the_resume_note_lists_only_settings_given_that_differ(tmp_path, data_root, capsys):
+    main(tiny(data_root, tmp_path, max_iters=2))
+    capsys.readouterr()
+    main(tiny(data_root, tmp_path, max_iters=3, init_from="resume", n_layer=3))  # d_ff, n_encoder_layer left None
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: resuming")]
+    assert notes == ["note: resuming with the checkpoint's model settings: n_layer=2"]
+    main(tiny(data_root, tmp_path, max_iters=4, init_from="resume"))
+    assert "note: resuming" not in capsys.readouterr().out
+
+
+def test_a_split_shorter_than_block_size_says_by_how_much(tmp_path, data_root):
+    with pytest.raises(ConfigError, match=r"val split has [\d,]+ tokens, too few for block_size=200000: use "
+                                          r"block_size <= [\d,]+"):
+        main(tiny(data_root, tmp_path, block_size=200_000))
+
+
+def test_a_damaged_folder_of_ones_own_names_the_real_cause(tmp_path, shakespeare_char_dir, capsys):
+    own = tmp_path / "my_corpus"
+    shutil.copytree(shakespeare_char_dir, own)
+    with open(own / "train.bin", "r+b") as f:
+        f.truncate(50_001)  # half a token short of its header's count
+    assert cli(cli_argv(tmp_path, tmp_path / "out", dataset="my_corpus")) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "train.bin is truncated" in error and "nor a folder" not in error
