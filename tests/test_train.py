@@ -490,6 +490,37 @@ def test_cuda_amp_fused_adamw_and_compile(tmp_path, data_root, capsys, dtype):
     assert (ckpt["scaler"].get("scale", 0) > 0) == (dtype == "float16")  # the GradScaler runs for float16 only
 
 
+@needs_cuda
+def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
+    """Between progress lines nothing is read back from the GPU: any synchronising call in a step is an error here."""
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    cfg = tiny(data_root, "unused", device="cuda")
+    model = build_model(cfg.model_config(vocab_size=65)).to(device)
+    optimizer, _ = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda")  # fused: skips on the device
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    data = prepare_data.load_tokens(Path(data_root) / "shakespeare_char" / "train.bin")
+    objective = Objective("gpt", data_vocab=65)
+    batches = train.TrainBatches(data, objective, cfg, torch.Generator().manual_seed(0), 0, 2, 1, pin=True)
+    losses = train.StepLosses(device, 1)
+    try:
+        for iteration in range(4):  # the first step creates the optimizer's state: not checked
+            micro_batches, n_targets, _ = batches.peek()
+            batches.advance()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if iteration else "default")
+            try:
+                loss, _, skipped = train_step(model, optimizer, scaler, micro_batches, n_targets, 1e-3, cfg, 1, device,
+                                              torch.bfloat16)
+                losses.add(iteration, loss, skipped)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        batches.close()
+    read, skipped = losses.read()
+    assert sorted(read) == [0, 1, 2, 3] and all(math.isfinite(v) for v in read.values()) and skipped == 0
+
+
 # -----------------------------------------------------------------------------
 # DDP (torchrun, two processes: gloo on the CPU, nccl on GPUs)
 
