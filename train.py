@@ -468,8 +468,8 @@ def load_splits(folder, meta, block_size):
             splits[split] = prepare_data.load_tokens(folder / f"{split}.bin")
             if len(splits[split]) <= block_size:  # a GPT's window is block_size + 1 tokens (inputs and targets)
                 raise ConfigError(f"{folder.name}'s {split} split has {len(splits[split]):,} tokens, too few for "
-                                  f"block_size={block_size}: use block_size <= {len(splits[split]) - 1}, or give "
-                                  "the split more text (e.g. a larger val_fraction)")
+                                  f"block_size={block_size}: use block_size <= {len(splits[split]) - 1}, or a "
+                                  f"dataset with a longer {split} split")
             continue
         pairs = prepare_data.load_pairs(folder, split)
         lengths = np.diff(pairs.index, axis=0)  # (n, 2): source and target length of each pair
@@ -648,7 +648,17 @@ def train_step(model, optimizer, scaler, batches, n_targets, lr, cfg, world_size
     """
     for group in optimizer.param_groups:
         group["lr"] = lr
-    loss = accumulate_gradients(model, batches, n_targets, world_size, device, dtype, scaler, cfg.label_smoothing, ddp)
+    args = (batches, n_targets, world_size, device, dtype, scaler, cfg.label_smoothing, ddp)
+    try:
+        loss = accumulate_gradients(model, *args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # a recompiled graph's backward is compiled at its first use, inside backward()
+        if not isinstance(model, CompiledModel) or model.failed:
+            raise
+        model.fall_back(e)
+        optimizer.zero_grad(set_to_none=True)
+        loss = accumulate_gradients(model, *args)  # the step again, eagerly: an error of the model's own recurs
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
     skipped = (~torch.isfinite(grad_norm)).float()  # DDP averaged the gradients: the same on every rank
@@ -676,6 +686,7 @@ class StepLosses:
         self.world_size = world_size
         self.pending = []  # (iteration, this rank's share of the step's mean loss)
         self.skipped = torch.zeros((), device=device)  # steps with a non-finite gradient since the last read
+        self.unreported = 0  # skipped steps read back but not yet reported
 
     def add(self, iteration, loss, skipped):
         self.pending.append((iteration, loss))
@@ -683,23 +694,29 @@ class StepLosses:
 
     def read(self):
         """
-        ({iteration: mean loss over all ranks} of the steps since the last read, how many of them were skipped).
-        FloatingPointError at the first non-finite loss: its step left the weights as they were.
+        {iteration: mean loss over all ranks} of the steps since the last read; FloatingPointError at the first
+        non-finite loss. The count of skipped steps waits in `unreported` for take_unreported.
         """
         if not self.pending:
-            return {}, 0
+            return {}
         losses = torch.stack([loss for _, loss in self.pending])
         if self.world_size > 1:
             dist.all_reduce(losses)
         *losses, skipped = torch.cat([losses.float(), self.skipped[None]]).tolist()
         iterations = [iteration for iteration, _ in self.pending]
         self.pending, self.skipped = [], torch.zeros_like(self.skipped)
+        self.unreported += int(skipped)
         for iteration, loss in zip(iterations, losses):
             if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at iteration {iteration}; stopped before updating the "
-                                         "weights, so the last checkpoint is untouched. Lower learning_rate or raise "
-                                         "warmup_iters")
-        return dict(zip(iterations, losses)), int(skipped)
+                raise FloatingPointError(f"loss is {loss} at iteration {iteration}; stopped at iteration "
+                                         f"{iterations[-1]} with nothing saved since, so the last checkpoint is "
+                                         "untouched. Lower learning_rate or raise warmup_iters")
+        return dict(zip(iterations, losses))
+
+    def take_unreported(self):
+        """How many steps were skipped since the last call."""
+        count, self.unreported = self.unreported, 0
+        return count
 
 
 @torch.no_grad()
@@ -744,7 +761,8 @@ def exact_match(model, pairs, rows, objective, max_len, batch_size, rank, world_
 class CompiledModel(nn.Module):
     """
     torch.compile(module), falling back to the eager module with one warning if a compilation fails, whenever it
-    happens: at the first call or at a later recompilation (evaluation mode, say).
+    happens: at the first call or at a later recompilation (evaluation mode, say). A backward graph is compiled at
+    its first use, in loss.backward(): train_step redoes such a step eagerly after calling fall_back.
     """
 
     def __init__(self, module):
@@ -764,7 +782,7 @@ class CompiledModel(nn.Module):
         log(f"warning: torch.compile failed ({type(error).__name__}: {first_line(error)}); going on without it")
 
 
-def compile_model(model, example, device, dtype):
+def compile_model(model, example, device, dtype, label_smoothing=0.0):
     """
     CompiledModel(model), tried on one forward and backward pass (the backward is compiled at its first call);
     if that fails, one warning and the eager model. Running out of memory is no compile failure: it is raised.
@@ -775,7 +793,9 @@ def compile_model(model, example, device, dtype):
         with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []):
             inputs, targets = model_inputs(*example, device)
             with autocast(device, dtype):
-                _, loss = compiled(*inputs, targets, reduction="sum", return_logits=False)
+                # the training step's exact call, so that training reuses this graph instead of compiling another
+                _, loss = compiled(*inputs, targets, label_smoothing=label_smoothing, reduction="sum",
+                                   return_logits=False)
             loss.backward()
     except torch.OutOfMemoryError:
         raise
@@ -879,8 +899,11 @@ def load_checkpoint(path, map_location="cpu"):
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"no checkpoint at {path}; train one first, or point --out_dir at the run's folder")
-    other = path.with_name("best.pt" if path.name == "ckpt.pt" else "ckpt.pt")
-    fallback = f"; {other.name} beside it may still be usable" if other.is_file() else ""
+    fallback = ""  # what may still be usable beside a damaged file
+    if path.name == "ckpt.pt" and path.with_name("best.pt").is_file():
+        fallback = "; best.pt beside it still holds the best weights (sample.py --checkpoint=best.pt)"
+    elif path.name != "ckpt.pt" and path.with_name("ckpt.pt").is_file():
+        fallback = "; ckpt.pt beside it may still be usable"
     if path.stat().st_size == 0:
         raise ConfigError(f"{path} is empty, not a checkpoint (a save cut short?){fallback}")
     try:
@@ -1033,9 +1056,10 @@ def main(cfg):
                 torch.cuda.set_device(device)
             backend = cfg.backend if cfg.backend != "auto" else "nccl" if device.type == "cuda" else "gloo"
             # the timeout turns a dead or stuck rank into an error on the others instead of a hang
-            dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout))
+            timeout = timedelta(seconds=cfg.dist_timeout)
+            dist.init_process_group(backend, timeout=timeout)
             stack.callback(dist.destroy_process_group)
-            host_group = dist.new_group(backend="gloo")
+            host_group = dist.new_group(backend="gloo", timeout=timeout)
         torch.manual_seed(cfg.seed + rank)  # dropout differs per rank; DDP copies rank 0's initial weights
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -1085,7 +1109,7 @@ def main(cfg):
             # DDP is compiled, not wrapped around a compiled model: then its graph is split at the gradient buckets,
             # so each bucket's all-reduce starts while the backward of the layers before it still runs
             example = get_batch(splits["train"], objective, cfg.batch_size, cfg.block_size, torch.Generator())
-            model = compile_model(model, example, device, dtype)
+            model = compile_model(model, example, device, dtype, cfg.label_smoothing)
             if isinstance(model, CompiledModel):
                 eval_model = model if ddp is None else CompiledModel(raw_model)
         ema_model = None  # with ema_decay: the moving average of raw_model's weights, from the same start on all ranks
@@ -1125,7 +1149,7 @@ def main(cfg):
             just_resumed = ckpt is not None and iter_num == start_iter  # nothing new to evaluate or save
             if cfg.eval_only or (not stopping and not just_resumed and (iter_num % cfg.eval_interval == 0 or last)):
                 began = time.perf_counter()
-                history["losses"].update(step_losses.read()[0])  # a non-finite loss stops the run before any save
+                history["losses"].update(step_losses.read())  # a non-finite loss stops the run before any save
                 result = evaluate(eval_model, splits, objective, cfg.batch_size, cfg.block_size, cfg.eval_iters,
                                   cfg.seed, rank, world_size, device, dtype)
                 if not all(map(math.isfinite, result.values())):
@@ -1156,7 +1180,9 @@ def main(cfg):
                     break
             if last:
                 if iter_num > start_iter:
-                    history["losses"].update(step_losses.read()[0])
+                    history["losses"].update(step_losses.read())
+                    if skipped := step_losses.take_unreported():
+                        log(f"{skipped} step(s) skipped since the last progress line: gradient not finite")
                     save_training_state()
                     how = f"stopped by {stop.signal or 'a signal to another rank'}" if stopping else "done"
                     log(f"{how} at iteration {iter_num}: saved {out_dir / 'ckpt.pt'}"
@@ -1187,8 +1213,9 @@ def main(cfg):
             if peak:
                 window["flops"] += sum(raw_model.training_flops(*inputs) for inputs, _ in micro_batches)
             if iter_num % cfg.log_interval == 0:
-                losses, n_skipped = step_losses.read()  # waits for the device: the window's time is real
+                losses = step_losses.read()  # waits for the device: the window's time is real
                 history["losses"].update(losses)
+                n_skipped = step_losses.take_unreported()
                 seconds, steps = time.perf_counter() - window["start"], window["steps"]
                 loss, norm, speed = losses[iter_num], grad_norm.item(), window["tokens"] / seconds
                 values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm, "perf/tokens_per_sec": speed}

@@ -1,6 +1,7 @@
 """train.py: config parsing, batches and losses against hand-made references, short runs per architecture,
 exact resume, checkpoints, signals, DDP against one process, compile and bf16 on the CPU."""
 
+import contextlib
 import dataclasses
 import errno
 import math
@@ -517,8 +518,9 @@ def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
                 torch.cuda.set_sync_debug_mode("default")
     finally:
         batches.close()
-    read, skipped = losses.read()
-    assert sorted(read) == [0, 1, 2, 3] and all(math.isfinite(v) for v in read.values()) and skipped == 0
+    read = losses.read()
+    assert sorted(read) == [0, 1, 2, 3] and all(math.isfinite(v) for v in read.values())
+    assert losses.take_unreported() == 0
 
 
 # -----------------------------------------------------------------------------
@@ -615,6 +617,32 @@ def test_a_dead_rank_ends_the_job_instead_of_hanging(tmp_path, env):
         os.kill(workers[-1], signal.SIGKILL)
         process.communicate(timeout=120)  # a hang would end here, as a failure
     finally:
+        process.kill()
+    assert process.returncode not in (0, None)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's workers through /proc")
+def test_a_stopped_rank_times_the_others_out_after_dist_timeout(tmp_path, env):
+    """A rank that hangs (here: SIGSTOP) must not hold the others past dist_timeout, in any collective."""
+    args = [f"--{k}={v}" for k, v in TINY.items()] + ["--dataset=shakespeare_char", "--max_iters=100000",
+                                                      "--gradient_accumulation_steps=2", "--log_interval=1",
+                                                      "--dist_timeout=10", f"--out_dir={tmp_path}"]
+    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                str(REPO / "train.py"), *args], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)
+    workers = []
+    try:
+        for line in process.stdout:
+            if line.startswith("iter 3/"):
+                break
+        workers = child_processes(process.pid)
+        assert len(workers) == 2
+        os.kill(workers[-1], signal.SIGSTOP)
+        process.communicate(timeout=120)  # 10 s of dist_timeout, then torchrun's teardown
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         process.kill()
     assert process.returncode not in (0, None)
 
@@ -757,6 +785,13 @@ def test_an_infinite_gradient_mid_run_is_skipped_said_and_never_saved(tmp_path, 
         assert all(torch.isfinite(v).all() for v in ckpt_weights(tmp_path / name).values())
 
 
+def test_a_skipped_step_after_the_last_progress_line_is_still_reported(tmp_path, data_root, monkeypatch, capsys):
+    real_build = train.build_model
+    monkeypatch.setattr(train, "build_model", lambda config: poison_gradient(real_build(config), at_call=2))
+    main(tiny(data_root, tmp_path, max_iters=4, eval_interval=3, log_interval=5))  # evaluations read the losses
+    assert "1 step(s) skipped since the last progress line: gradient not finite" in capsys.readouterr().out
+
+
 def test_a_non_finite_evaluation_saves_nothing(tmp_path, data_root, monkeypatch, capsys):
     argv = [f"--{k}={v}" for k, v in TINY.items()] + [
         "--dataset=shakespeare_char", f"--data_dir={data_root}", f"--out_dir={tmp_path}", "--max_iters=4",
@@ -793,7 +828,7 @@ def counting_backend(graphs, fail_after=None):
 
 
 def test_a_failed_recompilation_falls_back_to_eager(tmp_path, data_root, monkeypatch, capsys):
-    """The first graph compiles, the evaluation's (a recompilation) fails: one warning, then the same numbers as eager."""
+    """The first graph compiles, the evaluation's (a recompilation) fails: one warning, then eager numbers."""
     eager = main(tiny(data_root, tmp_path / "eager", max_iters=3, eval_interval=3))
     real_compile, graphs = torch.compile, []
     monkeypatch.setattr(torch, "compile", lambda module: real_compile(module, backend=counting_backend(graphs, 1)))
@@ -822,9 +857,43 @@ def test_seq2seq_lengths_compile_once(tmp_path, data_root, monkeypatch):
     """Batches of many lengths: one training graph and one evaluation graph, not one per length."""
     real_compile, graphs = torch.compile, []
     monkeypatch.setattr(torch, "compile", lambda module: real_compile(module, backend=counting_backend(graphs)))
+    # with label smoothing, which the trial compilation must use too, or training compiles a graph of its own
     main(tiny(data_root, tmp_path, arch="encoder_decoder", dataset="reverse", data_options=REVERSE, compile=True,
-              max_iters=6, eval_interval=3, eval_iters=3, eval_accuracy_examples=0))
+              max_iters=6, eval_interval=3, eval_iters=3, eval_accuracy_examples=0, label_smoothing=0.1))
     assert len(graphs) == 2
+
+
+def test_a_failed_backward_recompilation_redoes_the_step_eagerly():
+    """A backward is compiled at its first use, inside loss.backward(): that failure too ends in eager mode."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    backward_graphs = []
+
+    def backward_compiler(gm, example_inputs):
+        backward_graphs.append(gm)
+        if len(backward_graphs) > 1:
+            raise RuntimeError("this backward compiler fails on purpose")
+        return make_boxed_func(gm)
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    model, reference = build_model(config), build_model(config)
+    reference.load_state_dict(model.state_dict())
+    backend = aot_autograd(fw_compiler=lambda gm, inputs: make_boxed_func(gm), bw_compiler=backward_compiler)
+    compiled = train.CompiledModel.__new__(train.CompiledModel)
+    torch.nn.Module.__init__(compiled)
+    compiled.module, compiled.failed = model, False
+    compiled.compiled = torch.compile(model, backend=backend, dynamic=False)  # a new length recompiles
+    cfg, cpu, scaler = TrainConfig(grad_clip=0.0), torch.device("cpu"), torch.amp.GradScaler("cpu", enabled=False)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (model, reference)]
+    for length in (8, 6):  # the second length's backward cannot be compiled
+        x, y = torch.randint(0, 20, (2, length)), torch.randint(0, 20, (2, length))
+        train_step(compiled, optimizers[0], scaler, [((x,), y)], 2 * length, 0.01, cfg, 1, cpu, torch.float32)
+        train_step(reference, optimizers[1], scaler, [((x,), y)], 2 * length, 0.01, cfg, 1, cpu, torch.float32)
+    assert compiled.failed and len(backward_graphs) == 2
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs)
 
 
 DDP_GRAPHS = """
@@ -967,8 +1036,8 @@ def test_corrupt_checkpoints_are_short_plain_messages(tmp_path):
         with pytest.raises(ConfigError) as error:
             load_checkpoint(ckpt)
         message = str(error.value)
-        assert expected in message and "best.pt beside it may still be usable" in message
-        assert len(message) < 100 + len(str(ckpt)) and "weights_only" not in message and "\n" not in message
+        assert expected in message and "best.pt beside it still holds the best weights" in message
+        assert len(message) < 150 + len(str(ckpt)) and "weights_only" not in message and "\n" not in message
 
 
 def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path, data_root, capsys):
