@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from sample import sampling_speed
-from train import load_checkpoint, model_from_checkpoint, parse_config
+from checkpoint import load_checkpoint, model_from_checkpoint
+from config import parse_config
 
 ROOT = Path(__file__).resolve().parent
 

@@ -18,7 +18,9 @@ import torch
 
 from model import GPT, Stack, check_sampling_args
 from prepare_data import Tokenizer, solve
-from train import autocast, load_checkpoint, model_from_checkpoint, parse_config, resolve_device, resolve_dtype
+from checkpoint import load_checkpoint, model_from_checkpoint
+from config import parse_config
+from train import autocast, resolve_device, resolve_dtype
 
 MASK = "[MASK]"  # what the encoder's prompt writes where a token is to be filled in
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -11,26 +11,16 @@ One optimizer step sees batch_size * gradient_accumulation_steps sequences; the 
 shared out over the ranks, so a config means the same optimisation on one device or on eight.
 """
 
-import ast
 import contextlib
 import copy
 import ctypes
-import difflib
-import inspect
-import io
-import json
 import math
 import os
-import random
 import signal
 import sys
-import textwrap
 import time
-import tokenize
-import types
-import typing
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -41,16 +31,14 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import prepare_data
+from checkpoint import (
+    load_checkpoint, model_from_checkpoint, save_checkpoint, set_rng_state, training_state, weights_state, write_json,
+)
+from config import ConfigError, parse_config
 from model import GPT, IGNORE_INDEX, ModelConfig, build_model, peak_flops
 
-FORMAT_VERSION = 2  # of checkpoints; a checkpoint with a larger number needs newer code. 2: train_model
 # ModelConfig fields a TrainConfig sets directly; the vocabulary and padding id come from the dataset
 MODEL_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name not in ("vocab_size", "pad_token_id"))
-BOOL_WORDS = types.MappingProxyType({"true": True, "false": False, "1": True, "0": False})  # read-only
-
-
-class ConfigError(ValueError):
-    """A bad setting, config file, command line or input file; the message says what is wrong and how to fix it."""
 
 
 @dataclass
@@ -150,136 +138,6 @@ class TrainConfig:
 
 
 # -----------------------------------------------------------------------------
-# Config files and command line
-
-
-def field_docs(cls):
-    """The comment after each field of dataclass cls, by field name: what --help prints."""
-    source = textwrap.dedent(inspect.getsource(cls))
-    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
-    comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
-    body = ast.parse(source).body[0].body
-    return {n.target.id: comments.get(n.end_lineno, "") for n in body if isinstance(n, ast.AnnAssign)}
-
-
-def format_help(cls):
-    docs = field_docs(cls)
-    lines = [f"usage: {Path(sys.argv[0]).name} [CONFIG.py ...] [--key=value | --key value ...]", "",
-             "Config files hold `key = value` lines of literals; later files and options override earlier ones.", ""]
-    for f in fields(cls):
-        default = f.default if f.default_factory is MISSING else f.default_factory()
-        shown = f"--{f.name}={default if isinstance(default, str) else repr(default)}"
-        lines.append(f"  {shown:<34} {docs.get(f.name, '')}")
-    return "\n".join(lines)
-
-
-def allowed_types(hint):
-    return typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-
-
-def coerce(value, hint, where):
-    """value as the field's type: an int is fine where a float is expected, a whole float where an int is."""
-    for kind in allowed_types(hint):
-        if kind is type(None) and value is None or kind in (bool, str, dict) and isinstance(value, kind):
-            return value
-        if isinstance(value, bool):  # True is an int to Python, never to a config
-            continue
-        if kind is float and isinstance(value, (int, float)):
-            return float(value)
-        if kind is int and (isinstance(value, int) or isinstance(value, float) and value.is_integer()):
-            return int(value)
-    expected = " or ".join("None" if k is type(None) else k.__name__ for k in allowed_types(hint))
-    raise ConfigError(f"{where} must be {expected}, got {value!r}")
-
-
-def parse_text(text, hint, key):
-    """A command-line value: text for str fields, true/false/1/0 for bools, else a Python literal."""
-    kinds = allowed_types(hint)
-    if text == "None" and type(None) in kinds:
-        return None
-    if str in kinds:
-        return text
-    if bool in kinds and text.lower() in BOOL_WORDS:
-        return BOOL_WORDS[text.lower()]
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        value = text  # reported as the wrong type below
-    return coerce(value, hint, f"--{key}")
-
-
-def check_key(key, names, where):
-    if key not in names:
-        close = difflib.get_close_matches(key, names, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else "--help lists every key"
-        raise ConfigError(f"{where}: unknown key '{key}'; {hint}")
-    return key
-
-
-def read_config_file(arg, names):
-    """The (key, value, line) assignments of a config file; found relative to the working directory or this file."""
-    path = Path(arg)
-    if not path.is_file() and not path.is_absolute() and (Path(__file__).resolve().parent / path).is_file():
-        path = Path(__file__).resolve().parent / path  # so configs/x.py works from any working directory
-    if not path.is_file():
-        raise ConfigError(f"config file {arg} not found (options are written --key=value)")
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    except SyntaxError as e:
-        raise ConfigError(f"{path} line {e.lineno}: not a `key = value` config file ({e.msg})") from None
-    assignments = []
-    for node in tree.body:
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-            continue  # a docstring
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
-            raise ConfigError(f"{path} line {node.lineno}: only `key = value` assignments are allowed")
-        key = check_key(node.targets[0].id, names, f"{path} line {node.lineno}")
-        try:
-            value = ast.literal_eval(node.value)
-        except ValueError:
-            raise ConfigError(f"{path} line {node.lineno}: the value of {key} must be a literal "
-                              "(number, string, True/False, None, or a list/tuple/dict of those)") from None
-        assignments.append((key, value, f"{path} line {node.lineno}: {key}"))
-    return assignments
-
-
-def parse_config(cls, argv):
-    """
-    Build dataclass cls from argv: config files (`key = value` literals, read with ast, so no code runs) and
-    --key=value or --key value overrides, applied in order, each value typed by its field. --help prints every
-    key with its default and doc and exits. Raises ConfigError naming the bad file line, key or value.
-    """
-    hints = typing.get_type_hints(cls)
-    values, args = {}, list(argv)
-    while args:
-        arg = args.pop(0)
-        if arg in ("-h", "--help"):
-            print(format_help(cls))
-            raise SystemExit(0)
-        if not arg.startswith("--"):
-            for key, value, where in read_config_file(arg, list(hints)):
-                values[key] = coerce(value, hints[key], where)
-            continue
-        key, has_value, text = arg[2:].partition("=")  # only the first '=' splits, values may hold more
-        check_key(key, list(hints), "command line")
-        is_bool = bool in allowed_types(hints[key])
-        if not has_value:
-            # a bool flag takes the next word only if it is a bool word: `--eval_only config.py` stays a flag
-            takes_next = args and not args[0].startswith("--") and (not is_bool or args[0].lower() in BOOL_WORDS)
-            if takes_next:
-                text = args.pop(0)
-            elif is_bool:
-                text = "true"  # a bare --flag
-            else:
-                raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
-        values[key] = parse_text(text, hints[key], key)
-    try:
-        return cls(**values)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(str(e)) from None
-
-
-# -----------------------------------------------------------------------------
 # Devices and processes
 
 
@@ -287,6 +145,25 @@ def log(message):
     """Print on rank 0 only (torchrun sets RANK); flushed so piped logs stay current."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(message, flush=True)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process runs: its rank among world_size processes (torchrun sets them), its device and dtype."""
+
+    rank: int = 0
+    local_rank: int = 0  # rank within this machine: which GPU is ours
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32  # autocast's dtype; float32 means none
+
+
+def make_runtime(cfg):
+    """The Runtime of this process: ranks from torchrun's variables, device and dtype from cfg."""
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(cfg.device, local_rank)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return Runtime(rank, local_rank, world_size, device, resolve_dtype(cfg.dtype, device))
 
 
 def resolve_device(name, local_rank):
@@ -350,11 +227,11 @@ def split_accumulation(steps, world_size):
     return steps // world_size
 
 
-def all_reduce(values, device, world_size):
-    """Sum numbers and 0-d tensors over the ranks in one collective; returns a tensor on device."""
-    dtype = torch.float32 if device.type == "mps" else torch.float64  # float64 keeps token counts exact
-    tensor = torch.stack([torch.as_tensor(v, device=device).to(dtype) for v in values])
-    if world_size > 1:
+def all_reduce(values, rt):
+    """Sum numbers and 0-d tensors over the ranks in one collective; returns a tensor on rt.device."""
+    dtype = torch.float32 if rt.device.type == "mps" else torch.float64  # float64 keeps token counts exact
+    tensor = torch.stack([torch.as_tensor(v, device=rt.device).to(dtype) for v in values])
+    if rt.world_size > 1:
         dist.all_reduce(tensor)
     return tensor
 
@@ -425,17 +302,17 @@ def prepared_dataset(name, data_dir, options):
     return folder
 
 
-def find_dataset(name, data_dir, options, rank, local_rank, world_size):
+def find_dataset(cfg, rt):
     """The dataset's folder, prepared first if missing: by rank 0, then by each node's first rank, then by the rest."""
     folder = None
-    for my_turn in (rank == 0, rank != 0 and local_rank == 0, local_rank != 0):
+    for my_turn in (rt.rank == 0, rt.rank != 0 and rt.local_rank == 0, rt.local_rank != 0):
         error = None
         if my_turn:
             try:
-                folder = prepared_dataset(name, data_dir, options)
+                folder = prepared_dataset(cfg.dataset, cfg.data_dir, cfg.data_options)
             except ConfigError as e:
                 error = str(e)
-        raise_if_any_failed(error, world_size)  # also makes the others wait until the files exist
+        raise_if_any_failed(error, rt.world_size)  # also makes the others wait until the files exist
     return folder
 
 
@@ -567,9 +444,9 @@ class TrainBatches:
     `generator` for the micro-batches of all ranks: the stream is the same on any number of ranks.
     """
 
-    def __init__(self, data, objective, cfg, generator, rank, per_rank, world_size, pin):
-        self.data, self.objective, self.cfg, self.pin = data, objective, cfg, pin
-        self.generator, self.rank, self.per_rank, self.world_size = generator, rank, per_rank, world_size
+    def __init__(self, data, objective, cfg, generator, rt, per_rank):
+        self.data, self.objective, self.cfg, self.pin = data, objective, cfg, rt.device.type == "cuda"
+        self.generator, self.rank, self.per_rank, self.world_size = generator, rt.rank, per_rank, rt.world_size
         self.pool = ThreadPoolExecutor(max_workers=1)
         self.advance()
 
@@ -618,28 +495,28 @@ def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters, schedule="co
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
-def accumulate_gradients(model, batches, n_targets, world_size, device, dtype, scaler, label_smoothing=0.0, ddp=None):
+def accumulate_gradients(model, batches, n_targets, scaler, rt, *, label_smoothing=0.0, ddp=None):
     """
     Forward and backward over this rank's micro-batches; returns their summed loss. Each summed loss is divided by
     n_targets, the real targets of the whole step on all ranks, and multiplied by world_size to undo DDP's average:
     the gradient is that of the mean over every target of the step, not a mean of per-micro-batch means.
     ddp: the DistributedDataParallel module inside `model`, if any: it all-reduces after the last micro-batch only.
     """
-    total = torch.zeros((), device=device)
+    total = torch.zeros((), device=rt.device)
     for i, (inputs, targets) in enumerate(batches):
         sync = ddp is None or i == len(batches) - 1
         with contextlib.nullcontext() if sync else ddp.no_sync():
-            inputs, targets = model_inputs(inputs, targets, device)
-            with autocast(device, dtype):
+            inputs, targets = model_inputs(inputs, targets, rt.device)
+            with autocast(rt.device, rt.dtype):
                 # the model sums the loss itself, in chunks of positions: the (B, T, V) logits never exist whole
                 _, loss = model(*inputs, targets, label_smoothing=label_smoothing, reduction="sum",
                                 return_logits=False)
-            scaler.scale(loss * (world_size / n_targets)).backward()
+            scaler.scale(loss * (rt.world_size / n_targets)).backward()
         total += loss.detach()
     return total
 
 
-def train_step(model, optimizer, scaler, batches, n_targets, lr, cfg, world_size, device, dtype, ddp=None):
+def train_step(model, optimizer, scaler, batches, rt, *, n_targets, lr, grad_clip, label_smoothing=0.0, ddp=None):
     """
     One optimizer step on this rank's micro-batches (n_targets: the real targets of the step on all ranks).
     Returns device tensors, without waiting for the device: (this rank's share of the step's mean loss, the
@@ -648,9 +525,10 @@ def train_step(model, optimizer, scaler, batches, n_targets, lr, cfg, world_size
     """
     for group in optimizer.param_groups:
         group["lr"] = lr
-    args = (batches, n_targets, world_size, device, dtype, scaler, cfg.label_smoothing, ddp)
+    args = (batches, n_targets, scaler, rt)
+    kwargs = {"label_smoothing": label_smoothing, "ddp": ddp}
     try:
-        loss = accumulate_gradients(model, *args)
+        loss = accumulate_gradients(model, *args, **kwargs)
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # a recompiled graph's backward is compiled at its first use, inside backward()
@@ -658,9 +536,9 @@ def train_step(model, optimizer, scaler, batches, n_targets, lr, cfg, world_size
             raise
         model.fall_back(e)
         optimizer.zero_grad(set_to_none=True)
-        loss = accumulate_gradients(model, *args)  # the step again, eagerly: an error of the model's own recurs
+        loss = accumulate_gradients(model, *args, **kwargs)  # the step again, eagerly: the model's own errors recur
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     skipped = (~torch.isfinite(grad_norm)).float()  # DDP averaged the gradients: the same on every rank
     if scaler.is_enabled():
         scaler.step(optimizer)  # float16: the gradient scaler skips such steps itself
@@ -682,10 +560,10 @@ class StepLosses:
     number from a GPU waits for all the work queued before it, so a read every step would leave the GPU idle.
     """
 
-    def __init__(self, device, world_size):
-        self.world_size = world_size
+    def __init__(self, rt):
+        self.world_size = rt.world_size
         self.pending = []  # (iteration, this rank's share of the step's mean loss)
-        self.skipped = torch.zeros((), device=device)  # steps with a non-finite gradient since the last read
+        self.skipped = torch.zeros((), device=rt.device)  # steps with a non-finite gradient since the last read
         self.unreported = 0  # skipped steps read back but not yet reported
 
     def add(self, iteration, loss, skipped):
@@ -720,7 +598,7 @@ class StepLosses:
 
 
 @torch.no_grad()
-def evaluate(model, splits, objective, batch_size, block_size, eval_iters, seed, rank, world_size, device, dtype):
+def evaluate(model, splits, objective, cfg, rt):
     """
     Mean cross-entropy per real target over eval_iters batches of each split, the batches shared out over the ranks
     and the sums added over all of them. Fixed seeds: every evaluation sees the same batches.
@@ -728,33 +606,37 @@ def evaluate(model, splits, objective, batch_size, block_size, eval_iters, seed,
     model.eval()
     losses = {}
     for i, (split, data) in enumerate(splits.items()):
-        seeds = micro_seeds(torch.Generator().manual_seed(seed + 1 + i), eval_iters)[rank::world_size]
-        total, count = torch.zeros((), device=device), 0
+        seeds = micro_seeds(torch.Generator().manual_seed(cfg.seed + 1 + i), cfg.eval_iters)[rt.rank :: rt.world_size]
+        total, count = torch.zeros((), device=rt.device), 0
         for s in seeds:
-            inputs, targets = get_batch(data, objective, batch_size, block_size, torch.Generator().manual_seed(s))
+            generator = torch.Generator().manual_seed(s)
+            inputs, targets = get_batch(data, objective, cfg.batch_size, cfg.block_size, generator)
             count += count_targets(targets)
-            inputs, targets = model_inputs(inputs, targets, device)
-            with autocast(device, dtype):
+            inputs, targets = model_inputs(inputs, targets, rt.device)
+            with autocast(rt.device, rt.dtype):
                 _, loss = model(*inputs, targets, reduction="sum", return_logits=False)
             total += loss.float()
-        total, count = all_reduce([total, count], device, world_size).tolist()
+        total, count = all_reduce([total, count], rt).tolist()
         losses[split] = total / max(count, 1)
     return losses
 
 
 @torch.no_grad()
-def exact_match(model, pairs, rows, objective, max_len, batch_size, rank, world_size, device, dtype):
-    """Fraction of the pairs `rows` whose greedy decoding equals the reference exactly, over all ranks."""
+def exact_match(model, pairs, rows, objective, cfg, rt):
+    """
+    Fraction of the pairs `rows` whose greedy decoding (at most cfg.block_size tokens) equals the reference
+    exactly, over all ranks.
+    """
     model.eval()
-    mine, correct = rows[rank::world_size], 0
-    for start in range(0, len(mine), batch_size):
-        src, _, targets = seq2seq_batch(pairs, mine[start : start + batch_size], objective)
-        with autocast(device, dtype):
-            out = model.generate(src.to(device), max_len, objective.bos_id, objective.eos_id).tolist()
+    mine, correct = rows[rt.rank :: rt.world_size], 0
+    for start in range(0, len(mine), cfg.batch_size):
+        src, _, targets = seq2seq_batch(pairs, mine[start : start + cfg.batch_size], objective)
+        with autocast(rt.device, rt.dtype):
+            out = model.generate(src.to(rt.device), cfg.block_size, objective.bos_id, objective.eos_id).tolist()
         for hyp, ref in zip(out, targets.tolist()):
             ref = [t for t in ref if t != IGNORE_INDEX]  # the target and its eos: nothing may follow before eos
             correct += hyp[: len(ref)] == ref
-    correct, total = all_reduce([correct, len(mine)], device, world_size).tolist()
+    correct, total = all_reduce([correct, len(mine)], rt).tolist()
     return correct / max(total, 1)
 
 
@@ -782,7 +664,7 @@ class CompiledModel(nn.Module):
         log(f"warning: torch.compile failed ({type(error).__name__}: {first_line(error)}); going on without it")
 
 
-def compile_model(model, example, device, dtype, label_smoothing=0.0):
+def compile_model(model, example, rt, label_smoothing=0.0):
     """
     CompiledModel(model), tried on one forward and backward pass (the backward is compiled at its first call);
     if that fails, one warning and the eager model. Running out of memory is no compile failure: it is raised.
@@ -790,9 +672,9 @@ def compile_model(model, example, device, dtype, label_smoothing=0.0):
     compiled = CompiledModel(model)
     try:
         # the trial leaves every random generator as it was, so compiling does not change the run
-        with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []):
-            inputs, targets = model_inputs(*example, device)
-            with autocast(device, dtype):
+        with torch.random.fork_rng(devices=[rt.device.index] if rt.device.type == "cuda" else []):
+            inputs, targets = model_inputs(*example, rt.device)
+            with autocast(rt.device, rt.dtype):
                 # the training step's exact call, so that training reuses this graph instead of compiling another
                 _, loss = compiled(*inputs, targets, label_smoothing=label_smoothing, reduction="sum",
                                    return_logits=False)
@@ -810,123 +692,7 @@ def first_line(error):
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints
-
-
-def rng_state():
-    """Every random generator's state, as types torch.load(weights_only=True) accepts."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def set_rng_state(state):
-    random.setstate(state["python"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def finite_weights(model, iter_num):
-    """model's state_dict; FloatingPointError if any weight is not finite, so that no checkpoint ever holds one."""
-    state = model.state_dict()
-    floats = [v for v in state.values() if v.is_floating_point()]
-    if not torch.stack([torch.isfinite(v).all() for v in floats]).all():
-        raise FloatingPointError(f"the weights hold non-finite values at iteration {iter_num}; nothing saved, the "
-                                 "last checkpoint is untouched. Lower learning_rate or raise warmup_iters")
-    return state
-
-
-def weights_state(model, cfg, meta, iter_num, best_val_loss):
-    """What best.pt holds: the weights to use (the average, with ema_decay), the model settings, the dataset's meta."""
-    return {"format_version": FORMAT_VERSION, "model": finite_weights(model, iter_num),
-            "model_config": asdict(model.config), "train_config": asdict(cfg), "meta": meta, "iter_num": iter_num,
-            "best_val_loss": best_val_loss}
-
-
-def training_state(raw_model, ema_model, cfg, meta, iter_num, best_val_loss, optimizer, scaler, sampler_state,
-                   world_size):
-    """
-    What ckpt.pt holds: weights_state plus all a resume needs, including the optimizer's own weights as
-    "train_model" when "model" holds their average. Call it on every rank: RNG states are gathered.
-    """
-    rng = [rng_state()]
-    if world_size > 1:
-        rng = [None] * world_size
-        dist.all_gather_object(rng, rng_state())
-    state = {**weights_state(raw_model if ema_model is None else ema_model, cfg, meta, iter_num, best_val_loss),
-             "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "rng": rng,
-             "sampler": {"generator": sampler_state}}
-    if ema_model is not None:
-        state["train_model"] = finite_weights(raw_model, iter_num)
-    return state
-
-
-def save_checkpoint(state, path):
-    """
-    Write state to path atomically: a temporary file beside it, flushed to disk, then renamed over path. A failed
-    write (a full disk, a folder gone read-only) raises OSError naming the file, and path keeps its old contents.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
-        os.replace(tmp, path)
-    except OSError as e:
-        raise OSError(f"could not write {path} ({e.strerror or first_line(e)}); the previous {path.name}, if any, "
-                      "is intact: free space or fix the folder, then go on with --init_from=resume") from None
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-
-
-def write_json(obj, path):
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path, map_location="cpu"):
-    """
-    A checkpoint written by train.py, loaded with weights_only=True so that it cannot run code.
-    A missing, corrupt or newer-format file raises ConfigError with a one-line message.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"no checkpoint at {path}; train one first, or point --out_dir at the run's folder")
-    fallback = ""  # what may still be usable beside a damaged file
-    if path.name == "ckpt.pt" and path.with_name("best.pt").is_file():
-        fallback = "; best.pt beside it still holds the best weights (sample.py --checkpoint=best.pt)"
-    elif path.name != "ckpt.pt" and path.with_name("ckpt.pt").is_file():
-        fallback = "; ckpt.pt beside it may still be usable"
-    if path.stat().st_size == 0:
-        raise ConfigError(f"{path} is empty, not a checkpoint (a save cut short?){fallback}")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # truncated archive, refused unpickling, ...: all mean the file cannot be used
-        if "Unsupported global" in str(e):  # objects that weights_only=True refuses to rebuild
-            raise ConfigError(f"{path} is not a readable checkpoint: it holds Python objects other than tensors and "
-                              "plain data, and unpickling them could run code") from None
-        raise ConfigError(f"{path} is not a readable checkpoint (truncated or corrupted){fallback}") from None
-    version = ckpt.get("format_version") if isinstance(ckpt, dict) else None
-    if not isinstance(version, int):
-        raise ConfigError(f"{path} is not a nanoformer checkpoint (it has no format_version)")
-    if version > FORMAT_VERSION:
-        raise ConfigError(f"{path} has checkpoint format {version}, newer than this code's {FORMAT_VERSION}; "
-                          "update nanoformer")
-    return ckpt
-
-
-def model_from_checkpoint(ckpt):
-    """The model a loaded checkpoint describes, with its weights, in eval mode."""
-    model = build_model(ModelConfig.from_dict(ckpt["model_config"]))
-    model.load_state_dict(ckpt["model"])
-    return model.eval()
+# Weights to start from, where to write
 
 
 def pretrained_gpt2(name, arch, meta, dropout, block_size):
@@ -1037,6 +803,256 @@ def format_eta(seconds):
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
+@dataclass
+class Run:
+    """What setup() builds for the training loop: the models, the optimizer, the data and where results go."""
+
+    cfg: TrainConfig  # with the model settings of the checkpoint or GPT-2 weights it starts from
+    rt: Runtime
+    raw_model: nn.Module  # the plain model: what is saved (without prefixes), counted, sampled
+    model: nn.Module  # what a training step calls: compiled and/or wrapped in DDP
+    ddp: DDP | None  # the DDP module inside `model`, if any
+    eval_model: nn.Module  # what evaluation calls: outside DDP (ranks may see different numbers of eval batches)
+    ema_model: nn.Module | None  # with ema_decay: the moving average of raw_model's weights, else None
+    ema_pairs: tuple  # (the average's parameters, raw_model's): listed once, not at every step
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    batches: TrainBatches
+    splits: dict  # "train" and "val" data, as get_batch reads them
+    objective: Objective
+    meta: dict  # the dataset's meta, as checkpoints store it
+    scalars: "Scalars"
+    stop: StopRequest
+    host_group: object  # a gloo group for numbers the host already has; None in one process
+    peak_flops: float | None  # of this GPU, for MFU; None on CPUs and unknown GPUs
+    start_iter: int
+    best_val_loss: float
+    resumed: bool
+
+    @property
+    def kept_model(self):
+        """What is evaluated, saved as "model" and sampled: the weight average if there is one."""
+        return self.raw_model if self.ema_model is None else self.ema_model
+
+
+@dataclass
+class Step:
+    """One optimizer step's results: device tensors (loss, grad_norm, skipped) and host numbers."""
+
+    loss: torch.Tensor  # this rank's share of the step's mean loss
+    grad_norm: torch.Tensor
+    skipped: torch.Tensor  # 1.0 if the gradient was not finite and the weights were left as they were
+    lr: float
+    tokens: int  # input tokens on all ranks
+    flops: float  # of this rank's matmuls (counted only where MFU is reported)
+
+
+@dataclass
+class Window:
+    """The training steps since the last progress line: their wall time (evaluations left out), tokens, FLOPs."""
+
+    start: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    tokens: int = 0
+    flops: float = 0.0
+
+    def add(self, step):
+        self.steps, self.tokens, self.flops = self.steps + 1, self.tokens + step.tokens, self.flops + step.flops
+
+
+def init_distributed(cfg, rt, stack):
+    """Join the torchrun job (a no-op in one process); returns the host-side gloo group, or None."""
+    if rt.world_size == 1:
+        return None
+    if rt.device.type == "cuda":
+        torch.cuda.set_device(rt.device)
+    backend = cfg.backend if cfg.backend != "auto" else "nccl" if rt.device.type == "cuda" else "gloo"
+    # the timeout turns a dead or stuck rank into an error on the others instead of a hang, in both groups
+    timeout = timedelta(seconds=cfg.dist_timeout)
+    dist.init_process_group(backend, timeout=timeout)
+    stack.callback(dist.destroy_process_group)
+    # target counts and stop votes are host numbers: summing them over gloo never waits for the GPU
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def wrap_model(raw_model, cfg, rt, example):
+    """
+    (model for training steps, its DDP module or None, model for evaluation): DDP under torchrun, then
+    torch.compile if cfg says so. DDP is compiled, not wrapped around a compiled model: then its graph is split at
+    the gradient buckets, so each bucket's all-reduce starts while the backward of the layers before it still runs.
+    """
+    ddp = None
+    if rt.world_size > 1:  # DDP also gives every rank rank 0's initial weights
+        ddp = DDP(raw_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
+    model, eval_model = raw_model if ddp is None else ddp, raw_model
+    if cfg.compile or cfg.compile is None and rt.device.type == "cuda":
+        model = compile_model(model, example, rt, cfg.label_smoothing)
+        if isinstance(model, CompiledModel):
+            eval_model = model if ddp is None else CompiledModel(raw_model)
+    return model, ddp, eval_model
+
+
+def setup(cfg, rt, stack):
+    """Everything before the first step: processes, data, model, optimizer, resume state, outputs. Returns a Run."""
+    per_rank = split_accumulation(cfg.gradient_accumulation_steps, rt.world_size)
+    host_group = init_distributed(cfg, rt, stack)
+    torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; DDP copies rank 0's initial weights
+    if rt.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    out_dir, is_writer = Path(cfg.out_dir), rt.rank == 0 and not cfg.eval_only
+    raise_if_any_failed(out_dir_problem(out_dir) if is_writer else None, rt.world_size)
+
+    folder = find_dataset(cfg, rt)
+    data_meta = prepare_data.load_meta(folder)
+    cfg, raw_model, objective, meta, ckpt = init_model(cfg, data_meta)
+    if ckpt is not None and ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
+        raise ConfigError(f"{out_dir / 'ckpt.pt'} is at iteration {ckpt['iter_num']}, which max_iters="
+                          f"{cfg.max_iters} has reached: nothing to train. To train further, pass a larger "
+                          "--max_iters (and --lr_decay_iters, where the cosine schedule ends)")
+    splits = load_splits(folder, data_meta, cfg.block_size)
+    raw_model.to(rt.device)
+    if rt.device.type == "cpu":
+        keep_freed_memory()
+    betas = (cfg.beta1, cfg.beta2)
+    optimizer, summary = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, rt.device.type)
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    generator = torch.Generator().manual_seed(cfg.seed)  # the training data stream: the same on every rank
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if scaler.is_enabled() and ckpt["scaler"]:
+            scaler.load_state_dict(ckpt["scaler"])
+        generator.set_state(ckpt["sampler"]["generator"])
+    batches = TrainBatches(splits["train"], objective, cfg, generator, rt, per_rank)
+    stack.callback(batches.close)
+    log(f"{cfg.arch} on {folder.name}: {raw_model.num_params():,} parameters, {rt.device} {str(rt.dtype)[6:]}, "
+        f"{rt.world_size} rank(s); {cfg.batch_size * per_rank * rt.world_size} sequences per step "
+        f"({cfg.batch_size} x {per_rank} micro-batches x {rt.world_size} rank(s))")
+    if per_rank * rt.world_size > cfg.gradient_accumulation_steps:
+        log(f"note: gradient_accumulation_steps={cfg.gradient_accumulation_steps} is fewer than the "
+            f"{rt.world_size} ranks: each rank runs one micro-batch, so a step sees {rt.world_size} x batch_size "
+            "sequences")
+    log(summary)
+
+    example = get_batch(splits["train"], objective, cfg.batch_size, cfg.block_size, torch.Generator())
+    model, ddp, eval_model = wrap_model(raw_model, cfg, rt, example)
+    ema_model = None  # the average starts from the weights DDP gave every rank
+    if cfg.ema_decay:
+        ema_model = eval_model = copy.deepcopy(raw_model).eval().requires_grad_(False)
+        if ckpt is not None and "train_model" in ckpt:
+            ema_model.load_state_dict(ckpt["model"])
+    if ckpt is not None:
+        if len(ckpt["rng"]) == rt.world_size:
+            set_rng_state(ckpt["rng"][rt.rank])
+        else:
+            log(f"note: the checkpoint has RNG states for {len(ckpt['rng'])} rank(s), not {rt.world_size}; "
+                "dropout restarts from the seed")
+    if is_writer:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_json({"train_config": asdict(cfg), "model_config": asdict(raw_model.config), "meta": meta,
+                    "world_size": rt.world_size}, out_dir / "config.json")
+    scalars = Scalars(cfg, is_writer)
+    stack.callback(scalars.close)
+    stop = stack.enter_context(StopRequest())
+    peak = peak_flops(torch.cuda.get_device_name(rt.device)) if rt.device.type == "cuda" else None
+    start_iter, best_val_loss = (0, math.inf) if ckpt is None else (ckpt["iter_num"], ckpt["best_val_loss"])
+    ema_pairs = () if ema_model is None else (list(ema_model.parameters()), list(raw_model.parameters()))
+    return Run(cfg, rt, raw_model, model, ddp, eval_model, ema_model, ema_pairs, optimizer, scaler, batches, splits,
+               objective, meta, scalars, stop, host_group, peak, start_iter, best_val_loss, resumed=ckpt is not None)
+
+
+def should_evaluate(run, iter_num, last, stopping):
+    """At every eval_interval and after the last step; not when a signal stops the run, nor right after a resume."""
+    if run.cfg.eval_only:
+        return True
+    just_resumed = run.resumed and iter_num == run.start_iter  # nothing new to evaluate or save
+    return not stopping and not just_resumed and (iter_num % run.cfg.eval_interval == 0 or last)
+
+
+def save_training_state(run, iter_num):
+    """ckpt.pt: everything a resume needs (every rank takes part: their RNG states are gathered)."""
+    state = training_state(run.raw_model, ema_model=run.ema_model, cfg=run.cfg, meta=run.meta, iter_num=iter_num,
+                           best_val_loss=run.best_val_loss, optimizer=run.optimizer, scaler=run.scaler,
+                           sampler_state=run.batches.resume_state, world_size=run.rt.world_size)
+    if run.rt.rank == 0:
+        save_checkpoint(state, Path(run.cfg.out_dir) / "ckpt.pt")
+
+
+def evaluate_and_save(run, iter_num, last):
+    """
+    Evaluate the kept model, log it and save: best.pt when the val loss improves, ckpt.pt at each evaluation
+    (unless always_save_checkpoint is off; the end of the run saves it anyway). Returns the evaluation's record.
+    """
+    cfg, rt = run.cfg, run.rt
+    result = evaluate(run.eval_model, run.splits, run.objective, cfg, rt)
+    if not all(map(math.isfinite, result.values())):
+        raise FloatingPointError(f"the evaluation at iteration {iter_num} gave {result}; nothing saved, "
+                                 "the last checkpoint is untouched. Lower learning_rate")
+    if run.objective.arch == "encoder_decoder" and cfg.eval_accuracy_examples:
+        pairs, usable = run.splits["val"]
+        result["accuracy"] = exact_match(run.kept_model, pairs, usable[: cfg.eval_accuracy_examples],
+                                         run.objective, cfg, rt)
+    run.raw_model.train()
+    run.scalars.add(iter_num, {f"eval/{k}": v for k, v in result.items()})
+    saved = []
+    if iter_num > run.start_iter and result["val"] < run.best_val_loss:
+        run.best_val_loss = result["val"]
+        if rt.rank == 0:
+            state = weights_state(run.kept_model, cfg, run.meta, iter_num, run.best_val_loss)
+            save_checkpoint(state, Path(cfg.out_dir) / "best.pt")
+        saved.append("best.pt")
+    if iter_num > run.start_iter and cfg.always_save_checkpoint and not last:
+        save_training_state(run, iter_num)
+        saved.append("ckpt.pt")
+    accuracy = f", exact match {result['accuracy']:.1%}" if "accuracy" in result else ""
+    log(f"eval {iter_num}: train loss {result['train']:.4f}, val loss {result['val']:.4f}{accuracy}"
+        + (f" (saved {', '.join(saved)})" if saved else ""))
+    return {"iter": iter_num, **result}
+
+
+def take_step(run, iter_num):
+    """
+    Optimizer step number iter_num + 1 on this rank's share of the next micro-batches, and the weight average
+    after it. Returns a Step, or None when a signal reached any rank (then no rank takes the step).
+    """
+    cfg, rt = run.cfg, run.rt
+    micro_batches, n_targets, n_tokens = run.batches.peek()
+    # the step's loss is a mean over all its targets, so their number is needed before the first backward
+    counts = torch.tensor([n_targets, n_tokens, run.stop.signal is not None])
+    if rt.world_size > 1:
+        dist.all_reduce(counts, group=run.host_group)
+    n_targets, n_tokens, stop_votes = counts.tolist()
+    if stop_votes:
+        return None
+    run.batches.advance()  # the next step's batches are built while this one runs
+    lr = cfg.learning_rate
+    if cfg.decay_lr:
+        lr = get_lr(iter_num, lr, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters, cfg.lr_schedule)
+    loss, grad_norm, skipped = train_step(run.model, run.optimizer, run.scaler, micro_batches, rt,
+                                          n_targets=max(n_targets, 1), lr=lr, grad_clip=cfg.grad_clip,
+                                          label_smoothing=cfg.label_smoothing, ddp=run.ddp)
+    if run.ema_model is not None:
+        update_ema(*run.ema_pairs, cfg.ema_decay, iter_num + 1)
+    flops = sum(run.raw_model.training_flops(*inputs) for inputs, _ in micro_batches) if run.peak_flops else 0.0
+    return Step(loss, grad_norm, skipped, lr, n_tokens, flops)
+
+
+def log_progress(run, iter_num, loss, step, window, skipped):
+    """The progress line of iteration iter_num and its TensorBoard scalars; the losses have just been read back."""
+    cfg = run.cfg
+    seconds = time.perf_counter() - window.start
+    norm, speed = step.grad_norm.item(), window.tokens / seconds
+    values = {"train/loss": loss, "train/lr": step.lr, "train/grad_norm": norm, "perf/tokens_per_sec": speed}
+    line = (f"iter {iter_num}/{cfg.max_iters} | loss {loss:.4f} | lr {step.lr:.2e} | grad norm {norm:.3f} | "
+            f"{1000 * seconds / window.steps:.1f} ms/iter | {speed:,.0f} tok/s")
+    if run.peak_flops:
+        values["perf/mfu"] = window.flops / seconds / run.peak_flops
+        line += f" | mfu {values['perf/mfu']:.1%}"
+    if skipped:
+        line += f" | {skipped} step(s) skipped: gradient not finite, weights left as they were"
+    log(f"{line} | eta {format_eta((cfg.max_iters - iter_num) * seconds / window.steps)}")
+    run.scalars.add(iter_num, values)
+
+
 def main(cfg):
     """
     Train (or, with eval_only, evaluate) as cfg says, in one process or under torchrun. Returns a summary:
@@ -1044,192 +1060,44 @@ def main(cfg):
     Raises ConfigError for bad settings or data, FloatingPointError for a non-finite loss and OSError for a failed
     save.
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(cfg.device, local_rank)
-    dtype = resolve_dtype(cfg.dtype, device)
-    accum = split_accumulation(cfg.gradient_accumulation_steps, world_size)
+    rt = make_runtime(cfg)
     with contextlib.ExitStack() as stack:
-        host_group = None  # for numbers the host already has (target counts, stop votes): no wait for the GPU
-        if world_size > 1:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            backend = cfg.backend if cfg.backend != "auto" else "nccl" if device.type == "cuda" else "gloo"
-            # the timeout turns a dead or stuck rank into an error on the others instead of a hang
-            timeout = timedelta(seconds=cfg.dist_timeout)
-            dist.init_process_group(backend, timeout=timeout)
-            stack.callback(dist.destroy_process_group)
-            host_group = dist.new_group(backend="gloo", timeout=timeout)
-        torch.manual_seed(cfg.seed + rank)  # dropout differs per rank; DDP copies rank 0's initial weights
-        if device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        out_dir, is_writer = Path(cfg.out_dir), rank == 0 and not cfg.eval_only
-        raise_if_any_failed(out_dir_problem(out_dir) if is_writer else None, world_size)
-
-        folder = find_dataset(cfg.dataset, cfg.data_dir, cfg.data_options, rank, local_rank, world_size)
-        meta = prepare_data.load_meta(folder)
-        cfg, raw_model, objective, meta_out, ckpt = init_model(cfg, meta)
-        if ckpt is not None and ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
-            raise ConfigError(f"{out_dir / 'ckpt.pt'} is at iteration {ckpt['iter_num']}, which max_iters="
-                              f"{cfg.max_iters} has reached: nothing to train. To train further, pass a larger "
-                              "--max_iters (and --lr_decay_iters, where the cosine schedule ends)")
-        splits = load_splits(folder, meta, cfg.block_size)
-        raw_model.to(device)
-        if device.type == "cpu":
-            keep_freed_memory()
-        betas = (cfg.beta1, cfg.beta2)
-        optimizer, summary = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, device.type)
-        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        generator = torch.Generator().manual_seed(cfg.seed)  # the training data stream: the same on every rank
-        start_iter, best_val_loss = 0, math.inf
-        if ckpt is not None:
-            optimizer.load_state_dict(ckpt["optimizer"])
-            if scaler.is_enabled() and ckpt["scaler"]:
-                scaler.load_state_dict(ckpt["scaler"])
-            generator.set_state(ckpt["sampler"]["generator"])
-            start_iter, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
-        batches = TrainBatches(splits["train"], objective, cfg, generator, rank, accum, world_size,
-                               pin=device.type == "cuda")
-        stack.callback(batches.close)
-        sequences = cfg.batch_size * accum * world_size
-        log(f"{cfg.arch} on {folder.name}: {raw_model.num_params():,} parameters, {device} {str(dtype)[6:]}, "
-            f"{world_size} rank(s); {sequences} sequences per step ({cfg.batch_size} x {accum} micro-batches x "
-            f"{world_size} rank(s))")
-        if accum * world_size > cfg.gradient_accumulation_steps:
-            log(f"note: gradient_accumulation_steps={cfg.gradient_accumulation_steps} is fewer than the {world_size} "
-                f"ranks: each rank runs one micro-batch, so a step sees {world_size} x batch_size sequences")
-        log(summary)
-
-        ddp = None
-        if world_size > 1:  # DDP also gives every rank rank 0's initial weights
-            ddp = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
-        model = raw_model if ddp is None else ddp  # what the training step calls
-        eval_model = raw_model  # evaluation runs outside DDP: ranks may see different numbers of eval batches
-        if cfg.compile or cfg.compile is None and device.type == "cuda":
-            # DDP is compiled, not wrapped around a compiled model: then its graph is split at the gradient buckets,
-            # so each bucket's all-reduce starts while the backward of the layers before it still runs
-            example = get_batch(splits["train"], objective, cfg.batch_size, cfg.block_size, torch.Generator())
-            model = compile_model(model, example, device, dtype, cfg.label_smoothing)
-            if isinstance(model, CompiledModel):
-                eval_model = model if ddp is None else CompiledModel(raw_model)
-        ema_model = None  # with ema_decay: the moving average of raw_model's weights, from the same start on all ranks
-        if cfg.ema_decay:
-            ema_model = eval_model = copy.deepcopy(raw_model).eval().requires_grad_(False)
-            if ckpt is not None and "train_model" in ckpt:
-                ema_model.load_state_dict(ckpt["model"])
-            ema_pairs = list(ema_model.parameters()), list(raw_model.parameters())  # listed once, not every step
-        kept_model = raw_model if ema_model is None else ema_model  # what is evaluated, saved as "model", sampled
-        if ckpt is not None:
-            if len(ckpt["rng"]) == world_size:
-                set_rng_state(ckpt["rng"][rank])
-            else:
-                log(f"note: the checkpoint has RNG states for {len(ckpt['rng'])} rank(s), not {world_size}; "
-                    "dropout restarts from the seed")
-        if is_writer:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            write_json({"train_config": asdict(cfg), "model_config": asdict(raw_model.config), "meta": meta_out,
-                        "world_size": world_size}, out_dir / "config.json")
-        scalars = Scalars(cfg, is_writer)
-        stack.callback(scalars.close)
-        stop = stack.enter_context(StopRequest())
-        peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-
-        def save_training_state():
-            state = training_state(raw_model, ema_model, cfg, meta_out, iter_num, best_val_loss, optimizer, scaler,
-                                   batches.resume_state, world_size)
-            if rank == 0:
-                save_checkpoint(state, out_dir / "ckpt.pt")
-
+        run = setup(cfg, rt, stack)
+        cfg = run.cfg  # a checkpoint or GPT-2's weights decide the model settings
         history = {"losses": {}, "evals": []}
-        step_losses = StepLosses(device, world_size)
-        iter_num, stopping = start_iter, False
-        window = {"start": time.perf_counter(), "steps": 0, "tokens": 0, "flops": 0.0}  # since the last progress line
+        losses, window = StepLosses(rt), Window()  # losses stay on the device until a progress line or evaluation
+        iter_num, stopping = run.start_iter, False
         while True:
             last = iter_num >= cfg.max_iters or stopping
-            just_resumed = ckpt is not None and iter_num == start_iter  # nothing new to evaluate or save
-            if cfg.eval_only or (not stopping and not just_resumed and (iter_num % cfg.eval_interval == 0 or last)):
+            if should_evaluate(run, iter_num, last, stopping):
                 began = time.perf_counter()
-                history["losses"].update(step_losses.read())  # a non-finite loss stops the run before any save
-                result = evaluate(eval_model, splits, objective, cfg.batch_size, cfg.block_size, cfg.eval_iters,
-                                  cfg.seed, rank, world_size, device, dtype)
-                if not all(map(math.isfinite, result.values())):
-                    raise FloatingPointError(f"the evaluation at iteration {iter_num} gave {result}; nothing saved, "
-                                             "the last checkpoint is untouched. Lower learning_rate")
-                if objective.arch == "encoder_decoder" and cfg.eval_accuracy_examples:
-                    pairs, usable = splits["val"]
-                    result["accuracy"] = exact_match(kept_model, pairs, usable[: cfg.eval_accuracy_examples], objective,
-                                                     cfg.block_size, cfg.batch_size, rank, world_size, device, dtype)
-                raw_model.train()
-                history["evals"].append({"iter": iter_num, **result})
-                scalars.add(iter_num, {f"eval/{k}": v for k, v in result.items()})
-                saved = []
-                if iter_num > start_iter and result["val"] < best_val_loss:
-                    best_val_loss = result["val"]
-                    if rank == 0:
-                        save_checkpoint(weights_state(kept_model, cfg, meta_out, iter_num, best_val_loss),
-                                        out_dir / "best.pt")
-                    saved.append("best.pt")
-                if iter_num > start_iter and cfg.always_save_checkpoint and not last:  # at the end it is saved below
-                    save_training_state()
-                    saved.append("ckpt.pt")
-                accuracy = f", exact match {result['accuracy']:.1%}" if "accuracy" in result else ""
-                log(f"eval {iter_num}: train loss {result['train']:.4f}, val loss {result['val']:.4f}{accuracy}"
-                    + (f" (saved {', '.join(saved)})" if saved else ""))
-                window["start"] += time.perf_counter() - began  # progress lines time the training steps only
+                history["losses"].update(losses.read())  # a non-finite loss stops the run before any save
+                history["evals"].append(evaluate_and_save(run, iter_num, last))
+                window.start += time.perf_counter() - began  # progress lines time the training steps only
                 if cfg.eval_only:
                     break
             if last:
-                if iter_num > start_iter:
-                    history["losses"].update(step_losses.read())
-                    if skipped := step_losses.take_unreported():
+                if iter_num > run.start_iter:
+                    history["losses"].update(losses.read())
+                    if skipped := losses.take_unreported():
                         log(f"{skipped} step(s) skipped since the last progress line: gradient not finite")
-                    save_training_state()
-                    how = f"stopped by {stop.signal or 'a signal to another rank'}" if stopping else "done"
-                    log(f"{how} at iteration {iter_num}: saved {out_dir / 'ckpt.pt'}"
+                    save_training_state(run, iter_num)
+                    how = f"stopped by {run.stop.signal or 'a signal to another rank'}" if stopping else "done"
+                    log(f"{how} at iteration {iter_num}: saved {Path(cfg.out_dir) / 'ckpt.pt'}"
                         + ("; resume with --init_from=resume" if stopping else ""))
                 break
-
-            micro_batches, n_targets, n_tokens = batches.peek()
-            # the step's loss is a mean over all its targets, so their number is needed before the first backward
-            counts = torch.tensor([n_targets, n_tokens, stop.signal is not None])
-            if world_size > 1:
-                dist.all_reduce(counts, group=host_group)
-            n_targets, n_tokens, stop_votes = counts.tolist()
-            if stop_votes:  # a signal reached some rank: every rank stops here, before this step
+            step = take_step(run, iter_num)
+            if step is None:  # a signal reached some rank: every rank stops here, before this step
                 stopping = True
                 continue
-            batches.advance()  # the next step's batches are built while this one runs
-            lr = cfg.learning_rate
-            if cfg.decay_lr:
-                lr = get_lr(iter_num, lr, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters, cfg.lr_schedule)
-            loss, grad_norm, skipped = train_step(model, optimizer, scaler, micro_batches, max(n_targets, 1), lr, cfg,
-                                                  world_size, device, dtype, ddp=ddp)
             iter_num += 1
-            if ema_model is not None:
-                update_ema(*ema_pairs, cfg.ema_decay, iter_num)
-            step_losses.add(iter_num, loss, skipped)
-            window["steps"] += 1
-            window["tokens"] += n_tokens
-            if peak:
-                window["flops"] += sum(raw_model.training_flops(*inputs) for inputs, _ in micro_batches)
+            losses.add(iter_num, step.loss, step.skipped)
+            window.add(step)
             if iter_num % cfg.log_interval == 0:
-                losses = step_losses.read()  # waits for the device: the window's time is real
-                history["losses"].update(losses)
-                n_skipped = step_losses.take_unreported()
-                seconds, steps = time.perf_counter() - window["start"], window["steps"]
-                loss, norm, speed = losses[iter_num], grad_norm.item(), window["tokens"] / seconds
-                values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm, "perf/tokens_per_sec": speed}
-                line = (f"iter {iter_num}/{cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f} | "
-                        f"{1000 * seconds / steps:.1f} ms/iter | {speed:,.0f} tok/s")
-                if peak:
-                    values["perf/mfu"] = window["flops"] / seconds / peak
-                    line += f" | mfu {values['perf/mfu']:.1%}"
-                if n_skipped:
-                    line += f" | {n_skipped} step(s) skipped: gradient not finite, weights left as they were"
-                log(f"{line} | eta {format_eta((cfg.max_iters - iter_num) * seconds / steps)}")
-                scalars.add(iter_num, values)
-                window = {"start": time.perf_counter(), "steps": 0, "tokens": 0, "flops": 0.0}
-        return {**history, "iter_num": iter_num, "best_val_loss": best_val_loss}
+                history["losses"].update(losses.read())  # waits for the device: the window's time is real
+                log_progress(run, iter_num, history["losses"][iter_num], step, window, losses.take_unreported())
+                window = Window()
+        return {**history, "iter_num": iter_num, "best_val_loss": run.best_val_loss}
 
 
 def cli(argv):

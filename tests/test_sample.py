@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
 import prepare_data
 import sample
 import train
+from config import parse_config
 from model import GPT, ModelConfig, build_model
 
 SEPARATOR = "\n" + "-" * 15 + "\n"  # what sample.py prints between samples
@@ -60,8 +62,8 @@ def seq2seq_dir(reverse_dir, tmp_path_factory):
 
 
 def load(out_dir):
-    ckpt = train.load_checkpoint(Path(out_dir) / "ckpt.pt")
-    return train.model_from_checkpoint(ckpt), prepare_data.Tokenizer.from_meta(ckpt["meta"]), ckpt["meta"]
+    ckpt = checkpoint.load_checkpoint(Path(out_dir) / "ckpt.pt")
+    return checkpoint.model_from_checkpoint(ckpt), prepare_data.Tokenizer.from_meta(ckpt["meta"]), ckpt["meta"]
 
 
 def cli(capsys, *args):
@@ -110,7 +112,7 @@ def bigram_model(arch, vocab_size, table):
 def save_checkpoint(out_dir, model, meta):
     """model in train.py's checkpoint layout, as far as sample.py reads it."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = {"format_version": train.FORMAT_VERSION, "model": model.state_dict(), "model_config": asdict(model.config),
+    ckpt = {"format_version": checkpoint.FORMAT_VERSION, "model": model.state_dict(), "model_config": asdict(model.config),
             "meta": meta}
     torch.save(ckpt, out_dir / "ckpt.pt")
     return out_dir
@@ -243,8 +245,8 @@ class Terminal(io.StringIO):
 def test_stream_is_the_default_on_a_terminal_and_prints_the_same_text(gpt_dir, capsys):
     args = ["--out_dir", str(gpt_dir), "--start", "ROMEO:", "--max_new_tokens=30", "--temperature=1.0"]
     terminal, pipe = Terminal(), Terminal()
-    sample.run(train.parse_config(sample.SampleConfig, args), out=terminal)
-    sample.run(train.parse_config(sample.SampleConfig, args + ["--stream=False"]), out=pipe)
+    sample.run(parse_config(sample.SampleConfig, args), out=terminal)
+    sample.run(parse_config(sample.SampleConfig, args + ["--stream=False"]), out=pipe)
     assert terminal.getvalue() == pipe.getvalue()
     assert len(terminal.written) > 30 and len(pipe.written) <= 2  # a write per token, against all text at once
     assert cli(capsys, *args)[1] == pipe.getvalue()  # stdout captured by pytest is no terminal: no streaming
@@ -469,7 +471,7 @@ def broken_dirs(tmp_path_factory):
     (root / "corrupted").mkdir()
     (root / "corrupted" / "ckpt.pt").write_bytes(b"PK\x03\x04 this is not a checkpoint")
     (root / "newer").mkdir()
-    torch.save({"format_version": train.FORMAT_VERSION + 1}, root / "newer" / "ckpt.pt")
+    torch.save({"format_version": checkpoint.FORMAT_VERSION + 1}, root / "newer" / "ckpt.pt")
     return root
 
 

@@ -23,10 +23,11 @@ import torch.nn.functional as F
 import prepare_data
 import train
 from model import IGNORE_INDEX, ModelConfig, build_model
+from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+from config import ConfigError, parse_config
 from train import (
-    MODEL_KEYS, ConfigError, Objective, TrainConfig, accumulate_gradients, cli, get_lr, init_model, load_checkpoint,
-    main, mask_tokens, model_from_checkpoint, parse_config, save_checkpoint, seq2seq_batch, split_accumulation,
-    train_step, update_ema,
+    MODEL_KEYS, Objective, Runtime, TrainConfig, accumulate_gradients, cli, get_lr, init_model, main, mask_tokens,
+    seq2seq_batch, split_accumulation, train_step, update_ema,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -242,8 +243,7 @@ def test_loss_is_the_mean_over_all_targets_of_the_step():
     n = int((targets != IGNORE_INDEX).sum())
     assert n == 35
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    total = accumulate_gradients(model, [((x[:3],), targets[:3]), ((x[3:],), targets[3:])], n, 1, torch.device("cpu"),
-                                 torch.float32, scaler)
+    total = accumulate_gradients(model, [((x[:3],), targets[:3]), ((x[3:],), targets[3:])], n, scaler, Runtime())
     ours = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     logits, _ = model(x)
@@ -502,8 +502,9 @@ def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
     scaler = torch.amp.GradScaler("cuda", enabled=False)
     data = prepare_data.load_tokens(Path(data_root) / "shakespeare_char" / "train.bin")
     objective = Objective("gpt", data_vocab=65)
-    batches = train.TrainBatches(data, objective, cfg, torch.Generator().manual_seed(0), 0, 2, 1, pin=True)
-    losses = train.StepLosses(device, 1)
+    rt = Runtime(device=device, dtype=torch.bfloat16)
+    batches = train.TrainBatches(data, objective, cfg, torch.Generator().manual_seed(0), rt, per_rank=2)
+    losses = train.StepLosses(rt)
     try:
         for iteration in range(4):  # the first step creates the optimizer's state: not checked
             micro_batches, n_targets, _ = batches.peek()
@@ -511,8 +512,8 @@ def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error" if iteration else "default")
             try:
-                loss, _, skipped = train_step(model, optimizer, scaler, micro_batches, n_targets, 1e-3, cfg, 1, device,
-                                              torch.bfloat16)
+                loss, _, skipped = train_step(model, optimizer, scaler, micro_batches, rt, n_targets=n_targets,
+                                              lr=1e-3, grad_clip=1.0)
                 losses.add(iteration, loss, skipped)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
@@ -745,14 +746,13 @@ def test_a_step_with_a_non_finite_gradient_changes_nothing(fused):
     config = ModelConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=16)
     model, reference = build_model(config), build_model(config)
     reference.load_state_dict(model.state_dict())
-    cfg = TrainConfig(grad_clip=1.0, label_smoothing=0.0)
+    step = {"n_targets": 16, "lr": 0.1, "grad_clip": 1.0}
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused, foreach=None if fused else False)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     x, y = torch.randint(0, 20, (2, 8)), torch.randint(0, 20, (2, 8))
-    cpu = torch.device("cpu")
 
-    loss, norm, skipped = train_step(model, optimizer, scaler, [((x,), y)], 16, 0.1, cfg, 1, cpu, torch.float32)
+    loss, norm, skipped = train_step(model, optimizer, scaler, [((x,), y)], Runtime(), **step)
     ref_loss = F.cross_entropy(reference(x)[0].flatten(0, 1), y.flatten())
     ref_loss.backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
@@ -765,7 +765,7 @@ def test_a_step_with_a_non_finite_gradient_changes_nothing(fused):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state_before = {k: v.clone() for k, v in optimizer.state[model.lm_head.weight].items()}
     poison_gradient(model, at_call=1)
-    loss, norm, skipped = train_step(model, optimizer, scaler, [((x,), y)], 16, 0.1, cfg, 1, cpu, torch.float32)
+    loss, norm, skipped = train_step(model, optimizer, scaler, [((x,), y)], Runtime(), **step)
     assert skipped.item() == 1 and not math.isfinite(norm.item()) and math.isfinite(loss.item())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     state_after = optimizer.state[model.lm_head.weight]
@@ -885,12 +885,12 @@ def test_a_failed_backward_recompilation_redoes_the_step_eagerly():
     torch.nn.Module.__init__(compiled)
     compiled.module, compiled.failed = model, False
     compiled.compiled = torch.compile(model, backend=backend, dynamic=False)  # a new length recompiles
-    cfg, cpu, scaler = TrainConfig(grad_clip=0.0), torch.device("cpu"), torch.amp.GradScaler("cpu", enabled=False)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (model, reference)]
     for length in (8, 6):  # the second length's backward cannot be compiled
         x, y = torch.randint(0, 20, (2, length)), torch.randint(0, 20, (2, length))
-        train_step(compiled, optimizers[0], scaler, [((x,), y)], 2 * length, 0.01, cfg, 1, cpu, torch.float32)
-        train_step(reference, optimizers[1], scaler, [((x,), y)], 2 * length, 0.01, cfg, 1, cpu, torch.float32)
+        for model_, optimizer in zip((compiled, reference), optimizers):
+            train_step(model_, optimizer, scaler, [((x,), y)], Runtime(), n_targets=2 * length, lr=0.01, grad_clip=0)
     assert compiled.failed and len(backward_graphs) == 2
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(mine, theirs)

@@ -1,0 +1,154 @@
+"""
+Typed `key = value` configuration for every script: config files read with `ast` (never executed) and
+--key=value command-line overrides, each value checked against its dataclass field's type.
+
+    cfg = parse_config(TrainConfig, ["configs/shakespeare.py", "--max_iters=500"])
+
+A config file holds only `key = value` lines whose values are literals; later files and options win. A mistake
+(an unknown key, a wrong type, a file that is not a config) raises ConfigError with a one-line message that
+names the file line or option and how to fix it.
+"""
+
+import ast
+import difflib
+import inspect
+import io
+import sys
+import textwrap
+import tokenize
+import types
+import typing
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+BOOL_WORDS = types.MappingProxyType({"true": True, "false": False, "1": True, "0": False})  # read-only
+
+
+class ConfigError(ValueError):
+    """A bad setting, config file, command line or input file; the message says what is wrong and how to fix it."""
+
+
+def field_docs(cls):
+    """The comment after each field of dataclass cls, by field name: what --help prints."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
+    body = ast.parse(source).body[0].body
+    return {n.target.id: comments.get(n.end_lineno, "") for n in body if isinstance(n, ast.AnnAssign)}
+
+
+def format_help(cls):
+    docs = field_docs(cls)
+    lines = [f"usage: {Path(sys.argv[0]).name} [CONFIG.py ...] [--key=value | --key value ...]", "",
+             "Config files hold `key = value` lines of literals; later files and options override earlier ones.", ""]
+    for f in fields(cls):
+        default = f.default if f.default_factory is MISSING else f.default_factory()
+        shown = f"--{f.name}={default if isinstance(default, str) else repr(default)}"
+        lines.append(f"  {shown:<34} {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def allowed_types(hint):
+    return typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+
+
+def coerce(value, hint, where):
+    """value as the field's type: an int is fine where a float is expected, a whole float where an int is."""
+    for kind in allowed_types(hint):
+        if kind is type(None) and value is None or kind in (bool, str, dict) and isinstance(value, kind):
+            return value
+        if isinstance(value, bool):  # True is an int to Python, never to a config
+            continue
+        if kind is float and isinstance(value, (int, float)):
+            return float(value)
+        if kind is int and (isinstance(value, int) or isinstance(value, float) and value.is_integer()):
+            return int(value)
+    expected = " or ".join("None" if k is type(None) else k.__name__ for k in allowed_types(hint))
+    raise ConfigError(f"{where} must be {expected}, got {value!r}")
+
+
+def parse_text(text, hint, key):
+    """A command-line value: text for str fields, true/false/1/0 for bools, else a Python literal."""
+    kinds = allowed_types(hint)
+    if text == "None" and type(None) in kinds:
+        return None
+    if str in kinds:
+        return text
+    if bool in kinds and text.lower() in BOOL_WORDS:
+        return BOOL_WORDS[text.lower()]
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text  # reported as the wrong type below
+    return coerce(value, hint, f"--{key}")
+
+
+def check_key(key, names, where):
+    if key not in names:
+        close = difflib.get_close_matches(key, names, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "--help lists every key"
+        raise ConfigError(f"{where}: unknown key '{key}'; {hint}")
+    return key
+
+
+def read_config_file(arg, names):
+    """The (key, value, line) assignments of a config file; found relative to the working directory or this file."""
+    path = Path(arg)
+    if not path.is_file() and not path.is_absolute() and (Path(__file__).resolve().parent / path).is_file():
+        path = Path(__file__).resolve().parent / path  # so configs/x.py works from any working directory
+    if not path.is_file():
+        raise ConfigError(f"config file {arg} not found (options are written --key=value)")
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except SyntaxError as e:
+        raise ConfigError(f"{path} line {e.lineno}: not a `key = value` config file ({e.msg})") from None
+    assignments = []
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            continue  # a docstring
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            raise ConfigError(f"{path} line {node.lineno}: only `key = value` assignments are allowed")
+        key = check_key(node.targets[0].id, names, f"{path} line {node.lineno}")
+        try:
+            value = ast.literal_eval(node.value)
+        except ValueError:
+            raise ConfigError(f"{path} line {node.lineno}: the value of {key} must be a literal "
+                              "(number, string, True/False, None, or a list/tuple/dict of those)") from None
+        assignments.append((key, value, f"{path} line {node.lineno}: {key}"))
+    return assignments
+
+
+def parse_config(cls, argv):
+    """
+    Build dataclass cls from argv: config files (`key = value` literals, read with ast, so no code runs) and
+    --key=value or --key value overrides, applied in order, each value typed by its field. --help prints every
+    key with its default and doc and exits. Raises ConfigError naming the bad file line, key or value.
+    """
+    hints = typing.get_type_hints(cls)
+    values, args = {}, list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in ("-h", "--help"):
+            print(format_help(cls))
+            raise SystemExit(0)
+        if not arg.startswith("--"):
+            for key, value, where in read_config_file(arg, list(hints)):
+                values[key] = coerce(value, hints[key], where)
+            continue
+        key, has_value, text = arg[2:].partition("=")  # only the first '=' splits, values may hold more
+        check_key(key, list(hints), "command line")
+        is_bool = bool in allowed_types(hints[key])
+        if not has_value:
+            # a bool flag takes the next word only if it is a bool word: `--eval_only config.py` stays a flag
+            takes_next = args and not args[0].startswith("--") and (not is_bool or args[0].lower() in BOOL_WORDS)
+            if takes_next:
+                text = args.pop(0)
+            elif is_bool:
+                text = "true"  # a bare --flag
+            else:
+                raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
+        values[key] = parse_text(text, hints[key], key)
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
