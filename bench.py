@@ -1,15 +1,18 @@
 """
 Performance numbers in one table: training throughput (and MFU on a GPU), time to a target validation loss,
-the best validation loss within a time budget, and sampling speed with and without the KV cache.
+the best validation loss within a time budget, sampling speed with and without the KV cache, and GPT-2 BPE
+tokenization speed.
 
     python bench.py                                  # the quick start, configs/shakespeare.py
     python bench.py --config=configs/shakespeare_gpu.py --target_loss=1.47 --budget=600
     python bench.py --parts=sample --out_dir=out-shakespeare
+    python bench.py --parts=bpe                      # BPE tokens/s: 1 thread, all cores, prepare_data.py text
 
 Each training run is a real `python train.py CONFIG` process, timed from its launch, so compilation, data
 preparation and evaluation all count. Numbers vary from run to run: each is the median of several, with the spread.
 """
 
+import os
 import re
 import statistics
 import subprocess
@@ -21,9 +24,11 @@ from pathlib import Path
 
 import torch
 
-from sample import sampling_speed
 from checkpoint import load_checkpoint, model_from_checkpoint
 from config import parse_config
+from prepare_data import bpe_batches, prepare, shakespeare_file
+from sample import sampling_speed
+from tokens import data_root, load_meta, tiktoken_encoding
 
 ROOT = Path(__file__).resolve().parent
 
@@ -35,11 +40,20 @@ class BenchConfig:
     target_loss: float = 1.88  # time-to-quality: seconds until the first evaluation at or below this val loss
     budget: float = 120.0  # best val loss among evaluations within this many seconds of the launch
     train_args: str = ""  # extra train.py overrides for every run, e.g. "--device=cpu --compile=true"
-    parts: str = "train,sample"  # what to measure: train (the runs above), sample (speed of generation)
+    parts: str = "train,sample"  # what to measure: train (the runs above), sample (speed of generation), bpe
     out_dir: str = ""  # sample only: a checkpoint folder to sample from; "": the last training run's
     samples: int = 5  # sampling: continuations drawn
     sample_tokens: int = 500  # sampling: tokens per continuation
-    repeats: int = 5  # sampling: timed repeats of each way of sampling
+    repeats: int = 5  # sampling and bpe: timed repeats of each way of sampling or tokenizing
+    bpe_input: str = ""  # bpe: UTF-8 text to tokenize; "": tiny Shakespeare ($NANOFORMER_DATA_MIRROR, cache or web)
+    bpe_size_mb: float = 10.0  # bpe: the text is repeated to about this many MB
+
+    def __post_init__(self):
+        unknown = set(self.parts.split(",")) - {"train", "sample", "bpe"}
+        if unknown:
+            raise ValueError(f"parts: unknown {', '.join(sorted(unknown))}; choose from train, sample, bpe")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {self.repeats}")
 
 
 def summary(values, fmt):
@@ -111,6 +125,48 @@ def bench_sampling(cfg, out_dir):
     ]
 
 
+def bpe_throughput(text, num_threads, repeats):
+    """
+    GPT-2 BPE tokens per second over `text`, one measurement per repeat. The text is cut and batched exactly as
+    prepare_data.prepare() does, so this is the tokenizer's share of preparing a corpus, without any file I/O.
+    """
+    encoding = tiktoken_encoding("gpt2")
+    batches = bpe_batches(text)
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        count = sum(len(ids) for batch in batches
+                    for ids in encoding.encode_ordinary_batch(batch, num_threads=num_threads))
+        rates.append(count / (time.perf_counter() - start))
+    return rates
+
+
+def bench_bpe(cfg, work):
+    try:
+        path = Path(cfg.bpe_input).expanduser() if cfg.bpe_input else shakespeare_file(None, data_root())
+        text = path.read_text(encoding="utf-8")
+    except (OSError, ValueError) as e:  # a missing file, a failed download, a file that is not UTF-8
+        raise SystemExit(f"error: {e}") from None
+    if not text:
+        raise SystemExit(f"error: {path} is empty; pass a non-empty --bpe_input")
+    text *= max(1, round(cfg.bpe_size_mb * 1e6 / len(text)))  # repeated to a multi-megabyte corpus
+    what = f"{len(text) / 1e6:.1f} MB of {path.name}"
+    rows = []
+    for threads in sorted({1, os.cpu_count()}):
+        label = f"BPE tokens/s, encode, {threads} thread{'s' if threads > 1 else ''} ({what})"
+        rows.append((label, summary(bpe_throughput(text, threads, cfg.repeats), "{:,.0f}")))
+    # the whole pipeline once more: read, cut, encode on all cores, write train.bin/val.bin
+    corpus = work / "corpus.txt"
+    corpus.write_text(text, encoding="utf-8")
+    rates = []
+    for _ in range(cfg.repeats):
+        start = time.perf_counter()
+        folder = prepare("text", data_dir=work, force=True, input=str(corpus), name="bpe")
+        rates.append(sum(load_meta(folder)["files"].values()) / (time.perf_counter() - start))
+    rows.append(("BPE tokens/s, prepare_data.py text (scan + encode + write)", summary(rates, "{:,.0f}")))
+    return rows
+
+
 def main(argv):
     try:
         cfg = parse_config(BenchConfig, argv)
@@ -124,6 +180,8 @@ def main(argv):
             rows += bench_training(cfg, Path(work))
         if "sample" in parts:
             rows += bench_sampling(cfg, cfg.out_dir or Path(work) / f"run{cfg.runs - 1}")
+        if "bpe" in parts:
+            rows += bench_bpe(cfg, Path(work))
     width = max(len(name) for name, _ in rows)
     print(f"| {'measure':<{width}} | median (min-max) |")
     print(f"|{'-' * (width + 2)}|------------------|")

@@ -1,374 +1,68 @@
-"""Datasets to token files, the tokenizer, and the token-file reader.
+"""Datasets to token files: the dataset recipes, their builders and the command line.
 
     python prepare_data.py NAME [--data_dir DIR] [--input PATH] [--force] [options]
     python prepare_data.py --help          # every dataset, one line each
     python prepare_data.py NAME --help     # that dataset's options
-    python prepare_data.py benchmark       # BPE tokenization throughput
 
-A dataset lands in <data_dir>/<name>/ as meta.json plus token files. LM datasets hold
-train.bin and val.bin; seq2seq datasets hold {split}_src.bin, {split}_tgt.bin and
-{split}_idx.npy for the splits train, val and test. A token file is a 32-byte header
-(magic, format version, bytes per token, vocab size, token count) followed by the ids as
-little-endian uint16 (when the vocabulary has at most 65,536 ids) or uint32.
-
-Each dataset is built in a hidden folder beside its final place and renamed into place
-only when complete, so an interrupted run never leaves a folder that looks prepared.
+A dataset lands in <data_dir>/<name>/ as meta.json plus token files, in the format that
+tokens.py defines and reads (see its docstring). Each dataset is built in a hidden folder
+beside its final place and renamed into place only when complete, so an interrupted run
+never leaves a folder that looks prepared.
 """
 
 import argparse
-import array
 import codecs
 import contextlib
-import functools
 import glob
 import hashlib
 import http.client
 import itertools
 import json
-import logging
 import os
 import random
 import secrets
 import shutil
-import statistics
 import string
-import struct
 import sys
-import tempfile
-import time
 import urllib.request
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import tiktoken
 from tqdm import tqdm
 
-DATASETS = {
-    "shakespeare_char": "tiny Shakespeare, character-level (65 symbols), 90/10 split as in nanoGPT",
-    "shakespeare": "tiny Shakespeare, GPT-2 BPE (tiktoken), 90/10 split as in nanoGPT",
-    "openwebtext": "OpenWebText through Hugging Face datasets, GPT-2 BPE, streamed (--max_docs for a quick run)",
-    "fineweb_edu": "FineWeb-Edu sample-10BT through Hugging Face datasets, GPT-2 BPE, streamed",
-    "text": "your own text: a file, directory or glob (--input), char-level or GPT-2 BPE",
-    "translation": "translation pairs (opus_books/wmt14 or a local TSV/JSONL) for the encoder-decoder, BPE",
-    "reverse": "synthetic seq2seq, offline: reverse a string of digits and letters",
-    "sort": "synthetic seq2seq, offline: sort the characters of a string",
-    "num2words": "synthetic seq2seq, offline: 1234 -> one thousand two hundred thirty-four",
-}
+from tokens import (
+    DATA_DIR_ENV,
+    FORMAT_VERSION,
+    SEQ2SEQ_SPLITS,
+    DownloadError,
+    PairWriter,
+    Tokenizer,
+    TokenWriter,
+    atomic_output,
+    data_root,
+    dataset_dir,
+    is_prepared,
+    load_meta,
+    one_line,
+    tiktoken_encoding,
+)
 
-MAGIC = b"NFTOKENS"
-FORMAT_VERSION = 1
-# magic, format version, bytes per token (2 or 4), vocab size, token count; little-endian
-_HEADER = struct.Struct("<8sIIQQ")
-_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+# Re-exported for train.py, sample.py and their tests until they import these from tokens.py; remove then.
 
-DATA_DIR_ENV = "NANOFORMER_DATA_DIR"
 MIRROR_ENV = "NANOFORMER_DATA_MIRROR"
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
-R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 
 _BLOCK_BYTES = 1 << 18  # text is read, cut and encoded in pieces of about this size
 _BATCH_PIECES = 16  # pieces per tiktoken batch: enough work for every thread, bounded memory
 _BATCH_DOCS = 1024  # documents (or pairs) per batch for the Hugging Face streams
 _SYNTH_SYMBOLS = string.digits + string.ascii_lowercase  # what reverse/sort strings are made of
 _SYNTH_CHARS = sorted(" -" + _SYNTH_SYMBOLS)  # one vocabulary for all synthetic tasks
-_SEQ2SEQ_SPLITS = ("train", "val", "test")
 
 # train.py forwards its data_options dict to prepare(), so there the same option is spelled as a dict entry
 _INPUT_OPTION = "--input PATH (in train.py: --data_options=\"{'input': 'PATH'}\")"
-
-_log = logging.getLogger("nanoformer.data")
-
-
-class DownloadError(OSError):
-    """A download (or hub load) failed; the message names the URL and the offline alternative.
-
-    An OSError, as any failed I/O is, so every `except OSError` reports it like a missing file.
-    """
-
-
-def _one_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0][:200] if lines else type(err).__name__
-
-
-# ----------------------------------------------------------------------------- token files
-
-
-@contextlib.contextmanager
-def _atomic_output(path: Path):
-    # Yield a binary file beside `path` that replaces `path` only if the block succeeds.
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())  # the data must be on disk before the name says it is complete
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-class _TokenWriter:
-    # Appends token ids to an open file, then writes the header with the final count.
-
-    def __init__(self, f, vocab_size: int):
-        if not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
-            raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
-        if vocab_size > 2**32:
-            raise ValueError(f"vocab_size {vocab_size:,} is too large for token files: uint32 holds at most 2**32 ids")
-        self.f, self.vocab_size, self.count = f, int(vocab_size), 0
-        self.dtype = _DTYPES[2] if vocab_size <= 2**16 else _DTYPES[4]
-        f.write(bytes(_HEADER.size))  # placeholder until the count is known
-
-    def write(self, ids) -> None:
-        arr = np.asarray(ids)
-        if arr.size == 0:
-            return
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"token ids must be integers, got an array of {arr.dtype}")
-        # checked before the cast, so an id that does not fit can never wrap silently
-        low, high = int(arr.min()), int(arr.max())
-        if low < 0 or high >= self.vocab_size:
-            bad = low if low < 0 else high
-            raise ValueError(f"token id {bad} is outside the vocabulary 0..{self.vocab_size - 1}")
-        arr.astype(self.dtype).tofile(self.f)
-        self.count += arr.size
-
-    def finish(self) -> int:
-        self.f.seek(0)
-        self.f.write(_HEADER.pack(MAGIC, FORMAT_VERSION, self.dtype.itemsize, self.vocab_size, self.count))
-        return self.count
-
-
-def write_tokens(path, tokens, vocab_size: int) -> int:
-    """Atomically write token ids to a token file and return how many were written.
-
-    `tokens` is one sequence of ids (a numpy array, or a list/tuple of ints) or an
-    iterable of such chunks, which is streamed. The dtype is uint16 when vocab_size <=
-    65,536 and uint32 otherwise; an id outside 0..vocab_size-1 raises ValueError and
-    leaves nothing on disk.
-    """
-    path = Path(path)
-    single = isinstance(tokens, np.ndarray) or (
-        isinstance(tokens, (list, tuple)) and (not tokens or isinstance(tokens[0], (int, np.integer)))
-    )
-    with _atomic_output(path) as f:
-        writer = _TokenWriter(f, vocab_size)
-        for chunk in [tokens] if single else tokens:
-            writer.write(chunk)
-        return writer.finish()
-
-
-def _read_header(path: Path) -> tuple[np.dtype, int, int]:
-    fix = "re-create the dataset with: python prepare_data.py NAME --force"
-    with open(path, "rb") as f:
-        raw = f.read(_HEADER.size)
-        size = os.fstat(f.fileno()).st_size
-    if len(raw) < _HEADER.size:
-        raise ValueError(f"{path} is truncated (shorter than the {_HEADER.size}-byte header); {fix}")
-    magic, version, itemsize, vocab_size, count = _HEADER.unpack(raw)
-    if magic != MAGIC:
-        raise ValueError(f"{path} is not a nanoformer token file (bad magic {magic!r}); {fix}")
-    if version > FORMAT_VERSION:
-        raise ValueError(
-            f"{path} has format version {version}, newer than this code's {FORMAT_VERSION}; update nanoformer"
-        )
-    if itemsize not in _DTYPES or (itemsize == 2 and vocab_size > 2**16):
-        raise ValueError(f"{path} has a corrupt header ({itemsize} bytes per token for vocab size {vocab_size}); {fix}")
-    if size != _HEADER.size + count * itemsize:
-        held = (size - _HEADER.size) / itemsize
-        raise ValueError(f"{path} is truncated: its header promises {count:,} tokens but it holds {held:,.1f}; {fix}")
-    return _DTYPES[itemsize], vocab_size, count
-
-
-def load_tokens(path) -> np.memmap:
-    """Read-only 1-D memmap of a token file's ids (uint16 or uint32, from its header).
-
-    The header is validated first: wrong magic, a newer format version or a truncated file
-    raise ValueError. The pages are file-backed and never written, so the OS can drop them
-    at will and long training runs do not grow in memory.
-    """
-    path = Path(path)
-    dtype, _, count = _read_header(path)
-    return np.memmap(path, dtype=dtype, mode="r", offset=_HEADER.size, shape=(count,))
-
-
-# ----------------------------------------------------------------------------- seq2seq pairs
-
-
-class _PairWriter:
-    # Streams (src, tgt) id pairs of one split into {split}_src.bin, {split}_tgt.bin, {split}_idx.npy.
-
-    def __init__(self, stack: contextlib.ExitStack, folder: Path, split: str, vocab_size: int):
-        self.src = _TokenWriter(stack.enter_context(_atomic_output(folder / f"{split}_src.bin")), vocab_size)
-        self.tgt = _TokenWriter(stack.enter_context(_atomic_output(folder / f"{split}_tgt.bin")), vocab_size)
-        self.index_path = folder / f"{split}_idx.npy"
-        # row i holds where pair i starts in the src and tgt files; 16 bytes a pair stay in memory
-        self.offsets = array.array("q", [0, 0])
-
-    def add(self, src_ids, tgt_ids) -> None:
-        self.src.write(src_ids)
-        self.tgt.write(tgt_ids)
-        self.offsets.extend((self.src.count, self.tgt.count))
-
-    def finish(self) -> int:
-        index = np.frombuffer(self.offsets, dtype=np.int64).reshape(-1, 2)
-        with _atomic_output(self.index_path) as f:
-            np.save(f, index)
-        self.src.finish()
-        self.tgt.finish()
-        return len(index) - 1
-
-
-class Pairs(Sequence):
-    """The (src_ids, tgt_ids) pairs of one seq2seq split, backed by memmaps.
-
-    `pairs[i]` returns two read-only uint16/uint32 arrays without bos/eos; `src`, `tgt`
-    (all ids of the split, concatenated) and `index` (int64 (n + 1, 2): where each pair
-    starts in src and tgt) are public for vectorised batching.
-    """
-
-    def __init__(self, src: np.ndarray, tgt: np.ndarray, index: np.ndarray):
-        self.src, self.tgt, self.index = src, tgt, index
-
-    def __len__(self) -> int:
-        return len(self.index) - 1
-
-    def __getitem__(self, i):
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"pair {i} is out of range for a split of {n} pairs")
-        (s0, t0), (s1, t1) = self.index[i % n], self.index[i % n + 1]
-        return self.src[s0:s1], self.tgt[t0:t1]
-
-
-def load_pairs(dataset_dir, split: str) -> Pairs:
-    """The pairs of `split` ('train', 'val' or 'test') of a prepared seq2seq dataset."""
-    folder = Path(dataset_dir)
-    if split not in _SEQ2SEQ_SPLITS:
-        raise ValueError(f"unknown split {split!r}; seq2seq splits are {', '.join(_SEQ2SEQ_SPLITS)}")
-    index_path = folder / f"{split}_idx.npy"
-    if not index_path.is_file():
-        raise FileNotFoundError(f"{index_path} not found; is {folder} a prepared seq2seq dataset?")
-    src, tgt = load_tokens(folder / f"{split}_src.bin"), load_tokens(folder / f"{split}_tgt.bin")
-    try:
-        index = np.load(index_path, mmap_mode="r")
-    except ValueError as err:
-        raise ValueError(
-            f"{index_path} is not a valid index ({_one_line(err)}); re-create the dataset with --force"
-        ) from None
-    if not (
-        index.ndim == 2
-        and index.shape[1] == 2
-        and len(index) >= 1
-        and tuple(index[0]) == (0, 0)
-        and tuple(index[-1]) == (len(src), len(tgt))
-    ):
-        raise ValueError(f"{index_path} does not match its token files; re-create the dataset with --force")
-    return Pairs(src, tgt, index)
-
-
-# ----------------------------------------------------------------------------- tokenizer
-
-
-@functools.cache
-def _tiktoken_encoding(name: str) -> tiktoken.Encoding:
-    # cached so the network attempt for gpt2, and the fallback warning, happen once per process
-    try:
-        return tiktoken.get_encoding(name)
-    except Exception as err:  # tiktoken raises requests, blobfile or hash errors depending on what is missing
-        if name != "gpt2":
-            raise DownloadError(
-                f"could not load the tiktoken encoding {name!r} ({_one_line(err)}); "
-                "set TIKTOKEN_CACHE_DIR to a folder holding its cached files"
-            ) from None
-        gpt2_error = err
-    try:
-        encoding = tiktoken.get_encoding("r50k_base")
-    except Exception as err:
-        raise DownloadError(
-            f"could not load tiktoken 'gpt2' nor its twin 'r50k_base' from {R50K_URL} "
-            f"({_one_line(err)}); set TIKTOKEN_CACHE_DIR to a tiktoken cache holding r50k_base"
-        ) from None
-    _log.warning(
-        "tiktoken could not load 'gpt2' (%s, offline?); using 'r50k_base', which has the same token ids",
-        type(gpt2_error).__name__,
-    )
-    return encoding
-
-
-class Tokenizer:
-    """Text <-> ids for a dataset: a character vocabulary or a tiktoken encoding, plus special tokens.
-
-    Special tokens beyond the base vocabulary (pad/bos/eos of seq2seq data) come after it
-    and decode as markers such as '<eos>'; tiktoken's own end-of-text id decodes as
-    '<|endoftext|>'. encode() never produces special ids.
-    """
-
-    def __init__(self, spec: dict, vocab_size: int, special_tokens: dict[str, int]):
-        if spec.get("type") == "char":
-            self._chars = list(spec["chars"])
-            self._index = {c: i for i, c in enumerate(self._chars)}
-            self._bpe, base = None, len(self._chars)
-        elif spec.get("type") == "tiktoken":
-            self._bpe = _tiktoken_encoding(spec["encoding"])
-            base = self._bpe.n_vocab
-        else:
-            raise ValueError(f"unknown tokenizer spec {spec!r}; expected type 'char' or 'tiktoken'")
-        if vocab_size < base or any(not 0 <= i < vocab_size for i in special_tokens.values()):
-            raise ValueError(
-                f"vocab_size {vocab_size} and special tokens {special_tokens} do not fit a base vocabulary of {base}"
-            )
-        self.spec, self.vocab_size, self.special_tokens = spec, vocab_size, dict(special_tokens)
-        self._base = base
-        self._markers = {i: f"<{name}>" for name, i in special_tokens.items() if i >= base}
-
-    @classmethod
-    def from_meta(cls, meta: dict) -> "Tokenizer":
-        """The tokenizer a dataset was prepared with, from its meta.json contents."""
-        return cls(meta["tokenizer"], meta["vocab_size"], meta["special_tokens"])
-
-    def encode(self, text: str) -> list[int]:
-        """Ids of `text`; characters outside a char vocabulary raise ValueError naming them."""
-        if self._bpe is not None:
-            return self._bpe.encode_ordinary(text)
-        try:
-            return [self._index[c] for c in text]
-        except KeyError:
-            unknown = sorted(set(text) - self._index.keys())
-            shown = ", ".join(map(repr, unknown[:10])) + (", ..." if len(unknown) > 10 else "")
-            raise ValueError(f"characters not in the {len(self._chars)}-character vocabulary: {shown}") from None
-
-    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
-        """encode() of each text; BPE runs on `num_threads` threads."""
-        if self._bpe is not None:
-            return self._bpe.encode_ordinary_batch(texts, num_threads=num_threads)
-        return [self.encode(t) for t in texts]
-
-    def decode(self, ids) -> str:
-        """Text of `ids` (any int sequence or array); ids beyond the vocabulary raise ValueError."""
-        ids = np.asarray(ids).ravel().tolist()
-        parts, run = [], []  # BPE ids are decoded in runs: one character may span several tokens
-        for i in ids:
-            if 0 <= i < self._base:
-                run.append(i)
-                continue
-            if i not in self._markers:
-                raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
-            parts.append(self._decode_base(run))
-            parts.append(self._markers[i])
-            run = []
-        parts.append(self._decode_base(run))
-        return "".join(parts)
-
-    def _decode_base(self, ids: list[int]) -> str:
-        if self._bpe is not None:
-            return self._bpe.decode(ids)
-        return "".join(self._chars[i] for i in ids)
 
 
 def _gpt2_spec() -> dict:
@@ -379,6 +73,64 @@ def _describe(spec: dict) -> str:
     if spec.get("type") == "char":
         return f"char-level, {len(spec['chars'])} symbols"
     return f"tiktoken {spec.get('encoding')}"
+
+
+# ----------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a dataset: `--NAME VALUE` on the command line, NAME=VALUE as a keyword of prepare()."""
+
+    name: str
+    type: type  # the given value is converted with this: int, float or str
+    default: object  # None: not set; the builder decides what that means
+    help: str
+    affects_output: bool = True  # False: left out of the record that decides whether outputs are up to date
+    choices: tuple = ()  # the allowed values; (): any value of the type
+    at_least: int | None = None  # the smallest allowed value; None: no bound
+    fraction: bool = False  # True: the value must lie strictly between 0 and 1
+
+    def resolve(self, dataset: str, value):
+        """`value` converted to the option's type and checked; a bad one raises ValueError naming the option."""
+        if value is None:
+            return None
+        try:
+            value = self.type(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{dataset}: --{self.name} must be {self.type.__name__}, got {value!r}") from None
+        if self.choices and value not in self.choices:
+            raise ValueError(f"{dataset}: --{self.name} must be one of {', '.join(self.choices)}, got {value!r}")
+        if self.at_least is not None and value < self.at_least:
+            raise ValueError(f"{dataset}: --{self.name} must be at least {self.at_least}, got {value}")
+        if self.fraction and not 0 < value < 1:
+            raise ValueError(f"{dataset}: --{self.name} must be between 0 and 1, got {value}")
+        return value
+
+
+def _count(name: str, default: int | None, help_text: str) -> Option:
+    return Option(name, int, default, help_text, at_least=1)
+
+
+def _fraction(name: str, default: float, help_text: str) -> Option:
+    return Option(name, float, default, help_text, fraction=True)
+
+
+def _num_proc() -> Option:
+    return Option("num_proc", int, None, "tokenizer threads (default: all cores)", affects_output=False, at_least=1)
+
+
+def _input(help_text: str) -> Option:
+    # the input's identity enters the record through its fingerprint, not its spelling
+    return Option("input", str, None, help_text, affects_output=False)
+
+
+def _resolve_options(name: str, options: tuple[Option, ...], given: dict) -> dict:
+    known = {o.name: o for o in options}
+    unknown = sorted(set(given) - known.keys())
+    if unknown:
+        raise ValueError(f"{name} has no option {unknown[0]!r}; its options are: {', '.join(known)}")
+    return {o.name: o.resolve(name, given.get(o.name, o.default)) for o in options}
 
 
 # ----------------------------------------------------------------------------- reading text
@@ -500,6 +252,12 @@ def _batched(items: Iterable, n: int) -> Iterator[list]:
         yield batch
 
 
+def bpe_batches(text: str) -> list[list[str]]:
+    """`text` cut into the pieces, in the batches, that prepare() BPE-encodes in parallel (bench.py times these)."""
+    blocks = (text[i : i + _BLOCK_BYTES] for i in range(0, len(text), _BLOCK_BYTES))
+    return list(_batched(_pieces(blocks), _BATCH_PIECES))
+
+
 # ----------------------------------------------------------------------------- inputs and downloads
 
 
@@ -515,7 +273,7 @@ def _download(url: str, dest: Path, sha256: str, hint: str) -> None:
     # Fetch `url` into `dest` atomically, refusing content whose sha256 differs.
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with urllib.request.urlopen(url, timeout=20) as response, _atomic_output(dest) as f:
+        with urllib.request.urlopen(url, timeout=20) as response, atomic_output(dest) as f:
             digest = hashlib.sha256()
             while block := response.read(1 << 16):
                 digest.update(block)
@@ -525,11 +283,11 @@ def _download(url: str, dest: Path, sha256: str, hint: str) -> None:
     except DownloadError:
         raise  # an OSError too, but already the whole story: not to be wrapped by the clause below
     except (OSError, http.client.HTTPException) as err:  # URLError, timeouts and resets are OSErrors
-        raise DownloadError(f"could not download {url} ({_one_line(err)}); {hint}") from None
+        raise DownloadError(f"could not download {url} ({one_line(err)}); {hint}") from None
 
 
-def _shakespeare_file(input_path: str | None, data_root: Path) -> Path:
-    # tiny Shakespeare from --input, else the mirror, else the download cache, else the web.
+def shakespeare_file(input_path: str | None, root: Path) -> Path:
+    """tiny Shakespeare from input_path, else $NANOFORMER_DATA_MIRROR, else <root>/downloads/, else the web."""
     if input_path:
         path = Path(input_path).expanduser()
         if not path.is_file():
@@ -546,7 +304,7 @@ def _shakespeare_file(input_path: str | None, data_root: Path) -> Path:
                         f"replace it, or {hint}"
                     )
                 return candidate
-    cached = data_root / "downloads" / "tinyshakespeare.txt"
+    cached = root / "downloads" / "tinyshakespeare.txt"
     if not (cached.is_file() and _sha256(cached) == SHAKESPEARE_SHA256):
         _download(SHAKESPEARE_URL, cached, SHAKESPEARE_SHA256, hint)
     return cached
@@ -575,13 +333,67 @@ def _load_hub_dataset(hf_dataset: str, hf_config: str | None, hint: str):
         return datasets.load_dataset(hf_dataset, name=hf_config, split="train", streaming=True)
     except Exception as err:  # connection, missing config or auth errors all mean: not loadable from here
         raise DownloadError(
-            f"could not load {hf_dataset} ({hf_config or 'default config'}) from {url} ({_one_line(err)}); {hint}"
+            f"could not load {hf_dataset} ({hf_config or 'default config'}) from {url} ({one_line(err)}); {hint}"
         ) from None
 
 
 def _mirror_entry(name: str) -> Path | None:
     mirror = os.environ.get(MIRROR_ENV)
     return Path(mirror) / name if mirror else None
+
+
+# What identifies a dataset's inputs: (name, options, data root) -> (local input files or None, fingerprint).
+
+
+def _translation_folder(opts: dict) -> str:
+    return opts["name"] or f"translation_{opts['src']}_{opts['tgt']}"
+
+
+def _named_folder(opts: dict) -> str:
+    return opts["name"]
+
+
+def _shakespeare_inputs(name, opts, root):
+    path = shakespeare_file(opts["input"], root)
+    return [path], _sha256(path)  # by content: the mirror, the cache and --input all count as the same text
+
+
+def _text_inputs(name, opts, root):
+    if not opts["input"]:
+        raise ValueError(f"text needs {_INPUT_OPTION}: a UTF-8 text file, a directory or a glob such as 'books/*.txt'")
+    files = _expand_input(opts["input"])
+    return files, _fingerprint(files)
+
+
+def _hf_lm_inputs(name, opts, root):
+    mirror = _mirror_entry(name)
+    if opts["input"]:
+        files = _expand_input(opts["input"])
+    elif mirror is not None and mirror.is_dir():
+        files = _expand_input(str(mirror))
+    else:
+        return None, None  # the hub; its identity is hf_dataset/hf_config
+    return files, _fingerprint(files)
+
+
+def _translation_inputs(name, opts, root):
+    if opts["input"]:
+        path = Path(opts["input"]).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"--input {opts['input']} is not a file")
+    else:
+        mirror = _mirror_entry(_translation_folder(opts))
+        candidates = [mirror.parent / f"{mirror.name}{suffix}" for suffix in (".tsv", ".jsonl")] if mirror else []
+        path = next((p for p in candidates if p.is_file()), None)
+        if path is None:
+            return None, None  # the hub; its identity is hf_dataset/hf_config
+    if path.suffix.lower() not in (".tsv", ".jsonl"):
+        raise ValueError(f"{path} must be a .tsv (source<TAB>target) or .jsonl file of translation pairs")
+    return [path], _fingerprint([path])
+
+
+def _synthetic_inputs(name, opts, root):
+    return None, None  # generated: the options alone decide the output
 
 
 # ----------------------------------------------------------------------------- builders
@@ -595,8 +407,7 @@ def _write_lm(stage: Path, items: Iterable[tuple[str, Sequence[int]]], vocab_siz
     # Stream (split, ids) items into train.bin and val.bin; both must end up non-empty.
     with contextlib.ExitStack() as stack:
         writers = {
-            s: _TokenWriter(stack.enter_context(_atomic_output(stage / f"{s}.bin")), vocab_size)
-            for s in ("train", "val")
+            s: TokenWriter(stack.enter_context(atomic_output(stage / f"{s}.bin")), vocab_size) for s in ("train", "val")
         }
         for split, ids in items:
             writers[split].write(ids)
@@ -629,7 +440,7 @@ def _build_lm_text(stage, name, opts, files, check_tokenizer, *, tokenizer_type:
     if tokenizer_type == "char":
         spec, vocab_size, special = {"type": "char", "chars": sorted(chars)}, len(chars), {}
     else:
-        encoding = _tiktoken_encoding("gpt2")
+        encoding = tiktoken_encoding("gpt2")
         spec, vocab_size, special = _gpt2_spec(), encoding.n_vocab, {"eot": encoding.eot_token}
     check_tokenizer(spec)
     tokenizer = Tokenizer(spec, vocab_size, special)
@@ -686,7 +497,7 @@ def _build_hf_lm(stage, name, opts, files, check_tokenizer):
     # Documents streamed through `datasets` (hub or local files), GPT-2 BPE.
     spec = _gpt2_spec()
     check_tokenizer(spec)
-    encoding = _tiktoken_encoding("gpt2")
+    encoding = tiktoken_encoding("gpt2")
     tokenizer = Tokenizer(spec, encoding.n_vocab, {"eot": encoding.eot_token})
     if files is not None:
         dataset = _load_local_dataset(files)
@@ -775,7 +586,7 @@ def _pair_split(source: str, val_fraction: float, test_fraction: float) -> str:
 def _write_pairs(stage: Path, pairs: Iterable[tuple[list[int], list[int], str]], vocab_size: int) -> dict:
     # Stream (src_ids, tgt_ids, split) into the seq2seq files; every split must end up non-empty.
     with contextlib.ExitStack() as stack:
-        writers = {s: _PairWriter(stack, stage, s, vocab_size) for s in _SEQ2SEQ_SPLITS}
+        writers = {s: PairWriter(stack, stage, s, vocab_size) for s in SEQ2SEQ_SPLITS}
         for src_ids, tgt_ids, split in pairs:
             writers[split].add(src_ids, tgt_ids)
         counts = {s: w.finish() for s, w in writers.items()}
@@ -799,7 +610,7 @@ def _encode_pairs(pairs, tokenizer: Tokenizer, val_fraction: float, test_fractio
 def _build_translation(stage, name, opts, files, check_tokenizer):
     spec = _gpt2_spec()
     check_tokenizer(spec)
-    base = _tiktoken_encoding("gpt2").n_vocab
+    base = tiktoken_encoding("gpt2").n_vocab
     special = {"pad": base, "bos": base + 1, "eos": base + 2}  # appended after GPT-2's 50,257 ids
     tokenizer = Tokenizer(spec, base + 3, special)
     if files is not None:
@@ -807,7 +618,7 @@ def _build_translation(stage, name, opts, files, check_tokenizer):
     else:
         hint = (
             f"pass a local .tsv/.jsonl of pairs as {_INPUT_OPTION}, or set {MIRROR_ENV} to a folder holding "
-            f"{_folder_name(name, opts)}.tsv"
+            f"{_translation_folder(opts)}.tsv"
         )
         pairs = _hub_pairs(opts, hint)
     pairs = itertools.islice(pairs, opts["max_pairs"])
@@ -936,270 +747,134 @@ def _build_synthetic(stage, name, opts, files, check_tokenizer):
     }
 
 
-# ----------------------------------------------------------------------------- options and recipes
+# ----------------------------------------------------------------------------- the datasets
 
 
 @dataclass(frozen=True)
-class _Option:
-    name: str
-    type: type
-    default: object
-    help: str
-    affects_output: bool = True  # False: left out of the record that decides whether outputs are up to date
-    choices: tuple = ()
+class Recipe:
+    """Everything about one dataset. Adding a dataset is one entry in RECIPES plus its build function."""
+
+    description: str  # one line, for --help and the list of datasets
+    options: tuple[Option, ...]  # its command-line options, also prepare()'s keyword arguments
+    inputs: Callable  # (name, options, data root) -> (local input files or None, fingerprint of the inputs)
+    build: Callable  # (stage, name, options, files, check_tokenizer) -> meta; see the comment above the builders
+    folder: Callable | None = None  # (options) -> the output folder's name; None: the dataset's name
 
 
-def _num_proc():
-    return _Option("num_proc", int, None, "tokenizer threads (default: all cores)", affects_output=False)
-
-
-def _input(help_text: str):
-    # the input's identity enters the record through its fingerprint, not its spelling
-    return _Option("input", str, None, help_text, affects_output=False)
-
-
-def _hf_lm_options(hf_dataset: str, hf_config: str | None):
+def _hf_lm_options(hf_dataset: str, hf_config: str | None) -> tuple[Option, ...]:
     return (
         _input("local parquet/json/jsonl/arrow file, directory or glob, read through datasets.load_dataset (offline)"),
-        _Option("hf_dataset", str, hf_dataset, "Hugging Face dataset id"),
-        _Option("hf_config", str, hf_config, "dataset config, e.g. sample-10BT"),
-        _Option("max_docs", int, None, "stop after this many documents (quick runs)"),
-        _Option("max_tokens", int, None, "stop once this many tokens are written (the last document is kept whole)"),
-        _Option("val_fraction", float, 0.0005, "held-out fraction of documents (every round(1/f)-th one)"),
+        Option("hf_dataset", str, hf_dataset, "Hugging Face dataset id"),
+        Option("hf_config", str, hf_config, "dataset config, e.g. sample-10BT"),
+        _count("max_docs", None, "stop after this many documents (quick runs)"),
+        _count("max_tokens", None, "stop once this many tokens are written (the last document is kept whole)"),
+        _fraction("val_fraction", 0.0005, "held-out fraction of documents (every round(1/f)-th one)"),
         _num_proc(),
     )
 
 
-def _synthetic_options(task: str):
+def _synthetic_options(task: str) -> tuple[Option, ...]:
     common = (
-        _Option("num_train", int, 20000, "training examples"),
-        _Option("num_val", int, 1000, "validation examples"),
-        _Option("num_test", int, 1000, "held-out test examples (disjoint from train and val)"),
-        _Option("seed", int, 0, "random seed; the same seed gives the same files"),
+        _count("num_train", 20000, "training examples"),
+        _count("num_val", 1000, "validation examples"),
+        _count("num_test", 1000, "held-out test examples (disjoint from train and val)"),
+        Option("seed", int, 0, "random seed; the same seed gives the same files"),
     )
     if task == "num2words":
-        return common + (_Option("max_number", int, 999_999, "largest number"),)
-    return common + (_Option("min_len", int, 1, "shortest string"), _Option("max_len", int, 12, "longest string"))
-
-
-_POSITIVE = (
-    "max_docs",
-    "max_tokens",
-    "max_pairs",
-    "num_proc",
-    "num_train",
-    "num_val",
-    "num_test",
-    "min_len",
-    "max_len",
-    "max_number",
-)
-_FRACTIONS = ("val_fraction", "test_fraction")
-
-
-@dataclass(frozen=True)
-class _Recipe:
-    options: tuple[_Option, ...]
-    inputs: Callable  # (name, options, data_root) -> (local input files or None, fingerprint of the inputs)
-    build: Callable  # see the comment above the builders
-
-
-def _shakespeare_inputs(name, opts, data_root):
-    path = _shakespeare_file(opts["input"], data_root)
-    return [path], _sha256(path)  # by content: the mirror, the cache and --input all count as the same text
-
-
-def _text_inputs(name, opts, data_root):
-    if not opts["input"]:
-        raise ValueError(f"text needs {_INPUT_OPTION}: a UTF-8 text file, a directory or a glob such as 'books/*.txt'")
-    files = _expand_input(opts["input"])
-    return files, _fingerprint(files)
-
-
-def _hf_lm_inputs(name, opts, data_root):
-    mirror = _mirror_entry(name)
-    if opts["input"]:
-        files = _expand_input(opts["input"])
-    elif mirror is not None and mirror.is_dir():
-        files = _expand_input(str(mirror))
-    else:
-        return None, None  # the hub; its identity is hf_dataset/hf_config
-    return files, _fingerprint(files)
-
-
-def _translation_inputs(name, opts, data_root):
-    if opts["input"]:
-        path = Path(opts["input"]).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"--input {opts['input']} is not a file")
-    else:
-        mirror = _mirror_entry(_folder_name(name, opts))
-        candidates = [mirror.parent / f"{mirror.name}{suffix}" for suffix in (".tsv", ".jsonl")] if mirror else []
-        path = next((p for p in candidates if p.is_file()), None)
-        if path is None:
-            return None, None  # the hub; its identity is hf_dataset/hf_config
-    if path.suffix.lower() not in (".tsv", ".jsonl"):
-        raise ValueError(f"{path} must be a .tsv (source<TAB>target) or .jsonl file of translation pairs")
-    return [path], _fingerprint([path])
-
-
-def _synthetic_inputs(name, opts, data_root):
-    return None, None  # generated: the options alone decide the output
+        return common + (_count("max_number", 999_999, "largest number"),)
+    return common + (_count("min_len", 1, "shortest string"), _count("max_len", 12, "longest string"))
 
 
 _SHAKESPEARE_INPUT = _input(f"local copy of tinyshakespeare.txt (else ${MIRROR_ENV}, the download cache, the web)")
-_TEXT_OPTIONS = (
-    _input("UTF-8 text file, directory (recursive) or glob; required"),
-    _Option(
-        "tokenizer",
-        str,
-        "bpe",
-        "char: the corpus's characters; bpe: GPT-2 BPE with end-of-text after each file",
-        choices=("char", "bpe"),
+
+RECIPES: dict[str, Recipe] = {
+    "shakespeare_char": Recipe(
+        "tiny Shakespeare, character-level (65 symbols), 90/10 split as in nanoGPT",
+        options=(_SHAKESPEARE_INPUT,),
+        inputs=_shakespeare_inputs,
+        build=_build_shakespeare_char,
     ),
-    _Option("name", str, "text", "output folder name under data_dir", affects_output=False),
-    _Option("val_fraction", float, 0.1, "the last fraction of the characters is the val split"),
-    _num_proc(),
-)
-_TRANSLATION_OPTIONS = (
-    _input(
-        f"local .tsv (source<TAB>target) or .jsonl (src/tgt keys, or the language codes) instead of the hub; "
-        f"${MIRROR_ENV}/<folder>.tsv|.jsonl is used when present"
+    "shakespeare": Recipe(
+        "tiny Shakespeare, GPT-2 BPE (tiktoken), 90/10 split as in nanoGPT",
+        options=(_SHAKESPEARE_INPUT,),
+        inputs=_shakespeare_inputs,
+        build=_build_shakespeare,
     ),
-    _Option("hf_dataset", str, "opus_books", "Hugging Face dataset id (opus_books, wmt14, ...)"),
-    _Option("hf_config", str, None, "dataset config (default: SRC-TGT, e.g. en-fr)"),
-    _Option("src", str, "en", "source language code"),
-    _Option("tgt", str, "fr", "target language code"),
-    _Option("name", str, None, "output folder name (default: translation_SRC_TGT)", affects_output=False),
-    _Option("val_fraction", float, 0.05, "fraction of pairs held out for val (by a hash of the source)"),
-    _Option("test_fraction", float, 0.05, "fraction of pairs held out for test (by a hash of the source)"),
-    _Option("max_pairs", int, None, "use only the first this many pairs"),
-    _num_proc(),
-)
-_RECIPES = {
-    "shakespeare_char": _Recipe((_SHAKESPEARE_INPUT,), _shakespeare_inputs, _build_shakespeare_char),
-    "shakespeare": _Recipe((_SHAKESPEARE_INPUT,), _shakespeare_inputs, _build_shakespeare),
-    "openwebtext": _Recipe(_hf_lm_options("Skylion007/openwebtext", None), _hf_lm_inputs, _build_hf_lm),
-    "fineweb_edu": _Recipe(_hf_lm_options("HuggingFaceFW/fineweb-edu", "sample-10BT"), _hf_lm_inputs, _build_hf_lm),
-    "text": _Recipe(_TEXT_OPTIONS, _text_inputs, _build_text),
-    "translation": _Recipe(_TRANSLATION_OPTIONS, _translation_inputs, _build_translation),
-    "reverse": _Recipe(_synthetic_options("reverse"), _synthetic_inputs, _build_synthetic),
-    "sort": _Recipe(_synthetic_options("sort"), _synthetic_inputs, _build_synthetic),
-    "num2words": _Recipe(_synthetic_options("num2words"), _synthetic_inputs, _build_synthetic),
+    "openwebtext": Recipe(
+        "OpenWebText through Hugging Face datasets, GPT-2 BPE, streamed (--max_docs for a quick run)",
+        options=_hf_lm_options("Skylion007/openwebtext", None),
+        inputs=_hf_lm_inputs,
+        build=_build_hf_lm,
+    ),
+    "fineweb_edu": Recipe(
+        "FineWeb-Edu sample-10BT through Hugging Face datasets, GPT-2 BPE, streamed",
+        options=_hf_lm_options("HuggingFaceFW/fineweb-edu", "sample-10BT"),
+        inputs=_hf_lm_inputs,
+        build=_build_hf_lm,
+    ),
+    "text": Recipe(
+        "your own text: a file, directory or glob (--input), char-level or GPT-2 BPE",
+        options=(
+            _input("UTF-8 text file, directory (recursive) or glob; required"),
+            Option(
+                "tokenizer",
+                str,
+                "bpe",
+                "char: the corpus's characters; bpe: GPT-2 BPE with end-of-text after each file",
+                choices=("char", "bpe"),
+            ),
+            Option("name", str, "text", "output folder name under data_dir", affects_output=False),
+            _fraction("val_fraction", 0.1, "the last fraction of the characters is the val split"),
+            _num_proc(),
+        ),
+        inputs=_text_inputs,
+        build=_build_text,
+        folder=_named_folder,
+    ),
+    "translation": Recipe(
+        "translation pairs (opus_books/wmt14 or a local TSV/JSONL) for the encoder-decoder, BPE",
+        options=(
+            _input(
+                f"local .tsv (source<TAB>target) or .jsonl (src/tgt keys, or the language codes) instead of the hub; "
+                f"${MIRROR_ENV}/<folder>.tsv|.jsonl is used when present"
+            ),
+            Option("hf_dataset", str, "opus_books", "Hugging Face dataset id (opus_books, wmt14, ...)"),
+            Option("hf_config", str, None, "dataset config (default: SRC-TGT, e.g. en-fr)"),
+            Option("src", str, "en", "source language code"),
+            Option("tgt", str, "fr", "target language code"),
+            Option("name", str, None, "output folder name (default: translation_SRC_TGT)", affects_output=False),
+            _fraction("val_fraction", 0.05, "fraction of pairs held out for val (by a hash of the source)"),
+            _fraction("test_fraction", 0.05, "fraction of pairs held out for test (by a hash of the source)"),
+            _count("max_pairs", None, "use only the first this many pairs"),
+            _num_proc(),
+        ),
+        inputs=_translation_inputs,
+        build=_build_translation,
+        folder=_translation_folder,
+    ),
+    "reverse": Recipe(
+        "synthetic seq2seq, offline: reverse a string of digits and letters",
+        options=_synthetic_options("reverse"),
+        inputs=_synthetic_inputs,
+        build=_build_synthetic,
+    ),
+    "sort": Recipe(
+        "synthetic seq2seq, offline: sort the characters of a string",
+        options=_synthetic_options("sort"),
+        inputs=_synthetic_inputs,
+        build=_build_synthetic,
+    ),
+    "num2words": Recipe(
+        "synthetic seq2seq, offline: 1234 -> one thousand two hundred thirty-four",
+        options=_synthetic_options("num2words"),
+        inputs=_synthetic_inputs,
+        build=_build_synthetic,
+    ),
 }
-
-
-def _resolve_options(name: str, options: tuple[_Option, ...], given: dict) -> dict:
-    known = {o.name: o for o in options}
-    unknown = sorted(set(given) - known.keys())
-    if unknown:
-        raise ValueError(f"{name} has no option {unknown[0]!r}; its options are: {', '.join(known)}")
-    resolved = {}
-    for option in options:
-        value = given.get(option.name, option.default)
-        if value is not None:
-            try:
-                value = option.type(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"{name}: --{option.name} must be {option.type.__name__}, got {value!r}") from None
-            if option.choices and value not in option.choices:
-                raise ValueError(f"{name}: --{option.name} must be one of {', '.join(option.choices)}, got {value!r}")
-            if option.name in _POSITIVE and value < 1:
-                raise ValueError(f"{name}: --{option.name} must be at least 1, got {value}")
-            if option.name in _FRACTIONS and not 0 < value < 1:
-                raise ValueError(f"{name}: --{option.name} must be between 0 and 1, got {value}")
-        resolved[option.name] = value
-    return resolved
-
-
-def _folder_name(name: str, opts: dict) -> str:
-    if name == "text":
-        return opts["name"]
-    if name == "translation":
-        return opts["name"] or f"translation_{opts['src']}_{opts['tgt']}"
-    return name
+DATASETS = {name: recipe.description for name, recipe in RECIPES.items()}  # name -> description, for messages
 
 
 # ----------------------------------------------------------------------------- preparing
-
-
-def _data_root(data_dir) -> Path:
-    if data_dir is not None:
-        return Path(data_dir).expanduser()
-    if os.environ.get(DATA_DIR_ENV):
-        return Path(os.environ[DATA_DIR_ENV]).expanduser()
-    return Path(__file__).resolve().parent / "data"  # beside this file, so any working directory works
-
-
-def dataset_dir(name: str, data_dir=None) -> Path:
-    """Where dataset (or output folder) `name` lives: <data_dir>/<name>.
-
-    data_dir defaults to $NANOFORMER_DATA_DIR, else data/ beside this file.
-    """
-    if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("."):
-        raise ValueError(f"dataset folder name must be a plain name such as 'my_corpus', got {name!r}")
-    return _data_root(data_dir) / name
-
-
-def load_meta(dataset_dir) -> dict:
-    """The contents of a prepared dataset's meta.json (see README.md, section Data)."""
-    path = Path(dataset_dir) / "meta.json"
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"{path} not found; prepare the data first: python prepare_data.py {Path(dataset_dir).name}"
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON ({_one_line(err)}); re-create the dataset with --force") from None
-    required = ("format_version", "kind", "tokenizer", "vocab_size", "special_tokens", "files")
-    if not isinstance(meta, dict) or any(key not in meta for key in required):
-        raise ValueError(f"{path} lacks the keys {', '.join(required)}; re-create the dataset with --force")
-    if meta["format_version"] > FORMAT_VERSION:
-        raise ValueError(
-            f"{path} has format version {meta['format_version']}, newer than this code's {FORMAT_VERSION}; "
-            "update nanoformer"
-        )
-    return meta
-
-
-def check_prepared(path) -> None:
-    """Raise ValueError or FileNotFoundError unless `path` holds a complete, intact dataset.
-
-    Complete: meta.json, listing what its kind needs (train.bin and val.bin, or train/val/test pairs).
-    Intact: every listed file present, with a valid header and the token count meta.json records, and each
-    split's pair index matching its token files and pair count. The message is one line naming the file
-    and the fix; a file that cannot be read at all raises its own OSError.
-    """
-    path = Path(path)
-    meta = load_meta(path)
-    fix = "re-create the dataset with: python prepare_data.py NAME --force"
-    if meta["kind"] == "lm":
-        missing = [f for f in ("train.bin", "val.bin") if f not in meta["files"]]
-    else:
-        missing = [f"{s} pairs" for s in _SEQ2SEQ_SPLITS if s not in meta.get("pairs", {})]
-    if missing:
-        raise ValueError(f"{path / 'meta.json'} lists no {' nor '.join(missing)}; {fix}")
-    for fname, count in meta["files"].items():
-        if not (path / fname).is_file():
-            raise FileNotFoundError(f"{path / fname} is missing (meta.json lists it); {fix}")
-        held = _read_header(path / fname)[2]
-        if held != count:
-            raise ValueError(f"{path / fname} holds {held:,} tokens but meta.json records {count:,}; {fix}")
-    for split, count in meta.get("pairs", {}).items():
-        held = len(load_pairs(path, split))
-        if held != count:
-            index = path / f"{split}_idx.npy"
-            raise ValueError(f"{index} holds {held:,} pairs but meta.json records {count:,}; {fix}")
-
-
-def is_prepared(path) -> bool:
-    """True when `path` holds a complete, intact dataset, that is when check_prepared(path) raises nothing."""
-    try:
-        check_prepared(path)
-    except (OSError, ValueError):
-        return False
-    return True
 
 
 def _existing_meta(folder: Path) -> dict | None:
@@ -1210,7 +885,7 @@ def _existing_meta(folder: Path) -> dict | None:
         return load_meta(folder)
     except (FileNotFoundError, ValueError) as err:
         raise ValueError(
-            f"{folder} exists but is not a dataset this script can update ({_one_line(err)}); "
+            f"{folder} exists but is not a dataset this script can update ({one_line(err)}); "
             "pass --force to replace it, or choose another --data_dir"
         ) from None
 
@@ -1242,13 +917,13 @@ def prepare(name: str, /, data_dir=None, force: bool = False, **options) -> Path
     ValueError, FileNotFoundError or DownloadError (an OSError) with a one-line message;
     nothing half-written is left behind.
     """
-    recipe = _RECIPES.get(name)
+    recipe = RECIPES.get(name)
     if recipe is None:
         raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
     opts = _resolve_options(name, recipe.options, options)
-    data_root = _data_root(data_dir)
-    folder = dataset_dir(_folder_name(name, opts), data_root)
-    files, fingerprint = recipe.inputs(name, opts, data_root)
+    root = data_root(data_dir)
+    folder = dataset_dir(recipe.folder(opts) if recipe.folder else name, root)
+    files, fingerprint = recipe.inputs(name, opts, root)
     # everything the outputs depend on; JSON round trip so it compares equal to what meta.json holds
     record = {
         "dataset": name,
@@ -1274,64 +949,9 @@ def prepare(name: str, /, data_dir=None, force: bool = False, **options) -> Path
             **recipe.build(stage, name, opts, files, check_tokenizer),
             "source": record,
         }
-        with _atomic_output(stage / "meta.json") as f:
+        with atomic_output(stage / "meta.json") as f:
             f.write(json.dumps(meta, indent=1, ensure_ascii=False).encode("utf-8"))
     return folder
-
-
-# ----------------------------------------------------------------------------- benchmark
-
-
-def bpe_throughput(text: str, num_threads: int, repeats: int) -> list[float]:
-    """GPT-2 BPE tokens per second over `text`, one measurement per repeat.
-
-    The text is cut and batched exactly as prepare() does, so this is the tokenizer's
-    share of preparing a corpus, without reading or writing files.
-    """
-    encoding = _tiktoken_encoding("gpt2")
-    pieces = list(_pieces(text[i : i + _BLOCK_BYTES] for i in range(0, len(text), _BLOCK_BYTES)))
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        count = sum(
-            len(ids)
-            for batch in _batched(pieces, _BATCH_PIECES)
-            for ids in encoding.encode_ordinary_batch(batch, num_threads=num_threads)
-        )
-        rates.append(count / (time.perf_counter() - start))
-    return rates
-
-
-def _run_benchmark(args) -> None:
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
-    data_root = _data_root(args.data_dir)
-    path = Path(args.input).expanduser() if args.input else _shakespeare_file(None, data_root)
-    text = path.read_text(encoding="utf-8")
-    if not text:
-        raise ValueError(f"{path} is empty; pass a non-empty --input")
-    text *= max(1, round(args.size_mb * 1e6 / len(text)))  # repeated to a multi-megabyte corpus
-    print(
-        f"GPT-2 BPE on {len(text) / 1e6:.1f} MB of text ({path.name}), {args.repeats} runs each, {os.cpu_count()} cores"
-    )
-
-    def report(label: str, rates: list[float]) -> None:
-        low, mid, high = min(rates) / 1e6, statistics.median(rates) / 1e6, max(rates) / 1e6
-        print(f"  {label:<32} median {mid:6.2f}M tokens/s  (min {low:.2f}M, max {high:.2f}M)")
-
-    for threads in sorted({1, os.cpu_count()}):
-        report(f"encode, {threads} thread{'s' if threads > 1 else ''}", bpe_throughput(text, threads, args.repeats))
-    # the whole pipeline once more: read, cut, encode on all cores, write train.bin/val.bin
-    with tempfile.TemporaryDirectory() as tmp:
-        corpus = Path(tmp) / "corpus.txt"
-        corpus.write_text(text, encoding="utf-8")
-        rates = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            folder = prepare("text", data_dir=tmp, force=True, input=str(corpus), name="bench")
-            count = sum(load_meta(folder)["files"].values())
-            rates.append(count / (time.perf_counter() - start))
-        report("prepare text (scan+encode+write)", rates)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -1352,9 +972,9 @@ def _parser() -> argparse.ArgumentParser:
         "--force", action="store_true", help="rebuild even if up to date, and replace data from another tokenizer"
     )
     commands = parser.add_subparsers(dest="dataset", metavar="NAME", required=True)
-    for name, description in DATASETS.items():
-        sub = commands.add_parser(name, parents=[common], help=description, description=description)
-        for option in _RECIPES[name].options:
+    for name, recipe in RECIPES.items():
+        sub = commands.add_parser(name, parents=[common], help=recipe.description, description=recipe.description)
+        for option in recipe.options:
             default = "" if option.default is None else f" (default: {option.default})"
             sub.add_argument(
                 f"--{option.name}",
@@ -1363,15 +983,6 @@ def _parser() -> argparse.ArgumentParser:
                 choices=option.choices or None,
                 help=option.help + default,
             )
-    bench = commands.add_parser(
-        "benchmark", help="measure BPE tokenization throughput, 1 thread vs all cores (not a dataset)"
-    )
-    bench.add_argument("--input", help="UTF-8 text to tokenize (default: tiny Shakespeare)")
-    bench.add_argument("--repeats", type=int, default=5, help="measurements per setting (default: 5)")
-    bench.add_argument(
-        "--size_mb", type=float, default=10.0, help="repeat the text to about this many MB (default: 10)"
-    )
-    bench.add_argument("--data_dir", help="where tiny Shakespeare's download cache lives")
     return parser
 
 
@@ -1388,9 +999,6 @@ def main(argv=None) -> None:
     """Command-line entry point; errors print one line and exit with status 2."""
     args = _parser().parse_args(argv)
     try:
-        if args.dataset == "benchmark":
-            _run_benchmark(args)
-            return
         options = {k: v for k, v in vars(args).items() if k not in ("dataset", "data_dir", "force")}
         folder = prepare(args.dataset, data_dir=args.data_dir, force=args.force, **options)
         print(_summary(folder))

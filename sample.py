@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from model import GPT, Stack, check_sampling_args
-from prepare_data import Tokenizer, solve
 from checkpoint import load_checkpoint, model_from_checkpoint
 from config import parse_config
+from model import GPT, Stack, check_sampling_args
+from prepare_data import solve
+from tokens import Tokenizer
 from train import autocast, resolve_device, resolve_dtype
 
 MASK = "[MASK]"  # what the encoder's prompt writes where a token is to be filled in

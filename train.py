@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import prepare_data
+import tokens
 from checkpoint import (
     load_checkpoint, model_from_checkpoint, save_checkpoint, set_rng_state, training_state, weights_state, write_json,
 )
@@ -287,14 +288,14 @@ class Objective:
 def prepared_dataset(name, data_dir, options):
     """The folder of dataset `name`, prepared first if missing or out of date; ConfigError says why it cannot be."""
     try:
-        folder = prepare_data.dataset_dir(name, data_dir)
+        folder = tokens.dataset_dir(name, data_dir)
         if name not in prepare_data.DATASETS:  # a folder of the user's own: say what is wrong with it, if anything
             if options:
                 raise ValueError(f"data_options need one of the datasets {', '.join(prepare_data.DATASETS)}")
             if not folder.is_dir():
                 raise ValueError(f"not one of {', '.join(prepare_data.DATASETS)}, nor a folder in {folder.parent}")
-            prepare_data.check_prepared(folder)
-        elif options or not prepare_data.is_prepared(folder):
+            tokens.check_prepared(folder)
+        elif options or not tokens.is_prepared(folder):
             log(f"dataset {name}: preparing it in {folder.parent} unless up to date")
             folder = prepare_data.prepare(name, data_dir, **options)
     except (ValueError, OSError) as e:
@@ -342,13 +343,13 @@ def load_splits(folder, meta, block_size):
     splits = {}
     for split in ("train", "val"):
         if meta["kind"] == "lm":
-            splits[split] = prepare_data.load_tokens(folder / f"{split}.bin")
+            splits[split] = tokens.load_tokens(folder / f"{split}.bin")
             if len(splits[split]) <= block_size:  # a GPT's window is block_size + 1 tokens (inputs and targets)
                 raise ConfigError(f"{folder.name}'s {split} split has {len(splits[split]):,} tokens, too few for "
                                   f"block_size={block_size}: use block_size <= {len(splits[split]) - 1}, or a "
                                   f"dataset with a longer {split} split")
             continue
-        pairs = prepare_data.load_pairs(folder, split)
+        pairs = tokens.load_pairs(folder, split)
         lengths = np.diff(pairs.index, axis=0)  # (n, 2): source and target length of each pair
         # the decoder reads bos + target and predicts target + eos: target + 1 positions
         fits = np.flatnonzero((lengths[:, 0] <= block_size) & (lengths[:, 1] + 1 <= block_size))
@@ -903,7 +904,7 @@ def setup(cfg, rt, stack):
     raise_if_any_failed(out_dir_problem(out_dir) if is_writer else None, rt.world_size)
 
     folder = find_dataset(cfg, rt)
-    data_meta = prepare_data.load_meta(folder)
+    data_meta = tokens.load_meta(folder)
     cfg, raw_model, objective, meta, ckpt = init_model(cfg, data_meta)
     if ckpt is not None and ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
         raise ConfigError(f"{out_dir / 'ckpt.pt'} is at iteration {ckpt['iter_num']}, which max_iters="

@@ -1,4 +1,4 @@
-"""prepare_data.py: token files, tokenizers and every dataset, checked against independent references.
+"""Token files, tokenizers (tokens.py) and every dataset (prepare_data.py), checked against independent references.
 
 The references are the raw text, tiktoken itself (r50k_base: the same ids as gpt2, and
 loadable offline), struct-parsed headers and explicit loops, never this module's own output.
@@ -22,19 +22,17 @@ import pytest
 import tiktoken
 
 import prepare_data
-from prepare_data import (
-    DATASETS,
+from prepare_data import DATASETS, prepare, solve
+from tokens import (
     DownloadError,
     Tokenizer,
-    bpe_throughput,
     check_prepared,
     dataset_dir,
     is_prepared,
     load_meta,
     load_pairs,
     load_tokens,
-    prepare,
-    solve,
+    tiktoken_encoding,
     write_tokens,
 )
 
@@ -143,7 +141,7 @@ def test_gpt2_falls_back_to_r50k_once(monkeypatch, caplog):
         return real(name)
 
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
-    prepare_data._tiktoken_encoding.cache_clear()
+    tiktoken_encoding.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="nanoformer.data"):
             first = Tokenizer({"type": "tiktoken", "encoding": "gpt2"}, 50257, {})
@@ -156,11 +154,11 @@ def test_gpt2_falls_back_to_r50k_once(monkeypatch, caplog):
         assert [r.getMessage().count("r50k_base") for r in caplog.records] == [1]
 
         monkeypatch.setattr(tiktoken, "get_encoding", lambda name: offline("gpt2"))
-        prepare_data._tiktoken_encoding.cache_clear()
+        tiktoken_encoding.cache_clear()
         with pytest.raises(DownloadError, match="TIKTOKEN_CACHE_DIR"):
             Tokenizer({"type": "tiktoken", "encoding": "gpt2"}, 50257, {})
     finally:
-        prepare_data._tiktoken_encoding.cache_clear()
+        tiktoken_encoding.cache_clear()
 
 
 # ----------------------------------------------------------------------------- token files
@@ -407,7 +405,7 @@ def test_help_lists_every_dataset(capsys):
     with pytest.raises(SystemExit) as exit_info:
         prepare_data.main(["--help"])
     out = capsys.readouterr().out
-    assert exit_info.value.code == 0 and "benchmark" in out and "benchmark" not in DATASETS
+    assert exit_info.value.code == 0 and "benchmark" not in out  # BPE throughput is bench.py --parts=bpe now
     assert all(name in out and description[:40] in out for name, description in DATASETS.items())
 
 
@@ -767,8 +765,3 @@ def test_translation_malformed_input_names_the_line(tmp_path, name, content, mes
 def test_translation_missing_input(tmp_path):
     with pytest.raises(FileNotFoundError, match="is not a file"):
         prepare("translation", data_dir=tmp_path, input=str(tmp_path / "missing.tsv"))
-
-
-def test_bpe_throughput_reports_a_rate_per_repeat():
-    rates = bpe_throughput("The quick brown fox.\nJumps over the lazy dog.\n" * 500, num_threads=2, repeats=3)
-    assert len(rates) == 3 and all(rate > 0 for rate in rates)

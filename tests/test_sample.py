@@ -17,6 +17,7 @@ import torch
 
 import checkpoint
 import prepare_data
+import tokens
 import sample
 import train
 from config import parse_config
@@ -63,7 +64,7 @@ def seq2seq_dir(reverse_dir, tmp_path_factory):
 
 def load(out_dir):
     ckpt = checkpoint.load_checkpoint(Path(out_dir) / "ckpt.pt")
-    return checkpoint.model_from_checkpoint(ckpt), prepare_data.Tokenizer.from_meta(ckpt["meta"]), ckpt["meta"]
+    return checkpoint.model_from_checkpoint(ckpt), tokens.Tokenizer.from_meta(ckpt["meta"]), ckpt["meta"]
 
 
 def cli(capsys, *args):
@@ -297,7 +298,7 @@ def test_init_from_gpt2_weights_matches_hugging_face_greedy(gpt2_dir, capsys):
 
 
 def test_streaming_never_prints_half_a_character():
-    tokenizer = prepare_data.Tokenizer.from_meta(sample.GPT2_META)
+    tokenizer = tokens.Tokenizer.from_meta(sample.GPT2_META)
     # GPT-2 BPE splits each of these characters over two tokens: b"\xe2\x9c" + b"\x93", b"\xf0\x9f" + b"\x99\x82"
     text = "ok ✓🙂✓ done"
     ids = tokenizer.encode(text)
@@ -319,19 +320,19 @@ def walk(table, bos, eos, max_len):
     paths, done = [([bos], 1.0)], []
     for _ in range(max_len):
         grown = []
-        for tokens, p in paths:
-            for token, q in table[tokens[-1]].items():
+        for ids, p in paths:
+            for token, q in table[ids[-1]].items():
                 if token == eos:
-                    done.append((tokens[1:] + [token], p * q))
+                    done.append((ids[1:] + [token], p * q))
                 else:
-                    grown.append((tokens + [token], p * q))
+                    grown.append((ids + [token], p * q))
         paths = grown
     return done
 
 
 def test_greedy_and_beam_search_on_a_constructed_decoder(reverse_dir, tmp_path, capsys):
-    meta = prepare_data.load_meta(reverse_dir)
-    tokenizer = prepare_data.Tokenizer.from_meta(meta)
+    meta = tokens.load_meta(reverse_dir)
+    tokenizer = tokens.Tokenizer.from_meta(meta)
     bos, eos = meta["special_tokens"]["bos"], meta["special_tokens"]["eos"]
     a, b, c = tokenizer.encode("abc")
     # greedy takes a (0.5), then c (0.3), then eos: 0.15; b then eos holds 0.36, which beam search finds
@@ -431,7 +432,7 @@ def test_attention_maps_have_colour_bars_and_token_labels(shakespeare_char_dir, 
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(arch="gpt", vocab_size=65, block_size=128, n_layer=1, n_head=2, n_embd=32))
-    out_dir = save_checkpoint(tmp_path / "long", model, prepare_data.load_meta(shakespeare_char_dir))
+    out_dir = save_checkpoint(tmp_path / "long", model, tokens.load_meta(shakespeare_char_dir))
     figures = []
     monkeypatch.setattr(Figure, "savefig", lambda self, path, **options: figures.append(self))
     prompt = shakespeare_path.read_text(encoding="utf-8")[:length]

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import prepare_data
+import tokens
 import train
 from model import IGNORE_INDEX, ModelConfig, build_model
 from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
@@ -286,9 +287,9 @@ def test_seq2seq_learns_and_its_exact_match_agrees_with_the_task_solver(tmp_path
     assert first["val"] == pytest.approx(math.log(41), abs=0.1)  # 38 characters + pad, bos, eos
     assert last["val"] < first["val"] - 1.0, result["evals"]
     ckpt = load_checkpoint(tmp_path / "ckpt.pt")
-    model, tokenizer = model_from_checkpoint(ckpt), prepare_data.Tokenizer.from_meta(ckpt["meta"])
+    model, tokenizer = model_from_checkpoint(ckpt), tokens.Tokenizer.from_meta(ckpt["meta"])
     bos, eos = ckpt["meta"]["special_tokens"]["bos"], ckpt["meta"]["special_tokens"]["eos"]
-    pairs = prepare_data.load_pairs(prepare_data.dataset_dir("sort", data_root), "val")
+    pairs = tokens.load_pairs(tokens.dataset_dir("sort", data_root), "val")
     correct = 0
     for i in range(100):
         src_text = tokenizer.decode(pairs[i][0])
@@ -352,7 +353,7 @@ def test_ema_is_what_is_evaluated_saved_and_resumed(tmp_path, data_root):
         assert evaluated["evals"][0]["val"] == pytest.approx(trained["evals"][-1]["val"], rel=1e-6)
     # training on without the average starts from the optimizer's own weights
     cfg = tiny(data_root, tmp_path, init_from="resume")
-    _, model, *_ = init_model(cfg, prepare_data.load_meta(Path(data_root) / "shakespeare_char"))
+    _, model, *_ = init_model(cfg, tokens.load_meta(Path(data_root) / "shakespeare_char"))
     assert all(torch.equal(v, ckpt["train_model"][k]) for k, v in model.state_dict().items())
 
 
@@ -365,7 +366,7 @@ def test_checkpoints_load_safely_and_describe_the_run(tmp_path, data_root):
     assert ckpt["iter_num"] == 6 and ckpt["train_config"]["arch"] == "encoder"
     # masked LM adds a [MASK] id after the characters, recorded so a tokenizer can be rebuilt from the checkpoint
     assert ckpt["meta"]["special_tokens"]["mask"] == 65 and ckpt["model_config"]["vocab_size"] == 66
-    assert prepare_data.Tokenizer.from_meta(ckpt["meta"]).decode([65]) == "<mask>"
+    assert tokens.Tokenizer.from_meta(ckpt["meta"]).decode([65]) == "<mask>"
     best = torch.load(tmp_path / "best.pt", weights_only=True)
     trained_evals = [e["val"] for e in result["evals"] if e["iter"] > 0]
     assert best["best_val_loss"] == ckpt["best_val_loss"] == min(trained_evals)
@@ -500,7 +501,7 @@ def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
     model = build_model(cfg.model_config(vocab_size=65)).to(device)
     optimizer, _ = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda")  # fused: skips on the device
     scaler = torch.amp.GradScaler("cuda", enabled=False)
-    data = prepare_data.load_tokens(Path(data_root) / "shakespeare_char" / "train.bin")
+    data = tokens.load_tokens(Path(data_root) / "shakespeare_char" / "train.bin")
     objective = Objective("gpt", data_vocab=65)
     rt = Runtime(device=device, dtype=torch.bfloat16)
     batches = train.TrainBatches(data, objective, cfg, torch.Generator().manual_seed(0), rt, per_rank=2)
