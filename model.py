@@ -121,6 +121,7 @@ class ModelConfig:
 
 
 def make_norm(config):
+    """A LayerNorm or RMSNorm over the C channels, as config.norm says."""
     if config.norm == "rmsnorm":
         return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
     return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
@@ -210,9 +211,14 @@ class Attention(nn.Module):
     def __init__(self, config, causal):
         super().__init__()
         self.n_head, self.causal, self.dropout = config.n_head, causal, config.dropout
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # query, key, value stacked
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # rows: W_q, W_k, W_v stacked
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.proj.residual = True  # scaled at init, see TransformerModel._init_weights
+
+    def split_heads(self, t):
+        """(B, L, C) -> (B, H, L, D): each head gets its own D channels."""
+        B, L, C = t.shape
+        return t.view(B, L, self.n_head, C // self.n_head).transpose(1, 2)
 
     def forward(self, x, context=None, key_mask=None, rope=None, cache=None, need_weights=False):
         """
@@ -221,99 +227,148 @@ class Attention(nn.Module):
         Returns (y (B, T, C), attention probabilities (B, H, T, S) if need_weights else None).
         """
         B, T, C = x.shape
-        H, D = self.n_head, C // self.n_head
-        if context is None:  # self-attention: one matmul makes q, k, v
-            q, k, v = self.qkv(x).split(C, dim=2)
-            k, v = k.view(B, T, H, D).transpose(1, 2), v.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        else:  # cross-attention: q from x, k and v from the context, with the same weights split in two
-            w, b = self.qkv.weight, self.qkv.bias
-            q = F.linear(x, w[:C], None if b is None else b[:C])
-        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        D = C // self.n_head
 
+        # Project: queries from x, keys and values from the context (x itself for self-attention)
         if context is None:
-            if rope is not None:
-                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            if cache is not None:
-                k, v = cache.append(k, v)  # (B, H, S, D), S = cached + T
-        elif cache is not None and cache.k is not None:
-            k, v = cache.k, cache.v  # the encoder output was projected at the first decoding step
-        else:
-            S = context.size(1)
-            k, v = F.linear(context, w[C:], None if b is None else b[C:]).split(C, dim=2)
-            k, v = k.view(B, S, H, D).transpose(1, 2), v.view(B, S, H, D).transpose(1, 2)  # (B, H, S, D)
-            if cache is not None:
-                cache.k, cache.v = k, v
+            q, k, v = map(self.split_heads, self.qkv(x).split(C, dim=2))  # (B, H, T, D) each, from one matmul
+        else:  # the same stacked weights split in two: W_q applied to x, W_k and W_v to the context
+            w, b = self.qkv.weight, self.qkv.bias
+            q = self.split_heads(F.linear(x, w[:C], None if b is None else b[:C]))  # (B, H, T, D)
+            if cache is not None and cache.k is not None:
+                k, v = cache.k, cache.v  # the context was projected at the first decoding step
+            else:
+                kv = F.linear(context, w[C:], None if b is None else b[C:])  # (B, S, 2C)
+                k, v = map(self.split_heads, kv.split(C, dim=2))  # (B, H, S, D) each
+                if cache is not None:
+                    cache.k, cache.v = k, v  # the context is the same at every step: project it once
+
+        # Rotary positions turn q and k of self-attention only: a cross-attention's queries and keys lie in
+        # different sequences. Keys are turned before caching, so a cached key keeps its own position.
+        if context is None and rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+
+        # KV cache: the new positions join the earlier ones, and the queries attend over all of them
+        if context is None and cache is not None:
+            k, v = cache.append(k, v)  # (B, H, S, D), S = cached + T
         S = k.size(2)
 
+        # Mask and scaled dot product: softmax(q k^T / sqrt(D)) v over the keys the mask allows
         dropout = self.dropout if self.training else 0.0
         weights = None
         if self.causal and S == T and key_mask is None and not need_weights:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # flash path
+            # nothing cached and no padding: SDPA's own (upper-left) triangle is right and allows the flash kernel
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # (B, H, T, D)
         else:
-            mask = attention_mask(T, S, self.causal, key_mask, x.device)
+            mask = attention_mask(T, S, causal=self.causal, key_mask=key_mask, device=x.device)  # (B|1, 1, T, S)
             if need_weights:  # the same computation spelled out, so the probabilities can be returned
                 scores = (q @ k.transpose(-2, -1)) / math.sqrt(D)  # (B, H, T, S)
                 if mask is not None:
                     scores = scores.masked_fill(mask.logical_not(), float("-inf"))
                 weights = scores.softmax(dim=-1)
-                y = F.dropout(weights, dropout, self.training) @ v
+                y = F.dropout(weights, dropout, self.training) @ v  # (B, H, T, D)
             else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)  # (B, H, T, D)
+
+        # Merge heads: put the H heads' D channels side by side again, then mix them with the output projection
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, H * D) = (B, T, C)
         return self.proj(y), weights
 
 
 # -----------------------------------------------------------------------------
 # MLP and block
 
+
 def make_activation(name):
+    """The MLP's nonlinearity, by ModelConfig.activation name."""
     if name == "relu":  # in place: nothing else needs the Linear's output, so no second buffer to allocate and fill
         return nn.ReLU(inplace=True)
     return nn.GELU(approximate="tanh" if name == "gelu_tanh" else "none")
 
 
 class MLP(nn.Module):
+    """The position-wise feed-forward network: C -> d_ff, nonlinearity, d_ff -> C, the same at every position."""
+
     def __init__(self, config):
         super().__init__()
         self.fc = nn.Linear(config.n_embd, config.d_ff, bias=config.bias)
         self.act = make_activation(config.activation)
         self.proj = nn.Linear(config.d_ff, config.n_embd, bias=config.bias)
-        self.proj.residual = True
+        self.proj.residual = True  # scaled at init, see TransformerModel._init_weights
 
     def forward(self, x):
-        return self.proj(self.act(self.fc(x)))
+        return self.proj(self.act(self.fc(x)))  # (B, T, C) -> (B, T, d_ff) -> (B, T, C)
 
 
 class Block(nn.Module):
-    """Self-attention, optional cross-attention over a context, MLP; each a residual branch with its norm."""
+    """
+    One layer: self-attention, cross-attention over a context (decoder blocks built with cross=True), MLP.
+    Each is a residual branch with its own norm; norm_position decides whether the norm sits inside the branch
+    (pre-norm, GPT-2) or after the residual add (post-norm, the 2017 paper). The vertical line is the residual
+    stream x; the cross-attention's queries come from it, its keys and values from the context:
+
+        pre-norm                                        post-norm
+
+        x                                               x
+        |---> norm1 -> self-attn -> dropout -------.    |---> self-attn -> dropout ---------.
+        |                                          |    |                                   |
+        (+) <--------------------------------------'    (+) <-------------------------------'
+        |                                               norm1
+        |---> norm_cross -> cross-attn -> dropout -.    |---> cross-attn -> dropout --------.
+        |                   ^ context              |    |     ^ context                     |
+        (+) <--------------------------------------'    (+) <-------------------------------'
+        |                                               norm_cross
+        |---> norm2 -> MLP -> dropout -------------.    |---> MLP -> dropout ---------------.
+        |                                          |    |                                   |
+        (+) <--------------------------------------'    (+) <-------------------------------'
+        |                                               norm2
+        out                                             out
+
+    Pre-norm leaves the residual stream itself unnormalised, so a pre-norm Stack ends with one more norm.
+    """
 
     def __init__(self, config, causal, cross):
         super().__init__()
         self.pre_norm = config.norm_position == "pre"
-        self.norm1, self.attn = make_norm(config), Attention(config, causal)
+        self.norm1, self.attn = make_norm(config), Attention(config, causal=causal)
         if cross:
             self.norm_cross, self.cross_attn = make_norm(config), Attention(config, causal=False)
         self.norm2, self.mlp = make_norm(config), MLP(config)
         self.drop = nn.Dropout(config.dropout)
 
     def branch_input(self, x, norm):
+        """What a sublayer reads: norm(x) in a pre-norm block, x itself in a post-norm one."""
         return norm(x) if self.pre_norm else x
 
     def add(self, x, out, norm):
-        """pre: x + f(norm(x)), GPT-2 style. post: norm(x + f(x)), as in the 2017 paper."""
+        """The residual add of a sublayer's output. pre: x + out, GPT-2 style. post: norm(x + out), the 2017 paper."""
         return x + self.drop(out) if self.pre_norm else norm(x + self.drop(out))
 
     def forward(self, x, key_mask=None, rope=None, context=None, context_mask=None, cache=None, need_weights=False):
-        """cache: (self-attention KVCache, cross-attention KVCache or None) or None. Returns (x, maps)."""
+        """
+        x: (B, T, C). key_mask: (B, T) bool, True at real positions. rope: (cos, sin) tables or None.
+        context: (B, S, C) encoder output to cross-attend to, with context_mask (B, S) or None.
+        cache: (self-attention KVCache, cross-attention KVCache or None) or None.
+        Returns (x (B, T, C), maps): maps["self"] (B, H, T, keys) and, given a context, maps["cross"] (B, H, T, S),
+        each None unless need_weights.
+        """
         self_cache, cross_cache = cache if cache is not None else (None, None)
-        out, self_map = self.attn(self.branch_input(x, self.norm1), None, key_mask, rope, self_cache, need_weights)
+        # self-attention over x: causal in GPT and decoder blocks, bidirectional in encoder blocks
+        h = self.branch_input(x, self.norm1)
+        out, self_map = self.attn(h, key_mask=key_mask, rope=rope, cache=self_cache, need_weights=need_weights)
         x = self.add(x, out, self.norm1)
         maps = {"self": self_map}
-        if context is not None:
+
+        if context is not None:  # cross-attention: every target position may read every real source position
             h = self.branch_input(x, self.norm_cross)
-            out, maps["cross"] = self.cross_attn(h, context, context_mask, None, cross_cache, need_weights)
+            out, maps["cross"] = self.cross_attn(
+                h, context, key_mask=context_mask, cache=cross_cache, need_weights=need_weights
+            )
             x = self.add(x, out, self.norm_cross)
-        x = self.add(x, self.mlp(self.branch_input(x, self.norm2)), self.norm2)
+
+        # the MLP, on each position by itself
+        h = self.branch_input(x, self.norm2)
+        x = self.add(x, self.mlp(h), self.norm2)
         return x, maps
 
 
@@ -337,33 +392,39 @@ class Stack(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config, causal, cross) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(config, causal=causal, cross=cross) for _ in range(n_layer))
         # Post-norm blocks end with a norm already; pre-norm stacks need one before the head (GPT-2's ln_f).
         self.norm = make_norm(config) if config.norm_position == "pre" else nn.Identity()
 
     def forward(self, idx, key_mask=None, context=None, context_mask=None, cache=None, need_weights=False):
-        """idx: (B, T) token ids. cache: a list with one (KVCache, KVCache or None) per block. Returns (x, maps)."""
+        """
+        idx: (B, T) token ids; key_mask: (B, T) bool, True at real tokens, or None.
+        context, context_mask: the encoder output (B, S, C) and its key mask (B, S), for cross-attending blocks.
+        cache: a list with one (KVCache, KVCache or None) per block. Returns (x (B, T, C), one dict of maps per block).
+        """
         T = idx.size(1)
-        start = cache[0][0].length if cache is not None else 0  # position of idx[:, 0]
+        start = cache[0][0].length if cache is not None else 0  # position of idx[:, 0]: after the cached ones
         if start + T > self.config.block_size:
             raise ValueError(
                 f"sequence of length {start + T} is longer than block_size={self.config.block_size}: "
                 f"crop it to the last {self.config.block_size} tokens or train with a larger block_size"
             )
         x = self.wte(idx)  # (B, T, C)
-        rope = None
+        rope = None  # rotary positions are applied inside attention, to q and k, instead of added here
         if self.config.pos_encoding == "learned":
             x = x + self.wpe.weight[start : start + T]
         elif self.config.pos_encoding == "sinusoidal":
             # the paper scales embeddings by sqrt(C) so they are not drowned by the unit-amplitude sinusoids
             x = x * math.sqrt(self.config.n_embd) + self.pe[start : start + T].to(x.dtype)
         else:
-            rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])
+            rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])  # (T, D/2) each
         x = self.drop(x)
         maps = []
         for i, block in enumerate(self.blocks):
-            layer_cache = cache[i] if cache is not None else None
-            x, block_maps = block(x, key_mask, rope, context, context_mask, layer_cache, need_weights)
+            x, block_maps = block(
+                x, key_mask=key_mask, rope=rope, context=context, context_mask=context_mask,
+                cache=cache[i] if cache is not None else None, need_weights=need_weights,
+            )
             maps.append(block_maps)
         return self.norm(x), maps
 
@@ -392,7 +453,7 @@ class TransformerModel(nn.Module):
         return None if self.config.pad_token_id is None else idx != self.config.pad_token_id
 
     def head(self, x):
-        """Hidden states (..., C) -> logits (..., V)."""
+        """Hidden states (..., C) -> logits (..., V). Encoder adds BERT's transform before the projection."""
         return self.lm_head(x)
 
     def head_and_loss(self, x, targets, label_smoothing, reduction, return_logits):
@@ -405,22 +466,25 @@ class TransformerModel(nn.Module):
             return (self.head(x) if return_logits else None), None
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        # positions per chunk: as many as fit their float32 logits (4 bytes each of V) in the budget
         budget = LOSS_CHUNK_BYTES if x.device.type == "cpu" else ACCELERATOR_LOSS_CHUNK_BYTES
         rows = max(1, budget // (4 * self.config.vocab_size))
         loss, chunks = torch.zeros((), device=x.device), []
+        # batch and time flattened into one axis of B * T positions, cut into chunks of `rows`
         for x_chunk, target_chunk in zip(x.flatten(0, 1).split(rows), targets.flatten().split(rows)):
-            logits = self.head(x_chunk)  # (rows, V)
+            logits = self.head(x_chunk)  # (rows, V), in the model's dtype
+            # summed here and divided once at the end, so that chunks of any size weigh the same per target
             loss = loss + F.cross_entropy(logits.float(), target_chunk, ignore_index=IGNORE_INDEX,
                                           label_smoothing=label_smoothing, reduction="sum")
             if return_logits:
                 chunks.append(logits)
         if reduction == "mean":
-            loss = loss / (targets != IGNORE_INDEX).sum()
+            loss = loss / (targets != IGNORE_INDEX).sum()  # NaN when every target is ignored, as F.cross_entropy
         return (torch.cat(chunks).view(*targets.shape, -1) if return_logits else None), loss
 
     def num_params(self, non_embedding=False):
         """Parameters, each shared tensor counted once. non_embedding: leave out position embeddings."""
-        n = sum(p.numel() for p in self.parameters())
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
         if non_embedding:
             n -= sum(m.wpe.weight.numel() for m in self.modules() if isinstance(m, Stack) and hasattr(m, "wpe"))
         return n
@@ -435,7 +499,10 @@ class TransformerModel(nn.Module):
         c = self.config
         C = c.n_embd
 
-        def stack(B, T, n_layer):  # multiply-adds of self-attention blocks: q, k, v, out, MLP; scores, weighted sum
+        def stack(B, T, n_layer):
+            """Multiply-adds of self-attention blocks over (B, T) tokens."""
+            # per token: the q, k, v and out projections (C x C each) and the MLP's two (C x d_ff);
+            # per token and key: one score q . k and one term of the weighted sum of v, C each
             return n_layer * B * T * (4 * C * C + 2 * C * c.d_ff + 2 * T * C)
 
         if c.arch == "encoder_decoder":
@@ -448,8 +515,8 @@ class TransformerModel(nn.Module):
             (idx,) = inputs
             B, T = idx.shape
             macs = stack(B, T, c.n_layer) + (B * T * C * C if c.arch == "encoder" else 0)  # BERT's transform
-        macs += B * T * C * c.vocab_size  # the head, once even when tied to the embedding
-        return 6.0 * macs
+        macs += B * T * C * c.vocab_size  # the head, once even when tied to the embedding (a lookup costs nothing)
+        return 6.0 * macs  # 2 FLOPs per multiply-add, times 3 for forward and backward
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """
@@ -457,6 +524,7 @@ class TransformerModel(nn.Module):
         Fused kernels where PyTorch has them (CUDA, and CPU since 2.4). Returns (optimizer, one-line summary).
         """
         params = [p for p in self.parameters() if p.requires_grad]
+        # none on biases and norm gains: pulling a gain towards 0 would only shrink its norm's output
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -486,7 +554,7 @@ class GPT(TransformerModel):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.body = Stack(config, config.n_layer, causal=True, cross=False)
+        self.body = Stack(config, n_layer=config.n_layer, causal=True, cross=False)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self._init_weights()
         if config.tie_embeddings:
@@ -499,7 +567,9 @@ class GPT(TransformerModel):
         "sum". return_logits=False gives None for the logits, so that training never holds the whole (B, T, V).
         """
         x, _ = self.body(idx)
-        return self.head_and_loss(x, targets, label_smoothing, reduction, return_logits)
+        return self.head_and_loss(
+            x, targets, label_smoothing=label_smoothing, reduction=reduction, return_logits=return_logits
+        )
 
     def attention_maps(self, idx):
         """Attention probabilities of every layer for one forward pass: a list of {"self": (B, H, T, T)}."""
@@ -528,22 +598,23 @@ class GPT(TransformerModel):
         if not 1 <= keep <= block:
             raise ValueError(f"context_keep must be in [1, block_size={block}], got {keep}")
         start = max(0, idx.size(1) - block)  # first token of the context window
-        cache, done = None, torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+        cache, done = None, torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # done: (B,)
         for _ in range(max_new_tokens):
             if idx.size(1) - start > block:  # window full: slide it, the cached positions are stale
                 start, cache = idx.size(1) - keep, None
-            if use_cache and cache is not None:
+            if use_cache and cache is not None:  # the cache holds the window up to the last token: feed just that
                 x, _ = self.body(idx[:, -1:], cache=cache)
-            else:
+            else:  # a new window: prefill the cache with all of it (or, uncached, recompute it every step)
                 cache = self.new_cache() if use_cache else None
                 x, _ = self.body(idx[:, start:], cache=cache)
+            # only the last position predicts the next token; ids past vocab_size are cut off before sampling
             logits = self.lm_head(x[:, -1])[:, :vocab_size]  # (B, V)
-            token = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
-            if stop_token is not None:
+            token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            if stop_token is not None:  # a stopped row repeats stop_token while the others go on
                 token = token.masked_fill(done[:, None], stop_token)
                 done = done | (token[:, 0] == stop_token)
-            idx = torch.cat([idx, token], dim=1)
-            yield token
+            idx = torch.cat([idx, token], dim=1)  # (B, T + 1)
+            yield token  # (B, 1)
             if done.all():
                 return
 
@@ -553,7 +624,7 @@ class GPT(TransformerModel):
         temperature 0 is greedy; top_k keeps the k likeliest tokens, top_p the smallest set holding p of the
         probability. Further options (stop_token, generator, use_cache, context_keep, vocab_size): see generate_stream.
         """
-        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, **kwargs))
+        new = self.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, **kwargs)
         return torch.cat([idx, *new], dim=1)
 
     @classmethod
@@ -572,7 +643,7 @@ class Encoder(TransformerModel):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.body = Stack(config, config.n_layer, causal=False, cross=False)
+        self.body = Stack(config, n_layer=config.n_layer, causal=False, cross=False)
         # BERT's prediction head: a dense layer and a norm before the projection to the vocabulary
         self.transform = nn.Sequential(
             nn.Linear(config.n_embd, config.n_embd, bias=config.bias), make_activation(config.activation),
@@ -589,9 +660,12 @@ class Encoder(TransformerModel):
         Returns (logits, loss) as GPT.forward does.
         """
         x, _ = self.body(idx, key_mask=self.key_mask(idx))
-        return self.head_and_loss(x, targets, label_smoothing, reduction, return_logits)
+        return self.head_and_loss(
+            x, targets, label_smoothing=label_smoothing, reduction=reduction, return_logits=return_logits
+        )
 
     def head(self, x):
+        """BERT's transform, then the projection: (..., C) -> (..., V)."""
         return self.lm_head(self.transform(x))
 
     def attention_maps(self, idx):
@@ -605,9 +679,9 @@ class EncoderDecoder(TransformerModel):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.encoder = Stack(config, config.n_encoder_layer, causal=False, cross=False)
+        self.encoder = Stack(config, n_layer=config.n_encoder_layer, causal=False, cross=False)
         shared = self.encoder.wte if config.share_embeddings else None
-        self.decoder = Stack(config, config.n_layer, causal=True, cross=True, wte=shared)
+        self.decoder = Stack(config, n_layer=config.n_layer, causal=True, cross=True, wte=shared)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self._init_weights()
         if config.tie_embeddings:
@@ -630,7 +704,9 @@ class EncoderDecoder(TransformerModel):
         """
         memory, src_mask = self.encode(src)
         x, _ = self.decoder(tgt, context=memory, context_mask=src_mask)
-        return self.head_and_loss(x, targets, label_smoothing, reduction, return_logits)
+        return self.head_and_loss(
+            x, targets, label_smoothing=label_smoothing, reduction=reduction, return_logits=return_logits
+        )
 
     def attention_maps(self, src, tgt):
         """{"encoder": [{"self"}...], "decoder": [{"self", "cross"}...]}, each map (B, H, Tq, Tk)."""
@@ -651,17 +727,20 @@ class EncoderDecoder(TransformerModel):
         The encoder runs once; each layer projects its cross-attention keys and values once.
         """
         if beam_size > 1:
-            return self.beam_search(src, max_new_tokens, bos_id, eos_id, beam_size, length_penalty)
+            return self.beam_search(
+                src, max_new_tokens, bos_id, eos_id, beam_size=beam_size, length_penalty=length_penalty
+            )
         check_sampling_args(temperature, top_k, top_p)
         memory, src_mask = self.encode(src)
         cache = self.new_cache()
-        token = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)
-        done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
+        token = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)  # (B, 1)
+        done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)  # (B,)
         out = []
         for _ in range(max_new_tokens):
-            logits = self.decode(token, memory, src_mask, cache)[:, -1]
-            token = sample_next(logits, temperature, top_k, top_p, generator)
-            token = token.masked_fill(done[:, None], self._fill(eos_id))
+            # the cache holds the earlier target positions: only the newest token goes through the decoder
+            logits = self.decode(token, memory, src_mask, cache=cache)[:, -1]  # (B, V)
+            token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            token = token.masked_fill(done[:, None], self._fill(eos_id))  # rows past their eos get padding
             out.append(token)
             done = done | (token[:, 0] == eos_id)
             if done.all():
@@ -669,6 +748,7 @@ class EncoderDecoder(TransformerModel):
         return torch.cat(out, dim=1)
 
     def _fill(self, eos_id):
+        # what follows eos in a returned row: the padding id, or eos again in a model without one
         return eos_id if self.config.pad_token_id is None else self.config.pad_token_id
 
     @torch.no_grad()
@@ -686,8 +766,8 @@ class EncoderDecoder(TransformerModel):
         memory = memory.repeat_interleave(K, dim=0)  # (B*K, S, C): row b*K + j is beam j of source b
         src_mask = None if src_mask is None else src_mask.repeat_interleave(K, dim=0)
         cache = self.new_cache()
-        seqs = torch.full((B * K, 1), bos_id, dtype=torch.long, device=src.device)
-        scores = torch.full((B, K), float("-inf"), device=src.device)
+        seqs = torch.full((B * K, 1), bos_id, dtype=torch.long, device=src.device)  # (B*K, 1 + step): BOS, tokens
+        scores = torch.full((B, K), float("-inf"), device=src.device)  # summed log-probabilities of the live beams
         scores[:, 0] = 0.0  # all beams start identical: expand only the first
         finished = [[] for _ in range(B)]  # (normalised score, token list) per source
         done = [False] * B
@@ -696,13 +776,17 @@ class EncoderDecoder(TransformerModel):
             return ((5 + length) / 6) ** length_penalty
 
         for step in range(max_new_tokens):
-            logprobs = self.decode(seqs[:, -1:], memory, src_mask, cache)[:, -1].float().log_softmax(dim=-1)
+            # log-probabilities in float32 whatever the model's dtype, so that long sums do not lose precision
+            logits = self.decode(seqs[:, -1:], memory, src_mask, cache=cache)[:, -1]  # (B*K, V)
+            logprobs = logits.float().log_softmax(dim=-1)
             V = logprobs.size(-1)
+            # every extension of every beam of a source in one row: index beam * V + token
             candidates = (scores.view(B * K, 1) + logprobs).view(B, K * V)
             top_scores, top_index = candidates.topk(2 * K, dim=1)  # at most K of them end at eos: K are left to go on
+            # choose on the host: the rules below (finish or go on, done or not) differ per source
             rows, tokens, new_scores = [], [], []
             for b in range(B):
-                chosen = []
+                chosen = []  # (score, row of the parent beam in seqs, next token) of the beams that go on
                 for rank, (score, index) in enumerate(zip(top_scores[b].tolist(), top_index[b].tolist())):
                     beam, token = divmod(index, V)
                     if done[b] or len(chosen) == K or score == float("-inf"):
@@ -721,7 +805,8 @@ class EncoderDecoder(TransformerModel):
                 tokens += [token for _, _, token in chosen]
             if all(done):
                 break
-            rows = torch.tensor(rows, device=src.device)
+            # the K chosen beams of every source take over their parents' histories and caches
+            rows = torch.tensor(rows, device=src.device)  # (B*K,)
             for self_cache, cross_cache in cache:
                 self_cache.reorder(rows)  # cross-attention keys are the same for every beam of a source
             seqs = torch.cat([seqs[rows], torch.tensor(tokens, device=src.device)[:, None]], dim=1)
@@ -734,6 +819,7 @@ class EncoderDecoder(TransformerModel):
                 live = [(s / penalty(length), seqs[b * K + j, 1:].tolist()) for j, s in enumerate(scores[b].tolist())]
                 finished[b] += [hyp for hyp in live if hyp[0] > float("-inf")]
             results.append(max(finished[b], key=lambda hyp: hyp[0])[1])
+        # right-pad the shorter translations, as generate does
         out = torch.full((B, max(map(len, results))), self._fill(eos_id), dtype=torch.long, device=src.device)
         for b, tokens in enumerate(results):
             out[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
@@ -753,6 +839,7 @@ def build_model(config):
 
 
 def check_sampling_args(temperature, top_k, top_p):
+    """Raise a ValueError naming the first of temperature, top_k, top_p that is out of range."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k <= 0:
@@ -767,15 +854,15 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.size(-1):
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1): the k-th largest logit of each row
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         # drop a token when the likelier ones before it already hold top_p; the first one always stays
         drop = probs.cumsum(dim=-1) - probs >= top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(dim=-1)
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))  # back in vocabulary order
+    probs = logits.softmax(dim=-1)  # filtered tokens get probability 0
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
@@ -784,9 +871,11 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 
 
 def load_gpt2(cls, name_or_path, overrides):
+    """A `cls` (GPT) holding the Hugging Face GPT-2 weights in name_or_path; see GPT.from_pretrained."""
     path = Path(name_or_path)
     if not path.is_dir():
         path = download_from_hub(str(name_or_path))
+    # GPT-2's architecture in our terms, sized by its config.json; the caller may override any field
     hf = json.loads((path / "config.json").read_text())
     config = ModelConfig(**{
         "arch": "gpt", "vocab_size": hf["vocab_size"], "block_size": hf["n_positions"], "n_layer": hf["n_layer"],
@@ -802,6 +891,7 @@ def load_gpt2(cls, name_or_path, overrides):
     # GPT2LMHeadModel prefixes "transformer."; a bare GPT2Model does not. The attention-mask buffers are not weights.
     hf_state = {k.removeprefix("transformer."): v for k, v in hf_state.items()
                 if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    # Hugging Face name -> ours. The stacked c_attn maps onto qkv as it is: both hold q, k, v in that order.
     names = {"wte.weight": "body.wte.weight", "wpe.weight": "body.wpe.weight",
              "ln_f.weight": "body.norm.weight", "ln_f.bias": "body.norm.bias"}
     for i in range(config.n_layer):
@@ -810,6 +900,7 @@ def load_gpt2(cls, name_or_path, overrides):
             for p in ("weight", "bias"):
                 names[f"h.{i}.{hf_name}.{p}"] = f"body.blocks.{i}.{ours}.{p}"
     hf_state.pop("lm_head.weight", None)  # tied to wte
+    # name by name, both ways: a checkpoint of another architecture fails here, not with a shape error later
     missing = set(names) - set(hf_state)
     unexpected = set(hf_state) - set(names)
     if missing or unexpected:
@@ -826,12 +917,13 @@ def load_gpt2(cls, name_or_path, overrides):
         if hf_name == "wpe.weight":
             tensor = tensor[:block_size]  # fine-tuning with a shorter context keeps the first positions
         state[ours] = tensor
-    state["lm_head.weight"] = state["body.wte.weight"]
+    state["lm_head.weight"] = state["body.wte.weight"]  # the tied head is a state_dict key of its own
     model.load_state_dict(state, strict=True)
     return model
 
 
 def read_state_dict(path):
+    """The tensors of a Hugging Face model directory: model.safetensors, else pytorch_model.bin."""
     if (path / "model.safetensors").exists():
         from safetensors.torch import load_file
 
@@ -842,6 +934,7 @@ def read_state_dict(path):
 
 
 def download_from_hub(name):
+    """Download config.json and model.safetensors of a hub id; FileNotFoundError saying what to pass when offline."""
     try:
         from huggingface_hub import snapshot_download
 

@@ -152,7 +152,7 @@ def test_kv_cache_matches_full_forward_encoder_decoder(pos):
     memory, src_mask = model.encode(src)
     full = model.decode(tgt, memory, src_mask)
     cache = model.new_cache()
-    steps = [model.decode(tgt[:, t : t + 1], memory, src_mask, cache) for t in range(12)]
+    steps = [model.decode(tgt[:, t : t + 1], memory, src_mask, cache=cache) for t in range(12)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
@@ -197,8 +197,11 @@ def test_generation_stops_at_stop_token():
     assert out.size(1) == 3 + max(cuts)  # decoding ends once every row has stopped
 
 
-def reference_attention(attn, x, context, mask):
-    """float64 loop over heads and queries: softmax over the allowed keys, weighted sum of values."""
+def reference_attention(attn, x, allowed, context=None):
+    """
+    float64 loop over heads and queries: softmax over the keys that allowed(batch, query, key) lets through,
+    weighted sum of their values. Keys and values come from the context, or from x without one.
+    """
     C, H = x.size(-1), attn.n_head
     w, b = attn.qkv.weight.double(), attn.qkv.bias.double()
     kv_in = x if context is None else context
@@ -211,10 +214,10 @@ def reference_attention(attn, x, context, mask):
         for h in range(H):
             cols = slice(h * D, (h + 1) * D)
             for t in range(x.size(1)):
-                allowed = [s for s in range(kv_in.size(1)) if mask(bi, t, s)]
-                scores = torch.stack([q[bi, t, cols] @ k[bi, s, cols] for s in allowed]) / math.sqrt(D)
+                keys = [s for s in range(kv_in.size(1)) if allowed(bi, t, s)]
+                scores = torch.stack([q[bi, t, cols] @ k[bi, s, cols] for s in keys]) / math.sqrt(D)
                 probs = scores.softmax(0)
-                out[bi, t, cols] = sum(p * v[bi, s, cols] for p, s in zip(probs, allowed))
+                out[bi, t, cols] = sum(p * v[bi, s, cols] for p, s in zip(probs, keys))
     return out @ attn.proj.weight.double().T + attn.proj.bias.double()
 
 
@@ -230,9 +233,9 @@ def test_attention_against_float64_loop():
         (bidirectional, context, key_mask, lambda b, t, s: key_mask[b, s].item()),
     ]
     for attn, ctx, km, allowed in cases:
-        expected = reference_attention(attn, x, ctx, allowed).float()
-        fast, no_weights = attn(x, ctx, km)
-        slow, weights = attn(x, ctx, km, need_weights=True)
+        expected = reference_attention(attn, x, allowed, context=ctx).float()
+        fast, no_weights = attn(x, ctx, key_mask=km)
+        slow, weights = attn(x, ctx, key_mask=km, need_weights=True)
         assert no_weights is None
         torch.testing.assert_close(fast, expected, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(slow, expected, atol=1e-5, rtol=1e-4)
@@ -268,7 +271,7 @@ def test_cached_queries_shorter_than_keys_see_all_earlier_positions():
     out, weights = attn(x[:, 3:], cache=cache, need_weights=True)
     assert weights.shape == (1, 2, 2, 5)
     assert (weights[0, :, 0, 4] == 0).all() and (weights[0, :, 0, :4] > 0).all()  # query at 3 sees 0..3
-    torch.testing.assert_close(out, reference_attention(attn, x, None, lambda b, t, s: s <= t).float()[:, 3:])
+    torch.testing.assert_close(out, reference_attention(attn, x, lambda b, t, s: s <= t).float()[:, 3:])
 
 
 def test_attention_maps_per_layer():
@@ -365,7 +368,9 @@ def test_peak_flops_of_real_device_names(name, peak):
 
 def test_optimizer_groups():
     model = build_model(tiny(arch="encoder_decoder"))
-    optimizer, summary = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    optimizer, summary = model.configure_optimizers(
+        weight_decay=0.1, learning_rate=1e-3, betas=(0.9, 0.95), device_type="cpu"
+    )
     decay, no_decay = optimizer.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
