@@ -120,8 +120,10 @@ def bench_sampling(cfg, out_dir):
     return [
         (f"sampling tokens/s, KV cache, batched ({what})", summary(cached, "{:,.0f}")),
         (f"sampling tokens/s, no cache, one at a time ({what})", summary(uncached, "{:,.0f}")),
-        ("sampling speedup (each cached run over the uncached run after it)",
-         summary([c / u for c, u in zip(cached, uncached)], "{:.1f}x")),
+        (
+            "sampling speedup (each cached run over the uncached run after it)",
+            summary([c / u for c, u in zip(cached, uncached)], "{:.1f}x"),
+        ),
     ]
 
 
@@ -135,8 +137,9 @@ def bpe_throughput(text, num_threads, repeats):
     rates = []
     for _ in range(repeats):
         start = time.perf_counter()
-        count = sum(len(ids) for batch in batches
-                    for ids in encoding.encode_ordinary_batch(batch, num_threads=num_threads))
+        count = sum(
+            len(ids) for batch in batches for ids in encoding.encode_ordinary_batch(batch, num_threads=num_threads)
+        )
         rates.append(count / (time.perf_counter() - start))
     return rates
 

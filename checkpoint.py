@@ -30,8 +30,12 @@ FORMAT_VERSION = 2  # of checkpoints; a checkpoint with a larger number needs ne
 def rng_state():
     """Every random generator's state, as types torch.load(weights_only=True) accepts."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {
+        "python": random.getstate(),
+        "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
 
 
 def set_rng_state(state):
@@ -48,20 +52,29 @@ def finite_weights(model, iter_num):
     state = model.state_dict()
     floats = [v for v in state.values() if v.is_floating_point()]
     if not torch.stack([torch.isfinite(v).all() for v in floats]).all():
-        raise FloatingPointError(f"the weights hold non-finite values at iteration {iter_num}; nothing saved, the "
-                                 "last checkpoint is untouched. Lower learning_rate or raise warmup_iters")
+        raise FloatingPointError(
+            f"the weights hold non-finite values at iteration {iter_num}; nothing saved, the "
+            "last checkpoint is untouched. Lower learning_rate or raise warmup_iters"
+        )
     return state
 
 
 def weights_state(model, cfg, meta, iter_num, best_val_loss):
     """What best.pt holds: the weights to use (the average, with ema_decay), the model settings, the dataset's meta."""
-    return {"format_version": FORMAT_VERSION, "model": finite_weights(model, iter_num),
-            "model_config": asdict(model.config), "train_config": asdict(cfg), "meta": meta, "iter_num": iter_num,
-            "best_val_loss": best_val_loss}
+    return {
+        "format_version": FORMAT_VERSION,
+        "model": finite_weights(model, iter_num),
+        "model_config": asdict(model.config),
+        "train_config": asdict(cfg),
+        "meta": meta,
+        "iter_num": iter_num,
+        "best_val_loss": best_val_loss,
+    }
 
 
-def training_state(model, *, ema_model, cfg, meta, iter_num, best_val_loss, optimizer, scaler, sampler_state,
-                   world_size):
+def training_state(
+    model, *, ema_model, cfg, meta, iter_num, best_val_loss, optimizer, scaler, sampler_state, world_size
+):
     """
     What ckpt.pt holds: weights_state plus all a resume needs, including the optimizer's own weights (model's) as
     "train_model" when "model" holds their average (ema_model). Call it on every rank: RNG states are gathered.
@@ -70,9 +83,13 @@ def training_state(model, *, ema_model, cfg, meta, iter_num, best_val_loss, opti
     if world_size > 1:
         rng = [None] * world_size
         dist.all_gather_object(rng, rng_state())
-    state = {**weights_state(model if ema_model is None else ema_model, cfg, meta, iter_num, best_val_loss),
-             "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "rng": rng,
-             "sampler": {"generator": sampler_state}}
+    state = {
+        **weights_state(model if ema_model is None else ema_model, cfg, meta, iter_num, best_val_loss),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+        "rng": rng,
+        "sampler": {"generator": sampler_state},
+    }
     if ema_model is not None:
         state["train_model"] = finite_weights(model, iter_num)
     return state
@@ -92,8 +109,10 @@ def save_checkpoint(state, path):
             os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
         os.replace(tmp, path)
     except OSError as e:
-        raise OSError(f"could not write {path} ({e.strerror or e}); the previous {path.name}, if any, "
-                      "is intact: free space or fix the folder, then go on with --init_from=resume") from None
+        raise OSError(
+            f"could not write {path} ({e.strerror or e}); the previous {path.name}, if any, "
+            "is intact: free space or fix the folder, then go on with --init_from=resume"
+        ) from None
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
@@ -124,15 +143,18 @@ def load_checkpoint(path, map_location="cpu"):
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated archive, refused unpickling, ...: all mean the file cannot be used
         if "Unsupported global" in str(e):  # objects that weights_only=True refuses to rebuild
-            raise ConfigError(f"{path} is not a readable checkpoint: it holds Python objects other than tensors and "
-                              "plain data, and unpickling them could run code") from None
+            raise ConfigError(
+                f"{path} is not a readable checkpoint: it holds Python objects other than tensors and "
+                "plain data, and unpickling them could run code"
+            ) from None
         raise ConfigError(f"{path} is not a readable checkpoint (truncated or corrupted){fallback}") from None
     version = ckpt.get("format_version") if isinstance(ckpt, dict) else None
     if not isinstance(version, int):
         raise ConfigError(f"{path} is not a nanoformer checkpoint (it has no format_version)")
     if version > FORMAT_VERSION:
-        raise ConfigError(f"{path} has checkpoint format {version}, newer than this code's {FORMAT_VERSION}; "
-                          "update nanoformer")
+        raise ConfigError(
+            f"{path} has checkpoint format {version}, newer than this code's {FORMAT_VERSION}; update nanoformer"
+        )
     return ckpt
 
 

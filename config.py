@@ -34,13 +34,22 @@ def field_docs(cls):
     tokens = tokenize.generate_tokens(io.StringIO(source).readline)
     comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
     body = ast.parse(source).body[0].body
-    return {n.target.id: comments.get(n.end_lineno, "") for n in body if isinstance(n, ast.AnnAssign)}
+    # a field's comment may sit on any of its lines (a formatter may wrap a long default in parentheses)
+    return {
+        n.target.id: " ".join(comments[line] for line in range(n.lineno, n.end_lineno + 1) if line in comments)
+        for n in body
+        if isinstance(n, ast.AnnAssign)
+    }
 
 
 def format_help(cls):
     docs = field_docs(cls)
-    lines = [f"usage: {Path(sys.argv[0]).name} [CONFIG.py ...] [--key=value | --key value ...]", "",
-             "Config files hold `key = value` lines of literals; later files and options override earlier ones.", ""]
+    lines = [
+        f"usage: {Path(sys.argv[0]).name} [CONFIG.py ...] [--key=value | --key value ...]",
+        "",
+        "Config files hold `key = value` lines of literals; later files and options override earlier ones.",
+        "",
+    ]
     for f in fields(cls):
         default = f.default if f.default_factory is MISSING else f.default_factory()
         shown = f"--{f.name}={default if isinstance(default, str) else repr(default)}"
@@ -112,8 +121,10 @@ def read_config_file(arg, names):
         try:
             value = ast.literal_eval(node.value)
         except ValueError:
-            raise ConfigError(f"{path} line {node.lineno}: the value of {key} must be a literal "
-                              "(number, string, True/False, None, or a list/tuple/dict of those)") from None
+            raise ConfigError(
+                f"{path} line {node.lineno}: the value of {key} must be a literal "
+                "(number, string, True/False, None, or a list/tuple/dict of those)"
+            ) from None
         assignments.append((key, value, f"{path} line {node.lineno}: {key}"))
     return assignments
 

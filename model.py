@@ -422,8 +422,13 @@ class Stack(nn.Module):
         maps = []
         for i, block in enumerate(self.blocks):
             x, block_maps = block(
-                x, key_mask=key_mask, rope=rope, context=context, context_mask=context_mask,
-                cache=cache[i] if cache is not None else None, need_weights=need_weights,
+                x,
+                key_mask=key_mask,
+                rope=rope,
+                context=context,
+                context_mask=context_mask,
+                cache=cache[i] if cache is not None else None,
+                need_weights=need_weights,
             )
             maps.append(block_maps)
         return self.norm(x), maps
@@ -474,8 +479,13 @@ class TransformerModel(nn.Module):
         for x_chunk, target_chunk in zip(x.flatten(0, 1).split(rows), targets.flatten().split(rows)):
             logits = self.head(x_chunk)  # (rows, V), in the model's dtype
             # summed here and divided once at the end, so that chunks of any size weigh the same per target
-            loss = loss + F.cross_entropy(logits.float(), target_chunk, ignore_index=IGNORE_INDEX,
-                                          label_smoothing=label_smoothing, reduction="sum")
+            loss = loss + F.cross_entropy(
+                logits.float(),
+                target_chunk,
+                ignore_index=IGNORE_INDEX,
+                label_smoothing=label_smoothing,
+                reduction="sum",
+            )
             if return_logits:
                 chunks.append(logits)
         if reduction == "mean":
@@ -577,8 +587,17 @@ class GPT(TransformerModel):
 
     @torch.no_grad()
     def generate_stream(
-        self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-        stop_token=None, generator=None, use_cache=True, context_keep=None, vocab_size=None,
+        self,
+        idx,
+        max_new_tokens,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        stop_token=None,
+        generator=None,
+        use_cache=True,
+        context_keep=None,
+        vocab_size=None,
     ):
         """
         Yield the next (B, 1) tokens one step at a time after the prompt idx (B, T).
@@ -646,7 +665,8 @@ class Encoder(TransformerModel):
         self.body = Stack(config, n_layer=config.n_layer, causal=False, cross=False)
         # BERT's prediction head: a dense layer and a norm before the projection to the vocabulary
         self.transform = nn.Sequential(
-            nn.Linear(config.n_embd, config.n_embd, bias=config.bias), make_activation(config.activation),
+            nn.Linear(config.n_embd, config.n_embd, bias=config.bias),
+            make_activation(config.activation),
             make_norm(config),
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -717,8 +737,17 @@ class EncoderDecoder(TransformerModel):
 
     @torch.no_grad()
     def generate(
-        self, src, max_new_tokens, bos_id, eos_id, beam_size=1, length_penalty=0.6,
-        temperature=0.0, top_k=None, top_p=None, generator=None,
+        self,
+        src,
+        max_new_tokens,
+        bos_id,
+        eos_id,
+        beam_size=1,
+        length_penalty=0.6,
+        temperature=0.0,
+        top_k=None,
+        top_p=None,
+        generator=None,
     ):
         """
         Translate src (B, S) into (B, L) target ids: each row ends with eos_id (unless it ran out of steps) and is
@@ -807,7 +836,7 @@ class EncoderDecoder(TransformerModel):
                 break
             # the K chosen beams of every source take over their parents' histories and caches
             rows = torch.tensor(rows, device=src.device)  # (B*K,)
-            for self_cache, cross_cache in cache:
+            for self_cache, _ in cache:
                 self_cache.reorder(rows)  # cross-attention keys are the same for every beam of a source
             seqs = torch.cat([seqs[rows], torch.tensor(tokens, device=src.device)[:, None]], dim=1)
             scores = torch.tensor(new_scores, device=src.device).view(B, K)
@@ -877,26 +906,53 @@ def load_gpt2(cls, name_or_path, overrides):
         path = download_from_hub(str(name_or_path))
     # GPT-2's architecture in our terms, sized by its config.json; the caller may override any field
     hf = json.loads((path / "config.json").read_text())
-    config = ModelConfig(**{
-        "arch": "gpt", "vocab_size": hf["vocab_size"], "block_size": hf["n_positions"], "n_layer": hf["n_layer"],
-        "n_head": hf["n_head"], "n_embd": hf["n_embd"], "d_ff": hf.get("n_inner") or 4 * hf["n_embd"],
-        "bias": True, "pos_encoding": "learned", "norm_position": "pre", "norm": "layernorm",
-        "activation": "gelu_tanh", "tie_embeddings": True, "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
-        **overrides,
-    })
+    config = ModelConfig(
+        **{
+            "arch": "gpt",
+            "vocab_size": hf["vocab_size"],
+            "block_size": hf["n_positions"],
+            "n_layer": hf["n_layer"],
+            "n_head": hf["n_head"],
+            "n_embd": hf["n_embd"],
+            "d_ff": hf.get("n_inner") or 4 * hf["n_embd"],
+            "bias": True,
+            "pos_encoding": "learned",
+            "norm_position": "pre",
+            "norm": "layernorm",
+            "activation": "gelu_tanh",
+            "tie_embeddings": True,
+            "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+            **overrides,
+        }
+    )
     if config.block_size > hf["n_positions"]:
-        raise ValueError(f"block_size={config.block_size} is longer than the {hf['n_positions']} positions "
-                         f"{name_or_path} was trained with; use block_size <= {hf['n_positions']}")
+        raise ValueError(
+            f"block_size={config.block_size} is longer than the {hf['n_positions']} positions "
+            f"{name_or_path} was trained with; use block_size <= {hf['n_positions']}"
+        )
     hf_state = read_state_dict(path)
     # GPT2LMHeadModel prefixes "transformer."; a bare GPT2Model does not. The attention-mask buffers are not weights.
-    hf_state = {k.removeprefix("transformer."): v for k, v in hf_state.items()
-                if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    hf_state = {
+        k.removeprefix("transformer."): v
+        for k, v in hf_state.items()
+        if not k.endswith((".attn.bias", ".attn.masked_bias"))
+    }
     # Hugging Face name -> ours. The stacked c_attn maps onto qkv as it is: both hold q, k, v in that order.
-    names = {"wte.weight": "body.wte.weight", "wpe.weight": "body.wpe.weight",
-             "ln_f.weight": "body.norm.weight", "ln_f.bias": "body.norm.bias"}
+    names = {
+        "wte.weight": "body.wte.weight",
+        "wpe.weight": "body.wpe.weight",
+        "ln_f.weight": "body.norm.weight",
+        "ln_f.bias": "body.norm.bias",
+    }
     for i in range(config.n_layer):
-        for hf_name, ours in [("ln_1", "norm1"), ("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.proj"),
-                              ("ln_2", "norm2"), ("mlp.c_fc", "mlp.fc"), ("mlp.c_proj", "mlp.proj")]:
+        for hf_name, ours in [
+            ("ln_1", "norm1"),
+            ("attn.c_attn", "attn.qkv"),
+            ("attn.c_proj", "attn.proj"),
+            ("ln_2", "norm2"),
+            ("mlp.c_fc", "mlp.fc"),
+            ("mlp.c_proj", "mlp.proj"),
+        ]:
             for p in ("weight", "bias"):
                 names[f"h.{i}.{hf_name}.{p}"] = f"body.blocks.{i}.{ours}.{p}"
     hf_state.pop("lm_head.weight", None)  # tied to wte
@@ -904,8 +960,9 @@ def load_gpt2(cls, name_or_path, overrides):
     missing = set(names) - set(hf_state)
     unexpected = set(hf_state) - set(names)
     if missing or unexpected:
-        raise ValueError(f"{path} does not hold GPT-2 weights: "
-                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        raise ValueError(
+            f"{path} does not hold GPT-2 weights: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
 
     model = cls(config)
     block_size = config.block_size

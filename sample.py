@@ -37,24 +37,24 @@ MAX_TICK_LABELS = 32  # token labels per axis of a heat map; more would overlap
 
 @dataclass
 class SampleConfig:
-    init_from: str = "resume"  # "resume": the checkpoint in out_dir; else GPT-2 weights: a hub id (gpt2, gpt2-xl, ...) or a local directory
+    init_from: str = "resume"  # "resume": out_dir's checkpoint; else GPT-2 weights: a hub id (gpt2, ...) or a folder
     out_dir: str = "out-shakespeare"  # the folder train.py wrote its checkpoints to
-    checkpoint: str = "ckpt.pt"  # which file of out_dir: "ckpt.pt" (the latest) or "best.pt" (the lowest validation loss)
-    start: str = ""  # the prompt; "FILE:path" reads it from a file; "" starts from the end-of-text token (or a newline)
+    checkpoint: str = "ckpt.pt"  # which file of out_dir: "ckpt.pt" (the latest) or "best.pt" (the lowest val loss)
+    start: str = ""  # the prompt; "FILE:path" reads a file; "" starts from end-of-text (or a newline)
     num_samples: int = 1  # GPT: continuations drawn, all in one batch
-    max_new_tokens: int = 500  # GPT: tokens added to each sample; encoder-decoder: the longest output (at most block_size)
-    temperature: float = 0.8  # GPT: divides the logits; below 1 sharper, above 1 flatter, 0 picks the likeliest token (greedy)
+    max_new_tokens: int = 500  # GPT: tokens added to each sample; encoder-decoder: the longest output (<= block_size)
+    temperature: float = 0.8  # GPT: divides the logits; < 1 sharper, > 1 flatter, 0 picks the likeliest (greedy)
     top_k: int | None = 200  # GPT: sample among the k likeliest tokens only; None: all of them
-    top_p: float | None = None  # GPT: sample among the fewest likeliest tokens that hold p of the probability (nucleus); None: all
-    stream: bool | None = None  # GPT: print tokens as they are generated; None: when printing one sample to a terminal
-    use_cache: bool = True  # GPT: keep the keys and values of earlier positions (KV cache); False recomputes them, same tokens
+    top_p: float | None = None  # GPT: sample among the fewest likeliest tokens holding p of the probability; None: all
+    stream: bool | None = None  # GPT: print tokens as they come; None: when printing one sample to a terminal
+    use_cache: bool = True  # GPT: keep earlier positions' keys and values (KV cache); False recomputes, same tokens
     beam_size: int = 1  # encoder-decoder: 1 decodes greedily, more runs beam search with that many hypotheses
-    length_penalty: float = 0.6  # encoder-decoder beam search: a hypothesis scores log p / ((5 + length) / 6) ** length_penalty
+    length_penalty: float = 0.6  # beam search: a hypothesis scores log p / ((5 + length) / 6) ** length_penalty
     candidates: int = 5  # encoder: the likeliest tokens listed for each [MASK]
-    attention: str = ""  # write the prompt's attention maps (one heat map per layer and head) to this PNG; needs matplotlib
+    attention: str = ""  # write the prompt's attention maps (a heat map per layer and head) to this PNG (matplotlib)
     seed: int = 1337  # seeds the sampling: the same seed and options give the same text
     device: str = "auto"  # "cpu", "cuda", "cuda:1", "mps"; "auto": cuda, else mps, else cpu
-    dtype: str = "auto"  # "float32", "bfloat16" or "float16" (autocast); "auto": bfloat16 where the GPU supports it, float16 on other GPUs, float32 on cpu
+    dtype: str = "auto"  # "float32", "bfloat16" or "float16" (autocast); "auto": as in train.py
     compile: bool = False  # torch.compile the layers: a slow first step, faster ones after it
 
     def __post_init__(self):
@@ -109,8 +109,11 @@ def crop_prompt(ids, block_size):
     """The last block_size ids of the prompt, with a notice on stderr when that drops some."""
     if len(ids) <= block_size:
         return ids
-    print(f"note: the prompt has {len(ids)} tokens, more than the model's block_size={block_size}; "
-          f"keeping its last {block_size}", file=sys.stderr)
+    print(
+        f"note: the prompt has {len(ids)} tokens, more than the model's block_size={block_size}; "
+        f"keeping its last {block_size}",
+        file=sys.stderr,
+    )
     return ids[-block_size:]
 
 
@@ -123,8 +126,15 @@ def sample_gpt(model, prompt, cfg, stop_token, generator, vocab_size):
     device = next(model.parameters()).device
     idx = torch.tensor([prompt] * cfg.num_samples, dtype=torch.long, device=device)
     return model.generate_stream(
-        idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
-        stop_token=stop_token, generator=generator, use_cache=cfg.use_cache, vocab_size=vocab_size,
+        idx,
+        cfg.max_new_tokens,
+        cfg.temperature,
+        cfg.top_k,
+        cfg.top_p,
+        stop_token=stop_token,
+        generator=generator,
+        use_cache=cfg.use_cache,
+        vocab_size=vocab_size,
     )
 
 
@@ -149,9 +159,9 @@ def print_stream(steps, shown, tokenizer, stop_token, out):
         ids.append(token)
         text = tokenizer.decode(ids)
         if not text.endswith("\ufffd"):
-            print(text[len(printed):], end="", file=out, flush=True)
+            print(text[len(printed) :], end="", file=out, flush=True)
             printed = text
-    print(tokenizer.decode(ids)[len(printed):], file=out)
+    print(tokenizer.decode(ids)[len(printed) :], file=out)
 
 
 def translate(model, src, cfg, meta):
@@ -159,8 +169,12 @@ def translate(model, src, cfg, meta):
     special = meta["special_tokens"]
     device = next(model.parameters()).device
     out = model.generate(
-        torch.tensor([src], dtype=torch.long, device=device), min(cfg.max_new_tokens, model.config.block_size),
-        special["bos"], special["eos"], beam_size=cfg.beam_size, length_penalty=cfg.length_penalty,
+        torch.tensor([src], dtype=torch.long, device=device),
+        min(cfg.max_new_tokens, model.config.block_size),
+        special["bos"],
+        special["eos"],
+        beam_size=cfg.beam_size,
+        length_penalty=cfg.length_penalty,
     )
     return until_stop(out[0].tolist(), special["eos"])
 

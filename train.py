@@ -33,7 +33,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import prepare_data
 import tokens
 from checkpoint import (
-    load_checkpoint, model_from_checkpoint, save_checkpoint, set_rng_state, training_state, weights_state, write_json,
+    load_checkpoint,
+    model_from_checkpoint,
+    save_checkpoint,
+    set_rng_state,
+    training_state,
+    weights_state,
+    write_json,
 )
 from config import ConfigError, parse_config
 from model import GPT, IGNORE_INDEX, ModelConfig, build_model, peak_flops
@@ -107,13 +113,22 @@ class TrainConfig:
     dist_timeout: int = 900  # seconds a rank waits for the others before the job fails instead of hanging
 
     def __post_init__(self):
-        choices = {"dtype": ("auto", "float32", "bfloat16", "float16"), "lr_schedule": ("cosine", "noam"),
-                   "backend": ("auto", "nccl", "gloo")}
+        choices = {
+            "dtype": ("auto", "float32", "bfloat16", "float16"),
+            "lr_schedule": ("cosine", "noam"),
+            "backend": ("auto", "nccl", "gloo"),
+        }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        for name in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
-                     "dist_timeout"):
+        for name in (
+            "eval_interval",
+            "log_interval",
+            "eval_iters",
+            "gradient_accumulation_steps",
+            "batch_size",
+            "dist_timeout",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_iters", "warmup_iters", "lr_decay_iters", "eval_accuracy_examples", "grad_clip", "min_lr"):
@@ -223,8 +238,10 @@ def split_accumulation(steps, world_size):
     if steps < world_size:
         return 1
     if steps % world_size:
-        raise ConfigError(f"gradient_accumulation_steps={steps} does not divide among {world_size} ranks; "
-                          f"make it a multiple of {world_size}")
+        raise ConfigError(
+            f"gradient_accumulation_steps={steps} does not divide among {world_size} ranks; "
+            f"make it a multiple of {world_size}"
+        )
     return steps // world_size
 
 
@@ -345,9 +362,11 @@ def load_splits(folder, meta, block_size):
         if meta["kind"] == "lm":
             splits[split] = tokens.load_tokens(folder / f"{split}.bin")
             if len(splits[split]) <= block_size:  # a GPT's window is block_size + 1 tokens (inputs and targets)
-                raise ConfigError(f"{folder.name}'s {split} split has {len(splits[split]):,} tokens, too few for "
-                                  f"block_size={block_size}: use block_size <= {len(splits[split]) - 1}, or a "
-                                  f"dataset with a longer {split} split")
+                raise ConfigError(
+                    f"{folder.name}'s {split} split has {len(splits[split]):,} tokens, too few for "
+                    f"block_size={block_size}: use block_size <= {len(splits[split]) - 1}, or a "
+                    f"dataset with a longer {split} split"
+                )
             continue
         pairs = tokens.load_pairs(folder, split)
         lengths = np.diff(pairs.index, axis=0)  # (n, 2): source and target length of each pair
@@ -356,8 +375,10 @@ def load_splits(folder, meta, block_size):
         if not len(fits):
             raise ConfigError(f"no {split} pair of {folder.name} fits block_size={block_size}; raise block_size")
         if len(fits) < len(pairs):
-            log(f"note: {len(pairs) - len(fits):,} of {len(pairs):,} {split} pairs do not fit block_size={block_size}; "
-                "they are left out")
+            log(
+                f"note: {len(pairs) - len(fits):,} of {len(pairs):,} {split} pairs do not fit block_size={block_size}; "
+                "they are left out"
+            )
         splits[split] = (pairs, fits)
     return splits
 
@@ -460,8 +481,10 @@ class TrainBatches:
 
     def build(self, seeds):
         cfg, objective = self.cfg, self.objective
-        batches = [get_batch(self.data, objective, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(s))
-                   for s in seeds]
+        batches = [
+            get_batch(self.data, objective, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(s))
+            for s in seeds
+        ]
         if self.pin:
             batches = [(tuple(x.pin_memory() for x in inputs), targets.pin_memory()) for inputs, targets in batches]
         n_targets = sum(count_targets(targets) for _, targets in batches)
@@ -510,8 +533,7 @@ def accumulate_gradients(model, batches, n_targets, scaler, rt, *, label_smoothi
             inputs, targets = model_inputs(inputs, targets, rt.device)
             with autocast(rt.device, rt.dtype):
                 # the model sums the loss itself, in chunks of positions: the (B, T, V) logits never exist whole
-                _, loss = model(*inputs, targets, label_smoothing=label_smoothing, reduction="sum",
-                                return_logits=False)
+                _, loss = model(*inputs, targets, label_smoothing=label_smoothing, reduction="sum", return_logits=False)
             scaler.scale(loss * (rt.world_size / n_targets)).backward()
         total += loss.detach()
     return total
@@ -587,9 +609,11 @@ class StepLosses:
         self.unreported += int(skipped)
         for iteration, loss in zip(iterations, losses):
             if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at iteration {iteration}; stopped at iteration "
-                                         f"{iterations[-1]} with nothing saved since, so the last checkpoint is "
-                                         "untouched. Lower learning_rate or raise warmup_iters")
+                raise FloatingPointError(
+                    f"loss is {loss} at iteration {iteration}; stopped at iteration "
+                    f"{iterations[-1]} with nothing saved since, so the last checkpoint is "
+                    "untouched. Lower learning_rate or raise warmup_iters"
+                )
         return dict(zip(iterations, losses))
 
     def take_unreported(self):
@@ -677,8 +701,9 @@ def compile_model(model, example, rt, label_smoothing=0.0):
             inputs, targets = model_inputs(*example, rt.device)
             with autocast(rt.device, rt.dtype):
                 # the training step's exact call, so that training reuses this graph instead of compiling another
-                _, loss = compiled(*inputs, targets, label_smoothing=label_smoothing, reduction="sum",
-                                   return_logits=False)
+                _, loss = compiled(
+                    *inputs, targets, label_smoothing=label_smoothing, reduction="sum", return_logits=False
+                )
             loss.backward()
     except torch.OutOfMemoryError:
         raise
@@ -767,8 +792,11 @@ def init_model(cfg, meta):
         # settings the user gave (not left at their defaults) that the checkpoint overrides; None resolved first
         defaults = {f.name: f.default for f in fields(TrainConfig)}
         given = asdict(cfg.model_config(vocab_size=1))
-        changed = [f"{k}={ckpt['model_config'][k]!r}" for k in MODEL_KEYS
-                   if getattr(cfg, k) != defaults[k] and given[k] != ckpt["model_config"][k]]
+        changed = [
+            f"{k}={ckpt['model_config'][k]!r}"
+            for k in MODEL_KEYS
+            if getattr(cfg, k) != defaults[k] and given[k] != ckpt["model_config"][k]
+        ]
         if changed:
             log(f"note: resuming with the checkpoint's model settings: {', '.join(changed)}")
         cfg = replace(cfg, **{k: ckpt["model_config"][k] for k in MODEL_KEYS})
@@ -907,9 +935,11 @@ def setup(cfg, rt, stack):
     data_meta = tokens.load_meta(folder)
     cfg, raw_model, objective, meta, ckpt = init_model(cfg, data_meta)
     if ckpt is not None and ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
-        raise ConfigError(f"{out_dir / 'ckpt.pt'} is at iteration {ckpt['iter_num']}, which max_iters="
-                          f"{cfg.max_iters} has reached: nothing to train. To train further, pass a larger "
-                          "--max_iters (and --lr_decay_iters, where the cosine schedule ends)")
+        raise ConfigError(
+            f"{out_dir / 'ckpt.pt'} is at iteration {ckpt['iter_num']}, which max_iters="
+            f"{cfg.max_iters} has reached: nothing to train. To train further, pass a larger "
+            "--max_iters (and --lr_decay_iters, where the cosine schedule ends)"
+        )
     splits = load_splits(folder, data_meta, cfg.block_size)
     raw_model.to(rt.device)
     if rt.device.type == "cpu":
@@ -925,13 +955,17 @@ def setup(cfg, rt, stack):
         generator.set_state(ckpt["sampler"]["generator"])
     batches = TrainBatches(splits["train"], objective, cfg, generator, rt, per_rank)
     stack.callback(batches.close)
-    log(f"{cfg.arch} on {folder.name}: {raw_model.num_params():,} parameters, {rt.device} {str(rt.dtype)[6:]}, "
+    log(
+        f"{cfg.arch} on {folder.name}: {raw_model.num_params():,} parameters, {rt.device} {str(rt.dtype)[6:]}, "
         f"{rt.world_size} rank(s); {cfg.batch_size * per_rank * rt.world_size} sequences per step "
-        f"({cfg.batch_size} x {per_rank} micro-batches x {rt.world_size} rank(s))")
+        f"({cfg.batch_size} x {per_rank} micro-batches x {rt.world_size} rank(s))"
+    )
     if per_rank * rt.world_size > cfg.gradient_accumulation_steps:
-        log(f"note: gradient_accumulation_steps={cfg.gradient_accumulation_steps} is fewer than the "
+        log(
+            f"note: gradient_accumulation_steps={cfg.gradient_accumulation_steps} is fewer than the "
             f"{rt.world_size} ranks: each rank runs one micro-batch, so a step sees {rt.world_size} x batch_size "
-            "sequences")
+            "sequences"
+        )
     log(summary)
 
     example = get_batch(splits["train"], objective, cfg.batch_size, cfg.block_size, torch.Generator())
@@ -945,20 +979,50 @@ def setup(cfg, rt, stack):
         if len(ckpt["rng"]) == rt.world_size:
             set_rng_state(ckpt["rng"][rt.rank])
         else:
-            log(f"note: the checkpoint has RNG states for {len(ckpt['rng'])} rank(s), not {rt.world_size}; "
-                "dropout restarts from the seed")
+            log(
+                f"note: the checkpoint has RNG states for {len(ckpt['rng'])} rank(s), not {rt.world_size}; "
+                "dropout restarts from the seed"
+            )
     if is_writer:
         out_dir.mkdir(parents=True, exist_ok=True)
-        write_json({"train_config": asdict(cfg), "model_config": asdict(raw_model.config), "meta": meta,
-                    "world_size": rt.world_size}, out_dir / "config.json")
+        write_json(
+            {
+                "train_config": asdict(cfg),
+                "model_config": asdict(raw_model.config),
+                "meta": meta,
+                "world_size": rt.world_size,
+            },
+            out_dir / "config.json",
+        )
     scalars = Scalars(cfg, is_writer)
     stack.callback(scalars.close)
     stop = stack.enter_context(StopRequest())
     peak = peak_flops(torch.cuda.get_device_name(rt.device)) if rt.device.type == "cuda" else None
     start_iter, best_val_loss = (0, math.inf) if ckpt is None else (ckpt["iter_num"], ckpt["best_val_loss"])
     ema_pairs = () if ema_model is None else (list(ema_model.parameters()), list(raw_model.parameters()))
-    return Run(cfg, rt, raw_model, model, ddp, eval_model, ema_model, ema_pairs, optimizer, scaler, batches, splits,
-               objective, meta, scalars, stop, host_group, peak, start_iter, best_val_loss, resumed=ckpt is not None)
+    return Run(
+        cfg,
+        rt,
+        raw_model,
+        model,
+        ddp,
+        eval_model,
+        ema_model,
+        ema_pairs,
+        optimizer,
+        scaler,
+        batches,
+        splits,
+        objective,
+        meta,
+        scalars,
+        stop,
+        host_group,
+        peak,
+        start_iter,
+        best_val_loss,
+        resumed=ckpt is not None,
+    )
 
 
 def should_evaluate(run, iter_num, last, stopping):
@@ -971,9 +1035,18 @@ def should_evaluate(run, iter_num, last, stopping):
 
 def save_training_state(run, iter_num):
     """ckpt.pt: everything a resume needs (every rank takes part: their RNG states are gathered)."""
-    state = training_state(run.raw_model, ema_model=run.ema_model, cfg=run.cfg, meta=run.meta, iter_num=iter_num,
-                           best_val_loss=run.best_val_loss, optimizer=run.optimizer, scaler=run.scaler,
-                           sampler_state=run.batches.resume_state, world_size=run.rt.world_size)
+    state = training_state(
+        run.raw_model,
+        ema_model=run.ema_model,
+        cfg=run.cfg,
+        meta=run.meta,
+        iter_num=iter_num,
+        best_val_loss=run.best_val_loss,
+        optimizer=run.optimizer,
+        scaler=run.scaler,
+        sampler_state=run.batches.resume_state,
+        world_size=run.rt.world_size,
+    )
     if run.rt.rank == 0:
         save_checkpoint(state, Path(run.cfg.out_dir) / "ckpt.pt")
 
@@ -986,12 +1059,15 @@ def evaluate_and_save(run, iter_num, last):
     cfg, rt = run.cfg, run.rt
     result = evaluate(run.eval_model, run.splits, run.objective, cfg, rt)
     if not all(map(math.isfinite, result.values())):
-        raise FloatingPointError(f"the evaluation at iteration {iter_num} gave {result}; nothing saved, "
-                                 "the last checkpoint is untouched. Lower learning_rate")
+        raise FloatingPointError(
+            f"the evaluation at iteration {iter_num} gave {result}; nothing saved, "
+            "the last checkpoint is untouched. Lower learning_rate"
+        )
     if run.objective.arch == "encoder_decoder" and cfg.eval_accuracy_examples:
         pairs, usable = run.splits["val"]
-        result["accuracy"] = exact_match(run.kept_model, pairs, usable[: cfg.eval_accuracy_examples],
-                                         run.objective, cfg, rt)
+        result["accuracy"] = exact_match(
+            run.kept_model, pairs, usable[: cfg.eval_accuracy_examples], run.objective, cfg, rt
+        )
     run.raw_model.train()
     run.scalars.add(iter_num, {f"eval/{k}": v for k, v in result.items()})
     saved = []
@@ -1005,8 +1081,10 @@ def evaluate_and_save(run, iter_num, last):
         save_training_state(run, iter_num)
         saved.append("ckpt.pt")
     accuracy = f", exact match {result['accuracy']:.1%}" if "accuracy" in result else ""
-    log(f"eval {iter_num}: train loss {result['train']:.4f}, val loss {result['val']:.4f}{accuracy}"
-        + (f" (saved {', '.join(saved)})" if saved else ""))
+    log(
+        f"eval {iter_num}: train loss {result['train']:.4f}, val loss {result['val']:.4f}{accuracy}"
+        + (f" (saved {', '.join(saved)})" if saved else "")
+    )
     return {"iter": iter_num, **result}
 
 
@@ -1028,9 +1106,18 @@ def take_step(run, iter_num):
     lr = cfg.learning_rate
     if cfg.decay_lr:
         lr = get_lr(iter_num, lr, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters, cfg.lr_schedule)
-    loss, grad_norm, skipped = train_step(run.model, run.optimizer, run.scaler, micro_batches, rt,
-                                          n_targets=max(n_targets, 1), lr=lr, grad_clip=cfg.grad_clip,
-                                          label_smoothing=cfg.label_smoothing, ddp=run.ddp)
+    loss, grad_norm, skipped = train_step(
+        run.model,
+        run.optimizer,
+        run.scaler,
+        micro_batches,
+        rt,
+        n_targets=max(n_targets, 1),
+        lr=lr,
+        grad_clip=cfg.grad_clip,
+        label_smoothing=cfg.label_smoothing,
+        ddp=run.ddp,
+    )
     if run.ema_model is not None:
         update_ema(*run.ema_pairs, cfg.ema_decay, iter_num + 1)
     flops = sum(run.raw_model.training_flops(*inputs) for inputs, _ in micro_batches) if run.peak_flops else 0.0
@@ -1043,8 +1130,10 @@ def log_progress(run, iter_num, loss, step, window, skipped):
     seconds = time.perf_counter() - window.start
     norm, speed = step.grad_norm.item(), window.tokens / seconds
     values = {"train/loss": loss, "train/lr": step.lr, "train/grad_norm": norm, "perf/tokens_per_sec": speed}
-    line = (f"iter {iter_num}/{cfg.max_iters} | loss {loss:.4f} | lr {step.lr:.2e} | grad norm {norm:.3f} | "
-            f"{1000 * seconds / window.steps:.1f} ms/iter | {speed:,.0f} tok/s")
+    line = (
+        f"iter {iter_num}/{cfg.max_iters} | loss {loss:.4f} | lr {step.lr:.2e} | grad norm {norm:.3f} | "
+        f"{1000 * seconds / window.steps:.1f} ms/iter | {speed:,.0f} tok/s"
+    )
     if run.peak_flops:
         values["perf/mfu"] = window.flops / seconds / run.peak_flops
         line += f" | mfu {values['perf/mfu']:.1%}"
@@ -1084,8 +1173,10 @@ def main(cfg):
                         log(f"{skipped} step(s) skipped since the last progress line: gradient not finite")
                     save_training_state(run, iter_num)
                     how = f"stopped by {run.stop.signal or 'a signal to another rank'}" if stopping else "done"
-                    log(f"{how} at iteration {iter_num}: saved {Path(cfg.out_dir) / 'ckpt.pt'}"
-                        + ("; resume with --init_from=resume" if stopping else ""))
+                    log(
+                        f"{how} at iteration {iter_num}: saved {Path(cfg.out_dir) / 'ckpt.pt'}"
+                        + ("; resume with --init_from=resume" if stopping else "")
+                    )
                 break
             step = take_step(run, iter_num)
             if step is None:  # a signal reached some rank: every rank stops here, before this step
@@ -1116,9 +1207,12 @@ def cli(argv):
         print(f"train.py: error: {first_line(e)}", file=sys.stderr)
         return 1
     except torch.OutOfMemoryError:
-        print(f"train.py: error: out of GPU memory with batch_size={cfg.batch_size}, block_size={cfg.block_size}: "
-              "lower batch_size (raising gradient_accumulation_steps keeps the step's size), block_size or the "
-              "model's size", file=sys.stderr)
+        print(
+            f"train.py: error: out of GPU memory with batch_size={cfg.batch_size}, block_size={cfg.block_size}: "
+            "lower batch_size (raising gradient_accumulation_steps keeps the step's size), block_size or the "
+            "model's size",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:  # before training started; during training a signal stops the run cleanly
         print("train.py: interrupted", file=sys.stderr)

@@ -19,8 +19,20 @@ def test_bench_bpe_prints_its_rows(tmp_path):
     """--parts=bpe alone: encode at 1 thread and at all cores, then prepare_data.py text, each median (min-max)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind\n" * 200)
-    run = subprocess.run([sys.executable, str(REPO / "bench.py"), "--parts=bpe", "--repeats=2", "--bpe_size_mb=0.1",
-                          f"--bpe_input={corpus}"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench.py"),
+            "--parts=bpe",
+            "--repeats=2",
+            "--bpe_size_mb=0.1",
+            f"--bpe_input={corpus}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = dict(line.strip("|").split("|")[:2] for line in run.stdout.splitlines()[2:])
     rows = {name.strip(): value.strip() for name, value in rows.items() if name.strip().startswith("BPE")}
@@ -29,6 +41,11 @@ def test_bench_bpe_prints_its_rows(tmp_path):
 
 
 def test_bench_refuses_an_unknown_part(tmp_path):
-    run = subprocess.run([sys.executable, str(REPO / "bench.py"), "--parts=bpe,tokens"], capture_output=True,
-                         text=True, timeout=120, cwd=tmp_path)
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench.py"), "--parts=bpe,tokens"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert run.returncode != 0 and "unknown tokens" in run.stderr and "Traceback" not in run.stderr

@@ -8,7 +8,16 @@ import torch
 import torch.nn.functional as F
 
 from model import (
-    ARCHS, IGNORE_INDEX, MLP, Attention, EncoderDecoder, GPT, KVCache, ModelConfig, build_model, peak_flops,
+    ARCHS,
+    GPT,
+    IGNORE_INDEX,
+    MLP,
+    Attention,
+    EncoderDecoder,
+    KVCache,
+    ModelConfig,
+    build_model,
+    peak_flops,
     sample_next,
 )
 
@@ -71,15 +80,21 @@ def test_chunked_loss_and_gradients_equal_cross_entropy_of_the_full_logits(arch,
     for label_smoothing, reduction in itertools.product((0.0, 0.1), ("mean", "sum")):
         model.zero_grad()
         logits = model(*inputs)[0]  # the reference: cross-entropy of the whole (B, T, V) logits
-        expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                   label_smoothing=label_smoothing, reduction=reduction)
+        expected = F.cross_entropy(
+            logits.flatten(0, 1),
+            targets.flatten(),
+            ignore_index=IGNORE_INDEX,
+            label_smoothing=label_smoothing,
+            reduction=reduction,
+        )
         expected.backward()
         expected_grads = [p.grad.clone() for p in model.parameters()]
         for return_logits in (True, False):
             model.zero_grad()
             chunk_rows.clear()
-            got_logits, loss = model(*inputs, targets, label_smoothing=label_smoothing, reduction=reduction,
-                                     return_logits=return_logits)
+            got_logits, loss = model(
+                *inputs, targets, label_smoothing=label_smoothing, reduction=reduction, return_logits=return_logits
+            )
             loss.backward()
             assert chunk_rows == [5, 5, 4]  # the 14 positions in three chunks
             if return_logits:
@@ -245,8 +260,10 @@ def test_attention_against_float64_loop():
                 assert (weights[b, :, t, s] == 0).all()
 
 
-@pytest.mark.parametrize("activation, reference", [
-    ("relu", F.relu), ("gelu", F.gelu), ("gelu_tanh", lambda h: F.gelu(h, approximate="tanh"))])
+@pytest.mark.parametrize(
+    "activation, reference",
+    [("relu", F.relu), ("gelu", F.gelu), ("gelu_tanh", lambda h: F.gelu(h, approximate="tanh"))],
+)
 def test_mlp_output_and_gradients_against_float64(activation, reference):
     """The in-place ReLU must leave autograd intact: values and all three gradients match a float64 formula."""
     mlp = MLP(tiny(activation=activation, bias=True))
@@ -288,6 +305,7 @@ def test_attention_maps_per_layer():
 
 def test_parity_with_hugging_face_gpt2(tmp_path):
     import transformers  # a dev dependency (requirements-dev.txt)
+
     torch.manual_seed(0)
     hf_config = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=48, n_layer=3, n_head=4)
     hf = transformers.GPT2LMHeadModel(hf_config).eval()
@@ -318,8 +336,17 @@ def test_gpt2_small_parameter_count():
 def test_transformer_base_parameter_count():
     """6+6 layers, d=512, 8 heads, d_ff=2048, 37000 shared tokens: Table 3 of Vaswani et al. says 65M."""
     config = ModelConfig(
-        arch="encoder_decoder", vocab_size=37000, block_size=256, n_layer=6, n_head=8, n_embd=512, d_ff=2048,
-        pos_encoding="sinusoidal", norm_position="post", activation="relu", share_embeddings=True,
+        arch="encoder_decoder",
+        vocab_size=37000,
+        block_size=256,
+        n_layer=6,
+        n_head=8,
+        n_embd=512,
+        d_ff=2048,
+        pos_encoding="sinusoidal",
+        norm_position="post",
+        activation="relu",
+        share_embeddings=True,
     )
     with torch.device("meta"):
         model = EncoderDecoder(config)
@@ -331,14 +358,21 @@ def test_transformer_base_parameter_count():
     assert model.num_params() == expected == 63_082_496
 
 
-@pytest.mark.parametrize("arch,overrides,shapes", [
-    ("gpt", {}, [(2, 12)]),
-    ("gpt", {"tie_embeddings": False, "norm_position": "post", "pos_encoding": "rope"}, [(3, 5)]),
-    ("encoder", {"pad_token_id": PAD}, [(2, 12)]),
-    ("encoder", {"tie_embeddings": False, "norm_position": "post"}, [(3, 5)]),
-    ("encoder_decoder", {"pad_token_id": PAD}, [(2, 12), (2, 5)]),
-    ("encoder_decoder", {"n_encoder_layer": 3, "tie_embeddings": False, "norm_position": "post"}, [(3, 4), (3, 14)]),
-])
+@pytest.mark.parametrize(
+    "arch,overrides,shapes",
+    [
+        ("gpt", {}, [(2, 12)]),
+        ("gpt", {"tie_embeddings": False, "norm_position": "post", "pos_encoding": "rope"}, [(3, 5)]),
+        ("encoder", {"pad_token_id": PAD}, [(2, 12)]),
+        ("encoder", {"tie_embeddings": False, "norm_position": "post"}, [(3, 5)]),
+        ("encoder_decoder", {"pad_token_id": PAD}, [(2, 12), (2, 5)]),
+        (
+            "encoder_decoder",
+            {"n_encoder_layer": 3, "tie_embeddings": False, "norm_position": "post"},
+            [(3, 4), (3, 14)],
+        ),
+    ],
+)
 def test_training_flops_match_a_flop_counter(arch, overrides, shapes):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
@@ -352,16 +386,35 @@ def test_training_flops_match_a_flop_counter(arch, overrides, shapes):
     assert model.training_flops(*inputs) == pytest.approx(counter.get_total_flops(), rel=0.01)
 
 
-@pytest.mark.parametrize("name,peak", [  # names as torch.cuda.get_device_name returns them
-    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
-    ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA GH200 480GB", 989e12),
-    ("NVIDIA A100-SXM4-40GB", 312e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100-PCIE-40GB", 312e12),
-    ("NVIDIA A100 80GB PCIe", 312e12), ("NVIDIA A10G", 70e12), ("NVIDIA A10", 125e12),
-    ("NVIDIA L40S", 362e12), ("NVIDIA L40", 181e12), ("NVIDIA L4", 121e12),
-    ("Tesla V100-SXM2-16GB", 125e12), ("Tesla V100-PCIE-32GB", 112e12), ("Tesla V100S-PCIE-32GB", 130e12),
-    ("Tesla T4", 65e12), ("NVIDIA GeForce RTX 4090", 165e12), ("NVIDIA GeForce RTX 3090", 71e12),
-    ("NVIDIA GeForce RTX 4080", None), ("AMD Instinct MI300X", None), ("Some Unknown Accelerator", None),
-])
+@pytest.mark.parametrize(
+    "name,peak",
+    [  # names as torch.cuda.get_device_name returns them
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H200 NVL", 835e12),
+        ("NVIDIA GH200 480GB", 989e12),
+        ("NVIDIA A100-SXM4-40GB", 312e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A100-PCIE-40GB", 312e12),
+        ("NVIDIA A100 80GB PCIe", 312e12),
+        ("NVIDIA A10G", 70e12),
+        ("NVIDIA A10", 125e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA L40", 181e12),
+        ("NVIDIA L4", 121e12),
+        ("Tesla V100-SXM2-16GB", 125e12),
+        ("Tesla V100-PCIE-32GB", 112e12),
+        ("Tesla V100S-PCIE-32GB", 130e12),
+        ("Tesla T4", 65e12),
+        ("NVIDIA GeForce RTX 4090", 165e12),
+        ("NVIDIA GeForce RTX 3090", 71e12),
+        ("NVIDIA GeForce RTX 4080", None),
+        ("AMD Instinct MI300X", None),
+        ("Some Unknown Accelerator", None),
+    ],
+)
 def test_peak_flops_of_real_device_names(name, peak):
     assert peak_flops(name) == peak
 
@@ -387,8 +440,12 @@ def test_sampling_filters():
     nucleus = [i for i in range(6) if probs[:i].sum() < 0.8]
     assert set(sample_next(logits, top_p=0.8, generator=g).flatten().tolist()) == set(nucleus)
     model = build_model(tiny())
-    for bad, name in (({"temperature": -1}, "temperature"), ({"top_k": 0}, "top_k"), ({"top_p": 0.0}, "top_p"),
-                      ({"top_p": 1.5}, "top_p")):
+    for bad, name in (
+        ({"temperature": -1}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ):
         with pytest.raises(ValueError, match=name):
             model.generate(tokens(1, 2), 1, **bad)
 
@@ -403,8 +460,12 @@ def test_beam_size_one_equals_greedy():
 class TableDecoder(EncoderDecoder):
     """A decoder whose next-token probabilities depend only on the previous token, from a fixed table."""
 
-    TABLE = {BOS: {3: 0.5, 4: 0.4, EOS: 0.1}, 3: {5: 0.3, 3: 0.25, 4: 0.25, EOS: 0.2}, 4: {EOS: 0.9, 5: 0.1},
-             5: {EOS: 1.0}}
+    TABLE = {
+        BOS: {3: 0.5, 4: 0.4, EOS: 0.1},
+        3: {5: 0.3, 3: 0.25, 4: 0.25, EOS: 0.2},
+        4: {EOS: 0.9, 5: 0.1},
+        5: {EOS: 1.0},
+    }
 
     def decode(self, tgt, memory, src_mask, cache=None):
         probs = torch.full((*tgt.shape, V), 1e-9)
@@ -427,8 +488,12 @@ class ShortEndingDecoder(TableDecoder):
     (0.15) two hypotheses would have finished before the best, "3 5 eos" (0.297), could.
     """
 
-    TABLE = {BOS: {3: 0.5, 4: 0.4, EOS: 0.06, 7: 0.04}, 3: {5: 0.6, EOS: 0.3, 7: 0.1}, 5: {EOS: 0.99, 7: 0.01},
-             4: {EOS: 0.3, 6: 0.27, 7: 0.23, 8: 0.2}}
+    TABLE = {
+        BOS: {3: 0.5, 4: 0.4, EOS: 0.06, 7: 0.04},
+        3: {5: 0.6, EOS: 0.3, 7: 0.1},
+        5: {EOS: 0.99, 7: 0.01},
+        4: {EOS: 0.3, 6: 0.27, 7: 0.23, 8: 0.2},
+    }
 
 
 def test_beam_search_does_not_end_with_hypotheses_ranked_below_the_beam():
@@ -439,10 +504,13 @@ def test_beam_search_does_not_end_with_hypotheses_ranked_below_the_beam():
 
 
 class DroppedEndingDecoder(TableDecoder):
-    """"eos" (p=0.1) is the likeliest hypothesis, but ranks third at the first step; all others are below 0.1."""
+    """ "eos" (p=0.1) is the likeliest hypothesis, but ranks third at the first step; all others are below 0.1."""
 
-    TABLE = {BOS: {3: 0.5, 4: 0.4, EOS: 0.1}, 3: {EOS: 0.19, 5: 0.18, 6: 0.17, 7: 0.16, 8: 0.15, 9: 0.15},
-             4: {5: 0.2, 6: 0.2, 7: 0.2, 8: 0.2, 9: 0.2}}
+    TABLE = {
+        BOS: {3: 0.5, 4: 0.4, EOS: 0.1},
+        3: {EOS: 0.19, 5: 0.18, 6: 0.17, 7: 0.16, 8: 0.15, 9: 0.15},
+        4: {5: 0.2, 6: 0.2, 7: 0.2, 8: 0.2, 9: 0.2},
+    }
 
 
 def test_beam_search_drops_endings_ranked_below_the_beam():
@@ -464,14 +532,17 @@ class ShortLiveBeamDecoder(TableDecoder):
     TABLE = {BOS: {EOS: 0.45, 3: 0.55}, 3: {EOS: 0.95, 3: 0.05}}
 
 
-@pytest.mark.parametrize("decoder,length_penalty,max_new_tokens,best", [
-    # "3 3 3 3 3": log(0.3 * 0.99^4) / (10/6)^0.6 = -0.916 beats "4 eos": log(0.34) / (7/6)^0.6 = -0.984, but after
-    # two steps "3 3" bounded by its next length, log(0.3 * 0.99) / (8/6)^0.6 = -1.022, would not
-    (LongLiveBeamDecoder, 0.6, 5, [3, 3, 3, 3, 3]),
-    # "3 eos": log(0.55 * 0.95) * (7/6)^0.5 = -0.701 beats "eos": log(0.45) = -0.799, but after one step "3" bounded
-    # by the longest length, log(0.55) * (13/6)^0.5 = -0.880, would not
-    (ShortLiveBeamDecoder, -0.5, 8, [3, EOS]),
-])
+@pytest.mark.parametrize(
+    "decoder,length_penalty,max_new_tokens,best",
+    [
+        # "3 3 3 3 3": log(0.3 * 0.99^4) / (10/6)^0.6 = -0.916 beats "4 eos": log(0.34) / (7/6)^0.6 = -0.984, but after
+        # two steps "3 3" bounded by its next length, log(0.3 * 0.99) / (8/6)^0.6 = -1.022, would not
+        (LongLiveBeamDecoder, 0.6, 5, [3, 3, 3, 3, 3]),
+        # "3 eos": log(0.55 * 0.95) * (7/6)^0.5 = -0.701 beats "eos": log(0.45) = -0.799, but after one step "3" bounded
+        # by the longest length, log(0.55) * (13/6)^0.5 = -0.880, would not
+        (ShortLiveBeamDecoder, -0.5, 8, [3, EOS]),
+    ],
+)
 def test_beam_search_goes_on_while_a_live_beam_can_still_win(decoder, length_penalty, max_new_tokens, best):
     model = decoder(tiny(arch="encoder_decoder")).eval()
     got = model.beam_search(tokens(1, 4), max_new_tokens, BOS, EOS, beam_size=2, length_penalty=length_penalty)
@@ -491,8 +562,11 @@ def test_wide_beam_search_returns_the_best_of_all_sequences(seed, length_penalty
     """Every target of up to L tokens is scored; a beam that holds every extension of every prefix finds the best."""
     vocab, L = 5, 4
     torch.manual_seed(seed)
-    model = build_model(ModelConfig(arch="encoder_decoder", vocab_size=vocab, block_size=8, n_layer=1, n_head=2,
-                                    n_embd=16, pad_token_id=PAD)).eval()
+    model = build_model(
+        ModelConfig(
+            arch="encoder_decoder", vocab_size=vocab, block_size=8, n_layer=1, n_head=2, n_embd=16, pad_token_id=PAD
+        )
+    ).eval()
     with torch.no_grad():
         for p in model.parameters():  # far from uniform, so that no two sequences score nearly alike
             p.normal_(0, 0.7)
@@ -516,10 +590,16 @@ def test_wide_beam_search_returns_the_best_of_all_sequences(seed, length_penalty
 @pytest.mark.parametrize(
     "overrides,field",
     [
-        ({"arch": "rnn"}, "arch"), ({"n_embd": 30, "n_head": 4}, "n_embd"), ({"n_layer": 0}, "n_layer"),
-        ({"dropout": 1.5}, "dropout"), ({"pos_encoding": "alibi"}, "pos_encoding"), ({"norm": "batchnorm"}, "norm"),
-        ({"pad_token_id": 37}, "pad_token_id"), ({"n_embd": 30, "n_head": 10, "pos_encoding": "rope"}, "rope"),
-        ({"activation": "swish"}, "activation"), ({"norm_position": "middle"}, "norm_position"),
+        ({"arch": "rnn"}, "arch"),
+        ({"n_embd": 30, "n_head": 4}, "n_embd"),
+        ({"n_layer": 0}, "n_layer"),
+        ({"dropout": 1.5}, "dropout"),
+        ({"pos_encoding": "alibi"}, "pos_encoding"),
+        ({"norm": "batchnorm"}, "norm"),
+        ({"pad_token_id": 37}, "pad_token_id"),
+        ({"n_embd": 30, "n_head": 10, "pos_encoding": "rope"}, "rope"),
+        ({"activation": "swish"}, "activation"),
+        ({"norm_position": "middle"}, "norm_position"),
     ],
 )
 def test_bad_config_names_the_field(overrides, field):
@@ -555,8 +635,11 @@ def test_generation_draws_only_below_vocab_size():
 class LongBeamDecoder(TableDecoder):
     """One hypothesis ends at once with p=0.1; the live ones never end but stay far likelier."""
 
-    TABLE = {BOS: {3: 0.85, EOS: 0.10, 4: 0.05}, 3: {3: 0.98, 4: 0.0199, EOS: 0.0001},
-             4: {4: 0.98, 3: 0.0199, EOS: 0.0001}}
+    TABLE = {
+        BOS: {3: 0.85, EOS: 0.10, 4: 0.05},
+        3: {3: 0.98, 4: 0.0199, EOS: 0.0001},
+        4: {4: 0.98, 3: 0.0199, EOS: 0.0001},
+    }
 
 
 def test_beam_search_out_of_steps_keeps_better_live_beams():

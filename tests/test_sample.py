@@ -17,8 +17,8 @@ import torch
 
 import checkpoint
 import prepare_data
-import tokens
 import sample
+import tokens
 import train
 from config import parse_config
 from model import GPT, ModelConfig, build_model
@@ -30,10 +30,25 @@ TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
 def train_tiny(out_dir, data_dir, dataset, arch, **overrides):
     """A few optimizer steps of train.py on a 2-layer, 32-wide model: a real checkpoint, quickly."""
     cfg = train.TrainConfig(
-        out_dir=str(out_dir), data_dir=str(data_dir), dataset=dataset, arch=arch, **TINY, batch_size=4,
-        gradient_accumulation_steps=1, max_iters=20, eval_interval=20, eval_iters=1, log_interval=100,
-        learning_rate=1e-2, min_lr=1e-3, warmup_iters=0, lr_decay_iters=20, device="cpu", tensorboard=False,
-        compile=False, **overrides,
+        out_dir=str(out_dir),
+        data_dir=str(data_dir),
+        dataset=dataset,
+        arch=arch,
+        **TINY,
+        batch_size=4,
+        gradient_accumulation_steps=1,
+        max_iters=20,
+        eval_interval=20,
+        eval_iters=1,
+        log_interval=100,
+        learning_rate=1e-2,
+        min_lr=1e-3,
+        warmup_iters=0,
+        lr_decay_iters=20,
+        device="cpu",
+        tensorboard=False,
+        compile=False,
+        **overrides,
     )
     train.main(cfg)
     return out_dir
@@ -52,14 +67,16 @@ def encoder_dir(shakespeare_char_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def reverse_dir(tmp_path_factory):
     """The synthetic 'reverse' task, small: its meta (character vocabulary, pad/bos/eos) is what matters here."""
-    return prepare_data.prepare("reverse", data_dir=tmp_path_factory.mktemp("data"), num_train=300, num_val=20,
-                                num_test=20)
+    return prepare_data.prepare(
+        "reverse", data_dir=tmp_path_factory.mktemp("data"), num_train=300, num_val=20, num_test=20
+    )
 
 
 @pytest.fixture(scope="session")
 def seq2seq_dir(reverse_dir, tmp_path_factory):
-    return train_tiny(tmp_path_factory.mktemp("seq2seq"), reverse_dir.parent, "reverse", "encoder_decoder",
-                      eval_accuracy_examples=0)
+    return train_tiny(
+        tmp_path_factory.mktemp("seq2seq"), reverse_dir.parent, "reverse", "encoder_decoder", eval_accuracy_examples=0
+    )
 
 
 def load(out_dir):
@@ -89,8 +106,17 @@ def bigram_model(arch, vocab_size, table):
     undoes the final LayerNorm. A row {token: p} gives p to those tokens and 1e-6 to the others, renormalised.
     """
     C = vocab_size + 1  # a spare channel, so that every row of the output matrix can sum to zero
-    config = ModelConfig(arch=arch, vocab_size=vocab_size, block_size=32, n_layer=1, n_head=1, n_embd=C, bias=False,
-                         tie_embeddings=False, norm_eps=1e-12)
+    config = ModelConfig(
+        arch=arch,
+        vocab_size=vocab_size,
+        block_size=32,
+        n_layer=1,
+        n_head=1,
+        n_embd=C,
+        bias=False,
+        tie_embeddings=False,
+        norm_eps=1e-12,
+    )
     model = build_model(config).eval()
     sigma = math.sqrt((1 - 1 / C) / C)  # the standard deviation of a one-hot vector of C channels
     with torch.no_grad():
@@ -113,8 +139,12 @@ def bigram_model(arch, vocab_size, table):
 def save_checkpoint(out_dir, model, meta):
     """model in train.py's checkpoint layout, as far as sample.py reads it."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = {"format_version": checkpoint.FORMAT_VERSION, "model": model.state_dict(), "model_config": asdict(model.config),
-            "meta": meta}
+    ckpt = {
+        "format_version": checkpoint.FORMAT_VERSION,
+        "model": model.state_dict(),
+        "model_config": asdict(model.config),
+        "meta": meta,
+    }
     torch.save(ckpt, out_dir / "ckpt.pt")
     return out_dir
 
@@ -141,7 +171,7 @@ def test_greedy_equals_argmax_loop(gpt_dir, capsys, start, context):
     with torch.no_grad():
         for _ in range(20):
             ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
-    shown = ids if start else ids[len(context):]  # an empty start prints only what was generated
+    shown = ids if start else ids[len(context) :]  # an empty start prints only what was generated
     code, out, _ = cli(capsys, "--out_dir", gpt_dir, "--start", start, "--temperature=0", "--max_new_tokens=20")
     assert code == 0 and out == tokenizer.decode(shown) + "\n"
 
@@ -159,8 +189,17 @@ def next_token_probs(model, tokenizer, texts, prompt):
 
 
 def test_top_k_never_emits_a_token_outside_the_k_likeliest(gpt_dir, capsys):
-    code, out, _ = cli(capsys, "--out_dir", gpt_dir, "--start", "ROMEO:", "--num_samples=8", "--max_new_tokens=24",
-                       "--top_k=3", "--temperature=2.0")
+    code, out, _ = cli(
+        capsys,
+        "--out_dir",
+        gpt_dir,
+        "--start",
+        "ROMEO:",
+        "--num_samples=8",
+        "--max_new_tokens=24",
+        "--top_k=3",
+        "--temperature=2.0",
+    )
     assert code == 0
     model, tokenizer, _ = load(gpt_dir)
     probs, tokens = next_token_probs(model, tokenizer, samples(out), "ROMEO:")
@@ -171,8 +210,18 @@ def test_top_k_never_emits_a_token_outside_the_k_likeliest(gpt_dir, capsys):
 
 def test_top_p_samples_only_from_the_nucleus(gpt_dir, capsys):
     top_p = 0.6
-    code, out, _ = cli(capsys, "--out_dir", gpt_dir, "--start", "ROMEO:", "--num_samples=8", "--max_new_tokens=24",
-                       f"--top_p={top_p}", "--top_k=None", "--temperature=1.0")
+    code, out, _ = cli(
+        capsys,
+        "--out_dir",
+        gpt_dir,
+        "--start",
+        "ROMEO:",
+        "--num_samples=8",
+        "--max_new_tokens=24",
+        f"--top_p={top_p}",
+        "--top_k=None",
+        "--temperature=1.0",
+    )
     assert code == 0
     model, tokenizer, _ = load(gpt_dir)
     probs, tokens = next_token_probs(model, tokenizer, samples(out), "ROMEO:")
@@ -259,13 +308,18 @@ A, B, C, EOT = range(4)
 
 def test_empty_start_begins_at_end_of_text_and_sampling_stops_there(tmp_path, capsys):
     model = bigram_model("gpt", 4, {EOT: {C: 0.9}, C: {A: 0.9}, A: {B: 0.9}, B: {EOT: 0.6, C: 0.4}})
-    meta = {"kind": "lm", "tokenizer": {"type": "char", "chars": CHARS}, "vocab_size": 4,
-            "special_tokens": {"eot": EOT}}
+    meta = {
+        "kind": "lm",
+        "tokenizer": {"type": "char", "chars": CHARS},
+        "vocab_size": 4,
+        "special_tokens": {"eot": EOT},
+    }
     out_dir = save_checkpoint(tmp_path / "bigram", model, meta)
     code, out, _ = cli(capsys, "--out_dir", out_dir, "--start", "", "--temperature=0", "--max_new_tokens=20")
     assert code == 0 and out == "cab\n"  # eot -> c -> a -> b -> eot: stopped, the marker not printed
-    code, out, _ = cli(capsys, "--out_dir", out_dir, "--start", "b", "--num_samples=20", "--max_new_tokens=20",
-                       "--temperature=1.0")
+    code, out, _ = cli(
+        capsys, "--out_dir", out_dir, "--start", "b", "--num_samples=20", "--max_new_tokens=20", "--temperature=1.0"
+    )
     texts = samples(out)
     assert code == 0 and "b" in texts and "bcab" in texts  # each sample ends at its own end-of-text
     assert all(re.fullmatch("b(cab)*", text) for text in texts)
@@ -292,8 +346,9 @@ def test_init_from_gpt2_weights_matches_hugging_face_greedy(gpt2_dir, capsys):
     prompt = torch.tensor([bpe.encode("Hello, my name is")])
     expected = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0].tolist()
     assert 50256 not in expected  # no end-of-text: all 12 tokens are printed
-    code, out, _ = cli(capsys, "--init_from", gpt2_dir, "--start", "Hello, my name is", "--temperature=0",
-                       "--max_new_tokens=12")
+    code, out, _ = cli(
+        capsys, "--init_from", gpt2_dir, "--start", "Hello, my name is", "--temperature=0", "--max_new_tokens=12"
+    )
     assert code == 0 and out == bpe.decode(expected) + "\n"
 
 
@@ -336,8 +391,12 @@ def test_greedy_and_beam_search_on_a_constructed_decoder(reverse_dir, tmp_path, 
     bos, eos = meta["special_tokens"]["bos"], meta["special_tokens"]["eos"]
     a, b, c = tokenizer.encode("abc")
     # greedy takes a (0.5), then c (0.3), then eos: 0.15; b then eos holds 0.36, which beam search finds
-    table = {bos: {a: 0.5, b: 0.4, eos: 0.1}, a: {c: 0.3, a: 0.25, b: 0.25, eos: 0.2}, b: {eos: 0.9, c: 0.1},
-             c: {eos: 1.0}}
+    table = {
+        bos: {a: 0.5, b: 0.4, eos: 0.1},
+        a: {c: 0.3, a: 0.25, b: 0.25, eos: 0.2},
+        b: {eos: 0.9, c: 0.1},
+        c: {eos: 1.0},
+    }
     out_dir = save_checkpoint(tmp_path / "bigram", bigram_model("encoder_decoder", meta["vocab_size"], table), meta)
 
     greedy, token = [], bos
@@ -413,8 +472,9 @@ def test_fill_mask_lists_the_likeliest_valid_tokens(encoder_dir, capsys):
 def test_attention_png_has_a_panel_per_layer_and_head(request, tmp_path, capsys, arch, panels):
     import matplotlib.image
 
-    out_dir = request.getfixturevalue({"gpt": "gpt_dir", "encoder": "encoder_dir",
-                                       "encoder_decoder": "seq2seq_dir"}[arch])
+    out_dir = request.getfixturevalue(
+        {"gpt": "gpt_dir", "encoder": "encoder_dir", "encoder_decoder": "seq2seq_dir"}[arch]
+    )
     start = {"gpt": "ROMEO:", "encoder": "To be or [MASK]ot", "encoder_decoder": "abc123"}[arch]
     path = tmp_path / "attention.png"
     code, _, err = cli(capsys, "--out_dir", out_dir, "--start", start, "--max_new_tokens=5", "--attention", path)
@@ -426,8 +486,9 @@ def test_attention_png_has_a_panel_per_layer_and_head(request, tmp_path, capsys,
 
 
 @pytest.mark.parametrize("length", [10, 100])
-def test_attention_maps_have_colour_bars_and_token_labels(shakespeare_char_dir, shakespeare_path, tmp_path, capsys,
-                                                          monkeypatch, length):
+def test_attention_maps_have_colour_bars_and_token_labels(
+    shakespeare_char_dir, shakespeare_path, tmp_path, capsys, monkeypatch, length
+):
     from matplotlib.figure import Figure
 
     torch.manual_seed(0)
@@ -456,8 +517,9 @@ def test_attention_maps_have_colour_bars_and_token_labels(shakespeare_char_dir, 
 
 def test_attention_without_matplotlib_says_how_to_get_it(gpt_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if it were not installed
-    code, _, err = cli(capsys, "--out_dir", gpt_dir, "--start", "A", "--max_new_tokens=1",
-                       "--attention", tmp_path / "a.png")
+    code, _, err = cli(
+        capsys, "--out_dir", gpt_dir, "--start", "A", "--max_new_tokens=1", "--attention", tmp_path / "a.png"
+    )
     assert code == 2 and err == "error: --attention needs matplotlib: pip install matplotlib\n"
 
 
@@ -476,41 +538,52 @@ def broken_dirs(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--start", "ROMEO: ✓ ü"], "characters not in the 65-character vocabulary: 'ü', '✓'"),
-    (["--top_k=0"], "top_k must be a positive integer"),
-    (["--top_p=0"], "top_p must be in (0, 1]"),
-    (["--top_p=1.5"], "top_p must be in (0, 1]"),
-    (["--temperature=-0.5"], "temperature must be >= 0"),
-    (["--num_samples=0"], "num_samples must be at least 1"),
-    (["--beam_size=0"], "beam_size must be at least 1"),
-    (["--num_samples=2", "--stream=True"], "set num_samples=1"),
-    (["--top_kk=5"], "unknown key 'top_kk'; did you mean 'top_k'?"),
-    (["--num_samples=two"], "--num_samples must be int"),
-    (["--dtype=float8"], "dtype must be one of auto, float32, bfloat16, float16"),
-    (["--start", "FILE:no/such/prompt.txt"], "prompt file no/such/prompt.txt not found"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--start", "ROMEO: ✓ ü"], "characters not in the 65-character vocabulary: 'ü', '✓'"),
+        (["--top_k=0"], "top_k must be a positive integer"),
+        (["--top_p=0"], "top_p must be in (0, 1]"),
+        (["--top_p=1.5"], "top_p must be in (0, 1]"),
+        (["--temperature=-0.5"], "temperature must be >= 0"),
+        (["--num_samples=0"], "num_samples must be at least 1"),
+        (["--beam_size=0"], "beam_size must be at least 1"),
+        (["--num_samples=2", "--stream=True"], "set num_samples=1"),
+        (["--top_kk=5"], "unknown key 'top_kk'; did you mean 'top_k'?"),
+        (["--num_samples=two"], "--num_samples must be int"),
+        (["--dtype=float8"], "dtype must be one of auto, float32, bfloat16, float16"),
+        (["--start", "FILE:no/such/prompt.txt"], "prompt file no/such/prompt.txt not found"),
+    ],
+)
 def test_bad_option_or_prompt_is_one_line_and_exit_code_2(gpt_dir, capsys, args, message):
     code, out, err = cli(capsys, "--out_dir", gpt_dir, *args)
     assert code == 2 and out == ""
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
 
 
-@pytest.mark.parametrize("folder,name,message", [
-    ("missing", "ckpt.pt", "no checkpoint at"), ("corrupted", "ckpt.pt", "is not a readable checkpoint"),
-    ("newer", "ckpt.pt", "newer than this code's"), ("newer", "best.pt", "newer/best.pt"),
-])
+@pytest.mark.parametrize(
+    "folder,name,message",
+    [
+        ("missing", "ckpt.pt", "no checkpoint at"),
+        ("corrupted", "ckpt.pt", "is not a readable checkpoint"),
+        ("newer", "ckpt.pt", "newer than this code's"),
+        ("newer", "best.pt", "newer/best.pt"),
+    ],
+)
 def test_unusable_checkpoint_is_one_line_and_exit_code_2(broken_dirs, capsys, folder, name, message):
     code, out, err = cli(capsys, "--out_dir", broken_dirs / folder, "--checkpoint", name, "--start", "a")
     assert code == 2 and out == ""
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
 
 
-@pytest.mark.parametrize("arch,option,instead", [
-    ("gpt", "--beam_size=4", "greedy: --temperature=0"),
-    ("gpt", "--length_penalty=1.0", "--top_p"),
-    ("encoder", "--beam_size=2", "--candidates"),
-])
+@pytest.mark.parametrize(
+    "arch,option,instead",
+    [
+        ("gpt", "--beam_size=4", "greedy: --temperature=0"),
+        ("gpt", "--length_penalty=1.0", "--top_p"),
+        ("encoder", "--beam_size=2", "--candidates"),
+    ],
+)
 def test_beam_options_on_a_model_without_beam_search_are_refused(request, capsys, arch, option, instead):
     out_dir = request.getfixturevalue(f"{arch}_dir")
     capsys.readouterr()  # what training the checkpoint printed, if this test was the first to need it
@@ -531,10 +604,16 @@ def test_bpe_checkpoint_without_tiktoken_files_is_one_line(tmp_path):
     with socket.socket() as refusing:
         # tiktoken downloads through this proxy, which refuses at once: offline however this machine is connected
         refusing.bind(("127.0.0.1", 0))  # bound, never listening
-        proxy = "http://127.0.0.1:%d" % refusing.getsockname()[1]
+        proxy = f"http://127.0.0.1:{refusing.getsockname()[1]}"
         env |= {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache"), "HTTPS_PROXY": proxy, "https_proxy": proxy}
-        result = subprocess.run([sys.executable, "sample.py", "--out_dir", out_dir, "--start", "Hi"], env=env,
-                                capture_output=True, text=True, cwd=Path(sample.__file__).parent, timeout=120)
+        result = subprocess.run(
+            [sys.executable, "sample.py", "--out_dir", out_dir, "--start", "Hi"],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=Path(sample.__file__).parent,
+            timeout=120,
+        )
     assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr
     assert result.stderr.startswith("error: could not load tiktoken") and result.stderr.count("\n") == 1
     assert "TIKTOKEN_CACHE_DIR" in result.stderr
@@ -560,8 +639,9 @@ def test_encoder_inputs_that_do_not_fit(encoder_dir, seq2seq_dir, capsys):
 
 
 def test_command_line_exit_code_and_no_traceback():
-    result = subprocess.run([sys.executable, "sample.py", "--top_p=2"], capture_output=True,
-                            text=True, cwd=Path(sample.__file__).parent)
+    result = subprocess.run(
+        [sys.executable, "sample.py", "--top_p=2"], capture_output=True, text=True, cwd=Path(sample.__file__).parent
+    )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == "error: top_p must be in (0, 1], got 2.0\n"
 
@@ -586,8 +666,9 @@ def test_sampling_speed_generates_what_it_counts(gpt_dir, monkeypatch):
     monkeypatch.setattr(model, "generate", spy)
     for use_cache, batched in itertools.product((True, False), repeat=2):
         calls.clear()
-        rates = sample.sampling_speed(model, [0], num_samples=3, max_new_tokens=4, use_cache=use_cache,
-                                      batched=batched, repeats=2)
+        rates = sample.sampling_speed(
+            model, [0], num_samples=3, max_new_tokens=4, use_cache=use_cache, batched=batched, repeats=2
+        )
         assert len(rates) == 2 and all(r > 0 for r in rates)
         # per repeat: one batch of 3, or 3 batches of 1
         assert calls == ([(3, 4, use_cache)] if batched else [(1, 4, use_cache)] * 3) * 2

@@ -23,12 +23,24 @@ import torch.nn.functional as F
 import prepare_data
 import tokens
 import train
-from model import IGNORE_INDEX, ModelConfig, build_model
 from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 from config import ConfigError, parse_config
+from model import IGNORE_INDEX, ModelConfig, build_model
 from train import (
-    MODEL_KEYS, Objective, Runtime, TrainConfig, accumulate_gradients, cli, get_lr, init_model, main, mask_tokens,
-    seq2seq_batch, split_accumulation, train_step, update_ema,
+    MODEL_KEYS,
+    Objective,
+    Runtime,
+    TrainConfig,
+    accumulate_gradients,
+    cli,
+    get_lr,
+    init_model,
+    main,
+    mask_tokens,
+    seq2seq_batch,
+    split_accumulation,
+    train_step,
+    update_ema,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,12 +48,43 @@ CONFIGS = sorted((REPO / "configs").glob("*.py"))
 # the synthetic datasets the tests train on, each always prepared with the same options (so built once)
 REVERSE = {"num_train": 2000, "num_val": 200, "num_test": 100}
 SORT = {"num_train": 4000, "num_val": 200, "num_test": 100, "max_len": 4}
-TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, gradient_accumulation_steps=1,
-            eval_iters=2, eval_interval=1000, log_interval=1000, device="cpu", dtype="float32", compile=False,
-            tensorboard=False, learning_rate=3e-3, min_lr=3e-4, warmup_iters=0, lr_decay_iters=100, max_iters=5)
-SHRINK = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--d_ff=None", "--block_size=32", "--batch_size=4",
-          "--gradient_accumulation_steps=1", "--max_iters=3", "--eval_iters=2", "--eval_interval=1000",
-          "--eval_accuracy_examples=8", "--device=cpu", "--dtype=float32", "--compile=false", "--tensorboard=false"]
+TINY = dict(
+    n_layer=2,
+    n_head=2,
+    n_embd=32,
+    block_size=32,
+    batch_size=8,
+    gradient_accumulation_steps=1,
+    eval_iters=2,
+    eval_interval=1000,
+    log_interval=1000,
+    device="cpu",
+    dtype="float32",
+    compile=False,
+    tensorboard=False,
+    learning_rate=3e-3,
+    min_lr=3e-4,
+    warmup_iters=0,
+    lr_decay_iters=100,
+    max_iters=5,
+)
+SHRINK = [
+    "--n_layer=2",
+    "--n_head=2",
+    "--n_embd=32",
+    "--d_ff=None",
+    "--block_size=32",
+    "--batch_size=4",
+    "--gradient_accumulation_steps=1",
+    "--max_iters=3",
+    "--eval_iters=2",
+    "--eval_interval=1000",
+    "--eval_accuracy_examples=8",
+    "--device=cpu",
+    "--dtype=float32",
+    "--compile=false",
+    "--tensorboard=false",
+]
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -73,13 +116,33 @@ def ckpt_weights(path, key="model"):
 
 def test_config_file_and_overrides_are_typed_by_field(tmp_path):
     config = tmp_path / "c.py"
-    config.write_text('"""a docstring is fine"""\nn_layer = 4  # comments too\nlearning_rate = 1e-3\nbias = True\n'
-                      'data_options = {"num_train": 10}\ndropout = 0.2\n')
-    overrides = ["--dropout=0", "--learning_rate", "2", "--init_from=a=b", "--d_ff=None", "--compile=false",
-                 "--eval_only", "--n_head", "2", "--min_lr=-0", "--max_iters=1e4"]
+    config.write_text(
+        '"""a docstring is fine"""\nn_layer = 4  # comments too\nlearning_rate = 1e-3\nbias = True\n'
+        'data_options = {"num_train": 10}\ndropout = 0.2\n'
+    )
+    overrides = [
+        "--dropout=0",
+        "--learning_rate",
+        "2",
+        "--init_from=a=b",
+        "--d_ff=None",
+        "--compile=false",
+        "--eval_only",
+        "--n_head",
+        "2",
+        "--min_lr=-0",
+        "--max_iters=1e4",
+    ]
     cfg = parse_config(TrainConfig, [str(config), *overrides])
     assert (cfg.n_layer, cfg.bias, cfg.data_options, cfg.init_from, cfg.d_ff, cfg.compile, cfg.eval_only) == (
-        4, True, {"num_train": 10}, "a=b", None, False, True, )
+        4,
+        True,
+        {"num_train": 10},
+        "a=b",
+        None,
+        False,
+        True,
+    )
     assert cfg.dropout == 0.0 and type(cfg.dropout) is float
     assert cfg.learning_rate == 2.0 and type(cfg.learning_rate) is float
     assert cfg.max_iters == 10000 and type(cfg.max_iters) is int and cfg.n_head == 2
@@ -103,10 +166,19 @@ def test_typo_in_config_file_names_the_line_and_the_nearest_key(tmp_path):
         parse_config(TrainConfig, [str(tmp_path / "c.py")])
 
 
-@pytest.mark.parametrize("body", [
-    "import os", "n_layer = __import__('os').system('touch pwned')", "n_layer = 2 * 3", "def f():\n    pass",
-    "n_layer: int = 3", "n_layer = n_head = 2", "for i in []:\n    pass", "out_dir = open('pwned', 'w').name",
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        "import os",
+        "n_layer = __import__('os').system('touch pwned')",
+        "n_layer = 2 * 3",
+        "def f():\n    pass",
+        "n_layer: int = 3",
+        "n_layer = n_head = 2",
+        "for i in []:\n    pass",
+        "out_dir = open('pwned', 'w').name",
+    ],
+)
 def test_config_file_cannot_run_code(tmp_path, monkeypatch, body):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "c.py").write_text(body + "\n")
@@ -115,20 +187,23 @@ def test_config_file_cannot_run_code(tmp_path, monkeypatch, body):
     assert not (tmp_path / "pwned").exists()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--learning_rat=1"], "did you mean 'learning_rate'"),
-    (["--n_layer=abc"], "--n_layer must be int"),
-    (["--n_layer=2.5"], "--n_layer must be int"),
-    (["--bias=maybe"], "--bias must be bool"),
-    (["--dropout=true"], "--dropout must be float"),
-    (["--n_layer"], "--n_layer needs a value"),
-    (["missing_config.py"], "config file missing_config.py not found"),
-    (["--dtype=float8"], "dtype='float8' is not one of"),
-    (["--n_embd=30", "--n_head=4"], "divisible by n_head"),
-    (["--arch=rnn"], "arch='rnn' is not one of"),
-    (["--learning_rate=0"], "learning_rate must be positive"),
-    (["--ema_decay=1"], "ema_decay must be in"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--learning_rat=1"], "did you mean 'learning_rate'"),
+        (["--n_layer=abc"], "--n_layer must be int"),
+        (["--n_layer=2.5"], "--n_layer must be int"),
+        (["--bias=maybe"], "--bias must be bool"),
+        (["--dropout=true"], "--dropout must be float"),
+        (["--n_layer"], "--n_layer needs a value"),
+        (["missing_config.py"], "config file missing_config.py not found"),
+        (["--dtype=float8"], "dtype='float8' is not one of"),
+        (["--n_embd=30", "--n_head=4"], "divisible by n_head"),
+        (["--arch=rnn"], "arch='rnn' is not one of"),
+        (["--learning_rate=0"], "learning_rate must be positive"),
+        (["--ema_decay=1"], "ema_decay must be in"),
+    ],
+)
 def test_bad_settings_are_one_line_errors(argv, message):
     with pytest.raises(ConfigError, match=message) as error:
         parse_config(TrainConfig, argv)
@@ -164,15 +239,28 @@ def test_cli_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys
 
 def test_cli_runs_from_another_directory_and_logs_tensorboard(tmp_path, env):
     """The real entry point: configs/ found from elsewhere, exit 0, checkpoint and TensorBoard events in out_dir."""
-    argv = [sys.executable, str(REPO / "train.py"), "configs/shakespeare.py", *SHRINK, "--tensorboard=true",
-            "--log_interval=1", "--out_dir=out"]
+    argv = [
+        sys.executable,
+        str(REPO / "train.py"),
+        "configs/shakespeare.py",
+        *SHRINK,
+        "--tensorboard=true",
+        "--log_interval=1",
+        "--out_dir=out",
+    ]
     run = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "iter 3/3" in run.stdout
     assert load_checkpoint(tmp_path / "out" / "ckpt.pt")["iter_num"] == 3
     assert list((tmp_path / "out").glob("events.out.tfevents.*"))
-    bad = subprocess.run([sys.executable, str(REPO / "train.py"), "configs/shakespeare.py", "--n_layers=2"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "configs/shakespeare.py", "--n_layers=2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
@@ -223,8 +311,10 @@ def test_masking_follows_bert_proportions():
 
 
 def test_seq2seq_batch_pads_and_shifts():
-    pairs = [(np.array([5, 6, 7], dtype=np.uint16), np.array([8, 9], dtype=np.uint16)),
-             (np.array([5], dtype=np.uint16), np.array([8, 9, 10, 11], dtype=np.uint16))]
+    pairs = [
+        (np.array([5, 6, 7], dtype=np.uint16), np.array([8, 9], dtype=np.uint16)),
+        (np.array([5], dtype=np.uint16), np.array([8, 9, 10, 11], dtype=np.uint16)),
+    ]
     objective = Objective("encoder_decoder", data_vocab=20, pad_id=0, bos_id=1, eos_id=2)
     src, tgt_in, targets = seq2seq_batch(pairs, [1, 0], objective)
     assert src.tolist() == [[5, 0, 0], [5, 6, 7]]
@@ -254,8 +344,10 @@ def test_loss_is_the_mean_over_all_targets_of_the_step():
     for mine, theirs in zip(ours, (p.grad for p in model.parameters())):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-7)
     # a mean of the two micro-batch means would weigh 3 targets like 32: clearly another number
-    means = [F.cross_entropy(logits[s].flatten(0, 1), targets[s].flatten(), ignore_index=IGNORE_INDEX)
-             for s in (slice(0, 3), slice(3, 6))]
+    means = [
+        F.cross_entropy(logits[s].flatten(0, 1), targets[s].flatten(), ignore_index=IGNORE_INDEX)
+        for s in (slice(0, 3), slice(3, 6))
+    ]
     assert abs((means[0] + means[1]).item() / 2 - reference.item()) > 1e-3
 
 
@@ -265,8 +357,18 @@ def test_loss_is_the_mean_over_all_targets_of_the_step():
 
 @pytest.mark.parametrize("arch, extra", [("gpt", {}), ("encoder", {"batch_size": 16})])
 def test_loss_falls_from_uniform(tmp_path, data_root, arch, extra):
-    cfg = tiny(data_root, tmp_path, arch=arch, max_iters=80, eval_interval=80, eval_iters=8, learning_rate=1e-2,
-               min_lr=1e-3, lr_decay_iters=80, **extra)
+    cfg = tiny(
+        data_root,
+        tmp_path,
+        arch=arch,
+        max_iters=80,
+        eval_interval=80,
+        eval_iters=8,
+        learning_rate=1e-2,
+        min_lr=1e-3,
+        lr_decay_iters=80,
+        **extra,
+    )
     result = main(cfg)
     vocab_size = load_checkpoint(tmp_path / "ckpt.pt")["model_config"]["vocab_size"]
     first, last = result["evals"][0], result["evals"][-1]
@@ -279,9 +381,24 @@ def test_loss_falls_from_uniform(tmp_path, data_root, arch, extra):
 def test_seq2seq_learns_and_its_exact_match_agrees_with_the_task_solver(tmp_path, data_root):
     """Sorting short strings: the loss falls from uniform, and the logged accuracy equals one computed here by
     decoding the checkpoint greedily, one source at a time, and grading with prepare_data.solve."""
-    cfg = tiny(data_root, tmp_path, arch="encoder_decoder", dataset="sort", data_options=SORT, block_size=8,
-               batch_size=32, n_embd=64, max_iters=150, eval_interval=150, eval_iters=8, learning_rate=3e-3,
-               min_lr=1e-4, warmup_iters=10, lr_decay_iters=150, eval_accuracy_examples=100)
+    cfg = tiny(
+        data_root,
+        tmp_path,
+        arch="encoder_decoder",
+        dataset="sort",
+        data_options=SORT,
+        block_size=8,
+        batch_size=32,
+        n_embd=64,
+        max_iters=150,
+        eval_interval=150,
+        eval_iters=8,
+        learning_rate=3e-3,
+        min_lr=1e-4,
+        warmup_iters=10,
+        lr_decay_iters=150,
+        eval_accuracy_examples=100,
+    )
     result = main(cfg)
     first, last = result["evals"][0], result["evals"][-1]
     assert first["val"] == pytest.approx(math.log(41), abs=0.1)  # 38 characters + pad, bos, eos
@@ -300,19 +417,34 @@ def test_seq2seq_learns_and_its_exact_match_agrees_with_the_task_solver(tmp_path
     assert last["accuracy"] == pytest.approx(correct / 100, abs=0.011)
 
 
-@pytest.mark.parametrize("extra", [
-    {"arch": "gpt", "dropout": 0.1},
-    {"arch": "encoder", "dropout": 0.1},
-    {"arch": "encoder_decoder", "dataset": "reverse", "data_options": REVERSE, "dropout": 0.1, "label_smoothing": 0.1,
-     "eval_accuracy_examples": 4},
-    {"arch": "gpt", "ema_decay": 0.9},
-    {"arch": "encoder_decoder", "dataset": "reverse", "data_options": REVERSE, "ema_decay": 0.9,
-     "eval_accuracy_examples": 4},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"arch": "gpt", "dropout": 0.1},
+        {"arch": "encoder", "dropout": 0.1},
+        {
+            "arch": "encoder_decoder",
+            "dataset": "reverse",
+            "data_options": REVERSE,
+            "dropout": 0.1,
+            "label_smoothing": 0.1,
+            "eval_accuracy_examples": 4,
+        },
+        {"arch": "gpt", "ema_decay": 0.9},
+        {
+            "arch": "encoder_decoder",
+            "dataset": "reverse",
+            "data_options": REVERSE,
+            "ema_decay": 0.9,
+            "eval_accuracy_examples": 4,
+        },
+    ],
+)
 def test_exact_resume(tmp_path, data_root, extra):
     """Six steps straight == three steps, stop, resume, three more: bitwise the same losses and weights."""
-    common = dict(max_iters=6, eval_interval=2, warmup_iters=2, lr_decay_iters=6, gradient_accumulation_steps=2,
-                  **extra)
+    common = dict(
+        max_iters=6, eval_interval=2, warmup_iters=2, lr_decay_iters=6, gradient_accumulation_steps=2, **extra
+    )
     straight = main(tiny(data_root, tmp_path / "a", **common))
     first = main(tiny(data_root, tmp_path / "b", **{**common, "max_iters": 3}))
     second = main(tiny(data_root, tmp_path / "b", **{**common, "init_from": "resume"}))
@@ -360,8 +492,19 @@ def test_ema_is_what_is_evaluated_saved_and_resumed(tmp_path, data_root):
 def test_checkpoints_load_safely_and_describe_the_run(tmp_path, data_root):
     result = main(tiny(data_root, tmp_path, arch="encoder", max_iters=6, eval_interval=2))
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # plain torch: no code can run
-    assert {"format_version", "model", "model_config", "train_config", "meta", "optimizer", "scaler", "iter_num",
-            "best_val_loss", "rng", "sampler"} <= ckpt.keys()
+    assert {
+        "format_version",
+        "model",
+        "model_config",
+        "train_config",
+        "meta",
+        "optimizer",
+        "scaler",
+        "iter_num",
+        "best_val_loss",
+        "rng",
+        "sampler",
+    } <= ckpt.keys()
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
     assert ckpt["iter_num"] == 6 and ckpt["train_config"]["arch"] == "encoder"
     # masked LM adds a [MASK] id after the characters, recorded so a tokenizer can be rebuilt from the checkpoint
@@ -388,8 +531,12 @@ def test_load_checkpoint_refuses_bad_files(tmp_path):
             return os.system, (f"touch {tmp_path / 'pwned'}",)
 
     code.write_bytes(pickle.dumps({"format_version": 1, "x": Exploit()}, protocol=2))
-    for path, message in [(tmp_path / "missing.pt", "no checkpoint at"), (truncated, "not a readable checkpoint"),
-                          (newer, "format 99, newer than"), (code, "not a readable checkpoint")]:
+    for path, message in [
+        (tmp_path / "missing.pt", "no checkpoint at"),
+        (truncated, "not a readable checkpoint"),
+        (newer, "format 99, newer than"),
+        (code, "not a readable checkpoint"),
+    ]:
         with pytest.raises(ConfigError, match=message) as error:
             load_checkpoint(path)
         assert "\n" not in str(error.value)
@@ -415,8 +562,14 @@ def test_non_finite_loss_stops_with_the_iteration_and_keeps_the_checkpoint(tmp_p
     main(tiny(data_root, tmp_path, max_iters=2))
     before = (tmp_path / "ckpt.pt").read_bytes()
     argv = [f"--{k}={v}" for k, v in TINY.items()] + [
-        "--dataset=shakespeare_char", f"--data_dir={data_root}", f"--out_dir={tmp_path}", "--init_from=resume",
-        "--max_iters=50", "--learning_rate=1e30", "--decay_lr=false"]
+        "--dataset=shakespeare_char",
+        f"--data_dir={data_root}",
+        f"--out_dir={tmp_path}",
+        "--init_from=resume",
+        "--max_iters=50",
+        "--learning_rate=1e30",
+        "--decay_lr=false",
+    ]
     capsys.readouterr()
     assert cli(argv) == 1
     error = capsys.readouterr().err.strip()
@@ -425,8 +578,15 @@ def test_non_finite_loss_stops_with_the_iteration_and_keeps_the_checkpoint(tmp_p
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path, env):
-    argv = [sys.executable, str(REPO / "train.py"), "configs/shakespeare.py", *SHRINK, "--max_iters=100000",
-            "--log_interval=1", f"--out_dir={tmp_path}"]
+    argv = [
+        sys.executable,
+        str(REPO / "train.py"),
+        "configs/shakespeare.py",
+        *SHRINK,
+        "--max_iters=100000",
+        "--log_interval=1",
+        f"--out_dir={tmp_path}",
+    ]
     process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
     try:
         for line in process.stdout:
@@ -482,8 +642,20 @@ def test_bfloat16_autocast_on_cpu(tmp_path, data_root):
 def test_cuda_amp_fused_adamw_and_compile(tmp_path, data_root, capsys, dtype):
     if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bfloat16")
-    result = main(tiny(data_root, tmp_path, device="cuda", dtype=dtype, compile=None, max_iters=40, eval_interval=40,
-                       learning_rate=1e-2, min_lr=1e-3, lr_decay_iters=40))
+    result = main(
+        tiny(
+            data_root,
+            tmp_path,
+            device="cuda",
+            dtype=dtype,
+            compile=None,
+            max_iters=40,
+            eval_interval=40,
+            learning_rate=1e-2,
+            min_lr=1e-3,
+            lr_decay_iters=40,
+        )
+    )
     out = capsys.readouterr().out
     assert "AdamW (fused)" in out and "torch.compile failed" not in out
     assert result["evals"][-1]["val"] < result["evals"][0]["val"] - 0.5
@@ -513,8 +685,9 @@ def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error" if iteration else "default")
             try:
-                loss, _, skipped = train_step(model, optimizer, scaler, micro_batches, rt, n_targets=n_targets,
-                                              lr=1e-3, grad_clip=1.0)
+                loss, _, skipped = train_step(
+                    model, optimizer, scaler, micro_batches, rt, n_targets=n_targets, lr=1e-3, grad_clip=1.0
+                )
                 losses.add(iteration, loss, skipped)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
@@ -530,8 +703,21 @@ def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
 
 
 def torchrun(args, env, timeout=300):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(REPO / "train.py"), *args], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "train.py"),
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def tensorboard_scalars(folder, tag):
@@ -542,19 +728,40 @@ def tensorboard_scalars(folder, tag):
     return {e.step: e.value for e in events.Scalars(tag)}
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (nccl)"))])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (nccl)")
+        ),
+    ],
+)
 def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, data_root, env, device):
     """
     Masked LM: micro-batches hold different numbers of targets, so the global token mean is really exercised.
     With a weight average, which must start from the weights DDP gives every rank (rank 1 draws others at init).
     """
-    settings = dict(arch="encoder", batch_size=4, gradient_accumulation_steps=4, max_iters=4, eval_interval=4,
-                    eval_iters=3, log_interval=1, warmup_iters=1, dropout=0.0, ema_decay=0.5, device=device)
+    settings = dict(
+        arch="encoder",
+        batch_size=4,
+        gradient_accumulation_steps=4,
+        max_iters=4,
+        eval_interval=4,
+        eval_iters=3,
+        log_interval=1,
+        warmup_iters=1,
+        dropout=0.0,
+        ema_decay=0.5,
+        device=device,
+    )
     tolerance = 1e-5 if device == "cpu" else 1e-3  # TF32 matmuls and reduction order on GPUs
     single = main(tiny(data_root, tmp_path / "single", **settings))
     args = [f"--{k}={v}" for k, v in {**TINY, **settings}.items()] + [
-        "--dataset=shakespeare_char", "--tensorboard=true", f"--out_dir={tmp_path / 'ddp'}"]
+        "--dataset=shakespeare_char",
+        "--tensorboard=true",
+        f"--out_dir={tmp_path / 'ddp'}",
+    ]
     run = torchrun(args, env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "2 rank(s)" in run.stdout and "4 x 2 micro-batches x 2 rank(s)" in run.stdout
@@ -573,8 +780,12 @@ def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, data_root,
 
 def test_ddp_indivisible_accumulation_fails_fast_on_every_rank(tmp_path, data_root, env, monkeypatch, capsys):
     args = [f"--{k}={v}" for k, v in TINY.items()]
-    args += ["--dataset=shakespeare_char", f"--data_dir={data_root}", "--gradient_accumulation_steps=3",
-             f"--out_dir={tmp_path}"]
+    args += [
+        "--dataset=shakespeare_char",
+        f"--data_dir={data_root}",
+        "--gradient_accumulation_steps=3",
+        f"--out_dir={tmp_path}",
+    ]
     message = "gradient_accumulation_steps=3 does not divide among 2 ranks"
     run = torchrun(args, env, timeout=120)
     # once one rank has failed, torchrun may stop the other before it prints: the message shows once or twice
@@ -604,12 +815,28 @@ def child_processes(pid):
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's workers through /proc")
 def test_a_dead_rank_ends_the_job_instead_of_hanging(tmp_path, env):
-    args = [f"--{k}={v}" for k, v in TINY.items()] + ["--dataset=shakespeare_char", "--max_iters=100000",
-                                                      "--gradient_accumulation_steps=2", "--log_interval=1",
-                                                      f"--out_dir={tmp_path}"]
-    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                str(REPO / "train.py"), *args], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True)
+    args = [f"--{k}={v}" for k, v in TINY.items()] + [
+        "--dataset=shakespeare_char",
+        "--max_iters=100000",
+        "--gradient_accumulation_steps=2",
+        "--log_interval=1",
+        f"--out_dir={tmp_path}",
+    ]
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "train.py"),
+            *args,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         for line in process.stdout:
             if line.startswith("iter 3/"):
@@ -626,12 +853,29 @@ def test_a_dead_rank_ends_the_job_instead_of_hanging(tmp_path, env):
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's workers through /proc")
 def test_a_stopped_rank_times_the_others_out_after_dist_timeout(tmp_path, env):
     """A rank that hangs (here: SIGSTOP) must not hold the others past dist_timeout, in any collective."""
-    args = [f"--{k}={v}" for k, v in TINY.items()] + ["--dataset=shakespeare_char", "--max_iters=100000",
-                                                      "--gradient_accumulation_steps=2", "--log_interval=1",
-                                                      "--dist_timeout=10", f"--out_dir={tmp_path}"]
-    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                str(REPO / "train.py"), *args], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True)
+    args = [f"--{k}={v}" for k, v in TINY.items()] + [
+        "--dataset=shakespeare_char",
+        "--max_iters=100000",
+        "--gradient_accumulation_steps=2",
+        "--log_interval=1",
+        "--dist_timeout=10",
+        f"--out_dir={tmp_path}",
+    ]
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "train.py"),
+            *args,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     workers = []
     try:
         for line in process.stdout:
@@ -667,8 +911,14 @@ def tiny_gpt2_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def pairs_tsv(tmp_path_factory):
     """A small English-French TSV standing in for opus_books offline."""
-    words = [("cat", "chat"), ("dog", "chien"), ("house", "maison"), ("tree", "arbre"), ("book", "livre"),
-             ("car", "voiture")]
+    words = [
+        ("cat", "chat"),
+        ("dog", "chien"),
+        ("house", "maison"),
+        ("tree", "arbre"),
+        ("book", "livre"),
+        ("car", "voiture"),
+    ]
     lines = [f"the {a} sees the {b}.\tle {x} voit le {y}." for a, x in words for b, y in words for _ in range(10)]
     path = tmp_path_factory.mktemp("pairs") / "pairs.tsv"
     path.write_text("\n".join(lines) + "\n")
@@ -676,8 +926,15 @@ def pairs_tsv(tmp_path_factory):
 
 
 def test_configs_are_all_tested():
-    assert {p.name for p in CONFIGS} == {"shakespeare.py", "shakespeare_gpu.py", "finetune_shakespeare.py", "gpt2.py",
-                                         "reverse.py", "translation.py", "shakespeare_mlm.py"}
+    assert {p.name for p in CONFIGS} == {
+        "shakespeare.py",
+        "shakespeare_gpu.py",
+        "finetune_shakespeare.py",
+        "gpt2.py",
+        "reverse.py",
+        "translation.py",
+        "shakespeare_mlm.py",
+    }
 
 
 def test_gpt2_config_steps_half_a_million_tokens_on_8_gpus():
@@ -708,9 +965,24 @@ def test_shipped_config_runs_shrunk(config, tmp_path, data_root, tiny_gpt2_dir, 
 def test_bench_prints_every_measure(tmp_path, env):
     """The table's rows and their formats; the numbers themselves are the machine's business, not a test's."""
     train_args = " ".join([*SHRINK, "--log_interval=1", "--dataset=shakespeare_char"])
-    run = subprocess.run([sys.executable, str(REPO / "bench.py"), "--runs=2", "--repeats=2", "--samples=2",
-                          "--sample_tokens=8", "--target_loss=10", "--budget=600", f"--train_args={train_args}"],
-                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench.py"),
+            "--runs=2",
+            "--repeats=2",
+            "--samples=2",
+            "--sample_tokens=8",
+            "--target_loss=10",
+            "--budget=600",
+            f"--train_args={train_args}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = dict(line.strip("|").split("|")[:2] for line in run.stdout.splitlines()[2:])
     rows = {name.strip(): value.strip() for name, value in rows.items()}
@@ -795,8 +1067,12 @@ def test_a_skipped_step_after_the_last_progress_line_is_still_reported(tmp_path,
 
 def test_a_non_finite_evaluation_saves_nothing(tmp_path, data_root, monkeypatch, capsys):
     argv = [f"--{k}={v}" for k, v in TINY.items()] + [
-        "--dataset=shakespeare_char", f"--data_dir={data_root}", f"--out_dir={tmp_path}", "--max_iters=4",
-        "--eval_interval=2"]
+        "--dataset=shakespeare_char",
+        f"--data_dir={data_root}",
+        f"--out_dir={tmp_path}",
+        "--max_iters=4",
+        "--eval_interval=2",
+    ]
     real_evaluate = train.evaluate
     evaluations = []
 
@@ -846,7 +1122,11 @@ def test_out_of_memory_while_compiling_is_reported_as_such(tmp_path, data_root, 
 
     monkeypatch.setattr(torch, "compile", lambda module: out_of_memory)
     argv = [f"--{k}={v}" for k, v in TINY.items()] + [
-        "--dataset=shakespeare_char", f"--data_dir={data_root}", f"--out_dir={tmp_path}", "--compile=true"]
+        "--dataset=shakespeare_char",
+        f"--data_dir={data_root}",
+        f"--out_dir={tmp_path}",
+        "--compile=true",
+    ]
     assert cli(argv) == 1
     captured = capsys.readouterr()
     assert "torch.compile failed" not in captured.out
@@ -859,8 +1139,21 @@ def test_seq2seq_lengths_compile_once(tmp_path, data_root, monkeypatch):
     real_compile, graphs = torch.compile, []
     monkeypatch.setattr(torch, "compile", lambda module: real_compile(module, backend=counting_backend(graphs)))
     # with label smoothing, which the trial compilation must use too, or training compiles a graph of its own
-    main(tiny(data_root, tmp_path, arch="encoder_decoder", dataset="reverse", data_options=REVERSE, compile=True,
-              max_iters=6, eval_interval=3, eval_iters=3, eval_accuracy_examples=0, label_smoothing=0.1))
+    main(
+        tiny(
+            data_root,
+            tmp_path,
+            arch="encoder_decoder",
+            dataset="reverse",
+            data_options=REVERSE,
+            compile=True,
+            max_iters=6,
+            eval_interval=3,
+            eval_iters=3,
+            eval_accuracy_examples=0,
+            label_smoothing=0.1,
+        )
+    )
     assert len(graphs) == 2
 
 
@@ -921,12 +1214,24 @@ def test_ddp_compiles_one_graph_per_gradient_bucket(tmp_path, data_root, env):
     script.write_text(DDP_GRAPHS)
     # 6 x 384-wide layers: 42 MB of fp32 weights, two or more of DDP's 25 MB buckets
     args = [f"--{k}={v}" for k, v in TINY.items()] + [
-        "--dataset=shakespeare_char", "--n_layer=6", "--n_embd=384", "--batch_size=2", "--block_size=16",
-        "--max_iters=1", "--eval_iters=2", "--compile=true", "--gradient_accumulation_steps=2",
-        f"--out_dir={tmp_path / 'out'}"]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(script), *args], env={**env, "PYTHONPATH": str(REPO)}, capture_output=True,
-                         text=True, timeout=300)
+        "--dataset=shakespeare_char",
+        "--n_layer=6",
+        "--n_embd=384",
+        "--batch_size=2",
+        "--block_size=16",
+        "--max_iters=1",
+        "--eval_iters=2",
+        "--compile=true",
+        "--gradient_accumulation_steps=2",
+        f"--out_dir={tmp_path / 'out'}",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args],
+        env={**env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert int(re.search(r"graphs (\d+)", run.stdout)[1]) > 1
 
@@ -955,14 +1260,30 @@ def free_port():
 def test_a_rank_failing_to_prepare_the_data_stops_every_rank_at_once(tmp_path, env):
     """Ranks started by hand, as on two nodes: rank 0 cannot prepare the data, rank 1 must not wait for it."""
     args = [f"--{k}={v}" for k, v in TINY.items()] + [
-        "--dataset=text", "--data_options={'input': '/no/such/corpus.txt', 'name': 'corpus'}",
-        f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", "--dist_timeout=600",
-        "--gradient_accumulation_steps=2"]
+        "--dataset=text",
+        "--data_options={'input': '/no/such/corpus.txt', 'name': 'corpus'}",
+        f"--data_dir={tmp_path / 'data'}",
+        f"--out_dir={tmp_path / 'out'}",
+        "--dist_timeout=600",
+        "--gradient_accumulation_steps=2",
+    ]
     port = str(free_port())
-    ranks = [subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], stderr=subprocess.PIPE, text=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
-             for r in range(2)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(REPO / "train.py"), *args],
+            stderr=subprocess.PIPE,
+            text=True,
+            env={
+                **env,
+                "RANK": str(r),
+                "LOCAL_RANK": "0",
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+        )
+        for r in range(2)
+    ]
     try:
         errors = [rank.communicate(timeout=60)[1].strip() for rank in ranks]  # not dist_timeout
     finally:
@@ -978,7 +1299,10 @@ def test_fewer_accumulation_steps_than_ranks_give_each_rank_one_micro_batch(tmp_
     settings = dict(max_iters=3, log_interval=1, warmup_iters=1)
     single = main(tiny(data_root, tmp_path / "single", gradient_accumulation_steps=2, **settings))
     args = [f"--{k}={v}" for k, v in {**TINY, **settings}.items()] + [
-        "--dataset=shakespeare_char", "--tensorboard=true", f"--out_dir={tmp_path / 'ddp'}"]
+        "--dataset=shakespeare_char",
+        "--tensorboard=true",
+        f"--out_dir={tmp_path / 'ddp'}",
+    ]
     assert "--gradient_accumulation_steps=1" in args
     run = torchrun(args, env)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -994,7 +1318,8 @@ def test_fewer_accumulation_steps_than_ranks_give_each_rank_one_micro_batch(tmp_
 
 def cli_argv(data_root, out_dir, **settings):
     return ["--dataset=shakespeare_char", f"--data_dir={data_root}", f"--out_dir={out_dir}"] + [
-        f"--{k}={v}" for k, v in {**TINY, **settings}.items()]
+        f"--{k}={v}" for k, v in {**TINY, **settings}.items()
+    ]
 
 
 def test_an_out_dir_that_cannot_be_written_is_one_line_before_any_work(tmp_path, data_root, capsys):
@@ -1007,8 +1332,7 @@ def test_an_out_dir_that_cannot_be_written_is_one_line_before_any_work(tmp_path,
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
-def test_a_failed_save_mid_run_names_the_file_and_keeps_the_last_checkpoint(tmp_path, data_root, monkeypatch,
-                                                                            capsys):
+def test_a_failed_save_mid_run_names_the_file_and_keeps_the_last_checkpoint(tmp_path, data_root, monkeypatch, capsys):
     real_save, saves = torch.save, []
 
     def disk_fills_up(obj, f):
@@ -1031,8 +1355,11 @@ def test_corrupt_checkpoints_are_short_plain_messages(tmp_path):
     good = tmp_path / "best.pt"
     save_checkpoint({"format_version": 1, "x": torch.ones(10000)}, good)
     ckpt = tmp_path / "ckpt.pt"
-    for contents, expected in [(good.read_bytes()[:5000], "truncated or corrupted"),
-                               (os.urandom(5000), "truncated or corrupted"), (b"", "is empty")]:
+    for contents, expected in [
+        (good.read_bytes()[:5000], "truncated or corrupted"),
+        (os.urandom(5000), "truncated or corrupted"),
+        (b"", "is empty"),
+    ]:
         ckpt.write_bytes(contents)
         with pytest.raises(ConfigError) as error:
             load_checkpoint(ckpt)
@@ -1061,8 +1388,11 @@ def test_the_resume_note_lists_only_settings_given_that_differ(tmp_path, data_ro
 
 
 def test_a_split_shorter_than_block_size_says_by_how_much(tmp_path, data_root):
-    with pytest.raises(ConfigError, match=r"val split has [\d,]+ tokens, too few for block_size=200000: use "
-                                          r"block_size <= [\d,]+"):
+    with pytest.raises(
+        ConfigError,
+        match=r"val split has [\d,]+ tokens, too few for block_size=200000: use "
+        r"block_size <= [\d,]+",
+    ):
         main(tiny(data_root, tmp_path, block_size=200_000))
 
 
