@@ -170,11 +170,8 @@ def bench_bpe(cfg, work):
     return rows
 
 
-def main(argv):
-    try:
-        cfg = parse_config(BenchConfig, argv)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+def main(cfg):
+    """Measure what cfg.parts names and print one table: each row a median with its spread."""
     parts = set(cfg.parts.split(","))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     rows = [("config", cfg.config), ("device", device), ("torch", torch.__version__)]
@@ -192,5 +189,16 @@ def main(argv):
         print(f"| {name:<{width}} | {value} |")
 
 
+def cli(argv):
+    """The command line; returns the exit status: 2 with a one-line message for bad settings."""
+    try:
+        cfg = parse_config(BenchConfig, argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    main(cfg)
+    return 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(cli(sys.argv[1:]))

@@ -344,7 +344,7 @@ class Block(nn.Module):
         """The residual add of a sublayer's output. pre: x + out, GPT-2 style. post: norm(x + out), the 2017 paper."""
         return x + self.drop(out) if self.pre_norm else norm(x + self.drop(out))
 
-    def forward(self, x, key_mask=None, rope=None, context=None, context_mask=None, cache=None, need_weights=False):
+    def forward(self, x, *, key_mask=None, rope=None, context=None, context_mask=None, cache=None, need_weights=False):
         """
         x: (B, T, C). key_mask: (B, T) bool, True at real positions. rope: (cos, sin) tables or None.
         context: (B, S, C) encoder output to cross-attend to, with context_mask (B, S) or None.
@@ -593,6 +593,7 @@ class GPT(TransformerModel):
         temperature=1.0,
         top_k=None,
         top_p=None,
+        *,
         stop_token=None,
         generator=None,
         use_cache=True,
@@ -742,6 +743,7 @@ class EncoderDecoder(TransformerModel):
         max_new_tokens,
         bos_id,
         eos_id,
+        *,
         beam_size=1,
         length_penalty=0.6,
         temperature=0.0,

@@ -995,8 +995,9 @@ def _summary(folder: Path) -> str:
     return f"{folder}: {counts}; vocab_size {meta['vocab_size']:,} ({_describe(meta['tokenizer'])})"
 
 
-def main(argv=None) -> None:
-    """Command-line entry point; errors print one line and exit with status 2."""
+def cli(argv: list[str]) -> int:
+    """The command line; returns the exit status: errors print one line and give 2 (argparse's own exit for bad
+    options)."""
     args = _parser().parse_args(argv)
     try:
         options = {k: v for k, v in vars(args).items() if k not in ("dataset", "data_dir", "force")}
@@ -1004,11 +1005,12 @@ def main(argv=None) -> None:
         print(_summary(folder))
     except (ValueError, OSError) as err:  # OSError: a missing or unwritable file, a failed download
         print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        return 2
     except KeyboardInterrupt:
         print("error: interrupted; partial outputs were removed", file=sys.stderr)
-        raise SystemExit(130) from None
+        return 130
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli(sys.argv[1:]))

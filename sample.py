@@ -338,8 +338,9 @@ def check_beam_options(cfg, arch):
     raise ValueError(f"{' and '.join(given)}: beam search applies to encoder-decoder checkpoints only; {instead}")
 
 
-def run(cfg, out):
-    """Load the model, generate as cfg says and print to out; write the attention maps if asked."""
+def main(cfg, out=None):
+    """Load the model, generate as cfg says and print to out (None: stdout); write the attention maps if asked."""
+    out = sys.stdout if out is None else out  # looked up now, not at import: tests and callers may replace it
     device = resolve_device(cfg.device, 0)
     dtype = resolve_dtype(cfg.dtype, device)
     text = read_prompt(cfg.start)
@@ -357,7 +358,7 @@ def run(cfg, out):
             print(f"attention maps written to {cfg.attention}", file=sys.stderr)
 
 
-def sampling_speed(model, prompt, num_samples, max_new_tokens, use_cache, batched, repeats):
+def sampling_speed(model, prompt, num_samples, max_new_tokens, *, use_cache, batched, repeats):
     """
     Tokens generated per second, one measurement per repeat: num_samples continuations of prompt (a list of ids)
     by max_new_tokens tokens each (no early stop), either in one batch or one sample after another.
@@ -377,11 +378,10 @@ def sampling_speed(model, prompt, num_samples, max_new_tokens, use_cache, batche
     return rates
 
 
-def main(argv=None):
-    """Command-line entry point: returns the exit code, 2 with a one-line message for bad input."""
+def cli(argv):
+    """The command line; returns the exit status: 2 with a one-line message for bad input."""
     try:
-        cfg = parse_config(SampleConfig, sys.argv[1:] if argv is None else argv)
-        run(cfg, sys.stdout)
+        main(parse_config(SampleConfig, argv))
     except (ValueError, OSError, ImportError) as err:
         print(f"error: {' '.join(str(err).splitlines())}", file=sys.stderr)
         return 2
@@ -389,4 +389,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(sys.argv[1:]))

@@ -395,15 +395,15 @@ def test_bad_text_inputs(tmp_path):
 def test_unknown_dataset_names_the_valid_ones(capsys):
     with pytest.raises(ValueError, match="choose one of: " + ", ".join(DATASETS)):
         prepare("shakespear")
-    with pytest.raises(SystemExit) as exit_info:
-        prepare_data.main(["shakespear"])
+    with pytest.raises(SystemExit) as exit_info:  # argparse's own exit: the name is not a choice
+        prepare_data.cli(["shakespear"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and all(name in err for name in DATASETS)
 
 
 def test_help_lists_every_dataset(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        prepare_data.main(["--help"])
+        prepare_data.cli(["--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and "benchmark" not in out  # BPE throughput is bench.py --parts=bpe now
     assert all(name in out and description[:40] in out for name, description in DATASETS.items())
@@ -424,9 +424,8 @@ def test_cli_error_is_one_line_and_exit_2(tmp_path):
 
 
 def test_cli_prepares_and_reports(tmp_path, capsys):
-    prepare_data.main(
-        ["sort", "--data_dir", str(tmp_path), "--num_train", "50", "--num_val", "5", "--num_test", "5", "--force"]
-    )
+    argv = ["sort", "--data_dir", str(tmp_path), "--num_train", "50", "--num_val", "5", "--num_test", "5", "--force"]
+    assert prepare_data.cli(argv) == 0
     assert "train 50 pairs, val 5 pairs, test 5 pairs" in capsys.readouterr().out
     assert len(load_pairs(tmp_path / "sort", "train")) == 50
 
@@ -529,10 +528,9 @@ def test_hub_failure_is_one_clear_error(tmp_path, monkeypatch, capsys, name, opt
     assert "--data_options=\"{'input': 'PATH'}\"" in str(failed.value)
     if name == "translation":
         assert "translation_en_de.tsv" in str(failed.value)  # the mirror file it would have used
-    with pytest.raises(SystemExit) as exit_info:
-        prepare_data.main([name, "--data_dir", str(tmp_path)] + [f"--{k}={v}" for k, v in options.items()])
+    code = prepare_data.cli([name, "--data_dir", str(tmp_path)] + [f"--{k}={v}" for k, v in options.items()])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.startswith("error: could not load") and err.count("\n") == 1
+    assert code == 2 and err.startswith("error: could not load") and err.count("\n") == 1
     assert leftovers(tmp_path) == []
 
 

@@ -86,7 +86,7 @@ def load(out_dir):
 
 def cli(capsys, *args):
     """Run sample.py's main in this process: (exit code, stdout, stderr)."""
-    code = sample.main([str(a) for a in args])
+    code = sample.cli([str(a) for a in args])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -295,8 +295,8 @@ class Terminal(io.StringIO):
 def test_stream_is_the_default_on_a_terminal_and_prints_the_same_text(gpt_dir, capsys):
     args = ["--out_dir", str(gpt_dir), "--start", "ROMEO:", "--max_new_tokens=30", "--temperature=1.0"]
     terminal, pipe = Terminal(), Terminal()
-    sample.run(parse_config(sample.SampleConfig, args), out=terminal)
-    sample.run(parse_config(sample.SampleConfig, args + ["--stream=False"]), out=pipe)
+    sample.main(parse_config(sample.SampleConfig, args), out=terminal)
+    sample.main(parse_config(sample.SampleConfig, args + ["--stream=False"]), out=pipe)
     assert terminal.getvalue() == pipe.getvalue()
     assert len(terminal.written) > 30 and len(pipe.written) <= 2  # a write per token, against all text at once
     assert cli(capsys, *args)[1] == pipe.getvalue()  # stdout captured by pytest is no terminal: no streaming
@@ -648,7 +648,7 @@ def test_command_line_exit_code_and_no_traceback():
 
 def test_help_lists_every_option(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        sample.main(["--help"])
+        sample.cli(["--help"])
     assert exit_info.value.code == 0
     shown = capsys.readouterr().out
     for field in fields(sample.SampleConfig):
