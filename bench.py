@@ -30,6 +30,7 @@ from prepare_data import bpe_batches, prepare, shakespeare_file
 from sample import sampling_speed
 from tokens import data_root, load_meta, tiktoken_encoding
 
+# train.py runs with cwd=ROOT, so relative config paths work from any directory
 ROOT = Path(__file__).resolve().parent
 
 
@@ -49,6 +50,7 @@ class BenchConfig:
     bpe_size_mb: float = 10.0  # bpe: the text is repeated to about this many MB
 
     def __post_init__(self):
+        # checked before any run: a typo in parts would otherwise surface after minutes of training
         unknown = set(self.parts.split(",")) - {"train", "sample", "bpe"}
         if unknown:
             raise ValueError(f"parts: unknown {', '.join(sorted(unknown))}; choose from train, sample, bpe")
@@ -58,6 +60,7 @@ class BenchConfig:
 
 def summary(values, fmt):
     """median (min-max) of values, each formatted with fmt; n/a when there are none."""
+    # sorted: the spread's ends are values[0] and values[-1]
     values = sorted(values)
     if not values:
         return "n/a"
@@ -69,12 +72,16 @@ def timed_run(cfg, out_dir):
     One `python train.py` process. Returns (evals: [(seconds since launch, iter, val loss)],
     tokens/s of every progress line, MFU of every progress line, total seconds).
     """
+    # every run writes its own out_dir; train_args come last, so they override the config
     command = [sys.executable, str(ROOT / "train.py"), cfg.config, f"--out_dir={out_dir}", "--tensorboard=false"]
     command += cfg.train_args.split()
+    # from before the launch: start-up, data preparation and compilation all count
     begin = time.perf_counter()
     evals, speeds, mfus = [], [], []
+    # one merged stream, read line by line as the run goes, so each eval gets the time it was printed
     with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         for line in proc.stdout:
+            # train.py's lines: 'eval N: ... val loss X', and progress lines holding '| N tok/s' and '| mfu X%'
             if m := re.match(r"eval (\d+): .*val loss ([\d.]+)", line):
                 evals.append((time.perf_counter() - begin, int(m[1]), float(m[2])))
             if m := re.search(r"\| ([\d,]+) tok/s", line):
@@ -87,14 +94,18 @@ def timed_run(cfg, out_dir):
 
 
 def bench_training(cfg, work):
+    """Table rows for cfg.runs training runs in folders under work: speed, MFU, time to target, losses."""
+    # one entry per run (reached, best, finals, walls) or per progress line (speeds, mfus)
     rows, reached, best, finals, walls, speeds, mfus = [], [], [], [], [], [], []
     for run in range(cfg.runs):
         evals, run_speeds, run_mfus, wall = timed_run(cfg, work / f"run{run}")
         speeds += run_speeds[1:]  # the first progress line includes warm-up (and compilation)
         mfus += run_mfus[1:]
+        # inf for a run that never got there (or had no eval within the budget): it shows in the spread, not dropped
         hits = [seconds for seconds, _, loss in evals if loss <= cfg.target_loss]
         reached.append(hits[0] if hits else float("inf"))
         best.append(min((loss for seconds, _, loss in evals if seconds <= cfg.budget), default=float("inf")))
+        # the last evaluation's val loss
         finals += [evals[-1][2]] if evals else []
         walls.append(wall)
     rows.append(("training tokens/s (per progress line)", summary(speeds, "{:,.0f}")))
@@ -108,9 +119,12 @@ def bench_training(cfg, work):
 
 
 def bench_sampling(cfg, out_dir):
+    """Table rows for sampling speed from out_dir's ckpt.pt: KV cache and batched vs neither."""
+    # the latest checkpoint: the speed does not depend on how well the weights are trained
     ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
     model = model_from_checkpoint(ckpt).to("cuda" if torch.cuda.is_available() else "cpu")
     prompt = [0]  # the speed does not depend on the prompt's content
+    # the two ends of the scale: cached and batched, against recomputed and one sample at a time
     args = (model, prompt, cfg.samples, cfg.sample_tokens)
     cached, uncached = [], []
     for _ in range(cfg.repeats):  # in turns, so that the machine's drift in speed hits both ways alike
@@ -132,11 +146,13 @@ def bpe_throughput(text, num_threads, repeats):
     GPT-2 BPE tokens per second over `text`, one measurement per repeat. The text is cut and batched exactly as
     prepare_data.prepare() does, so this is the tokenizer's share of preparing a corpus, without any file I/O.
     """
+    # loaded (and cached) before the clock starts; only encoding is timed
     encoding = tiktoken_encoding("gpt2")
     batches = bpe_batches(text)
     rates = []
     for _ in range(repeats):
         start = time.perf_counter()
+        # tokens produced over all batches, each batch encoded on num_threads threads
         count = sum(
             len(ids) for batch in batches for ids in encoding.encode_ordinary_batch(batch, num_threads=num_threads)
         )
@@ -145,6 +161,7 @@ def bpe_throughput(text, num_threads, repeats):
 
 
 def bench_bpe(cfg, work):
+    """Table rows for GPT-2 BPE speed: encoding alone on 1 and all threads, then prepare_data.py's text recipe."""
     try:
         path = Path(cfg.bpe_input).expanduser() if cfg.bpe_input else shakespeare_file(None, data_root())
         text = path.read_text(encoding="utf-8")
@@ -155,16 +172,20 @@ def bench_bpe(cfg, work):
     text *= max(1, round(cfg.bpe_size_mb * 1e6 / len(text)))  # repeated to a multi-megabyte corpus
     what = f"{len(text) / 1e6:.1f} MB of {path.name}"
     rows = []
+    # a set: a one-core machine gets one row, not two alike
     for threads in sorted({1, os.cpu_count()}):
         label = f"BPE tokens/s, encode, {threads} thread{'s' if threads > 1 else ''} ({what})"
         rows.append((label, summary(bpe_throughput(text, threads, cfg.repeats), "{:,.0f}")))
     # the whole pipeline once more: read, cut, encode on all cores, write train.bin/val.bin
+    # the repeated text as a file, for the text recipe's --input
     corpus = work / "corpus.txt"
     corpus.write_text(text, encoding="utf-8")
     rates = []
     for _ in range(cfg.repeats):
         start = time.perf_counter()
+        # force: every repeat rebuilds instead of finding the first one's output up to date
         folder = prepare("text", data_dir=work, force=True, input=str(corpus), name="bpe")
+        # tokens written to train.bin and val.bin per second of the whole build
         rates.append(sum(load_meta(folder)["files"].values()) / (time.perf_counter() - start))
     rows.append(("BPE tokens/s, prepare_data.py text (scan + encode + write)", summary(rates, "{:,.0f}")))
     return rows
@@ -175,13 +196,16 @@ def main(cfg):
     parts = set(cfg.parts.split(","))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     rows = [("config", cfg.config), ("device", device), ("torch", torch.__version__)]
+    # runs, checkpoints and the bpe corpus live in a temporary folder, removed at the end
     with tempfile.TemporaryDirectory() as work:
         if "train" in parts:
             rows += bench_training(cfg, Path(work))
         if "sample" in parts:
+            # no --out_dir: the last training run's checkpoint, still in the temporary folder
             rows += bench_sampling(cfg, cfg.out_dir or Path(work) / f"run{cfg.runs - 1}")
         if "bpe" in parts:
             rows += bench_bpe(cfg, Path(work))
+    # a Markdown table, ready to paste into the README or an issue
     width = max(len(name) for name, _ in rows)
     print(f"| {'measure':<{width}} | median (min-max) |")
     print(f"|{'-' * (width + 2)}|------------------|")

@@ -21,6 +21,7 @@ import typing
 from dataclasses import MISSING, fields
 from pathlib import Path
 
+# the words a bool option may take, matched after lowercasing: --compile=False, --eval_only 1
 BOOL_WORDS = types.MappingProxyType({"true": True, "false": False, "1": True, "0": False})  # read-only
 
 
@@ -30,9 +31,12 @@ class ConfigError(ValueError):
 
 def field_docs(cls):
     """The comment after each field of dataclass cls, by field name: what --help prints."""
+    # dedented: a class defined inside a function or a test comes back indented, which ast cannot parse
     source = textwrap.dedent(inspect.getsource(cls))
+    # comments are not in the ast, so they are read from the token stream: {line number: text without the '#'}
     tokens = tokenize.generate_tokens(io.StringIO(source).readline)
     comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
+    # body[0] is the class; its body holds the fields (AnnAssign nodes) among methods and its docstring
     body = ast.parse(source).body[0].body
     # a field's comment may sit on any of its lines (a formatter may wrap a long default in parentheses)
     return {
@@ -43,6 +47,7 @@ def field_docs(cls):
 
 
 def format_help(cls):
+    """The --help text of dataclass cls: usage, then every field with its default and comment."""
     docs = field_docs(cls)
     lines = [
         f"usage: {Path(sys.argv[0]).name} [CONFIG.py ...] [--key=value | --key value ...]",
@@ -51,18 +56,22 @@ def format_help(cls):
         "",
     ]
     for f in fields(cls):
+        # a field with a default_factory (data_options' dict) shows the value the factory makes
         default = f.default if f.default_factory is MISSING else f.default_factory()
+        # strings bare, as they are typed (--device=auto); anything else as Python writes it (--data_dir=None)
         shown = f"--{f.name}={default if isinstance(default, str) else repr(default)}"
         lines.append(f"  {shown:<34} {docs.get(f.name, '')}")
     return "\n".join(lines)
 
 
 def allowed_types(hint):
+    """The types a field's hint allows: (int, NoneType) for `int | None`, (float,) for `float`."""
     return typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
 
 
 def coerce(value, hint, where):
     """value as the field's type: an int is fine where a float is expected, a whole float where an int is."""
+    # the hint's types in order: the first that accepts value, as is or converted, decides
     for kind in allowed_types(hint):
         if kind is type(None) and value is None or kind in (bool, str, dict) and isinstance(value, kind):
             return value
@@ -72,6 +81,7 @@ def coerce(value, hint, where):
             return float(value)
         if kind is int and (isinstance(value, int) or isinstance(value, float) and value.is_integer()):
             return int(value)
+    # no allowed type took value: name them as a config writes them ('int or None')
     expected = " or ".join("None" if k is type(None) else k.__name__ for k in allowed_types(hint))
     raise ConfigError(f"{where} must be {expected}, got {value!r}")
 
@@ -79,6 +89,7 @@ def coerce(value, hint, where):
 def parse_text(text, hint, key):
     """A command-line value: text for str fields, true/false/1/0 for bools, else a Python literal."""
     kinds = allowed_types(hint)
+    # `None` means None only where the field allows it; a str field takes any other text as it is, unparsed
     if text == "None" and type(None) in kinds:
         return None
     if str in kinds:
@@ -86,6 +97,7 @@ def parse_text(text, hint, key):
     if bool in kinds and text.lower() in BOOL_WORDS:
         return BOOL_WORDS[text.lower()]
     try:
+        # numbers, lists, dicts: the literals a config file may hold
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         value = text  # reported as the wrong type below
@@ -93,7 +105,9 @@ def parse_text(text, hint, key):
 
 
 def check_key(key, names, where):
+    """key, if it names a field; else ConfigError from `where` with the closest name."""
     if key not in names:
+        # a typo such as --learning_rte is answered with the key it most resembles
         close = difflib.get_close_matches(key, names, n=1)
         hint = f"did you mean '{close[0]}'?" if close else "--help lists every key"
         raise ConfigError(f"{where}: unknown key '{key}'; {hint}")
@@ -102,16 +116,19 @@ def check_key(key, names, where):
 
 def read_config_file(arg, names):
     """The (key, value, line) assignments of a config file; found relative to the working directory or this file."""
+    # a relative path is tried in the working directory first, then beside this file (the repository)
     path = Path(arg)
     if not path.is_file() and not path.is_absolute() and (Path(__file__).resolve().parent / path).is_file():
         path = Path(__file__).resolve().parent / path  # so configs/x.py works from any working directory
     if not path.is_file():
         raise ConfigError(f"config file {arg} not found (options are written --key=value)")
     try:
+        # parsed, never executed: a config file runs no code, and a syntax error names its line
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     except SyntaxError as e:
         raise ConfigError(f"{path} line {e.lineno}: not a `key = value` config file ({e.msg})") from None
     assignments = []
+    # each top-level statement must be one `name = literal`: no imports, `a = b = 1`, `x += 1` or expressions
     for node in tree.body:
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
             continue  # a docstring
@@ -119,12 +136,14 @@ def read_config_file(arg, names):
             raise ConfigError(f"{path} line {node.lineno}: only `key = value` assignments are allowed")
         key = check_key(node.targets[0].id, names, f"{path} line {node.lineno}")
         try:
+            # literal_eval refuses names, calls and arithmetic: `lr = 6e-4 / 10` or `dataset = name` is an error
             value = ast.literal_eval(node.value)
         except ValueError:
             raise ConfigError(
                 f"{path} line {node.lineno}: the value of {key} must be a literal "
                 "(number, string, True/False, None, or a list/tuple/dict of those)"
             ) from None
+        # the third item says where the value came from, for a type error raised by coerce later
         assignments.append((key, value, f"{path} line {node.lineno}: {key}"))
     return assignments
 
@@ -135,13 +154,16 @@ def parse_config(cls, argv):
     --key=value or --key value overrides, applied in order, each value typed by its field. --help prints every
     key with its default and doc and exits. Raises ConfigError naming the bad file line, key or value.
     """
+    # {field name: type}, string annotations resolved to real types (`int | None`) for coerce
     hints = typing.get_type_hints(cls)
+    # arguments are consumed from the front, since `--key value` takes the next word too; later values win
     values, args = {}, list(argv)
     while args:
         arg = args.pop(0)
         if arg in ("-h", "--help"):
             print(format_help(cls))
             raise SystemExit(0)
+        # a word without -- is a config file, applied now so that later options override it
         if not arg.startswith("--"):
             for key, value, where in read_config_file(arg, list(hints)):
                 values[key] = coerce(value, hints[key], where)
@@ -160,6 +182,7 @@ def parse_config(cls, argv):
                 raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
         values[key] = parse_text(text, hints[key], key)
     try:
+        # the dataclass checks what one value alone cannot (ranges, combinations) in __post_init__
         return cls(**values)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None

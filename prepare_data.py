@@ -51,8 +51,10 @@ from tokens import (
 
 # Re-exported for train.py, sample.py and their tests until they import these from tokens.py; remove then.
 
+# a folder of local copies (tinyshakespeare.txt, <dataset>/, <folder>.tsv), used before any download
 MIRROR_ENV = "NANOFORMER_DATA_MIRROR"
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+# pins the content: a mirror, cache or download that differs is refused, never tokenized
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
 _BLOCK_BYTES = 1 << 18  # text is read, cut and encoded in pieces of about this size
@@ -66,10 +68,12 @@ _INPUT_OPTION = "--input PATH (in train.py: --data_options=\"{'input': 'PATH'}\"
 
 
 def _gpt2_spec() -> dict:
+    # meta.json's tokenizer entry for GPT-2 BPE; a function, so every meta gets a dict of its own
     return {"type": "tiktoken", "encoding": "gpt2"}
 
 
 def _describe(spec: dict) -> str:
+    # a tokenizer spec as a person reads it, for messages
     if spec.get("type") == "char":
         return f"char-level, {len(spec['chars'])} symbols"
     return f"tiktoken {spec.get('encoding')}"
@@ -93,9 +97,11 @@ class Option:
 
     def resolve(self, dataset: str, value):
         """`value` converted to the option's type and checked; a bad one raises ValueError naming the option."""
+        # None is 'not set': kept, so the builder applies the default that fits (all cores, no limit)
         if value is None:
             return None
         try:
+            # converted here too: prepare()'s keywords (train.py's data_options) may arrive as strings
             value = self.type(value)
         except (TypeError, ValueError):
             raise ValueError(f"{dataset}: --{self.name} must be {self.type.__name__}, got {value!r}") from None
@@ -117,6 +123,7 @@ def _fraction(name: str, default: float, help_text: str) -> Option:
 
 
 def _num_proc() -> Option:
+    # threads change the speed, never the ids: another thread count does not rebuild
     return Option("num_proc", int, None, "tokenizer threads (default: all cores)", affects_output=False, at_least=1)
 
 
@@ -126,10 +133,12 @@ def _input(help_text: str) -> Option:
 
 
 def _resolve_options(name: str, options: tuple[Option, ...], given: dict) -> dict:
+    # an unknown option is an error, not ignored: a typo would otherwise build with the default
     known = {o.name: o for o in options}
     unknown = sorted(set(given) - known.keys())
     if unknown:
         raise ValueError(f"{name} has no option {unknown[0]!r}; its options are: {', '.join(known)}")
+    # every option of the recipe gets a value: the given one, checked, else its default (possibly None)
     return {o.name: o.resolve(name, given.get(o.name, o.default)) for o in options}
 
 
@@ -145,11 +154,13 @@ def _expand_input(spec: str) -> list[Path]:
         files = sorted(
             p
             for p in path.rglob("*")
+            # hidden files and folders (.git, .DS_Store) are never corpus text
             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
         )
         if not files:
             raise ValueError(f"input directory {spec} holds no files")
         return files
+    # only a spec with glob characters is a glob; any other missing path is a typo
     if any(c in spec for c in "*?["):
         files = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())
         if not files:
@@ -160,23 +171,28 @@ def _expand_input(spec: str) -> list[Path]:
 
 def _fingerprint(files: list[Path]) -> list:
     # What identifies local inputs cheaply: path, size and modification time.
+    # no hashing: the up-to-date check should take milliseconds, not a read of every input byte
     return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 
 def _decoded_blocks(path: Path) -> Iterator[str]:
     # The text of a UTF-8 file in blocks; undecodable or binary content raises naming the file.
+    # incremental: a character whose bytes straddle two blocks is held back until its last byte comes
     decoder = codecs.getincrementaldecoder("utf-8")()
+    # bytes before the current block, for the error message
     offset = 0
     with open(path, "rb") as f:
         while True:
             raw = f.read(_BLOCK_BYTES)
             try:
+                # an empty read is the end of the file: final=True turns a dangling partial character into an error
                 text = decoder.decode(raw, final=not raw)
             except UnicodeDecodeError as err:
                 raise ValueError(
                     f"{path} is not UTF-8 text (undecodable byte near offset {offset + err.start}); "
                     "convert it to UTF-8 or leave it out of --input"
                 ) from None
+            # UTF-8 decoding accepts NUL bytes, but text never holds them: this is a binary file
             if "\x00" in text:
                 raise ValueError(f"{path} looks binary (it contains NUL bytes); leave it out of --input")
             if text:
@@ -188,8 +204,10 @@ def _decoded_blocks(path: Path) -> Iterator[str]:
 
 def _last_cut(text: str) -> int:
     # The last index i > 0 with text[i] == '\n' and text[i + 1] not whitespace, or 0.
+    # the last character is left out: a newline there has no next character to test yet
     i = text.rfind("\n", 0, len(text) - 1)
     while i > 0:
+        # a newline before whitespace may be part of a longer whitespace token; look further back
         if not text[i + 1].isspace():
             return i
         i = text.rfind("\n", 0, i)
@@ -202,9 +220,11 @@ def _pieces(blocks: Iterable[str]) -> Iterator[str]:
     # GPT-2 pre-tokenization always makes a newline followed by a non-space character a
     # token of its own, and no token crosses it; cutting just before such a newline therefore
     # leaves the ids unchanged, so pieces can be encoded independently, in parallel.
+    # the text after the last cut waits for the next block, which may continue its last token
     carry = ""
     for block in blocks:
         text = carry + block
+        # cut 0 (no safe place yet, e.g. one very long line): keep growing the text
         cut = _last_cut(text)
         if cut:
             yield text[:cut]
@@ -215,7 +235,10 @@ def _pieces(blocks: Iterable[str]) -> Iterator[str]:
 
 def _scan_text(files: list[Path]) -> tuple[int, set[str]]:
     # Character count and character set of the files, validating that each is UTF-8 text.
+    # a first full pass: the char vocabulary and the split point must be known before any id is
+    # written, and a file that is not text should fail before the slow pass
     total, chars = 0, set()
+    # disable=None: the bar shows on a terminal only, never in logs or tests
     with tqdm(desc="scanning", unit="char", unit_scale=True, disable=None) as bar:
         for path in files:
             for block in _decoded_blocks(path):
@@ -231,8 +254,10 @@ def _corpus_items(files: list[Path], split_at: int) -> Iterator[tuple[str, str |
     # The first `split_at` characters are train, the rest val, exactly as nanoGPT cuts.
     pos = 0
     for path in files:
+        # pos: characters of all files so far; start: where this file began
         start = pos
         for piece in _pieces(_decoded_blocks(path)):
+            # a piece straddling split_at is cut there: val starts at exactly nanoGPT's character
             end = pos + len(piece)
             if end <= split_at:
                 yield "train", piece
@@ -242,11 +267,13 @@ def _corpus_items(files: list[Path], split_at: int) -> Iterator[tuple[str, str |
                 yield "train", piece[: split_at - pos]
                 yield "val", piece[split_at - pos :]
             pos = end
+        # the end-of-file marker joins the split the file ended in; _encode_items makes it end-of-text
         if pos > start:
             yield ("train" if pos <= split_at else "val"), None
 
 
 def _batched(items: Iterable, n: int) -> Iterator[list]:
+    # lists of n items from a stream, the last one shorter (itertools.batched needs Python 3.12)
     it = iter(items)
     while batch := list(itertools.islice(it, n)):
         yield batch
@@ -254,6 +281,7 @@ def _batched(items: Iterable, n: int) -> Iterator[list]:
 
 def bpe_batches(text: str) -> list[list[str]]:
     """`text` cut into the pieces, in the batches, that prepare() BPE-encodes in parallel (bench.py times these)."""
+    # blocks as if read from a file, so the pieces match those of a real prepare() run
     blocks = (text[i : i + _BLOCK_BYTES] for i in range(0, len(text), _BLOCK_BYTES))
     return list(_batched(_pieces(blocks), _BATCH_PIECES))
 
@@ -264,6 +292,7 @@ def bpe_batches(text: str) -> list[list[str]]:
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
+        # 1 MiB at a time: any file size in constant memory
         while block := f.read(1 << 20):
             digest.update(block)
     return digest.hexdigest()
@@ -271,10 +300,13 @@ def _sha256(path: Path) -> str:
 
 def _download(url: str, dest: Path, sha256: str, hint: str) -> None:
     # Fetch `url` into `dest` atomically, refusing content whose sha256 differs.
+    # the first download creates <root>/downloads/
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
+        # timeout: 20 s without data is a dead connection; fail with the offline hint rather than hang
         with urllib.request.urlopen(url, timeout=20) as response, atomic_output(dest) as f:
             digest = hashlib.sha256()
+            # hashed while it streams to disk; if the check below raises, atomic_output drops the file
             while block := response.read(1 << 16):
                 digest.update(block)
                 f.write(block)
@@ -289,6 +321,7 @@ def _download(url: str, dest: Path, sha256: str, hint: str) -> None:
 def shakespeare_file(input_path: str | None, root: Path) -> Path:
     """tiny Shakespeare from input_path, else $NANOFORMER_DATA_MIRROR, else <root>/downloads/, else the web."""
     if input_path:
+        # an explicit --input is taken as given, unhashed: the user may want another text on purpose
         path = Path(input_path).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"--input {input_path} is not a file")
@@ -296,14 +329,17 @@ def shakespeare_file(input_path: str | None, root: Path) -> Path:
     hint = f"pass a local copy as {_INPUT_OPTION}, or set {MIRROR_ENV} to a folder holding tinyshakespeare.txt"
     mirror = os.environ.get(MIRROR_ENV)
     if mirror:
+        # the mirror may hold the file flat or in char-rnn's layout, tinyshakespeare/input.txt
         for candidate in (Path(mirror) / "tinyshakespeare.txt", Path(mirror) / "tinyshakespeare" / "input.txt"):
             if candidate.is_file():
+                # other content in the mirror is an error, not a silent fallback to the web
                 if _sha256(candidate) != SHAKESPEARE_SHA256:
                     raise ValueError(
                         f"{candidate} is not tiny Shakespeare (sha256 differs from {SHAKESPEARE_SHA256}); "
                         f"replace it, or {hint}"
                     )
                 return candidate
+    # the download cache: fetched again when absent or damaged
     cached = root / "downloads" / "tinyshakespeare.txt"
     if not (cached.is_file() and _sha256(cached) == SHAKESPEARE_SHA256):
         _download(SHAKESPEARE_URL, cached, SHAKESPEARE_SHA256, hint)
@@ -315,6 +351,7 @@ def _load_local_dataset(files: list[Path]):
     import datasets  # imported on use: it is slow to import and only these datasets need it
 
     builders = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".arrow": "arrow"}
+    # one format for all files: load_dataset reads a single format per call
     kinds = {builders.get(p.suffix.lower()) for p in files}
     if None in kinds or len(kinds) != 1:
         found = ", ".join(sorted({p.suffix or p.name for p in files}))
@@ -322,14 +359,18 @@ def _load_local_dataset(files: list[Path]):
             f"local dataset files must all be one of {', '.join(builders)}, got {found} "
             "(for plain text use the 'text' dataset)"
         )
+    # streaming, as from the hub, so a large local corpus is never loaded whole; local files always land in a
+    # 'train' split, and our own val split is drawn later
     return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in files], split="train", streaming=True)
 
 
 def _load_hub_dataset(hf_dataset: str, hf_config: str | None, hint: str):
     import datasets
 
+    # for the message only
     url = f"https://huggingface.co/datasets/{hf_dataset}"
     try:
+        # streamed: OpenWebText and FineWeb-Edu are tens of GB, and only the rows read are downloaded
         return datasets.load_dataset(hf_dataset, name=hf_config, split="train", streaming=True)
     except Exception as err:  # connection, missing config or auth errors all mean: not loadable from here
         raise DownloadError(
@@ -339,6 +380,7 @@ def _load_hub_dataset(hf_dataset: str, hf_config: str | None, hint: str):
 
 def _mirror_entry(name: str) -> Path | None:
     mirror = os.environ.get(MIRROR_ENV)
+    # the caller checks whether <mirror>/<name> exists, as a folder or with a suffix
     return Path(mirror) / name if mirror else None
 
 
@@ -346,6 +388,7 @@ def _mirror_entry(name: str) -> Path | None:
 
 
 def _translation_folder(opts: dict) -> str:
+    # one folder per language pair unless --name says otherwise
     return opts["name"] or f"translation_{opts['src']}_{opts['tgt']}"
 
 
@@ -360,12 +403,14 @@ def _shakespeare_inputs(name, opts, root):
 
 def _text_inputs(name, opts, root):
     if not opts["input"]:
+        # there is no default corpus for this recipe
         raise ValueError(f"text needs {_INPUT_OPTION}: a UTF-8 text file, a directory or a glob such as 'books/*.txt'")
     files = _expand_input(opts["input"])
     return files, _fingerprint(files)
 
 
 def _hf_lm_inputs(name, opts, root):
+    # --input first, then a mirror folder named after the dataset, else the hub
     mirror = _mirror_entry(name)
     if opts["input"]:
         files = _expand_input(opts["input"])
@@ -382,6 +427,7 @@ def _translation_inputs(name, opts, root):
         if not path.is_file():
             raise FileNotFoundError(f"--input {opts['input']} is not a file")
     else:
+        # no --input: <mirror>/<folder>.tsv or .jsonl, else the hub
         mirror = _mirror_entry(_translation_folder(opts))
         candidates = [mirror.parent / f"{mirror.name}{suffix}" for suffix in (".tsv", ".jsonl")] if mirror else []
         path = next((p for p in candidates if p.is_file()), None)
@@ -406,14 +452,18 @@ def _synthetic_inputs(name, opts, root):
 def _write_lm(stage: Path, items: Iterable[tuple[str, Sequence[int]]], vocab_size: int) -> dict[str, int]:
     # Stream (split, ids) items into train.bin and val.bin; both must end up non-empty.
     with contextlib.ExitStack() as stack:
+        # both files open at once, as items of the two splits may interleave; each is renamed into place
+        # only when the stack closes without an error
         writers = {
             s: TokenWriter(stack.enter_context(atomic_output(stage / f"{s}.bin")), vocab_size) for s in ("train", "val")
         }
         for split, ids in items:
             writers[split].write(ids)
         for split, writer in writers.items():
+            # raised inside the stack, so neither partial file is kept
             if writer.count == 0:
                 raise ValueError(f"the {split} split came out empty: too little input for a train/val split")
+        # headers written before the stack closes; meta.json records {'train.bin': count, 'val.bin': count}
         return {f"{s}.bin": w.finish() for s, w in writers.items()}
 
 
@@ -422,6 +472,7 @@ def _encode_items(
 ) -> Iterator[tuple[str, list[int]]]:
     # (split, ids) for each (split, text) item in parallel batches; a (split, None) item becomes [eot].
     for batch in _batched(items, _BATCH_PIECES):
+        # end-of-file markers carry no text: only the texts go to the tokenizer, whose results keep their order
         texts = [text for _, text in batch if text is not None]
         ids = iter(tokenizer.encode_batch(texts, num_threads))
         for split, text in batch:
@@ -429,41 +480,54 @@ def _encode_items(
                 yield split, next(ids)
             elif eot is not None:
                 yield split, [eot]
+        # progress in characters, like the total that the scan counted
         bar.update(sum(map(len, texts)))
 
 
 def _build_lm_text(stage, name, opts, files, check_tokenizer, *, tokenizer_type: str, eot_after_files: bool):
     # train.bin/val.bin from text files: the first (1 - val_fraction) of the characters are train.
+    # pass 1: character count and set; also rejects files that are not UTF-8 text
     total, chars = _scan_text(files)
     if total == 0:
         raise ValueError(f"{opts['input'] or files[0]} holds no text; pass a non-empty --input")
     if tokenizer_type == "char":
+        # sorted: the same text always gets the same ids (65 for tiny Shakespeare); a char vocabulary has no
+        # special tokens, so no end-of-text either
         spec, vocab_size, special = {"type": "char", "chars": sorted(chars)}, len(chars), {}
     else:
         encoding = tiktoken_encoding("gpt2")
+        # GPT-2 BPE: 50,257 ids, the last (50256) being <|endoftext|>
         spec, vocab_size, special = _gpt2_spec(), encoding.n_vocab, {"eot": encoding.eot_token}
     check_tokenizer(spec)
+    # the same Tokenizer that training and sampling rebuild from meta.json
     tokenizer = Tokenizer(spec, vocab_size, special)
     split_at = int(total * (1 - opts["val_fraction"]))  # nanoGPT's int(n * 0.9): 1,003,854 for Shakespeare
     eot = special.get("eot") if eot_after_files else None  # documents (files) end with end-of-text
+    # num_proc is not an option of the Shakespeare recipes: get() then gives None, all cores
     num_threads = opts.get("num_proc") or os.cpu_count()
+    # pass 2: read again, cut into pieces, encode them in parallel batches and stream the ids into train.bin
+    # and val.bin; every step is a generator, so only one batch of text and ids is in memory at a time
     with tqdm(desc=f"tokenizing {name}", total=total, unit="char", unit_scale=True, disable=None) as bar:
         items = _encode_items(_corpus_items(files, split_at), tokenizer, eot, num_threads, bar)
         files_meta = _write_lm(stage, items, vocab_size)
+    # the builder's part of meta.json; prepare() adds format_version, name and source
     return {"kind": "lm", "tokenizer": spec, "vocab_size": vocab_size, "special_tokens": special, "files": files_meta}
 
 
 def _build_shakespeare_char(stage, name, opts, files, check_tokenizer):
     opts = opts | {"val_fraction": 0.1}
+    # 90/10 fixed, as in nanoGPT's data/shakespeare_char, so losses compare; one file, so no end-of-text
     return _build_lm_text(stage, name, opts, files, check_tokenizer, tokenizer_type="char", eot_after_files=False)
 
 
 def _build_shakespeare(stage, name, opts, files, check_tokenizer):
     opts = opts | {"val_fraction": 0.1}
+    # as nanoGPT's data/shakespeare: one document, no end-of-text in it
     return _build_lm_text(stage, name, opts, files, check_tokenizer, tokenizer_type="bpe", eot_after_files=False)
 
 
 def _build_text(stage, name, opts, files, check_tokenizer):
+    # each file is a document: with BPE an end-of-text follows it, so the model learns where texts end
     return _build_lm_text(
         stage, name, opts, files, check_tokenizer, tokenizer_type=opts["tokenizer"], eot_after_files=True
     )
@@ -475,10 +539,12 @@ def _encode_documents(dataset, tokenizer: Tokenizer, period: int, max_tokens: in
     # Every period-th document, the first included, is val: deterministic, streaming, and
     # never empty. Stops after the document that reaches max_tokens (kept whole).
     eot = tokenizer.special_tokens["eot"]
+    # seen: documents so far, which decides each one's split; written: tokens so far, eot included
     seen = written = 0
     for batch in dataset.iter(batch_size=_BATCH_DOCS):
         if "text" not in batch:
             raise ValueError(f"the input has no 'text' column (its columns: {', '.join(batch)})")
+        # one batch of documents becomes two items, the ids of each split concatenated (one may be empty)
         out, before = {"train": [], "val": []}, seen
         for ids in tokenizer.encode_batch(batch["text"], num_threads):
             split = "val" if seen % period == 0 else "train"
@@ -488,6 +554,7 @@ def _encode_documents(dataset, tokenizer: Tokenizer, period: int, max_tokens: in
             if max_tokens and written >= max_tokens:
                 break
         bar.update(seen - before)
+        # an empty list is fine: TokenWriter.write skips it
         yield from out.items()
         if max_tokens and written >= max_tokens:
             return
@@ -505,8 +572,11 @@ def _build_hf_lm(stage, name, opts, files, check_tokenizer):
         hint = f"pass local parquet/json files as {_INPUT_OPTION}, or set {MIRROR_ENV} to a folder holding {name}/"
         dataset = _load_hub_dataset(opts["hf_dataset"], opts["hf_config"], hint)
     if opts["max_docs"]:
+        # lazy: a streamed dataset reads only the documents taken
         dataset = dataset.take(opts["max_docs"])
+    # val_fraction 0.0005 -> every 2000th document is val
     period = max(1, round(1 / opts["val_fraction"]))
+    # total None (no --max_docs): the bar counts without an end, as the stream's length is unknown
     with tqdm(desc=f"tokenizing {name}", total=opts["max_docs"], unit="doc", unit_scale=True, disable=None) as bar:
         items = _encode_documents(
             dataset, tokenizer, period, opts["max_tokens"], opts["num_proc"] or os.cpu_count(), bar
@@ -525,7 +595,9 @@ def _json_pair(obj, src: str, tgt: str) -> tuple[str, str] | None:
     # (source, target) from {"src", "tgt"}, {src_lang, tgt_lang} or {"translation": {...}}; None if absent.
     if not isinstance(obj, dict):
         return None
+    # Hugging Face translation datasets nest the pair: {'translation': {'en': ..., 'fr': ...}}
     obj = obj.get("translation", obj)
+    # our own src/tgt keys first, then the language codes
     for a, b in (("src", "tgt"), (src, tgt)):
         if isinstance(obj.get(a), str) and isinstance(obj.get(b), str):
             return obj[a], obj[b]
@@ -534,10 +606,13 @@ def _json_pair(obj, src: str, tgt: str) -> tuple[str, str] | None:
 
 def _file_pairs(path: Path, src: str, tgt: str) -> Iterator[tuple[str, str]]:
     # (source, target) texts of a TSV or JSONL file; a malformed line raises naming the line.
+    # decoded lazily, line by line: a bad byte surfaces inside the loop, and the except clause at the end
+    # catches it for the whole file
     jsonl = path.suffix.lower() == ".jsonl"
     try:
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
+                # only the line ending: spaces and tabs inside a text are content
                 line = line.rstrip("\r\n")
                 if not line.strip():
                     continue
@@ -554,6 +629,7 @@ def _file_pairs(path: Path, src: str, tgt: str) -> Iterator[tuple[str, str]]:
                             f"{where}: expected an object with string 'src' and 'tgt' (or '{src}' and '{tgt}') keys"
                         )
                 else:
+                    # exactly one tab: a text holding a tab could not be told from a third column
                     pair = line.split("\t")
                     if len(pair) != 2:
                         raise ValueError(f"{where}: expected 'source<TAB>target', found {len(pair) - 1} tabs")
@@ -566,6 +642,7 @@ def _file_pairs(path: Path, src: str, tgt: str) -> Iterator[tuple[str, str]]:
 
 def _hub_pairs(opts, hint) -> Iterator[tuple[str, str]]:
     src, tgt = opts["src"], opts["tgt"]
+    # hub translation datasets name their configs by language pair (opus_books: en-fr)
     config = opts["hf_config"] or f"{src}-{tgt}"
     for row in _load_hub_dataset(opts["hf_dataset"], config, hint):
         pair = _json_pair(row, src, tgt)
@@ -579,6 +656,7 @@ def _hub_pairs(opts, hint) -> Iterator[tuple[str, str]]:
 
 def _pair_split(source: str, val_fraction: float, test_fraction: float) -> str:
     # by a hash of the source text: deterministic, streaming, and duplicates never straddle splits
+    # u: uniform in [0, 1); test takes the lowest test_fraction of it, val the next val_fraction
     u = zlib.crc32(source.encode("utf-8")) / 2**32
     return "test" if u < test_fraction else "val" if u < test_fraction + val_fraction else "train"
 
@@ -586,14 +664,17 @@ def _pair_split(source: str, val_fraction: float, test_fraction: float) -> str:
 def _write_pairs(stage: Path, pairs: Iterable[tuple[list[int], list[int], str]], vocab_size: int) -> dict:
     # Stream (src_ids, tgt_ids, split) into the seq2seq files; every split must end up non-empty.
     with contextlib.ExitStack() as stack:
+        # all splits open at once: pairs arrive in any order; nothing is renamed into place unless all succeed
         writers = {s: PairWriter(stack, stage, s, vocab_size) for s in SEQ2SEQ_SPLITS}
         for src_ids, tgt_ids, split in pairs:
             writers[split].add(src_ids, tgt_ids)
         counts = {s: w.finish() for s, w in writers.items()}
+        # raised inside the stack, so no partial file is kept
         if not all(counts.values()):
             raise ValueError(
                 f"a split came out empty ({counts}); give more pairs or larger --val_fraction/--test_fraction"
             )
+    # token counts per file, which check_prepared compares with the headers; pairs per split likewise
     files = {f"{s}_{side}.bin": getattr(w, side).count for s, w in writers.items() for side in ("src", "tgt")}
     return {"files": files, "pairs": counts}
 
@@ -601,6 +682,7 @@ def _write_pairs(stage: Path, pairs: Iterable[tuple[list[int], list[int], str]],
 def _encode_pairs(pairs, tokenizer: Tokenizer, val_fraction: float, test_fraction: float, num_threads: int, bar):
     # (src_ids, tgt_ids, split) for each (source, target) text pair, encoded in parallel batches.
     for batch in _batched(pairs, _BATCH_DOCS):
+        # sources and targets in one parallel call: the first len(batch) results are the sources
         ids = tokenizer.encode_batch([s for s, _ in batch] + [t for _, t in batch], num_threads)
         for (source, _), src_ids, tgt_ids in zip(batch, ids, ids[len(batch) :]):
             yield src_ids, tgt_ids, _pair_split(source, val_fraction, test_fraction)
@@ -621,7 +703,9 @@ def _build_translation(stage, name, opts, files, check_tokenizer):
             f"{_translation_folder(opts)}.tsv"
         )
         pairs = _hub_pairs(opts, hint)
+    # max_pairs None: islice keeps them all
     pairs = itertools.islice(pairs, opts["max_pairs"])
+    # no total: the number of pairs streamed is not known ahead
     with tqdm(desc=f"tokenizing {name}", unit="pair", unit_scale=True, disable=None) as bar:
         items = _encode_pairs(
             pairs, tokenizer, opts["val_fraction"], opts["test_fraction"], opts["num_proc"] or os.cpu_count(), bar
@@ -646,10 +730,12 @@ _ONES = (
 ).split()
 _TENS = ("", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
 _SCALES = ("", " thousand", " million", " billion")
+# 999,999,999,999: the largest number these scales can spell
 _MAX_NUMBER = 1000 ** len(_SCALES) - 1
 
 
 def _below_thousand(n: int) -> str:
+    # 0..999 in words; 0 gives '', since a zero group is left out of a larger number
     hundreds, rest = divmod(n, 100)
     words = [f"{_ONES[hundreds]} hundred"] if hundreds else []
     if rest >= 20:
@@ -663,6 +749,7 @@ def _number_words(n: int) -> str:
     if n == 0:
         return "zero"
     groups = []
+    # groups of three digits, lowest first; joined highest first below
     for scale in _SCALES:
         n, group = divmod(n, 1000)
         if group:
@@ -691,6 +778,7 @@ def _random_source(task: str, rng: random.Random, opts: dict) -> str:
         digits = rng.randint(1, len(str(opts["max_number"])))
         low = 0 if digits == 1 else 10 ** (digits - 1)
         return str(rng.randint(low, min(10**digits - 1, opts["max_number"])))
+    # reverse and sort: a uniform length, then uniform symbols
     length = rng.randint(opts["min_len"], opts["max_len"])
     return "".join(rng.choices(_SYNTH_SYMBOLS, k=length))
 
@@ -699,6 +787,7 @@ def _synthetic_splits(task: str, opts: dict) -> dict[str, list[str]]:
     # Distinct random sources for test, val and train, drawn in that order from one seed.
     #
     # Drawing the held-out splits first keeps them the same when only --num_train changes.
+    # dict order is draw order: test, val, train
     sizes = {"test": opts["num_test"], "val": opts["num_val"], "train": opts["num_train"]}
     total = sum(sizes.values())
     if task == "num2words":
@@ -708,6 +797,7 @@ def _synthetic_splits(task: str, opts: dict) -> dict[str, list[str]]:
     else:
         if opts["min_len"] > opts["max_len"]:
             raise ValueError(f"--min_len {opts['min_len']} is larger than --max_len {opts['max_len']}")
+        # space: how many distinct sources the settings allow
         space = sum(len(_SYNTH_SYMBOLS) ** k for k in range(opts["min_len"], opts["max_len"] + 1))
         knob = "raise --max_len"
     if 2 * total > space:  # rejection sampling stays fast while at least half the space is free
@@ -717,8 +807,10 @@ def _synthetic_splits(task: str, opts: dict) -> dict[str, list[str]]:
         )
     rng = random.Random(opts["seed"])
     seen: dict[str, None] = {}  # insertion-ordered set
+    # a duplicate draw is simply skipped, which keeps test, val and train disjoint
     while len(seen) < total:
         seen.setdefault(_random_source(task, rng, opts))
+    # consecutive slices of the draws, in the order of sizes
     drawn, start, out = list(seen), 0, {}
     for split, n in sizes.items():
         out[split], start = drawn[start : start + n], start + n
@@ -728,11 +820,13 @@ def _synthetic_splits(task: str, opts: dict) -> dict[str, list[str]]:
 def _build_synthetic(stage, name, opts, files, check_tokenizer):
     spec = {"type": "char", "chars": _SYNTH_CHARS}
     check_tokenizer(spec)
+    # 38 characters (digits, letters, space, hyphen), then pad, bos and eos
     base = len(_SYNTH_CHARS)
     special = {"pad": base, "bos": base + 1, "eos": base + 2}
     tokenizer = Tokenizer(spec, base + 3, special)
     splits = _synthetic_splits(name, opts)
     pairs = (
+        # lazy: each source is encoded with its solved target as _write_pairs consumes them
         (tokenizer.encode(s), tokenizer.encode(solve(name, s)), split)
         for split, sources in splits.items()
         for s in sources
@@ -785,8 +879,10 @@ def _synthetic_options(task: str) -> tuple[Option, ...]:
     return common + (_count("min_len", 1, "shortest string"), _count("max_len", 12, "longest string"))
 
 
+# one Option shared by both Shakespeare recipes: the same input, two tokenizers
 _SHAKESPEARE_INPUT = _input(f"local copy of tinyshakespeare.txt (else ${MIRROR_ENV}, the download cache, the web)")
 
+# the command line lists the datasets in this order
 RECIPES: dict[str, Recipe] = {
     "shakespeare_char": Recipe(
         "tiny Shakespeare, character-level (65 symbols), 90/10 split as in nanoGPT",
@@ -879,9 +975,11 @@ DATASETS = {name: recipe.description for name, recipe in RECIPES.items()}  # nam
 
 def _existing_meta(folder: Path) -> dict | None:
     # meta of the dataset already in `folder`, None if there is none; a foreign folder raises.
+    # an absent or empty folder is simply a new dataset
     if not folder.is_dir() or not any(folder.iterdir()):
         return None
     try:
+        # a folder this script did not write (someone's files) is never replaced without --force
         return load_meta(folder)
     except (FileNotFoundError, ValueError) as err:
         raise ValueError(
@@ -894,16 +992,20 @@ def _existing_meta(folder: Path) -> dict | None:
 def _staged_folder(folder: Path):
     # Yield a hidden folder beside `folder` that replaces it only if the block succeeds.
     folder.parent.mkdir(parents=True, exist_ok=True)
+    # hidden (dataset_dir refuses dot names, so no dataset is called this) and random, so concurrent runs never
+    # share a stage
     stage = folder.with_name(f".{folder.name}.partial-{secrets.token_hex(4)}")
     stage.mkdir()
     try:
         yield stage
+        # two renames: a folder cannot replace a non-empty folder in one step, so the old one moves aside first
         old = folder.with_name(f".{folder.name}.old-{secrets.token_hex(4)}")
         if folder.exists():
             folder.rename(old)
         stage.rename(folder)
         shutil.rmtree(old, ignore_errors=True)
     finally:
+        # after a success the stage was renamed away and this does nothing; after a failure it drops the partial outputs
         shutil.rmtree(stage, ignore_errors=True)
 
 
@@ -920,9 +1022,12 @@ def prepare(name: str, /, data_dir=None, force: bool = False, **options) -> Path
     recipe = RECIPES.get(name)
     if recipe is None:
         raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
+    # every option of the recipe, converted and checked, defaults filled in
     opts = _resolve_options(name, recipe.options, options)
     root = data_root(data_dir)
+    # <root>/<name>, or the --name folder for text and translation
     folder = dataset_dir(recipe.folder(opts) if recipe.folder else name, root)
+    # local input files (None: the hub, or generated) and what identifies them; a download happens here
     files, fingerprint = recipe.inputs(name, opts, root)
     # everything the outputs depend on; JSON round trip so it compares equal to what meta.json holds
     record = {
@@ -931,10 +1036,13 @@ def prepare(name: str, /, data_dir=None, force: bool = False, **options) -> Path
         **{o.name: opts[o.name] for o in recipe.options if o.affects_output},
     }
     record = json.loads(json.dumps(record))
+    # --force ignores the existing folder: nothing is kept, nothing refused
     old = None if force else _existing_meta(folder)
+    # same inputs and options, and the files intact: nothing to do
     if old is not None and old.get("source") == record and is_prepared(folder):
         return folder
 
+    # replacing data of another tokenizer would leave checkpoints trained on it reading wrong ids
     def check_tokenizer(spec: dict) -> None:
         if old is not None and old["tokenizer"] != spec:
             raise ValueError(
@@ -942,6 +1050,7 @@ def prepare(name: str, /, data_dir=None, force: bool = False, **options) -> Path
                 f"{_describe(spec)}); pass --force to replace it, or choose another --name/--data_dir"
             )
 
+    # the builder writes into the stage; meta.json comes last, listing what was written
     with _staged_folder(folder) as stage:
         meta = {
             "format_version": FORMAT_VERSION,
@@ -949,6 +1058,7 @@ def prepare(name: str, /, data_dir=None, force: bool = False, **options) -> Path
             **recipe.build(stage, name, opts, files, check_tokenizer),
             "source": record,
         }
+        # ensure_ascii=False: a char vocabulary stays readable in meta.json
         with atomic_output(stage / "meta.json") as f:
             f.write(json.dumps(meta, indent=1, ensure_ascii=False).encode("utf-8"))
     return folder
@@ -964,6 +1074,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=f"Offline: --input PATH, ${MIRROR_ENV} (a local mirror folder), $TIKTOKEN_CACHE_DIR. "
         f"Output root: --data_dir, else ${DATA_DIR_ENV}, else data/ beside this script.",
     )
+    # --data_dir and --force belong to every dataset: each subcommand inherits them
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--data_dir", help=f"root of the dataset folders (default: ${DATA_DIR_ENV} or data/ beside this script)"
@@ -971,10 +1082,13 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--force", action="store_true", help="rebuild even if up to date, and replace data from another tokenizer"
     )
+    # one subcommand per dataset, so `NAME --help` lists only that dataset's options
     commands = parser.add_subparsers(dest="dataset", metavar="NAME", required=True)
     for name, recipe in RECIPES.items():
         sub = commands.add_parser(name, parents=[common], help=recipe.description, description=recipe.description)
         for option in recipe.options:
+            # SUPPRESS below: an option not given is absent from args, so prepare() applies the recipe's default
+            # and checks in one place, for the command line and train.py alike
             default = "" if option.default is None else f" (default: {option.default})"
             sub.add_argument(
                 f"--{option.name}",
@@ -988,6 +1102,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _summary(folder: Path) -> str:
     meta = load_meta(folder)
+    # the line printed after a build: what was written, the vocab size and the tokenizer
     if meta["kind"] == "seq2seq":
         counts = ", ".join(f"{split} {n:,} pairs" for split, n in meta["pairs"].items())
     else:
@@ -1000,6 +1115,7 @@ def cli(argv: list[str]) -> int:
     options)."""
     args = _parser().parse_args(argv)
     try:
+        # what remains are the dataset's own options, exactly those given on the command line
         options = {k: v for k, v in vars(args).items() if k not in ("dataset", "data_dir", "force")}
         folder = prepare(args.dataset, data_dir=args.data_dir, force=args.force, **options)
         print(_summary(folder))
@@ -1008,6 +1124,7 @@ def cli(argv: list[str]) -> int:
         return 2
     except KeyboardInterrupt:
         print("error: interrupted; partial outputs were removed", file=sys.stderr)
+        # 128 + SIGINT, as a shell reports Ctrl-C
         return 130
     return 0
 

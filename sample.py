@@ -24,6 +24,7 @@ from tokens import Tokenizer
 from train import autocast, resolve_device, resolve_dtype
 
 MASK = "[MASK]"  # what the encoder's prompt writes where a token is to be filled in
+# what --dtype accepts; resolve_dtype (train.py) turns auto into one of the others
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # GPT-2's tokenizer as a dataset's meta.json would describe it: tiktoken's gpt2 encoding, 50256 = <|endoftext|>
 GPT2_META = {
@@ -58,6 +59,7 @@ class SampleConfig:
     compile: bool = False  # torch.compile the layers: a slow first step, faster ones after it
 
     def __post_init__(self):
+        # the model's own check, run at parse time: a bad value fails before the slow model load
         check_sampling_args(self.temperature, self.top_k, self.top_p)
         for name in ("num_samples", "beam_size", "candidates"):
             if getattr(self, name) < 1:
@@ -76,19 +78,23 @@ def load_model(cfg, device):
     """(model in eval mode on device, its Tokenizer, the dataset meta) from out_dir's checkpoint or GPT-2 weights."""
     if cfg.init_from == "resume":
         path = Path(cfg.out_dir) / cfg.checkpoint
+        # to the CPU first: a checkpoint saved on a GPU loads on any machine; .to(device) below moves it
         ckpt = load_checkpoint(path, map_location="cpu")
         try:
             model, meta = model_from_checkpoint(ckpt), ckpt["meta"]
         except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit
             raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
     else:
+        # GPT-2 weights come without a dataset: their tokenizer is tiktoken's gpt2, as GPT2_META describes
         model, meta = GPT.from_pretrained(cfg.init_from), GPT2_META
+    # eval: dropout off, so the same seed gives the same text
     model.eval().to(device)
     if cfg.compile:
         # generation calls the layer stacks, not the model's forward, so those are what gets compiled
         for module in model.modules():
             if isinstance(module, Stack):
                 module.compile(dynamic=True)
+    # the tokenizer the data was prepared with, rebuilt from the checkpoint alone
     return model, Tokenizer.from_meta(meta), meta
 
 
@@ -96,6 +102,7 @@ def read_prompt(start):
     """The prompt text: start itself, or the contents of the file that "FILE:path" names."""
     if not start.startswith("FILE:"):
         return start
+    # FILE: lets a long or multi-line prompt come from a file, not the shell
     path = Path(start.removeprefix("FILE:")).expanduser()
     try:
         return path.read_text(encoding="utf-8")
@@ -114,6 +121,7 @@ def crop_prompt(ids, block_size):
         f"keeping its last {block_size}",
         file=sys.stderr,
     )
+    # the end, since a GPT continues from the last tokens of its context
     return ids[-block_size:]
 
 
@@ -124,7 +132,9 @@ def sample_gpt(model, prompt, cfg, stop_token, generator, vocab_size):
     (num_samples, 1) new tokens of each step; rows that reached stop_token repeat it.
     """
     device = next(model.parameters()).device
+    # (num_samples, T): the same prompt in every row; the rows diverge as they sample
     idx = torch.tensor([prompt] * cfg.num_samples, dtype=torch.long, device=device)
+    # a generator: nothing runs until the caller iterates, then one forward pass per step
     return model.generate_stream(
         idx,
         cfg.max_new_tokens,
@@ -153,14 +163,17 @@ def print_stream(steps, shown, tokenizer, stop_token, out):
     printed = tokenizer.decode(ids)
     print(printed, end="", file=out, flush=True)
     for step in steps:
+        # step is (1, 1): one sample, one new token
         token = step[0, 0].item()
         if token == stop_token:
             break
         ids.append(token)
         text = tokenizer.decode(ids)
+        # U+FFFD: tiktoken's stand-in for an incomplete character; wait for the rest of it
         if not text.endswith("\ufffd"):
             print(text[len(printed) :], end="", file=out, flush=True)
             printed = text
+    # whatever was held back, then the final newline
     print(tokenizer.decode(ids)[len(printed) :], file=out)
 
 
@@ -176,6 +189,7 @@ def translate(model, src, cfg, meta):
         beam_size=cfg.beam_size,
         length_penalty=cfg.length_penalty,
     )
+    # out: (1, L) for the one source, without bos; eos and the padding after it are cut off
     return until_stop(out[0].tolist(), special["eos"])
 
 
@@ -184,6 +198,7 @@ def encode_masked(text, tokenizer, mask_id):
     pieces = text.split(MASK)
     if len(pieces) == 1:
         raise ValueError(f'an encoder fills in masks: put {MASK} in --start, e.g. --start "To be or {MASK} to be"')
+    # positions: where each mask id lands in ids
     ids, positions = tokenizer.encode(pieces[0]), []
     for piece in pieces[1:]:
         positions.append(len(ids))
@@ -197,7 +212,9 @@ def fill_mask(model, ids, positions, k, exclude):
     exclude: token ids never proposed (special tokens, and ids the tokenizer cannot decode).
     """
     idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    # model(idx) is (logits, loss); .float(): probabilities in full precision under autocast
     logits = model(idx)[0][0, positions].float()  # (masks, V)
+    # -inf: softmax gives them probability 0, so topk never proposes them
     logits[:, exclude] = float("-inf")
     probs, tokens = logits.softmax(dim=-1).topk(k, dim=-1)
     return [list(zip(t.tolist(), p.tolist())) for t, p in zip(tokens, probs)]
@@ -208,6 +225,7 @@ def token_ticks(labels):
     (positions, texts) of an axis's tick labels: every token, or on an axis of more than MAX_TICK_LABELS tokens
     every k-th token with its position in front, so that at most MAX_TICK_LABELS show.
     """
+    # step 1 (every token) whenever the axis is short enough
     step = math.ceil(len(labels) / MAX_TICK_LABELS)
     positions = range(0, len(labels), step)
     return positions, [labels[i] if step == 1 else f"{i}: {labels[i]}" for i in positions]
@@ -222,6 +240,7 @@ def plot_attention(panels, path):
         from matplotlib.figure import Figure  # no pyplot: no window, no global figure state
     except ImportError:
         raise ImportError("--attention needs matplotlib: pip install matplotlib") from None
+    # axes: (len(panels), heads), one heat map of (Tq, Tk) each
     heads = panels[0][1].size(0)
     fig = Figure(figsize=(2.4 * heads, 2.4 * len(panels)), layout="constrained")
     axes = fig.subplots(len(panels), heads, squeeze=False)
@@ -237,6 +256,7 @@ def plot_attention(panels, path):
 
 
 def token_labels(ids, tokenizer):
+    """One tick label per id: the token's text escaped (repr without its quotes), so newlines show."""
     return [repr(tokenizer.decode([i]))[1:-1] for i in ids]
 
 
@@ -247,8 +267,10 @@ def attention_panels(model, tokenizer, src, tgt=None):
     src_t = torch.tensor([src], dtype=torch.long, device=device)
     src_labels = token_labels(src, tokenizer)
     if tgt is None:
+        # GPT or encoder: one {"self": (1, H, T, T)} per layer; [0] drops the batch of one
         maps = model.attention_maps(src_t)
         return [(f"layer {i}", m["self"][0], src_labels, src_labels) for i, m in enumerate(maps)]
+    # encoder-decoder: the decoder layers add cross-attention, (1, H, T_tgt, T_src)
     maps = model.attention_maps(src_t, torch.tensor([tgt], dtype=torch.long, device=device))
     tgt_labels = token_labels(tgt, tokenizer)
     panels = [(f"encoder {i}", m["self"][0], src_labels, src_labels) for i, m in enumerate(maps["encoder"])]
@@ -262,18 +284,24 @@ def attention_panels(model, tokenizer, src, tgt=None):
 
 def show_samples(model, tokenizer, meta, text, cfg, out):
     """GPT: print cfg.num_samples continuations of text, streamed or all at the end. Returns the prompt ids."""
+    # end-of-text for BPE data; None for char-level data, which has no such token
     stop = meta["special_tokens"].get("eot")
     if text:
         prompt = crop_prompt(tokenizer.encode(text), model.config.block_size)
     else:  # start where a document starts: after end-of-text, or for char-level data after a newline
         prompt = [stop] if stop is not None else tokenizer.encode("\n")
+    # the implicit start token is not printed, only a prompt the user gave
     shown = prompt if text else []
+    # a seeded generator of our own, on the model's device: the same seed gives the same text, and the
+    # global RNG is left alone
     generator = torch.Generator(next(model.parameters()).device).manual_seed(cfg.seed)
     steps = sample_gpt(model, prompt, cfg, stop, generator, tokenizer.vocab_size)
+    # by default only one sample to a terminal streams: piped output gets whole samples
     stream = cfg.stream if cfg.stream is not None else cfg.num_samples == 1 and out.isatty()
     if stream:
         print_stream(steps, shown, tokenizer, stop, out)
         return prompt
+    # each step is (num_samples, 1): column 0 holds every row's next token
     rows = [[] for _ in range(cfg.num_samples)]
     for step in steps:
         for row, token in zip(rows, step[:, 0].tolist()):
@@ -281,6 +309,7 @@ def show_samples(model, tokenizer, meta, text, cfg, out):
     for i, row in enumerate(rows):
         if i:
             print("-" * 15, file=out)
+        # rows that stopped early repeat the stop token; cut it off
         print(tokenizer.decode(shown + until_stop(row, stop)), file=out)
     return prompt
 
@@ -300,6 +329,7 @@ def show_translation(model, tokenizer, meta, text, cfg, out):
     print(answer, file=out)
     if expected is not None:
         print("correct" if answer == expected else f"wrong: expected {expected!r}", file=out)
+    # the decoder's input as it was during generation: bos, then the output, within block_size
     return src, [meta["special_tokens"]["bos"], *output][:block]
 
 
@@ -313,9 +343,11 @@ def show_fills(model, tokenizer, meta, text, cfg, out):
         raise ValueError(f"the text has {len(ids)} tokens, more than the model's block_size={block}")
     # special tokens, and the ids that pad the embedding beyond the tokenizer's vocabulary, are no answer
     exclude = sorted({*special.values(), *range(tokenizer.vocab_size, model.config.vocab_size)})
+    # never ask topk for more tokens than remain
     k = min(cfg.candidates, model.config.vocab_size - len(exclude))
     fills = fill_mask(model, ids, positions, k, exclude)
     best = list(ids)
+    # candidates are likeliest first: the best fill is the first one's id
     for position, candidates in zip(positions, fills):
         best[position] = candidates[0][0]
     print(tokenizer.decode(best), file=out)
@@ -341,12 +373,17 @@ def check_beam_options(cfg, arch):
 def main(cfg, out=None):
     """Load the model, generate as cfg says and print to out (None: stdout); write the attention maps if asked."""
     out = sys.stdout if out is None else out  # looked up now, not at import: tests and callers may replace it
+    # local rank 0: one process, so plain 'cuda' means the first GPU
     device = resolve_device(cfg.device, 0)
     dtype = resolve_dtype(cfg.dtype, device)
+    # read before the slow model load, so a wrong prompt file fails at once
     text = read_prompt(cfg.start)
     model, tokenizer, meta = load_model(cfg, device)
+    # needs the architecture, known only once the model is loaded
     check_beam_options(cfg, model.config.arch)
+    # no_grad: no graph kept while generating; autocast: matmuls in cfg's dtype
     with torch.no_grad(), autocast(device, dtype):
+        # each show_* prints its result and returns what attention_panels takes: (src,) or (src, tgt)
         if model.config.arch == "gpt":
             inputs = (show_samples(model, tokenizer, meta, text, cfg, out),)
         elif model.config.arch == "encoder_decoder":
@@ -364,14 +401,17 @@ def sampling_speed(model, prompt, num_samples, max_new_tokens, *, use_cache, bat
     by max_new_tokens tokens each (no early stop), either in one batch or one sample after another.
     """
     device = next(model.parameters()).device
+    # batched: one call of num_samples rows; else num_samples calls of one row
     batches = [num_samples] if batched else [1] * num_samples
     rates = []
     for repeat in range(repeats):
+        # seeded per repeat: the timings are reproducible, and each repeat draws other tokens
         generator = torch.Generator(device).manual_seed(repeat)
         begin = time.perf_counter()
         for size in batches:
             idx = torch.tensor([prompt] * size, dtype=torch.long, device=device)
             model.generate(idx, max_new_tokens, generator=generator, use_cache=use_cache)
+        # CUDA runs asynchronously: wait for the last kernel before reading the clock
         if device.type == "cuda":
             torch.cuda.synchronize()
         rates.append(num_samples * max_new_tokens / (time.perf_counter() - begin))
@@ -381,6 +421,7 @@ def sampling_speed(model, prompt, num_samples, max_new_tokens, *, use_cache, bat
 def cli(argv):
     """The command line; returns the exit status: 2 with a one-line message for bad input."""
     try:
+        # config files and --key=value options into a SampleConfig, whose __post_init__ checks them
         main(parse_config(SampleConfig, argv))
     except (ValueError, OSError, ImportError) as err:
         print(f"error: {' '.join(str(err).splitlines())}", file=sys.stderr)

@@ -21,16 +21,23 @@ from pathlib import Path
 import numpy as np
 import tiktoken
 
+# the first 8 bytes of every token file: any other file is refused at once, never read as ids
 MAGIC = b"NFTOKENS"
+# raised when the layout changes, so old code refuses new files instead of misreading them
 FORMAT_VERSION = 1
 # magic, format version, bytes per token (2 or 4), vocab size, token count; little-endian
 _HEADER = struct.Struct("<8sIIQQ")
+# bytes per token -> dtype of the ids; '<' fixes little-endian whatever the machine's byte order
 _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+# seq2seq data keeps a test split apart for a final score; LM data has train and val only
 SEQ2SEQ_SPLITS = ("train", "val", "test")
 
+# names the data root when no data_dir is passed (see data_root)
 DATA_DIR_ENV = "NANOFORMER_DATA_DIR"
+# named in error messages only: where tiktoken fetches the fallback encoding from
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 
+# warnings go through logging, so the caller (train.py, a test) decides where they show
 _log = logging.getLogger("nanoformer.data")
 
 
@@ -53,14 +60,19 @@ def one_line(err: BaseException) -> str:
 @contextlib.contextmanager
 def atomic_output(path: Path):
     """Yield a binary file beside `path` that replaces `path` only if the block succeeds."""
+    # same folder, so os.replace stays on one file system (atomic); a random hidden name,
+    # so concurrent writers never share a temporary file
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
+        # "x": fail rather than overwrite, should the name exist after all
         with open(tmp, "xb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())  # the data must be on disk before the name says it is complete
+        # readers see the old file or the new one, never a half-written one
         os.replace(tmp, path)
     finally:
+        # after a success the temporary name is gone already; after a failure this drops the partial file
         tmp.unlink(missing_ok=True)
 
 
@@ -68,18 +80,25 @@ class TokenWriter:
     """Appends token ids to an open file (write), then writes the header with the final count (finish)."""
 
     def __init__(self, f, vocab_size: int):
+        # numpy integers count too: sizes often come out of numpy (len of an array, a max id + 1)
         if not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
             raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+        # ids run from 0 to vocab_size - 1, so 2**32 ids still fit uint32
         if vocab_size > 2**32:
             raise ValueError(f"vocab_size {vocab_size:,} is too large for token files: uint32 holds at most 2**32 ids")
         self.f, self.vocab_size, self.count = f, int(vocab_size), 0
+        # 2 bytes an id whenever they fit (GPT-2's 50,257 do): half the disk and page cache
         self.dtype = _DTYPES[2] if vocab_size <= 2**16 else _DTYPES[4]
         f.write(bytes(_HEADER.size))  # placeholder until the count is known
 
     def write(self, ids) -> None:
+        """Append the ids of one chunk (a list, tuple or integer array) after those written before."""
+        # one array, written in one call rather than id by id
         arr = np.asarray(ids)
+        # an empty chunk (an empty document) adds nothing, and min() below would fail on it
         if arr.size == 0:
             return
+        # floats or bools would be cast silently into wrong ids
         if arr.dtype.kind not in "iu":
             raise ValueError(f"token ids must be integers, got an array of {arr.dtype}")
         # checked before the cast, so an id that does not fit can never wrap silently
@@ -87,10 +106,13 @@ class TokenWriter:
         if low < 0 or high >= self.vocab_size:
             bad = low if low < 0 else high
             raise ValueError(f"token id {bad} is outside the vocabulary 0..{self.vocab_size - 1}")
+        # right after the previous chunk: the file is the header, then one flat run of ids
         arr.astype(self.dtype).tofile(self.f)
         self.count += arr.size
 
     def finish(self) -> int:
+        """Write the header with the final count over the placeholder; return the count. The caller closes the file."""
+        # the placeholder sits at offset 0; the ids after it stay as written
         self.f.seek(0)
         self.f.write(_HEADER.pack(MAGIC, FORMAT_VERSION, self.dtype.itemsize, self.vocab_size, self.count))
         return self.count
@@ -105,6 +127,8 @@ def write_tokens(path, tokens, vocab_size: int) -> int:
     leaves nothing on disk.
     """
     path = Path(path)
+    # one sequence or a stream of chunks? An array, or a list/tuple that is empty or starts with an int, is one
+    # sequence; anything else (a generator, a list of arrays) is iterated as chunks
     single = isinstance(tokens, np.ndarray) or (
         isinstance(tokens, (list, tuple)) and (not tokens or isinstance(tokens[0], (int, np.integer)))
     )
@@ -112,28 +136,36 @@ def write_tokens(path, tokens, vocab_size: int) -> int:
         writer = TokenWriter(f, vocab_size)
         for chunk in [tokens] if single else tokens:
             writer.write(chunk)
+        # inside the block: the header must be written before atomic_output syncs and renames the file
         return writer.finish()
 
 
 def _read_header(path: Path) -> tuple[np.dtype, int, int]:
+    # every error ends with the same fix: the writer is the only way to a good file
     fix = "re-create the dataset with: python prepare_data.py NAME --force"
     with open(path, "rb") as f:
         raw = f.read(_HEADER.size)
+        # the real size, to compare with what the header promises
         size = os.fstat(f.fileno()).st_size
     if len(raw) < _HEADER.size:
         raise ValueError(f"{path} is truncated (shorter than the {_HEADER.size}-byte header); {fix}")
+    # 8-byte magic, uint32 version and bytes per token, uint64 vocab size and token count
     magic, version, itemsize, vocab_size, count = _HEADER.unpack(raw)
     if magic != MAGIC:
         raise ValueError(f"{path} is not a nanoformer token file (bad magic {magic!r}); {fix}")
+    # a newer writer may lay the ids out differently; older or equal versions read as they are
     if version > FORMAT_VERSION:
         raise ValueError(
             f"{path} has format version {version}, newer than this code's {FORMAT_VERSION}; update nanoformer"
         )
+    # uint16 cannot hold the ids of a larger vocabulary, so such a header is damaged
     if itemsize not in _DTYPES or (itemsize == 2 and vocab_size > 2**16):
         raise ValueError(f"{path} has a corrupt header ({itemsize} bytes per token for vocab size {vocab_size}); {fix}")
+    # a file cut short (an interrupted copy, a full disk) is caught here, not read past its end during training
     if size != _HEADER.size + count * itemsize:
         held = (size - _HEADER.size) / itemsize
         raise ValueError(f"{path} is truncated: its header promises {count:,} tokens but it holds {held:,.1f}; {fix}")
+    # (numpy dtype of the ids, vocab size, token count)
     return _DTYPES[itemsize], vocab_size, count
 
 
@@ -146,6 +178,7 @@ def load_tokens(path) -> np.memmap:
     """
     path = Path(path)
     dtype, _, count = _read_header(path)
+    # offset skips the header; shape (count,) ends the array at the last id
     return np.memmap(path, dtype=dtype, mode="r", offset=_HEADER.size, shape=(count,))
 
 
@@ -156,23 +189,30 @@ class PairWriter:
     """Streams (src, tgt) id pairs of one split into {split}_src.bin, {split}_tgt.bin and {split}_idx.npy."""
 
     def __init__(self, stack: contextlib.ExitStack, folder: Path, split: str, vocab_size: int):
+        # entered on the caller's stack: both files are renamed into place only when the whole build succeeds
         self.src = TokenWriter(stack.enter_context(atomic_output(folder / f"{split}_src.bin")), vocab_size)
         self.tgt = TokenWriter(stack.enter_context(atomic_output(folder / f"{split}_tgt.bin")), vocab_size)
+        # written in one go by finish(), once its length is known
         self.index_path = folder / f"{split}_idx.npy"
         # row i holds where pair i starts in the src and tgt files; 16 bytes a pair stay in memory
         self.offsets = array.array("q", [0, 0])
 
     def add(self, src_ids, tgt_ids) -> None:
+        """Append one pair: the source ids and the target ids, without bos/eos."""
         self.src.write(src_ids)
         self.tgt.write(tgt_ids)
+        # where this pair ends is where the next one starts
         self.offsets.extend((self.src.count, self.tgt.count))
 
     def finish(self) -> int:
+        """Write the index, complete both token files and return the number of pairs."""
+        # the flat [s0, t0, s1, t1, ...] buffer viewed, without a copy, as (n + 1, 2) rows
         index = np.frombuffer(self.offsets, dtype=np.int64).reshape(-1, 2)
         with atomic_output(self.index_path) as f:
             np.save(f, index)
         self.src.finish()
         self.tgt.finish()
+        # n pairs have n + 1 boundaries
         return len(index) - 1
 
 
@@ -192,9 +232,12 @@ class Pairs(Sequence):
 
     def __getitem__(self, i):
         n = len(self)
+        # bounds first: i % n below would wrap any i; a negative i counts from the end, as for a list
         if not -n <= i < n:
             raise IndexError(f"pair {i} is out of range for a split of {n} pairs")
+        # pair i spans from its own row of the index to the next pair's row
         (s0, t0), (s1, t1) = self.index[i % n], self.index[i % n + 1]
+        # slices of memmaps: views, nothing is read from disk until used
         return self.src[s0:s1], self.tgt[t0:t1]
 
 
@@ -208,11 +251,14 @@ def load_pairs(dataset_dir, split: str) -> Pairs:
         raise FileNotFoundError(f"{index_path} not found; is {folder} a prepared seq2seq dataset?")
     src, tgt = load_tokens(folder / f"{split}_src.bin"), load_tokens(folder / f"{split}_tgt.bin")
     try:
+        # memory-mapped like the token files: a large corpus's index need not sit in memory
         index = np.load(index_path, mmap_mode="r")
     except ValueError as err:
         raise ValueError(
             f"{index_path} is not a valid index ({one_line(err)}); re-create the dataset with --force"
         ) from None
+    # a cheap consistency check: (n + 1, 2) rows from (0, 0) to the token files' lengths, so a stale
+    # index or a mismatched file fails here instead of slicing the wrong ids
     if not (
         index.ndim == 2
         and index.shape[1] == 2
@@ -235,15 +281,20 @@ def tiktoken_encoding(name: str) -> tiktoken.Encoding:
     fallback warning happen once per process.
     """
     try:
+        # tiktoken downloads an encoding's files once, then reads them from its cache (TIKTOKEN_CACHE_DIR)
         return tiktoken.get_encoding(name)
     except Exception as err:  # tiktoken raises requests, blobfile or hash errors depending on what is missing
+        # only gpt2 has a twin to fall back on
         if name != "gpt2":
             raise DownloadError(
                 f"could not load the tiktoken encoding {name!r} ({one_line(err)}); "
                 "set TIKTOKEN_CACHE_DIR to a folder holding its cached files"
             ) from None
+        # kept for the warning below: Python deletes `err` when the except clause ends
         gpt2_error = err
     try:
+        # gpt2 is read from two files (vocab.bpe, encoder.json), r50k_base from one .tiktoken file; a cache or
+        # mirror often holds only the latter
         encoding = tiktoken.get_encoding("r50k_base")
     except Exception as err:
         raise DownloadError(
@@ -267,20 +318,24 @@ class Tokenizer:
 
     def __init__(self, spec: dict, vocab_size: int, special_tokens: dict[str, int]):
         if spec.get("type") == "char":
+            # char: id i is the i-th character of the list in meta.json; _index maps back, character -> id
             self._chars = list(spec["chars"])
             self._index = {c: i for i, c in enumerate(self._chars)}
             self._bpe, base = None, len(self._chars)
         elif spec.get("type") == "tiktoken":
+            # base: the ids that text itself uses (GPT-2: 50,257, end-of-text included)
             self._bpe = tiktoken_encoding(spec["encoding"])
             base = self._bpe.n_vocab
         else:
             raise ValueError(f"unknown tokenizer spec {spec!r}; expected type 'char' or 'tiktoken'")
+        # vocab_size must cover the base ids and every special id; the ids beyond base are the specials
         if vocab_size < base or any(not 0 <= i < vocab_size for i in special_tokens.values()):
             raise ValueError(
                 f"vocab_size {vocab_size} and special tokens {special_tokens} do not fit a base vocabulary of {base}"
             )
         self.spec, self.vocab_size, self.special_tokens = spec, vocab_size, dict(special_tokens)
         self._base = base
+        # only specials past the base get a marker: tiktoken decodes its own end-of-text itself
         self._markers = {i: f"<{name}>" for name, i in special_tokens.items() if i >= base}
 
     @classmethod
@@ -291,11 +346,14 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Ids of `text`; characters outside a char vocabulary raise ValueError naming them."""
         if self._bpe is not None:
+            # ordinary: '<|endoftext|>' written in a text stays text, never the special id
             return self._bpe.encode_ordinary(text)
         try:
+            # the fast path; the except clause below only builds the message
             return [self._index[c] for c in text]
         except KeyError:
             unknown = sorted(set(text) - self._index.keys())
+            # at most ten shown, so a wrong file (binary, another alphabet) still gives one line
             shown = ", ".join(map(repr, unknown[:10])) + (", ..." if len(unknown) > 10 else "")
             raise ValueError(f"characters not in the {len(self._chars)}-character vocabulary: {shown}") from None
 
@@ -307,9 +365,11 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         """Text of `ids` (any int sequence or array); ids beyond the vocabulary raise ValueError."""
+        # a list, a numpy array or a CPU tensor of any shape becomes a flat list of Python ints
         ids = np.asarray(ids).ravel().tolist()
         parts, run = [], []  # BPE ids are decoded in runs: one character may span several tokens
         for i in ids:
+            # ordinary ids gather in the current run
             if 0 <= i < self._base:
                 run.append(i)
                 continue
@@ -323,6 +383,7 @@ class Tokenizer:
 
     def _decode_base(self, ids: list[int]) -> str:
         if self._bpe is not None:
+            # an incomplete UTF-8 character at the end decodes as U+FFFD, which sample.py's streaming waits out
             return self._bpe.decode(ids)
         return "".join(self._chars[i] for i in ids)
 
@@ -344,6 +405,7 @@ def dataset_dir(name: str, data_dir=None) -> Path:
 
     data_dir defaults to $NANOFORMER_DATA_DIR, else data/ beside this file.
     """
+    # a plain name only: a path or '..' would escape data_dir, and dot names belong to prepare_data's staging folders
     if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("."):
         raise ValueError(f"dataset folder name must be a plain name such as 'my_corpus', got {name!r}")
     return data_root(data_dir) / name
@@ -360,9 +422,11 @@ def load_meta(dataset_dir) -> dict:
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON ({one_line(err)}); re-create the dataset with --force") from None
+    # what training and sampling read; a meta.json without them is foreign or cut short
     required = ("format_version", "kind", "tokenizer", "vocab_size", "special_tokens", "files")
     if not isinstance(meta, dict) or any(key not in meta for key in required):
         raise ValueError(f"{path} lacks the keys {', '.join(required)}; re-create the dataset with --force")
+    # as for token files: only a newer writer's layout is unreadable
     if meta["format_version"] > FORMAT_VERSION:
         raise ValueError(
             f"{path} has format version {meta['format_version']}, newer than this code's {FORMAT_VERSION}; "
@@ -382,18 +446,21 @@ def check_prepared(path) -> None:
     path = Path(path)
     meta = load_meta(path)
     fix = "re-create the dataset with: python prepare_data.py NAME --force"
+    # what each kind needs: LM training reads train.bin and val.bin, seq2seq the pairs of every split
     if meta["kind"] == "lm":
         missing = [f for f in ("train.bin", "val.bin") if f not in meta["files"]]
     else:
         missing = [f"{s} pairs" for s in SEQ2SEQ_SPLITS if s not in meta.get("pairs", {})]
     if missing:
         raise ValueError(f"{path / 'meta.json'} lists no {' nor '.join(missing)}; {fix}")
+    # headers only, never the ids: cheap even for billions of tokens
     for fname, count in meta["files"].items():
         if not (path / fname).is_file():
             raise FileNotFoundError(f"{path / fname} is missing (meta.json lists it); {fix}")
         held = _read_header(path / fname)[2]
         if held != count:
             raise ValueError(f"{path / fname} holds {held:,} tokens but meta.json records {count:,}; {fix}")
+    # load_pairs checks each index against its token files; here its pair count against meta.json
     for split, count in meta.get("pairs", {}).items():
         held = len(load_pairs(path, split))
         if held != count:

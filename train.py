@@ -114,6 +114,7 @@ class TrainConfig:
 
     def __post_init__(self):
         choices = {
+            # settings with a fixed set of values; the model's own (arch, norm, ...) are checked by ModelConfig below
             "dtype": ("auto", "float32", "bfloat16", "float16"),
             "lr_schedule": ("cosine", "noam"),
             "backend": ("auto", "nccl", "gloo"),
@@ -121,6 +122,7 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        # 0 would divide by zero (the intervals are taken modulo) or make empty batches
         for name in (
             "eval_interval",
             "log_interval",
@@ -131,6 +133,7 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        # 0 means something here (no steps, no warmup, no clipping); a negative value never does
         for name in ("max_iters", "warmup_iters", "lr_decay_iters", "eval_accuracy_examples", "grad_clip", "min_lr"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
@@ -176,6 +179,7 @@ class Runtime:
 
 def make_runtime(cfg):
     """The Runtime of this process: ranks from torchrun's variables, device and dtype from cfg."""
+    # torchrun sets RANK, LOCAL_RANK and WORLD_SIZE in each process; a plain `python train.py` is rank 0 of 1
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(cfg.device, local_rank)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -190,15 +194,18 @@ def resolve_device(name, local_rank):
         device = torch.device(name)
     except RuntimeError:
         raise ConfigError(f"device={name!r} is not a device; use auto, cpu, cuda, cuda:N or mps") from None
+    # torch.device('cuda') parses on any machine: whether it is there is a separate question
     available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
     if not available.get(device.type, True):
         raise ConfigError(f"device={name!r} is not available on this machine; use --device=cpu")
+    # a bare 'cuda' means this rank's own GPU, so that 8 ranks on one machine do not all use GPU 0
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", local_rank)
     return device
 
 
 def resolve_dtype(name, device):
+    """The torch dtype for dtype setting `name` on device ('auto' resolved); ConfigError where it cannot run."""
     # V100s and T4s run bfloat16 only by emulation (slowly): they count as having none, and get float16 + scaler
     native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if name == "auto":
@@ -262,7 +269,9 @@ def raise_if_any_failed(error, world_size):
     errors = [error]
     if world_size > 1:
         errors = [None] * world_size
+        # every rank receives every rank's message (a string or None)
         dist.all_gather_object(errors, error)
+    # the lowest failing rank's message: every rank raises the same one
     failed = next((e for e in errors if e), None)
     if failed:
         raise ConfigError(failed)
@@ -273,11 +282,14 @@ class StopRequest:
 
     def __enter__(self):
         self.signal = None
+        # the handlers replaced are kept, to be put back after the first signal and at exit
         self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def handle(self, signum, frame):
+        # the name ('SIGTERM') for the log; the loop checks it before each step
         self.signal = signal.Signals(signum).name
+        # so that a second Ctrl-C interrupts at once, should the save hang
         signal.signal(signum, self.previous[signum])
 
     def __exit__(self, *exc):
@@ -312,9 +324,11 @@ def prepared_dataset(name, data_dir, options):
             if not folder.is_dir():
                 raise ValueError(f"not one of {', '.join(prepare_data.DATASETS)}, nor a folder in {folder.parent}")
             tokens.check_prepared(folder)
+        # prepare() keeps outputs that are up to date for these options: with none, an intact folder is enough
         elif options or not tokens.is_prepared(folder):
             log(f"dataset {name}: preparing it in {folder.parent} unless up to date")
             folder = prepare_data.prepare(name, data_dir, **options)
+    # bad options, a missing input, a failed download, a full disk: all reported as one line
     except (ValueError, OSError) as e:
         raise ConfigError(f"dataset {name}: {e}") from None
     return folder
@@ -323,6 +337,8 @@ def prepared_dataset(name, data_dir, options):
 def find_dataset(cfg, rt):
     """The dataset's folder, prepared first if missing: by rank 0, then by each node's first rank, then by the rest."""
     folder = None
+    # three turns, so that one process downloads and tokenizes while the others wait: rank 0 first, then the first
+    # rank of every other machine (its data_dir may be a local disk), then everyone else, who find it done
     for my_turn in (rt.rank == 0, rt.rank != 0 and rt.local_rank == 0, rt.local_rank != 0):
         error = None
         if my_turn:
@@ -340,6 +356,7 @@ def make_objective(arch, meta, mask_prob):
     if meta["kind"] != kind:
         examples = "reverse, sort, num2words, translation" if kind == "seq2seq" else "shakespeare_char, shakespeare"
         raise ConfigError(f"arch={arch} needs a {kind} dataset ({examples}); {meta.get('name')} is {meta['kind']}")
+    # the special ids each arch needs: pad, bos and eos to frame pairs; [MASK] for the encoder; none for a GPT
     vocab, special = meta["vocab_size"], meta["special_tokens"]
     if arch == "encoder_decoder":
         objective = Objective(arch, vocab, pad_id=special["pad"], bos_id=special["bos"], eos_id=special["eos"])
@@ -360,6 +377,7 @@ def load_splits(folder, meta, block_size):
     splits = {}
     for split in ("train", "val"):
         if meta["kind"] == "lm":
+            # a memmap: the file stays on disk, and each batch reads only the windows it draws
             splits[split] = tokens.load_tokens(folder / f"{split}.bin")
             if len(splits[split]) <= block_size:  # a GPT's window is block_size + 1 tokens (inputs and targets)
                 raise ConfigError(
@@ -368,6 +386,7 @@ def load_splits(folder, meta, block_size):
                     f"dataset with a longer {split} split"
                 )
             continue
+        # seq2seq: pairs.index is (n + 1, 2), the offsets of each pair's source and target in two flat arrays
         pairs = tokens.load_pairs(folder, split)
         lengths = np.diff(pairs.index, axis=0)  # (n, 2): source and target length of each pair
         # the decoder reads bos + target and predicts target + eos: target + 1 positions
@@ -385,17 +404,22 @@ def load_splits(folder, meta, block_size):
 
 def windows(tokens, batch_size, length, generator):
     """batch_size windows of `length` consecutive tokens at random offsets: (B, length) int64."""
+    # + 1: a window may end at the very last token
     starts = torch.randint(len(tokens) - length + 1, (batch_size,), generator=generator).tolist()
+    # the file's uint16 or uint32 ids widened to int64, which embeddings and cross_entropy take
     return torch.from_numpy(np.stack([tokens[s : s + length] for s in starts]).astype(np.int64))
 
 
 def mask_tokens(tokens, objective, generator):
     """BERT's corruption of tokens (B, T): (inputs, targets), targets IGNORE_INDEX where nothing is to be predicted."""
+    # (B, T) bool: the positions the model must predict
     chosen = torch.rand(tokens.shape, generator=generator) < objective.mask_prob
     action = torch.rand(tokens.shape, generator=generator)  # < 0.8: [MASK], < 0.9: random token, else unchanged
+    # drawn for every position, used only where action picks a random token; never [MASK] itself
     random_tokens = torch.randint(objective.data_vocab, tokens.shape, generator=generator)
     inputs = torch.where(chosen & (action < 0.8), objective.mask_id, tokens)
     inputs = torch.where(chosen & (action >= 0.8) & (action < 0.9), random_tokens, inputs)
+    # targets at every chosen position, the unchanged ones included: the model cannot tell which they are
     return inputs, torch.where(chosen, tokens, IGNORE_INDEX)
 
 
@@ -405,7 +429,9 @@ def seq2seq_batch(pairs, rows, objective):
     right-padded with pad_id (IGNORE_INDEX in targets) to the longest of the batch.
     """
     examples = [pairs[int(i)] for i in rows]
+    # + 1: tgt_in has bos before the target, targets has eos after it
     S, T = max(len(s) for s, _ in examples), max(len(t) for _, t in examples) + 1
+    # all padding at first; each row's real tokens then overwrite its start
     src = torch.full((len(examples), S), objective.pad_id)
     tgt_in = torch.full((len(examples), T), objective.pad_id)
     targets = torch.full((len(examples), T), IGNORE_INDEX)
@@ -421,12 +447,15 @@ def get_batch(data, objective, batch_size, block_size, generator):
     """One micro-batch of a split drawn with generator: (model inputs tuple, targets), int64 CPU tensors."""
     if objective.arch == "encoder_decoder":
         pairs, usable = data
+        # random pairs among those that fit block_size (with replacement, like the windows)
         rows = usable[torch.randint(len(usable), (batch_size,), generator=generator).numpy()]
         src, tgt_in, targets = seq2seq_batch(pairs, rows, objective)
         return (src, tgt_in), targets
     if objective.arch == "encoder":
+        # masked LM: the window is both the input (corrupted) and the targets (at the chosen positions)
         inputs, targets = mask_tokens(windows(data, batch_size, block_size, generator), objective, generator)
         return (inputs,), targets
+    # a GPT predicts each next token: inputs and targets are the same window shifted by one, (B, block_size) each
     tokens = windows(data, batch_size, block_size + 1, generator)
     return (tokens[:, :-1],), tokens[:, 1:]
 
@@ -437,6 +466,7 @@ def micro_seeds(generator, n):
 
 
 def count_targets(targets):
+    """How many positions of targets hold a real target: what a step's mean loss divides by."""
     return int((targets != IGNORE_INDEX).sum())
 
 
@@ -452,6 +482,7 @@ def model_inputs(inputs, targets, device):
     dynamic, so torch.compile builds one graph for all of them instead of recompiling for each new length.
     """
     moved = [x.to(device, non_blocking=x.is_pinned()) for x in (*inputs, targets)]
+    # (src (B, S), tgt_in (B, T)): dimension 1 is the length, which varies by batch
     if len(inputs) == 2:
         for x in moved:
             torch._dynamo.maybe_mark_dynamic(x, 1)
@@ -469,24 +500,30 @@ class TrainBatches:
     def __init__(self, data, objective, cfg, generator, rt, per_rank):
         self.data, self.objective, self.cfg, self.pin = data, objective, cfg, rt.device.type == "cuda"
         self.generator, self.rank, self.per_rank, self.world_size = generator, rt.rank, per_rank, rt.world_size
+        # one worker: the next step's batches are built in order while this step runs, never further ahead
         self.pool = ThreadPoolExecutor(max_workers=1)
         self.advance()
 
     def advance(self):
         """Start building the next step's batches."""
         self.resume_state = self.generator.get_state()  # what a checkpoint stores: the pending step is not taken
+        # every rank draws all ranks' seeds, so the generator moves alike everywhere; each keeps its own slice
         seeds = micro_seeds(self.generator, self.per_rank * self.world_size)
         mine = seeds[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
         self.pending = self.pool.submit(self.build, mine)
 
     def build(self, seeds):
+        """(micro-batches, real targets, input tokens) for these seeds; runs on the background thread."""
         cfg, objective = self.cfg, self.objective
         batches = [
+            # a fresh generator per micro-batch: its contents depend on its seed alone
             get_batch(self.data, objective, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(s))
             for s in seeds
         ]
+        # pinned (page-locked) memory lets the copy to the GPU run asynchronously (non_blocking)
         if self.pin:
             batches = [(tuple(x.pin_memory() for x in inputs), targets.pin_memory()) for inputs, targets in batches]
+        # counted here on the CPU, so the training loop never waits for a count on the GPU
         n_targets = sum(count_targets(targets) for _, targets in batches)
         return batches, n_targets, sum(count_tokens(inputs, objective) for inputs, _ in batches)
 
@@ -508,6 +545,7 @@ def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters, schedule="co
     decay to min_lr at lr_decay_iters, min_lr after. 'noam' (the 2017 paper): the same warmup, then
     learning_rate * sqrt(warmup_iters / step); the paper's d_model**-0.5 * warmup_iters**-0.5 is learning_rate here.
     """
+    # 1-based: the first step (it 0) already gets a nonzero learning rate
     step = it + 1
     if schedule == "noam":
         return learning_rate * min(step / warmup_iters, math.sqrt(warmup_iters / step))
@@ -515,6 +553,7 @@ def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters, schedule="co
         return learning_rate * step / warmup_iters
     if it >= lr_decay_iters:
         return min_lr
+    # 0 -> 1 from the end of warmup to lr_decay_iters; the cosine factor goes 1 -> 0 over it
     progress = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
@@ -528,13 +567,16 @@ def accumulate_gradients(model, batches, n_targets, scaler, rt, *, label_smoothi
     """
     total = torch.zeros((), device=rt.device)
     for i, (inputs, targets) in enumerate(batches):
+        # no_sync: the micro-batches before the last only add up gradients locally; the last one's backward all-reduces
         sync = ddp is None or i == len(batches) - 1
         with contextlib.nullcontext() if sync else ddp.no_sync():
             inputs, targets = model_inputs(inputs, targets, rt.device)
             with autocast(rt.device, rt.dtype):
                 # the model sums the loss itself, in chunks of positions: the (B, T, V) logits never exist whole
                 _, loss = model(*inputs, targets, label_smoothing=label_smoothing, reduction="sum", return_logits=False)
+            # / n_targets: this micro-batch's part of the step's mean loss; * world_size: undoes DDP's average
             scaler.scale(loss * (rt.world_size / n_targets)).backward()
+        # a device tensor: adding to it never waits for the GPU
         total += loss.detach()
     return total
 
@@ -546,6 +588,7 @@ def train_step(model, optimizer, scaler, batches, rt, *, n_targets, lr, grad_cli
     gradient norm, 1.0 if the step was skipped else 0.0). A step whose gradient is not finite (a bf16 overflow in
     backward, say) is skipped: the weights and the optimizer's state stay as they were.
     """
+    # the schedule's value, set on every group (they differ only in weight decay)
     for group in optimizer.param_groups:
         group["lr"] = lr
     args = (batches, n_targets, scaler, rt)
@@ -560,7 +603,9 @@ def train_step(model, optimizer, scaler, batches, rt, *, n_targets, lr, grad_cli
         model.fall_back(e)
         optimizer.zero_grad(set_to_none=True)
         loss = accumulate_gradients(model, *args, **kwargs)  # the step again, eagerly: the model's own errors recur
+    # float16 gradients were scaled up: unscaled (a no-op otherwise) before clipping, so grad_clip is in true units
     scaler.unscale_(optimizer)
+    # with no clipping (math.inf) the norm is still computed, for the log and the finiteness check
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     skipped = (~torch.isfinite(grad_norm)).float()  # DDP averaged the gradients: the same on every rank
     if scaler.is_enabled():
@@ -571,9 +616,11 @@ def train_step(model, optimizer, scaler, batches, rt, *, n_targets, lr, grad_cli
         optimizer.found_inf = skipped
         optimizer.step()
         del optimizer.found_inf
+    # any other optimizer: the host must read the flag to decide, one wait per step
     elif not skipped.item():
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    # this rank's share of the step's mean loss: summed over the ranks, it is the mean
     return loss / n_targets, grad_norm, skipped
 
 
@@ -600,9 +647,11 @@ class StepLosses:
         """
         if not self.pending:
             return {}
+        # one stacked tensor: one all-reduce and one device-to-host copy for all the pending steps
         losses = torch.stack([loss for _, loss in self.pending])
         if self.world_size > 1:
             dist.all_reduce(losses)
+        # the skipped count rides in the same copy, so reading it costs no second wait
         *losses, skipped = torch.cat([losses.float(), self.skipped[None]]).tolist()
         iterations = [iteration for iteration, _ in self.pending]
         self.pending, self.skipped = [], torch.zeros_like(self.skipped)
@@ -631,16 +680,20 @@ def evaluate(model, splits, objective, cfg, rt):
     model.eval()
     losses = {}
     for i, (split, data) in enumerate(splits.items()):
+        # fixed seeds apart from training's stream: the same batches at every evaluation; rank r takes every
+        # world_size-th of them
         seeds = micro_seeds(torch.Generator().manual_seed(cfg.seed + 1 + i), cfg.eval_iters)[rt.rank :: rt.world_size]
         total, count = torch.zeros((), device=rt.device), 0
         for s in seeds:
             generator = torch.Generator().manual_seed(s)
             inputs, targets = get_batch(data, objective, cfg.batch_size, cfg.block_size, generator)
+            # counted on the CPU before the copy, so that no batch waits for the GPU
             count += count_targets(targets)
             inputs, targets = model_inputs(inputs, targets, rt.device)
             with autocast(rt.device, rt.dtype):
                 _, loss = model(*inputs, targets, reduction="sum", return_logits=False)
             total += loss.float()
+        # sums over the ranks, then one division: the mean over every target, however they were shared out
         total, count = all_reduce([total, count], rt).tolist()
         losses[split] = total / max(count, 1)
     return losses
@@ -653,10 +706,12 @@ def exact_match(model, pairs, rows, objective, cfg, rt):
     exactly, over all ranks.
     """
     model.eval()
+    # rank r decodes every world_size-th pair
     mine, correct = rows[rt.rank :: rt.world_size], 0
     for start in range(0, len(mine), cfg.batch_size):
         src, _, targets = seq2seq_batch(pairs, mine[start : start + cfg.batch_size], objective)
         with autocast(rt.device, rt.dtype):
+            # (B, L) ids without bos, each row ending at its eos, padded after it
             out = model.generate(src.to(rt.device), cfg.block_size, objective.bos_id, objective.eos_id).tolist()
         for hyp, ref in zip(out, targets.tolist()):
             ref = [t for t in ref if t != IGNORE_INDEX]  # the target and its eos: nothing may follow before eos
@@ -674,6 +729,7 @@ class CompiledModel(nn.Module):
 
     def __init__(self, module):
         super().__init__()
+        # the eager module is kept for the fallback; both share the same parameters
         self.module, self.compiled, self.failed = module, torch.compile(module), False
 
     def forward(self, *args, **kwargs):
@@ -709,11 +765,13 @@ def compile_model(model, example, rt, label_smoothing=0.0):
         raise
     except Exception as e:  # a missing C compiler, an unsupported operator, ...: all mean eager mode
         compiled.fall_back(e)
+    # the trial's gradients must not add to the first real step's
     model.zero_grad(set_to_none=True)
     return model if compiled.failed else compiled
 
 
 def first_line(error):
+    """The first line of an error's message, at most 300 characters, for a one-line report."""
     return (str(error).strip().splitlines() or [""])[0][:300]
 
 
@@ -723,6 +781,7 @@ def first_line(error):
 
 def pretrained_gpt2(name, arch, meta, dropout, block_size):
     """GPT-2 weights (a hub name or a local Hugging Face folder) for fine-tuning on GPT-2 BPE data."""
+    # GPT-2's weights only fit a causal LM on GPT-2's token ids
     if arch != "gpt" or meta["tokenizer"] != {"type": "tiktoken", "encoding": "gpt2"}:
         raise ConfigError(f"init_from={name} needs arch='gpt' and a GPT-2 BPE dataset (e.g. dataset='shakespeare')")
     try:
@@ -734,9 +793,11 @@ def pretrained_gpt2(name, arch, meta, dropout, block_size):
 def out_dir_problem(out_dir):
     """Why out_dir could not be written (None if it can), found before any work is done, creating nothing."""
     path = Path(out_dir).absolute()
+    # the deepest part of the path that exists: the folder in which the rest would be created
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         return f"out_dir={out_dir} cannot be a folder: {existing} is a file; choose another --out_dir"
+    # write to create entries in it, execute to enter it
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"out_dir={out_dir} cannot be written: {existing} is not writable by this user; choose another --out_dir"
     return None
@@ -749,6 +810,7 @@ class Scalars:
         self.tensorboard = self.wandb = None
         if active and cfg.tensorboard:
             try:
+                # imported only when asked for: TensorBoard and W&B are optional dependencies
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise ConfigError("tensorboard=True needs: pip install tensorboard (or --tensorboard=false)") from None
@@ -787,6 +849,7 @@ def init_model(cfg, meta):
     if cfg.init_from == "resume":
         path = Path(cfg.out_dir) / "ckpt.pt"
         ckpt = load_checkpoint(path)
+        # the weights were trained on another tokenizer's ids: on this data they would read nonsense
         if ckpt["meta"]["tokenizer"] != meta["tokenizer"]:
             raise ConfigError(f"{path} was trained with another tokenizer than dataset={cfg.dataset}'s")
         # settings the user gave (not left at their defaults) that the checkpoint overrides; None resolved first
@@ -799,7 +862,9 @@ def init_model(cfg, meta):
         ]
         if changed:
             log(f"note: resuming with the checkpoint's model settings: {', '.join(changed)}")
+        # the checkpoint's settings win: its weights fit only the architecture they were trained in
         cfg = replace(cfg, **{k: ckpt["model_config"][k] for k in MODEL_KEYS})
+    # meta_out may add a [MASK] id; a resumed run keeps the checkpoint's meta, which already has it
     objective, vocab_size, meta_out = make_objective(cfg.arch, meta, cfg.mask_prob)
     if ckpt is not None:
         model = model_from_checkpoint(ckpt)
@@ -810,6 +875,7 @@ def init_model(cfg, meta):
         return cfg, model.train(), objective, ckpt["meta"], ckpt
     if cfg.init_from == "scratch":
         return cfg, build_model(cfg.model_config(vocab_size, objective.pad_id)), objective, meta_out, None
+    # init_from names GPT-2 weights: their size decides n_layer, n_head, n_embd and the rest
     model = pretrained_gpt2(cfg.init_from, cfg.arch, meta, cfg.dropout, cfg.block_size)
     return replace(cfg, **{k: getattr(model.config, k) for k in MODEL_KEYS}), model, objective, meta_out, None
 
@@ -827,6 +893,7 @@ def update_ema(averages, weights, decay, step):
 
 
 def format_eta(seconds):
+    """seconds as '1h05m' or '4m09s': the time left, on the progress line."""
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
@@ -894,6 +961,7 @@ def init_distributed(cfg, rt, stack):
     if rt.world_size == 1:
         return None
     if rt.device.type == "cuda":
+        # NCCL uses the current GPU: each rank's must be its own before the group forms
         torch.cuda.set_device(rt.device)
     backend = cfg.backend if cfg.backend != "auto" else "nccl" if rt.device.type == "cuda" else "gloo"
     # the timeout turns a dead or stuck rank into an error on the others instead of a hang, in both groups
@@ -914,26 +982,34 @@ def wrap_model(raw_model, cfg, rt, example):
     if rt.world_size > 1:  # DDP also gives every rank rank 0's initial weights
         ddp = DDP(raw_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
     model, eval_model = raw_model if ddp is None else ddp, raw_model
+    # compile=None: on CUDA only, where the compile time pays for itself
     if cfg.compile or cfg.compile is None and rt.device.type == "cuda":
         model = compile_model(model, example, rt, cfg.label_smoothing)
         if isinstance(model, CompiledModel):
+            # with DDP, the compiled model is DDP's: evaluation, which stays outside DDP, compiles the plain model apart
             eval_model = model if ddp is None else CompiledModel(raw_model)
     return model, ddp, eval_model
 
 
 def setup(cfg, rt, stack):
     """Everything before the first step: processes, data, model, optimizer, resume state, outputs. Returns a Run."""
+    # checked before any process group or data: a bad setting fails at once
     per_rank = split_accumulation(cfg.gradient_accumulation_steps, rt.world_size)
     host_group = init_distributed(cfg, rt, stack)
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; DDP copies rank 0's initial weights
     if rt.device.type == "cuda":
+        # TF32 matmuls (Ampere and newer): far faster than float32, and precise enough for training
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    # rank 0 alone writes files, and an eval_only run writes none
     out_dir, is_writer = Path(cfg.out_dir), rt.rank == 0 and not cfg.eval_only
+    # an unwritable out_dir is found now, not at the first save hours later
     raise_if_any_failed(out_dir_problem(out_dir) if is_writer else None, rt.world_size)
 
     folder = find_dataset(cfg, rt)
     data_meta = tokens.load_meta(folder)
+    # cfg comes back with the model settings of the checkpoint or GPT-2 weights, if it starts from either
     cfg, raw_model, objective, meta, ckpt = init_model(cfg, data_meta)
+    # resuming a finished run would train nothing and only save it again
     if ckpt is not None and ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
         raise ConfigError(
             f"{out_dir / 'ckpt.pt'} is at iteration {ckpt['iter_num']}, which max_iters="
@@ -941,14 +1017,18 @@ def setup(cfg, rt, stack):
             "--max_iters (and --lr_decay_iters, where the cosine schedule ends)"
         )
     splits = load_splits(folder, data_meta, cfg.block_size)
+    # on the device before the optimizer is built, so that its state (and fused kernels) live there too
     raw_model.to(rt.device)
     if rt.device.type == "cpu":
         keep_freed_memory()
     betas = (cfg.beta1, cfg.beta2)
+    # AdamW, weight decay on matrices and embeddings only; summary is a line describing the groups
     optimizer, summary = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, rt.device.type)
+    # float16 only: its small gradients would underflow to 0 without a loss scale; bfloat16 has float32's range
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     generator = torch.Generator().manual_seed(cfg.seed)  # the training data stream: the same on every rank
     if ckpt is not None:
+        # a resume goes on where the run stopped: Adam's moments, the loss scale and the position in the data
         optimizer.load_state_dict(ckpt["optimizer"])
         if scaler.is_enabled() and ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
@@ -968,14 +1048,18 @@ def setup(cfg, rt, stack):
         )
     log(summary)
 
+    # a batch for compile_model's trial, drawn with a throwaway generator so that the training stream is untouched
     example = get_batch(splits["train"], objective, cfg.batch_size, cfg.block_size, torch.Generator())
     model, ddp, eval_model = wrap_model(raw_model, cfg, rt, example)
     ema_model = None  # the average starts from the weights DDP gave every rank
     if cfg.ema_decay:
+        # the average is never trained: no gradients, always in eval mode (no dropout)
         ema_model = eval_model = copy.deepcopy(raw_model).eval().requires_grad_(False)
+        # a checkpoint with train_model holds the average in "model"; without one, the average starts afresh
         if ckpt is not None and "train_model" in ckpt:
             ema_model.load_state_dict(ckpt["model"])
     if ckpt is not None:
+        # each rank's own generators (dropout) back as they were, in rank order, if the rank count is unchanged
         if len(ckpt["rng"]) == rt.world_size:
             set_rng_state(ckpt["rng"][rt.rank])
         else:
@@ -985,6 +1069,7 @@ def setup(cfg, rt, stack):
             )
     if is_writer:
         out_dir.mkdir(parents=True, exist_ok=True)
+        # the run's settings in readable JSON beside the checkpoints, for people and tools without torch
         write_json(
             {
                 "train_config": asdict(cfg),
@@ -997,6 +1082,7 @@ def setup(cfg, rt, stack):
     scalars = Scalars(cfg, is_writer)
     stack.callback(scalars.close)
     stop = stack.enter_context(StopRequest())
+    # this GPU's peak bf16 FLOP/s from a table in model.py, for MFU; None where unknown
     peak = peak_flops(torch.cuda.get_device_name(rt.device)) if rt.device.type == "cuda" else None
     start_iter, best_val_loss = (0, math.inf) if ckpt is None else (ckpt["iter_num"], ckpt["best_val_loss"])
     ema_pairs = () if ema_model is None else (list(ema_model.parameters()), list(raw_model.parameters()))
@@ -1047,6 +1133,7 @@ def save_training_state(run, iter_num):
         sampler_state=run.batches.resume_state,
         world_size=run.rt.world_size,
     )
+    # every rank built the state (gathering the RNG states is a collective); one writes it
     if run.rt.rank == 0:
         save_checkpoint(state, Path(run.cfg.out_dir) / "ckpt.pt")
 
@@ -1057,6 +1144,7 @@ def evaluate_and_save(run, iter_num, last):
     (unless always_save_checkpoint is off; the end of the run saves it anyway). Returns the evaluation's record.
     """
     cfg, rt = run.cfg, run.rt
+    # eval_model: the average when there is one, outside DDP (ranks may evaluate different numbers of batches)
     result = evaluate(run.eval_model, run.splits, run.objective, cfg, rt)
     if not all(map(math.isfinite, result.values())):
         raise FloatingPointError(
@@ -1068,15 +1156,18 @@ def evaluate_and_save(run, iter_num, last):
         result["accuracy"] = exact_match(
             run.kept_model, pairs, usable[: cfg.eval_accuracy_examples], run.objective, cfg, rt
         )
+    # evaluation switched the model to eval mode; training needs its dropout back
     run.raw_model.train()
     run.scalars.add(iter_num, {f"eval/{k}": v for k, v in result.items()})
     saved = []
+    # only weights trained in this run can be a new best: the first evaluation after a resume just measures
     if iter_num > run.start_iter and result["val"] < run.best_val_loss:
         run.best_val_loss = result["val"]
         if rt.rank == 0:
             state = weights_state(run.kept_model, cfg, run.meta, iter_num, run.best_val_loss)
             save_checkpoint(state, Path(cfg.out_dir) / "best.pt")
         saved.append("best.pt")
+    # after the last step main saves ckpt.pt anyway, with the final state
     if iter_num > run.start_iter and cfg.always_save_checkpoint and not last:
         save_training_state(run, iter_num)
         saved.append("ckpt.pt")
@@ -1098,6 +1189,7 @@ def take_step(run, iter_num):
     # the step's loss is a mean over all its targets, so their number is needed before the first backward
     counts = torch.tensor([n_targets, n_tokens, run.stop.signal is not None])
     if rt.world_size > 1:
+        # the stop votes ride along: every rank must decide alike, or some would wait forever in the next collective
         dist.all_reduce(counts, group=run.host_group)
     n_targets, n_tokens, stop_votes = counts.tolist()
     if stop_votes:
@@ -1112,6 +1204,7 @@ def take_step(run, iter_num):
         run.scaler,
         micro_batches,
         rt,
+        # at least 1: a step whose batches hold no real target must not divide by zero
         n_targets=max(n_targets, 1),
         lr=lr,
         grad_clip=cfg.grad_clip,
@@ -1128,6 +1221,7 @@ def log_progress(run, iter_num, loss, step, window, skipped):
     """The progress line of iteration iter_num and its TensorBoard scalars; the losses have just been read back."""
     cfg = run.cfg
     seconds = time.perf_counter() - window.start
+    # tokens per second of training time: evaluations are left out of window.start
     norm, speed = step.grad_norm.item(), window.tokens / seconds
     values = {"train/loss": loss, "train/lr": step.lr, "train/grad_norm": norm, "perf/tokens_per_sec": speed}
     line = (
@@ -1135,6 +1229,7 @@ def log_progress(run, iter_num, loss, step, window, skipped):
         f"{1000 * seconds / window.steps:.1f} ms/iter | {speed:,.0f} tok/s"
     )
     if run.peak_flops:
+        # MFU: the fraction of this GPU's peak FLOP/s that the model's matmuls used
         values["perf/mfu"] = window.flops / seconds / run.peak_flops
         line += f" | mfu {values['perf/mfu']:.1%}"
     if skipped:
@@ -1157,6 +1252,7 @@ def main(cfg):
         history = {"losses": {}, "evals": []}
         losses, window = StepLosses(rt), Window()  # losses stay on the device until a progress line or evaluation
         iter_num, stopping = run.start_iter, False
+        # each pass: evaluate if due, stop if this is the last iteration, else take one step
         while True:
             last = iter_num >= cfg.max_iters or stopping
             if should_evaluate(run, iter_num, last, stopping):
@@ -1167,6 +1263,7 @@ def main(cfg):
                 if cfg.eval_only:
                     break
             if last:
+                # the final ckpt.pt, for --init_from=resume to go on from; a run that took no step has nothing new
                 if iter_num > run.start_iter:
                     history["losses"].update(losses.read())
                     if skipped := losses.take_unreported():
@@ -1182,6 +1279,7 @@ def main(cfg):
             if step is None:  # a signal reached some rank: every rank stops here, before this step
                 stopping = True
                 continue
+            # iterations are numbered by the steps done: the step just taken ends iteration iter_num + 1
             iter_num += 1
             losses.add(iter_num, step.loss, step.skipped)
             window.add(step)
