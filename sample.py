@@ -18,13 +18,13 @@ import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
 from config import parse_config
+from devices import autocast, resolve_device, resolve_dtype
 from model import GPT, Stack, check_sampling_args
 from prepare_data import solve
 from tokens import Tokenizer
-from train import autocast, resolve_device, resolve_dtype
 
 MASK = "[MASK]"  # what the encoder's prompt writes where a token is to be filled in
-# what --dtype accepts; resolve_dtype (train.py) turns auto into one of the others
+# what --dtype accepts; resolve_dtype (devices.py) turns auto into one of the others
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # GPT-2's tokenizer as a dataset's meta.json would describe it: tiktoken's gpt2 encoding, 50256 = <|endoftext|>
 GPT2_META = {

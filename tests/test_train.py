@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import devices
 import prepare_data
 import tokens
 import train
@@ -1200,11 +1201,11 @@ def test_auto_dtype_takes_float16_where_bfloat16_is_only_emulated(monkeypatch):
     """A V100 or T4: is_bf16_supported() says True by emulation unless asked not to count it."""
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert train.resolve_dtype("auto", cuda) == torch.float16
+    assert devices.resolve_dtype("auto", cuda) == torch.float16
     with pytest.raises(ConfigError, match="no native bfloat16"):
-        train.resolve_dtype("bfloat16", cuda)
+        devices.resolve_dtype("bfloat16", cuda)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # an A100 or newer
-    assert train.resolve_dtype("auto", cuda) == torch.bfloat16
+    assert devices.resolve_dtype("auto", cuda) == torch.bfloat16
 
 
 def free_port():

@@ -1,0 +1,44 @@
+"""
+Where a script runs and in which precision: the `device` and `dtype` settings of train.py and sample.py resolved
+for this machine, and autocast for mixed precision.
+"""
+
+import torch
+
+from config import ConfigError
+
+
+def resolve_device(name, local_rank):
+    """torch.device for 'auto' (cuda, mps, cpu in that order) or an explicit name; CUDA ranks get their own GPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device={name!r} is not a device; use auto, cpu, cuda, cuda:N or mps") from None
+    # torch.device('cuda') parses on any machine: whether it is there is a separate question
+    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not available.get(device.type, True):
+        raise ConfigError(f"device={name!r} is not available on this machine; use --device=cpu")
+    # a bare 'cuda' means this rank's own GPU, so that 8 ranks on one machine do not all use GPU 0
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    return device
+
+
+def resolve_dtype(name, device):
+    """The torch dtype for dtype setting `name` on device ('auto' resolved); ConfigError where it cannot run."""
+    # V100s and T4s run bfloat16 only by emulation (slowly): they count as having none, and get float16 + scaler
+    native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    if name == "auto":
+        name = "float32" if device.type != "cuda" else "bfloat16" if native_bf16 else "float16"
+    if name == "float16" and device.type != "cuda":
+        raise ConfigError(f"dtype=float16 needs CUDA (its gradient scaler); on {device.type} use bfloat16 or float32")
+    if name == "bfloat16" and device.type == "cuda" and not native_bf16:
+        raise ConfigError("this GPU has no native bfloat16; use --dtype=float16")
+    return getattr(torch, name)
+
+
+def autocast(device, dtype):
+    """Mixed precision for forward passes when dtype is not float32; a no-op otherwise."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
