@@ -5,7 +5,7 @@ config, norms and positions, attention, MLP, block, the shared body, the three m
 
 Shape letters used in comments:
     B batch, T target (query) length, S source (key) length, H heads, D head dim,
-    C channels (n_embd), V vocabulary, K beams.
+    C channels (n_embd), V vocabulary, K beams. Keys and values have n_kv_head heads (H unless grouped-query).
 """
 
 import json
@@ -59,7 +59,7 @@ CHOICES = {
     "pos_encoding": ("learned", "sinusoidal", "rope"),
     "norm_position": ("pre", "post"),
     "norm": ("layernorm", "rmsnorm"),
-    "activation": ("gelu", "gelu_tanh", "relu"),
+    "activation": ("gelu", "gelu_tanh", "relu", "relu2", "swiglu"),
 }
 
 
@@ -71,14 +71,18 @@ class ModelConfig:
     n_layer: int = 12  # blocks in the GPT, the encoder-only model, or the decoder of an encoder-decoder
     n_encoder_layer: int | None = None  # encoder blocks of an encoder-decoder; None: same as n_layer
     n_head: int = 12  # attention heads; n_embd must divide evenly among them
+    n_kv_head: int | None = None  # key/value heads, shared by groups of query heads (1: multi-query); None: n_head
     n_embd: int = 768  # channels of the residual stream, C
-    d_ff: int | None = None  # hidden width of the MLP; None: 4 * n_embd
+    d_ff: int | None = None  # hidden width of the MLP; None: 4 * n_embd, for swiglu too (Llama's 8/3 is not applied)
     dropout: float = 0.0  # on embeddings, attention probabilities and residual branches; 0 for pretraining
     bias: bool = True  # bias in Linears and LayerNorms, like GPT-2; False is a bit faster and as good
     pos_encoding: str = "learned"  # "learned" (GPT-2), "sinusoidal" (the 2017 paper), "rope" (rotary)
     norm_position: str = "pre"  # "pre": norm inside each residual branch (GPT-2); "post": after the add (2017 paper)
     norm: str = "layernorm"  # "layernorm" or "rmsnorm"
-    activation: str = "gelu"  # MLP nonlinearity: "gelu", "gelu_tanh" (GPT-2's approximation) or "relu" (2017 paper)
+    activation: str = "gelu"  # MLP: "gelu", "gelu_tanh" (GPT-2's), "relu" (2017 paper), "relu2" (squared), "swiglu"
+    qk_norm: bool = False  # RMS-normalise each head's queries and keys (a learnable gain over D) before rotary
+    logit_softcap: float = 0.0  # output logits become cap * tanh(logits / cap), within (-cap, cap) (Gemma 2); 0: off
+    zero_init_proj: bool = False  # projections into the residual stream start at zero instead of GPT-2's scaled init
     tie_embeddings: bool = True  # output projection shares the (target) token embedding matrix
     share_embeddings: bool = False  # encoder_decoder: source and target share one embedding (one joint vocabulary)
     pad_token_id: int | None = None  # positions holding this token are never attended to; None: no padding
@@ -91,19 +95,25 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
         if self.n_encoder_layer is None:
             self.n_encoder_layer = self.n_layer
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
         if self.d_ff is None:
             self.d_ff = 4 * self.n_embd
-        for name in ("vocab_size", "block_size", "n_layer", "n_encoder_layer", "n_head", "n_embd", "d_ff"):
+        for name in ("vocab_size", "block_size", "n_layer", "n_encoder_layer", "n_head", "n_kv_head", "n_embd", "d_ff"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} into equal groups")
         if self.pos_encoding == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(
                 f"pos_encoding='rope' needs an even head size, got n_embd/n_head={self.n_embd // self.n_head}"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.logit_softcap < 0:
+            raise ValueError(f"logit_softcap must be >= 0 (0 = off), got {self.logit_softcap}")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(f"pad_token_id={self.pad_token_id} must be in [0, vocab_size={self.vocab_size})")
 
@@ -177,6 +187,7 @@ class KVCache:
     Keys and values of one attention layer while decoding a few tokens at a time.
     Self-attention appends each step's new positions to preallocated buffers;
     cross-attention stores the projected encoder output once and reuses it.
+    With grouped-query attention H below is n_kv_head: the cache holds the shared heads only.
     """
 
     def __init__(self, capacity):
@@ -206,19 +217,31 @@ class Attention(nn.Module):
     Multi-head scaled dot-product attention for all three uses. Self-attention is cross-attention whose
     context is the input itself: called as attn(x) it attends over x (causally if built with causal=True);
     called as attn(x, context) the queries come from x and the keys and values from the context.
+    Grouped-query attention (n_kv_head < n_head) gives keys and values fewer heads, each one read by a group of
+    n_head / n_kv_head consecutive query heads: fewer weights, and a KV cache smaller by that factor.
     """
 
     def __init__(self, config, causal):
         super().__init__()
-        self.n_head, self.causal, self.dropout = config.n_head, causal, config.dropout
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # rows: W_q, W_k, W_v stacked
+        self.n_head, self.n_kv_head, self.causal, self.dropout = config.n_head, config.n_kv_head, causal, config.dropout
+        self.head_dim = config.n_embd // config.n_head  # D
+        kv_dim = config.n_kv_head * self.head_dim  # C when n_kv_head == n_head
+        # one Linear with rows W_q (C), W_k and W_v (kv_dim each) stacked, so the parameter names stay GPT-2's
+        self.qkv = nn.Linear(config.n_embd, config.n_embd + 2 * kv_dim, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.proj.residual = True  # scaled at init, see TransformerModel._init_weights
+        self.proj.residual = True  # scaled (or zeroed) at init, see TransformerModel._init_weights
+        # qk_norm: RMSNorm over each head's D channels, one gain per channel shared by the heads, which keeps the
+        # scores q . k bounded however large the projections grow
+        if config.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
+        else:  # no parameters: the state_dict is the same as before the option existed
+            self.q_norm = self.k_norm = nn.Identity()
 
     def split_heads(self, t):
-        """(B, L, C) -> (B, H, L, D): each head gets its own D channels."""
-        B, L, C = t.shape
-        return t.view(B, L, self.n_head, C // self.n_head).transpose(1, 2)
+        """(B, L, n * D) -> (B, n, L, D): each of the n heads (query or key/value) gets its own D channels."""
+        B, L, _ = t.shape
+        return t.view(B, L, -1, self.head_dim).transpose(1, 2)
 
     def forward(self, x, context=None, key_mask=None, rope=None, cache=None, need_weights=False):
         """
@@ -227,19 +250,23 @@ class Attention(nn.Module):
         Returns (y (B, T, C), attention probabilities (B, H, T, S) if need_weights else None).
         """
         B, T, C = x.shape
-        D = C // self.n_head
+        D = self.head_dim
+        kv_dim = self.n_kv_head * D  # C without grouped-query attention
 
-        # Project: queries from x, keys and values from the context (x itself for self-attention)
+        # Project: queries from x, keys and values from the context (x itself for self-attention).
+        # qk_norm normalises each head's q and k over D before anything else (rotary positions, caching).
         if context is None:
-            q, k, v = map(self.split_heads, self.qkv(x).split(C, dim=2))  # (B, H, T, D) each, from one matmul
+            q, k, v = map(self.split_heads, self.qkv(x).split([C, kv_dim, kv_dim], dim=2))  # from one matmul
+            q, k = self.q_norm(q), self.k_norm(k)  # q (B, H, T, D); k, v (B, n_kv_head, T, D)
         else:  # the same stacked weights split in two: W_q applied to x, W_k and W_v to the context
             w, b = self.qkv.weight, self.qkv.bias
-            q = self.split_heads(F.linear(x, w[:C], None if b is None else b[:C]))  # (B, H, T, D)
+            q = self.q_norm(self.split_heads(F.linear(x, w[:C], None if b is None else b[:C])))  # (B, H, T, D)
             if cache is not None and cache.k is not None:
-                k, v = cache.k, cache.v  # the context was projected at the first decoding step
+                k, v = cache.k, cache.v  # the context was projected (and normalised) at the first decoding step
             else:
-                kv = F.linear(context, w[C:], None if b is None else b[C:])  # (B, S, 2C)
-                k, v = map(self.split_heads, kv.split(C, dim=2))  # (B, H, S, D) each
+                kv = F.linear(context, w[C:], None if b is None else b[C:])  # (B, S, 2 * kv_dim)
+                k, v = map(self.split_heads, kv.split(kv_dim, dim=2))  # (B, n_kv_head, S, D) each
+                k = self.k_norm(k)
                 if cache is not None:
                     cache.k, cache.v = k, v  # the context is the same at every step: project it once
 
@@ -250,8 +277,13 @@ class Attention(nn.Module):
 
         # KV cache: the new positions join the earlier ones, and the queries attend over all of them
         if context is None and cache is not None:
-            k, v = cache.append(k, v)  # (B, H, S, D), S = cached + T
+            k, v = cache.append(k, v)  # (B, n_kv_head, S, D), S = cached + T
         S = k.size(2)
+
+        # Grouped-query attention: query head h reads key/value head h // (n_head / n_kv_head). The shared heads are
+        # repeated only for the product; the cache above keeps n_kv_head of them.
+        if self.n_kv_head != self.n_head:
+            k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))  # (B, H, S, D) each
 
         # Mask and scaled dot product: softmax(q k^T / sqrt(D)) v over the keys the mask allows
         dropout = self.dropout if self.training else 0.0
@@ -279,25 +311,43 @@ class Attention(nn.Module):
 # MLP and block
 
 
+class ReLUSquared(nn.Module):
+    """relu(x)^2: as cheap as ReLU, and in the Primer paper (So et al. 2021) it trained language models faster."""
+
+    def forward(self, x):
+        return F.relu(x).square()
+
+
 def make_activation(name):
-    """The MLP's nonlinearity, by ModelConfig.activation name."""
+    """The MLP's nonlinearity, by ModelConfig.activation name; "swiglu" gives its gate's SiLU."""
     if name == "relu":  # in place: nothing else needs the Linear's output, so no second buffer to allocate and fill
         return nn.ReLU(inplace=True)
+    if name == "relu2":
+        return ReLUSquared()
+    if name == "swiglu":
+        return nn.SiLU()
     return nn.GELU(approximate="tanh" if name == "gelu_tanh" else "none")
 
 
 class MLP(nn.Module):
-    """The position-wise feed-forward network: C -> d_ff, nonlinearity, d_ff -> C, the same at every position."""
+    """
+    The position-wise feed-forward network: C -> d_ff, nonlinearity, d_ff -> C, the same at every position.
+    swiglu (Shazeer 2020, Llama) gates it: proj(silu(fc(x)) * up(x)), with a third C x d_ff matrix `up`.
+    """
 
     def __init__(self, config):
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, config.d_ff, bias=config.bias)
+        self.fc = nn.Linear(config.n_embd, config.d_ff, bias=config.bias)  # swiglu: the gate
+        self.up = nn.Linear(config.n_embd, config.d_ff, bias=config.bias) if config.activation == "swiglu" else None
         self.act = make_activation(config.activation)
         self.proj = nn.Linear(config.d_ff, config.n_embd, bias=config.bias)
-        self.proj.residual = True  # scaled at init, see TransformerModel._init_weights
+        self.proj.residual = True  # scaled (or zeroed) at init, see TransformerModel._init_weights
 
     def forward(self, x):
-        return self.proj(self.act(self.fc(x)))  # (B, T, C) -> (B, T, d_ff) -> (B, T, C)
+        h = self.act(self.fc(x))  # (B, T, C) -> (B, T, d_ff)
+        if self.up is not None:
+            h = h * self.up(x)  # swiglu: the SiLU of the gate scales each channel of a second projection
+        return self.proj(h)  # (B, T, d_ff) -> (B, T, C)
 
 
 class Block(nn.Module):
@@ -443,11 +493,15 @@ class TransformerModel(nn.Module):
 
     def _init_weights(self):
         # GPT-2: N(0, 0.02) everywhere; projections that write into the residual stream are scaled by
-        # 1/sqrt(2 * n_layer) so the stream's variance does not grow with depth.
+        # 1/sqrt(2 * n_layer) so the stream's variance does not grow with depth. zero_init_proj starts them at 0
+        # (modded-nanogpt): every block begins as the identity, and their gradients are not zero, so they still learn.
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, 0.0, residual_std if getattr(module, "residual", False) else 0.02)
+                if getattr(module, "residual", False) and self.config.zero_init_proj:
+                    nn.init.zeros_(module.weight)
+                else:
+                    nn.init.normal_(module.weight, 0.0, residual_std if getattr(module, "residual", False) else 0.02)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
@@ -459,7 +513,15 @@ class TransformerModel(nn.Module):
 
     def head(self, x):
         """Hidden states (..., C) -> logits (..., V). Encoder adds BERT's transform before the projection."""
-        return self.lm_head(x)
+        return self.softcap(self.lm_head(x))
+
+    def softcap(self, logits):
+        """
+        cap * tanh(logits / cap) with config.logit_softcap as the cap (Gemma 2): every logit stays within (-cap, cap)
+        in training, evaluation and sampling alike. The logits unchanged when the cap is 0.
+        """
+        cap = self.config.logit_softcap
+        return cap * torch.tanh(logits / cap) if cap else logits
 
     def head_and_loss(self, x, targets, label_smoothing, reduction, return_logits):
         """
@@ -508,18 +570,20 @@ class TransformerModel(nn.Module):
         """
         c = self.config
         C = c.n_embd
+        KV = c.n_kv_head * (C // c.n_head)  # width of the keys and of the values: C unless grouped-query
+        mlp = (3 if c.activation == "swiglu" else 2) * C * c.d_ff  # swiglu's gate adds a third C x d_ff matrix
 
         def stack(B, T, n_layer):
             """Multiply-adds of self-attention blocks over (B, T) tokens."""
-            # per token: the q, k, v and out projections (C x C each) and the MLP's two (C x d_ff);
-            # per token and key: one score q . k and one term of the weighted sum of v, C each
-            return n_layer * B * T * (4 * C * C + 2 * C * c.d_ff + 2 * T * C)
+            # per token: the q and out projections (C x C each), k and v (C x KV each), the MLP's matrices;
+            # per token and key: one score q . k and one term of the weighted sum of v, C each (every query head)
+            return n_layer * B * T * (2 * C * C + 2 * C * KV + mlp + 2 * T * C)
 
         if c.arch == "encoder_decoder":
             src, tgt = inputs
             (B, S), T = src.shape, tgt.size(1)
             # cross-attention: q and out on the targets, k and v on the source, scores and weighted sum over T * S
-            cross = c.n_layer * B * (2 * T * C * C + 2 * S * C * C + 2 * T * S * C)
+            cross = c.n_layer * B * (2 * T * C * C + 2 * S * C * KV + 2 * T * S * C)
             macs = stack(B, S, c.n_encoder_layer) + stack(B, T, c.n_layer) + cross
         else:
             (idx,) = inputs
@@ -628,7 +692,7 @@ class GPT(TransformerModel):
                 cache = self.new_cache() if use_cache else None
                 x, _ = self.body(idx[:, start:], cache=cache)
             # only the last position predicts the next token; ids past vocab_size are cut off before sampling
-            logits = self.lm_head(x[:, -1])[:, :vocab_size]  # (B, V)
+            logits = self.head(x[:, -1])[:, :vocab_size]  # (B, V)
             token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
             if stop_token is not None:  # a stopped row repeats stop_token while the others go on
                 token = token.masked_fill(done[:, None], stop_token)
@@ -664,10 +728,11 @@ class Encoder(TransformerModel):
         super().__init__()
         self.config = config
         self.body = Stack(config, n_layer=config.n_layer, causal=False, cross=False)
-        # BERT's prediction head: a dense layer and a norm before the projection to the vocabulary
+        # BERT's prediction head: a dense layer and a norm before the projection to the vocabulary. A single
+        # Linear has nothing to gate, so a swiglu model uses GELU here (BERT's); the other activations as they are.
         self.transform = nn.Sequential(
             nn.Linear(config.n_embd, config.n_embd, bias=config.bias),
-            make_activation(config.activation),
+            make_activation("gelu" if config.activation == "swiglu" else config.activation),
             make_norm(config),
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -687,7 +752,7 @@ class Encoder(TransformerModel):
 
     def head(self, x):
         """BERT's transform, then the projection: (..., C) -> (..., V)."""
-        return self.lm_head(self.transform(x))
+        return self.softcap(self.lm_head(self.transform(x)))
 
     def attention_maps(self, idx):
         """A list of {"self": (B, H, T, T)}, one per layer."""
@@ -716,7 +781,7 @@ class EncoderDecoder(TransformerModel):
     def decode(self, tgt, memory, src_mask, cache=None):
         """tgt: (B, T) decoder input (right-padded; the causal mask keeps real positions off the padding)."""
         x, _ = self.decoder(tgt, context=memory, context_mask=src_mask, cache=cache)
-        return self.lm_head(x)  # (B, T, V)
+        return self.head(x)  # (B, T, V)
 
     def forward(self, src, tgt, targets=None, *, label_smoothing=0.0, reduction="mean", return_logits=True):
         """

@@ -75,14 +75,18 @@ class TrainConfig:
     n_layer: int = 12  # blocks (decoder blocks of an encoder-decoder)
     n_encoder_layer: int | None = None  # encoder blocks of an encoder-decoder; None: n_layer
     n_head: int = 12  # attention heads
+    n_kv_head: int | None = None  # key/value heads, shared by groups of query heads (1: multi-query); None: n_head
     n_embd: int = 768  # width of the residual stream
-    d_ff: int | None = None  # MLP hidden width; None: 4 * n_embd
+    d_ff: int | None = None  # MLP hidden width; None: 4 * n_embd, for swiglu too
     dropout: float = 0.0  # 0 for pretraining, 0.1+ for fine-tuning and small data
     bias: bool = False  # bias in Linears and LayerNorms; False is a bit better and faster
     pos_encoding: str = "learned"  # 'learned', 'sinusoidal' or 'rope'
     norm_position: str = "pre"  # 'pre' (GPT-2) or 'post' (2017 paper)
     norm: str = "layernorm"  # 'layernorm' or 'rmsnorm'
-    activation: str = "gelu"  # 'gelu', 'gelu_tanh' or 'relu'
+    activation: str = "gelu"  # 'gelu', 'gelu_tanh', 'relu', 'relu2' (ReLU squared) or 'swiglu' (gated SiLU)
+    qk_norm: bool = False  # RMS-normalise each head's queries and keys before rotary and the dot product
+    logit_softcap: float = 0.0  # output logits become cap * tanh(logits / cap), e.g. 30; 0: off
+    zero_init_proj: bool = False  # projections into the residual stream start at zero, not GPT-2's scaled init
     tie_embeddings: bool = True  # output projection shares the token embedding
     share_embeddings: bool = False  # encoder_decoder: source and target share one embedding
     norm_eps: float = 1e-5  # epsilon of the norms
@@ -820,15 +824,13 @@ def init_model(cfg, meta):
         # settings the user gave (not left at their defaults) that the checkpoint overrides; None resolved first
         defaults = {f.name: f.default for f in fields(TrainConfig)}
         given = asdict(cfg.model_config(vocab_size=1))
-        changed = [
-            f"{k}={ckpt['model_config'][k]!r}"
-            for k in MODEL_KEYS
-            if getattr(cfg, k) != defaults[k] and given[k] != ckpt["model_config"][k]
-        ]
+        # the checkpoint's settings completed with today's defaults: a checkpoint older than a setting lacks it
+        saved = asdict(ModelConfig.from_dict(ckpt["model_config"]))
+        changed = [f"{k}={saved[k]!r}" for k in MODEL_KEYS if getattr(cfg, k) != defaults[k] and given[k] != saved[k]]
         if changed:
             log(f"note: resuming with the checkpoint's model settings: {', '.join(changed)}")
         # the checkpoint's settings win: its weights fit only the architecture they were trained in
-        cfg = replace(cfg, **{k: ckpt["model_config"][k] for k in MODEL_KEYS})
+        cfg = replace(cfg, **{k: saved[k] for k in MODEL_KEYS})
     # meta_out may add a [MASK] id; a resumed run keeps the checkpoint's meta, which already has it
     objective, vocab_size, meta_out = make_objective(cfg.arch, meta, cfg.mask_prob)
     if ckpt is not None:

@@ -262,7 +262,12 @@ def test_attention_against_float64_loop():
 
 @pytest.mark.parametrize(
     "activation, reference",
-    [("relu", F.relu), ("gelu", F.gelu), ("gelu_tanh", lambda h: F.gelu(h, approximate="tanh"))],
+    [
+        ("relu", F.relu),
+        ("gelu", F.gelu),
+        ("gelu_tanh", lambda h: F.gelu(h, approximate="tanh")),
+        ("relu2", lambda h: F.relu(h) ** 2),
+    ],
 )
 def test_mlp_output_and_gradients_against_float64(activation, reference):
     """The in-place ReLU must leave autograd intact: values and all three gradients match a float64 formula."""
@@ -275,6 +280,24 @@ def test_mlp_output_and_gradients_against_float64(activation, reference):
     y.square().sum().backward()
     torch.testing.assert_close(mlp(x).double(), y, rtol=1e-5, atol=1e-5)
     for got, want in [(x.grad, x64.grad), (mlp.fc.weight.grad, w1.grad), (mlp.proj.weight.grad, w2.grad)]:
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_swiglu_mlp_output_and_gradients_against_float64():
+    """down(silu(gate(x)) * up(x)) with fc as the gate: values and the gradients of x and all three matrices."""
+    torch.manual_seed(0)
+    mlp = MLP(tiny(activation="swiglu", bias=True, d_ff=48))
+    x = torch.randn(3, 5, 32, requires_grad=True)
+    mlp(x).square().sum().backward()
+    linears = (mlp.fc, mlp.up, mlp.proj)
+    (wg, bg), (wu, bu), (wd, bd) = ([p.detach().double().requires_grad_() for p in (m.weight, m.bias)] for m in linears)
+    x64 = x.detach().double().requires_grad_()
+    gate = x64 @ wg.T + bg
+    y = (gate * torch.sigmoid(gate) * (x64 @ wu.T + bu)) @ wd.T + bd
+    y.square().sum().backward()
+    torch.testing.assert_close(mlp(x).double(), y, rtol=1e-5, atol=1e-5)
+    pairs = [(x.grad, x64.grad), *((m.weight.grad, w.grad) for m, w in zip(linears, (wg, wu, wd)))]
+    for got, want in pairs:
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
 
 
@@ -371,6 +394,9 @@ def test_transformer_base_parameter_count():
             {"n_encoder_layer": 3, "tie_embeddings": False, "norm_position": "post"},
             [(3, 4), (3, 14)],
         ),
+        ("gpt", {"n_head": 4, "n_kv_head": 1, "activation": "swiglu"}, [(2, 12)]),
+        ("encoder", {"n_head": 4, "n_kv_head": 2, "activation": "swiglu"}, [(2, 12)]),
+        ("encoder_decoder", {"n_head": 4, "n_kv_head": 2, "activation": "swiglu"}, [(3, 4), (3, 14)]),
     ],
 )
 def test_training_flops_match_a_flop_counter(arch, overrides, shapes):
@@ -600,6 +626,9 @@ def test_wide_beam_search_returns_the_best_of_all_sequences(seed, length_penalty
         ({"n_embd": 30, "n_head": 10, "pos_encoding": "rope"}, "rope"),
         ({"activation": "swish"}, "activation"),
         ({"norm_position": "middle"}, "norm_position"),
+        ({"n_head": 4, "n_kv_head": 3}, "n_kv_head"),
+        ({"n_kv_head": 0}, "n_kv_head"),
+        ({"logit_softcap": -1.0}, "logit_softcap"),
     ],
 )
 def test_bad_config_names_the_field(overrides, field):
@@ -661,3 +690,249 @@ def test_from_pretrained_rejects_a_longer_block_size(tmp_path):
     assert GPT.from_pretrained(tmp_path, block_size=4).config.block_size == 4
     with pytest.raises(ValueError, match="block_size=16 is longer than the 8 positions"):
         GPT.from_pretrained(tmp_path, block_size=16)
+
+
+# -----------------------------------------------------------------------------
+# Options: grouped-query attention, qk_norm, relu2 / swiglu, logit_softcap, zero_init_proj
+
+# every new option alone, then all of them together (relu2 and swiglu exclude each other)
+OPTIONS = [
+    {"n_head": 4, "n_kv_head": 2},
+    {"n_head": 4, "n_kv_head": 1},
+    {"qk_norm": True},
+    {"activation": "relu2"},
+    {"activation": "swiglu"},
+    {"logit_softcap": 3.0},
+    {"zero_init_proj": True},
+    {
+        "n_head": 4,
+        "n_kv_head": 2,
+        "qk_norm": True,
+        "activation": "swiglu",
+        "logit_softcap": 3.0,
+        "zero_init_proj": True,
+    },
+]
+
+
+def perturbed(model, seed=0):
+    """The model with noise on every parameter: zero-initialised projections and unit norm gains would hide bugs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def mha_state_from_gqa(state, config):
+    """
+    The state dict of an n_kv_head == n_head model that computes what the grouped-query model holding `state` does:
+    each query head h gets its own copy of the rows (weight and bias) of key/value head h // (n_head / n_kv_head).
+    """
+    C, H, G = config.n_embd, config.n_head, config.n_kv_head
+    D, group = C // H, H // G
+    out = {}
+    for name, t in state.items():
+        if name.endswith(("qkv.weight", "qkv.bias")):
+            q, k, v = t.split([C, G * D, G * D])
+            k, v = (torch.cat([w[(h // group) * D : (h // group + 1) * D] for h in range(H)]) for w in (k, v))
+            t = torch.cat([q, k, v])
+        out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("n_kv_head", [1, 2])
+def test_grouped_query_attention_equals_mha_with_repeated_key_value_heads(arch, n_kv_head):
+    """Self- and cross-attention, with padding: the GQA model and its MHA twin give the same logits."""
+    torch.manual_seed(0)
+    options = {"arch": arch, "n_head": 4, "pad_token_id": PAD, "pos_encoding": "rope", "qk_norm": True}
+    gqa = perturbed(build_model(tiny(n_kv_head=n_kv_head, **options))).eval()
+    mha = build_model(tiny(**options)).eval()
+    assert gqa.num_params() < mha.num_params()
+    mha.load_state_dict(mha_state_from_gqa(gqa.state_dict(), gqa.config))
+    x, y = F.pad(tokens(2, 9), (0, 3), value=PAD), tokens(2, 7, seed=1)  # row 0's last three are padding
+    x[1, 4:] = PAD
+    torch.testing.assert_close(logits_of(gqa, x, y), logits_of(mha, x, y), atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_holds_only_the_key_value_heads():
+    for arch in ("gpt", "encoder_decoder"):
+        model = build_model(tiny(arch=arch, n_head=4, n_kv_head=1)).eval()
+        cache = model.new_cache()
+        if arch == "gpt":
+            model.body(tokens(2, 5), cache=cache)
+        else:
+            model.decode(tokens(2, 5), *model.encode(tokens(2, 7)), cache=cache)
+            assert cache[0][1].k.shape == cache[0][1].v.shape == (2, 1, 7, 8)  # cross-attention: (B, 1, S, D)
+        assert cache[0][0].k.shape == cache[0][0].v.shape == (2, 1, 16, 8)  # (B, n_kv_head, block_size, D)
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_kv_cache_and_generation_with_each_option(options):
+    """GPT: cached logits = the full forward's, cached sampling = uncached; encoder-decoder: greedy = an argmax loop."""
+    model = perturbed(build_model(tiny(pos_encoding="rope", **options))).eval()
+    x = tokens(2, 16)
+    cache = model.new_cache()
+    steps = [model.head(model.body(x[:, :5], cache=cache)[0])]
+    steps += [model.head(model.body(x[:, t : t + 1], cache=cache)[0]) for t in range(5, 16)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), model(x)[0], atol=1e-5, rtol=1e-5)
+    runs = [
+        model.generate(x[:, :5], 30, temperature=1.0, generator=torch.Generator().manual_seed(7), use_cache=c)
+        for c in (True, False)
+    ]
+    assert torch.equal(runs[0], runs[1])
+
+    seq2seq = perturbed(build_model(tiny(arch="encoder_decoder", pad_token_id=PAD, **options))).eval()
+    src = F.pad(tokens(2, 6), (0, 3), value=PAD)
+    expected = torch.full((2, 1), BOS)
+    for _ in range(12):  # the reference: the whole target recomputed at every step, nothing cached
+        expected = torch.cat([expected, seq2seq(src, expected)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    got = seq2seq.generate(src, 12, bos_id=BOS, eos_id=-1)  # an eos that never comes: all 12 steps
+    assert torch.equal(got, expected[:, 1:])
+
+
+def reference_attention_options(attn, x, allowed, context=None, rope_theta=None):
+    """
+    float64 loop like reference_attention, with the options spelled out: q and k of each head divided by their
+    root mean square over D and multiplied by the norms' gains, then (self-attention with rope_theta) turned by
+    the rotary angles; query head h reads key/value head h // (n_head / n_kv_head).
+    """
+    C, H, G = x.size(-1), attn.n_head, attn.n_kv_head
+    D = C // H
+    w, b = attn.qkv.weight.double(), attn.qkv.bias.double()
+    kv_in = x if context is None else context
+    q = (x.double() @ w[:C].T + b[:C]).unflatten(-1, (H, D))  # (B, T, H, D)
+    k = (kv_in.double() @ w[C : C + G * D].T + b[C : C + G * D]).unflatten(-1, (G, D))
+    v = (kv_in.double() @ w[C + G * D :].T + b[C + G * D :]).unflatten(-1, (G, D))
+    eps = attn.q_norm.eps
+    q = q / (q.square().mean(-1, keepdim=True) + eps).sqrt() * attn.q_norm.weight.double()
+    k = k / (k.square().mean(-1, keepdim=True) + eps).sqrt() * attn.k_norm.weight.double()
+    if rope_theta is not None:
+
+        def turn(t):  # channel pair (i, i + D/2) at position p turns by p * theta^(-2i/D)
+            angle = torch.arange(t.size(1), dtype=torch.float64)[:, None] * rope_theta ** (
+                -torch.arange(0, D, 2, dtype=torch.float64) / D
+            )
+            cos, sin = angle.cos()[:, None], angle.sin()[:, None]  # (T, 1, D/2)
+            a, c = t[..., : D // 2], t[..., D // 2 :]
+            return torch.cat([a * cos - c * sin, a * sin + c * cos], dim=-1)
+
+        q, k = turn(q), turn(k)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for bi in range(x.size(0)):
+        for h in range(H):
+            for t in range(x.size(1)):
+                keys = [s for s in range(kv_in.size(1)) if allowed(bi, t, s)]
+                scores = torch.stack([q[bi, t, h] @ k[bi, s, h // (H // G)] for s in keys]) / math.sqrt(D)
+                out[bi, t, h * D : (h + 1) * D] = sum(
+                    p * v[bi, s, h // (H // G)] for p, s in zip(scores.softmax(0), keys)
+                )
+    return out @ attn.proj.weight.double().T + attn.proj.bias.double()
+
+
+def test_qk_norm_and_grouped_query_attention_against_float64_loop():
+    """Norm before rotary: with unequal gains per channel the other order gives other scores."""
+    from model import rope_tables
+
+    torch.manual_seed(0)
+    config = tiny(n_head=4, n_kv_head=2, qk_norm=True, pos_encoding="rope")
+    causal, bidirectional = Attention(config, causal=True).eval(), Attention(config, causal=False).eval()
+    for attn in (causal, bidirectional):
+        with torch.no_grad():  # gains of 1 would hide a norm applied in the wrong place
+            attn.q_norm.weight.uniform_(0.5, 2.0)
+            attn.k_norm.weight.uniform_(0.5, 2.0)
+            attn.qkv.weight.mul_(20)  # large projections: without the norm, the scores would be far larger
+    x, context = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    key_mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    rope = rope_tables(5, 8, config.rope_theta)
+    cases = [
+        (causal, None, None, rope, lambda b, t, s: s <= t),
+        (bidirectional, context, key_mask, None, lambda b, t, s: key_mask[b, s].item()),
+    ]
+    for attn, ctx, km, tables, allowed in cases:
+        theta = None if tables is None else config.rope_theta
+        expected = reference_attention_options(attn, x, allowed, context=ctx, rope_theta=theta).float()
+        for need_weights in (False, True):
+            got = attn(x, ctx, key_mask=km, rope=tables, need_weights=need_weights)[0]
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logit_softcap(arch, monkeypatch):
+    """Within the cap; cap * tanh(plain / cap) of the uncapped model with the same weights; the loss of those logits."""
+    monkeypatch.setattr("model.LOSS_CHUNK_BYTES", 4 * V * 5)  # the loss in chunks of 5 positions
+    torch.manual_seed(0)
+    cap = 2.0
+    capped = build_model(tiny(arch=arch, logit_softcap=cap, pad_token_id=PAD))
+    with torch.no_grad():
+        capped.lm_head.weight.mul_(100)  # logits far beyond the cap
+    plain = build_model(tiny(arch=arch, pad_token_id=PAD))
+    plain.load_state_dict(capped.state_dict())
+    x, y, targets = tokens(2, 7), tokens(2, 6, seed=1), tokens(2, 7 if arch != "encoder_decoder" else 6, seed=2)
+    plain_logits = logits_of(plain, x, y).double()
+    assert plain_logits.abs().max() > 5 * cap
+    expected = cap * torch.tanh(plain_logits / cap)
+    inputs = (x, y) if arch == "encoder_decoder" else (x,)
+    logits, loss = capped(*inputs, targets)
+    assert logits.abs().max() <= cap
+    torch.testing.assert_close(logits.double(), expected, atol=1e-5, rtol=1e-5)
+    if arch == "encoder_decoder":  # what generate and beam_search read
+        torch.testing.assert_close(capped.decode(y, *capped.encode(x)).double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        loss.double(), F.cross_entropy(expected.flatten(0, 1), targets.flatten()), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_sampling_reads_the_capped_logits():
+    """generate draws from the softmax of the capped logits: the same tokens as a loop over the capped forward."""
+    model = build_model(tiny(logit_softcap=0.5)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(100)  # peaked plain logits, nearly flat capped ones: a missed cap changes the draws
+    prompt, g = tokens(2, 3), torch.Generator().manual_seed(3)
+    expected = prompt
+    for _ in range(10):
+        expected = torch.cat([expected, sample_next(model(expected)[0][:, -1], 1.0, generator=g)], dim=1)
+    assert torch.equal(model.generate(prompt, 10, 1.0, generator=torch.Generator().manual_seed(3)), expected)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_zero_init_proj_zeroes_exactly_the_residual_projections(arch):
+    model = build_model(tiny(arch=arch, zero_init_proj=True))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    residual = [m for m in linears if getattr(m, "residual", False)]
+    blocks = {"gpt": 2, "encoder": 2, "encoder_decoder": 4}[arch]
+    assert len(residual) == 2 * blocks + (2 if arch == "encoder_decoder" else 0)  # attn, MLP (and cross-attn)
+    assert all((m.weight == 0).all() for m in residual)
+    assert all((m.weight != 0).any() for m in linears if m not in residual)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("options", OPTIONS)
+def test_attention_maps_with_each_option(arch, options):
+    model = perturbed(build_model(tiny(arch=arch, pad_token_id=PAD, **options))).eval()
+    src, tgt = F.pad(tokens(2, 6), (0, 2), value=PAD), tokens(2, 5, seed=1)
+    if arch == "encoder_decoder":
+        maps = model.attention_maps(src, tgt)["decoder"]
+        assert maps[0]["cross"].shape == (2, model.config.n_head, 5, 8)
+        assert (maps[1]["cross"][..., 6:] == 0).all()  # padded source positions get no attention
+    else:
+        maps = model.attention_maps(tgt)
+    assert maps[0]["self"].shape == (2, model.config.n_head, 5, 5)  # one map per query head
+    for layer in maps:
+        torch.testing.assert_close(layer["self"].sum(-1), torch.ones(2, model.config.n_head, 5))
+        if arch != "encoder":
+            assert (layer["self"].triu(1) == 0).all()
+
+
+def test_config_without_the_option_keys_loads_as_before():
+    """A checkpoint's config from before the options existed: the defaults fill in, the weights keep their shapes."""
+    from dataclasses import asdict
+
+    new_keys = ("n_kv_head", "qk_norm", "logit_softcap", "zero_init_proj")
+    old = {k: v for k, v in asdict(tiny()).items() if k not in new_keys}
+    config = ModelConfig.from_dict(old)
+    assert config == tiny() and config.n_kv_head == config.n_head
+    state = build_model(config).state_dict()
+    assert state["body.blocks.0.attn.qkv.weight"].shape == (96, 32)  # W_q, W_k, W_v of C rows each
+    assert not any("norm" in k and "attn" in k for k in state) and not any(".up." in k for k in state)

@@ -432,6 +432,27 @@ def test_seq2seq_learns_and_its_exact_match_agrees_with_the_task_solver(tmp_path
             "eval_accuracy_examples": 4,
         },
         {"arch": "gpt", "ema_decay": 0.9},
+        {  # every ModelConfig option of grouped-query attention, qk_norm, swiglu, softcap and zero init at once
+            "arch": "gpt",
+            "n_head": 4,
+            "n_kv_head": 2,
+            "qk_norm": True,
+            "activation": "swiglu",
+            "logit_softcap": 30.0,
+            "zero_init_proj": True,
+            "pos_encoding": "rope",
+        },
+        {
+            "arch": "encoder_decoder",
+            "dataset": "reverse",
+            "data_options": REVERSE,
+            "n_kv_head": 1,
+            "qk_norm": True,
+            "activation": "relu2",
+            "logit_softcap": 30.0,
+            "zero_init_proj": True,
+            "eval_accuracy_examples": 4,
+        },
         {
             "arch": "encoder_decoder",
             "dataset": "reverse",
@@ -1332,6 +1353,20 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path, data_root
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "nothing to train" in error and "--max_iters" in error
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
+
+
+def test_a_checkpoint_from_before_a_setting_existed_resumes_with_its_default(tmp_path, data_root, capsys):
+    """A model setting added later (n_kv_head, qk_norm, ...) is missing from older checkpoints: its default applies."""
+    main(tiny(data_root, tmp_path, max_iters=2))
+    path = tmp_path / "ckpt.pt"
+    ckpt = torch.load(path, weights_only=True)
+    for key in ("n_kv_head", "qk_norm", "logit_softcap", "zero_init_proj"):
+        del ckpt["model_config"][key]
+    save_checkpoint(ckpt, path)
+    capsys.readouterr()
+    resumed = main(tiny(data_root, tmp_path, max_iters=3, init_from="resume"))
+    assert sorted(resumed["losses"]) == [3] and "note: resuming" not in capsys.readouterr().out
+    assert load_checkpoint(path)["model_config"]["n_kv_head"] == TINY["n_head"]
 
 
 def test_the_resume_note_lists_only_settings_given_that_differ(tmp_path, data_root, capsys):
