@@ -6,8 +6,8 @@ Checkpoints: what ckpt.pt and best.pt hold, written atomically and read with tor
 
 A checkpoint is a dict: format_version, model (the plain model's state dict), model_config, train_config, meta
 (the dataset's meta.json, so a tokenizer can be rebuilt from the checkpoint alone), iter_num, best_val_loss; ckpt.pt
-adds optimizer, scaler, rng (every rank's generators), sampler (the data stream) and, with a weight average,
-train_model (the optimizer's own weights).
+adds optimizer (AdamW's state dict), scaler, rng (every rank's generators), sampler (the data stream), with a weight
+average train_model (the optimizer's own weights) and, with optimizer='muon', muon (Muon's state dict).
 """
 
 import contextlib
@@ -84,7 +84,7 @@ def weights_state(model, cfg, meta, iter_num, best_val_loss):
 
 
 def training_state(
-    model, *, ema_model, cfg, meta, iter_num, best_val_loss, optimizer, scaler, sampler_state, world_size
+    model, *, ema_model, cfg, meta, iter_num, best_val_loss, optimizers, scaler, sampler_state, world_size
 ):
     """
     What ckpt.pt holds: weights_state plus all a resume needs, including the optimizer's own weights (model's) as
@@ -99,13 +99,16 @@ def training_state(
         # with a weight average, "model" holds the average: the weights best.pt and sample.py use
         **weights_state(model if ema_model is None else ema_model, cfg, meta, iter_num, best_val_loss),
         # AdamW's moments and step counts: without them a resume would restart its estimates from zero
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizers["adamw"].state_dict(),
         # float16's current loss scale; an empty dict when no scaler is in use
         "scaler": scaler.state_dict(),
         "rng": rng,
         # the data stream's generator as it was before the pending step's batches were drawn
         "sampler": {"generator": sampler_state},
     }
+    if "muon" in optimizers:
+        # Muon's momentum buffers, beside AdamW's state (which then covers the parameters outside the blocks only)
+        state["muon"] = optimizers["muon"].state_dict()
     if ema_model is not None:
         # the weights training goes on from: resuming from the average instead would change the run
         state["train_model"] = finite_weights(model, iter_num)
@@ -178,7 +181,8 @@ def load_checkpoint(path, map_location="cpu"):
     version = ckpt.get("format_version") if isinstance(ckpt, dict) else None
     if not isinstance(version, int):
         raise ConfigError(f"{path} is not a nanoformer checkpoint (it has no format_version)")
-    # older formats still load: keys added since (train_model, in 2) are read only where present
+    # older formats still load: keys added since (train_model, in 2) are read only where present; "muon" needs no
+    # new format: an AdamW run's checkpoint is as before, and a Muon run's has its own key beside "optimizer"
     if version > FORMAT_VERSION:
         raise ConfigError(
             f"{path} has checkpoint format {version}, newer than this code's {FORMAT_VERSION}; update nanoformer"

@@ -592,24 +592,43 @@ class TransformerModel(nn.Module):
         macs += B * T * C * c.vocab_size  # the head, once even when tied to the embedding (a lookup costs nothing)
         return 6.0 * macs  # 2 FLOPs per multiply-add, times 3 for forward and backward
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+    def block_matrices(self):
+        """The 2-D weights inside the blocks (attention qkv and proj, cross-attention, MLP fc/up/proj): Muon's."""
+        return [p for m in self.modules() if isinstance(m, Block) for p in m.parameters() if p.dim() == 2]
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, optimizer="adamw", muon_lr=0.02):
         """
-        AdamW with weight decay on matrices and embeddings (dim >= 2) and none on biases and norm gains.
-        Fused kernels where PyTorch has them (CUDA, and CPU since 2.4). Returns (optimizer, one-line summary).
+        {"adamw": AdamW}, or with optimizer="muon" {"adamw": AdamW, "muon": Muon}: Muon for block_matrices(), AdamW
+        for the rest (embeddings, head, norms, biases, the encoder's transform). AdamW decays matrices and embeddings
+        (dim >= 2) and not biases and norm gains; Muon decays all its matrices. Fused AdamW where PyTorch has it
+        (CUDA, and CPU since 2.4). Returns (optimizers, one-line summary).
         """
         params = [p for p in self.parameters() if p.requires_grad]
+        hidden = {id(p) for p in self.block_matrices()} if optimizer == "muon" else set()
+        muon = [p for p in params if id(p) in hidden]
+        rest = [p for p in params if id(p) not in hidden]
         # none on biases and norm gains: pulling a gain towards 0 would only shrink its norm's output
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
+        decay = [p for p in rest if p.dim() >= 2]
+        no_decay = [p for p in rest if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         fused = device_type in ("cuda", "cpu")
-        optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+        optimizers = {"adamw": torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)}
         summary = (
             f"AdamW{' (fused)' if fused else ''}: {len(decay)} tensors with weight decay "
             f"({sum(p.numel() for p in decay):,} params), "
             f"{len(no_decay)} without ({sum(p.numel() for p in no_decay):,} params)"
         )
-        return optimizer, summary
+        if muon:
+            # Keller Jordan's settings: Nesterov momentum 0.95, the update scaled by sqrt(max(1, rows / cols))
+            # ("original"), so that muon_lr ~0.02 suits any width. Decoupled weight decay, as AdamW's
+            optimizers["muon"] = torch.optim.Muon(
+                muon, lr=muon_lr, weight_decay=weight_decay, momentum=0.95, nesterov=True, adjust_lr_fn="original"
+            )
+            summary = (
+                f"Muon: {len(muon)} block matrices (attention qkv/proj, MLP fc/up/proj) with weight decay "
+                f"({sum(p.numel() for p in muon):,} params); {summary} (embeddings, head, norms, biases)"
+            )
+        return optimizers, summary
 
     def new_cache(self):
         """An empty KV cache for incremental decoding: one (self, cross) pair of KVCaches per decoder block."""

@@ -95,10 +95,12 @@ class TrainConfig:
     mask_prob: float = 0.15  # encoder: fraction of tokens to predict; 80% shown as [MASK], 10% random, 10% unchanged
     label_smoothing: float = 0.0  # 0.1 in the 2017 paper; evaluation losses are always plain cross-entropy
     eval_accuracy_examples: int = 200  # encoder_decoder: val pairs greedily decoded for exact-match accuracy; 0: none
-    # AdamW
-    learning_rate: float = 6e-4  # peak learning rate
+    # optimizer
+    optimizer: str = "adamw"  # 'adamw', or 'muon': Muon for the blocks' matrices, AdamW for the rest (PyTorch 2.9+)
+    learning_rate: float = 6e-4  # peak learning rate (of AdamW)
+    muon_lr: float = 0.02  # optimizer='muon': Muon's peak learning rate; the schedule scales it as learning_rate
     max_iters: int = 600000  # optimizer steps in total
-    weight_decay: float = 1e-1  # on matrices and embeddings only
+    weight_decay: float = 1e-1  # on matrices and embeddings only (both optimizers)
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.95  # AdamW beta2
     grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping (the norm is logged either way)
@@ -123,6 +125,7 @@ class TrainConfig:
             "dtype": ("auto", "float32", "bfloat16", "float16"),
             "lr_schedule": ("cosine", "noam"),
             "backend": ("auto", "nccl", "gloo"),
+            "optimizer": ("adamw", "muon"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -142,8 +145,12 @@ class TrainConfig:
         for name in ("max_iters", "warmup_iters", "lr_decay_iters", "eval_accuracy_examples", "grad_clip", "min_lr"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
-        if self.learning_rate <= 0:
-            raise ConfigError(f"learning_rate must be positive, got {self.learning_rate}")
+        if self.learning_rate <= 0 or self.muon_lr <= 0:
+            raise ConfigError(f"learning_rate and muon_lr must be positive, got {self.learning_rate}, {self.muon_lr}")
+        if self.optimizer == "muon" and not hasattr(torch.optim, "Muon"):
+            raise ConfigError(
+                f"optimizer='muon' needs PyTorch 2.9 or newer (torch.optim.Muon); this is {torch.__version__}"
+            )
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"ema_decay must be in [0, 1) (0: off), got {self.ema_decay}")
         if not 0 < self.mask_prob < 1 or not 0 <= self.label_smoothing < 1:
@@ -550,16 +557,18 @@ def accumulate_gradients(model, batches, n_targets, scaler, rt, *, label_smoothi
     return total
 
 
-def train_step(model, optimizer, scaler, batches, rt, *, n_targets, lr, grad_clip, label_smoothing=0.0, ddp=None):
+def train_step(model, optimizers, scaler, batches, rt, *, n_targets, lrs, grad_clip, label_smoothing=0.0, ddp=None):
     """
     One optimizer step on this rank's micro-batches (n_targets: the real targets of the step on all ranks).
+    optimizers: {name: optimizer}, each over its own parameters; lrs: {name: its learning rate for this step}.
     Returns device tensors, without waiting for the device: (this rank's share of the step's mean loss, the
     gradient norm, 1.0 if the step was skipped else 0.0). A step whose gradient is not finite (a bf16 overflow in
-    backward, say) is skipped: the weights and the optimizer's state stay as they were.
+    backward, say) is skipped: the weights and every optimizer's state stay as they were.
     """
-    # the schedule's value, set on every group (they differ only in weight decay)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    # the schedule's value, set on every group of each optimizer (AdamW's differ only in weight decay)
+    for name, optimizer in optimizers.items():
+        for group in optimizer.param_groups:
+            group["lr"] = lrs[name]
     args = (batches, n_targets, scaler, rt)
     kwargs = {"label_smoothing": label_smoothing, "ddp": ddp}
     try:
@@ -570,25 +579,28 @@ def train_step(model, optimizer, scaler, batches, rt, *, n_targets, lr, grad_cli
         if not isinstance(model, CompiledModel) or model.failed:
             raise
         model.fall_back(e)
-        optimizer.zero_grad(set_to_none=True)
+        for optimizer in optimizers.values():
+            optimizer.zero_grad(set_to_none=True)
         loss = accumulate_gradients(model, *args, **kwargs)  # the step again, eagerly: the model's own errors recur
     # float16 gradients were scaled up: unscaled (a no-op otherwise) before clipping, so grad_clip is in true units
-    scaler.unscale_(optimizer)
+    for optimizer in optimizers.values():
+        scaler.unscale_(optimizer)
     # with no clipping (math.inf) the norm is still computed, for the log and the finiteness check
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     skipped = (~torch.isfinite(grad_norm)).float()  # DDP averaged the gradients: the same on every rank
-    if scaler.is_enabled():
-        scaler.step(optimizer)  # float16: the gradient scaler skips such steps itself
-        scaler.update()
-    elif getattr(optimizer, "_step_supports_amp_scaling", False):
-        # fused AdamW takes the flag a gradient scaler would pass and skips the update on the device: no host sync
-        optimizer.found_inf = skipped
-        optimizer.step()
-        del optimizer.found_inf
-    # any other optimizer: the host must read the flag to decide, one wait per step
-    elif not skipped.item():
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    for optimizer in optimizers.values():
+        if scaler.is_enabled():
+            scaler.step(optimizer)  # float16: the gradient scaler skips such steps itself
+        elif getattr(optimizer, "_step_supports_amp_scaling", False):
+            # fused AdamW takes the flag a gradient scaler would pass and skips the update on the device: no host sync
+            optimizer.found_inf = skipped
+            optimizer.step()
+            del optimizer.found_inf
+        # any other optimizer (Muon, unfused AdamW): the host must read the flag to decide, one wait per step
+        elif not skipped.item():
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    scaler.update()  # after every optimizer's step; a no-op without float16
     # this rank's share of the step's mean loss: summed over the ranks, it is the mean
     return loss / n_targets, grad_norm, skipped
 
@@ -878,7 +890,7 @@ class Run:
     eval_model: nn.Module  # what evaluation calls: outside DDP (ranks may see different numbers of eval batches)
     ema_model: nn.Module | None  # with ema_decay: the moving average of raw_model's weights, else None
     ema_pairs: tuple  # (the average's parameters, raw_model's): listed once, not at every step
-    optimizer: torch.optim.Optimizer
+    optimizers: dict  # {"adamw": AdamW} or, with optimizer='muon', {"adamw": AdamW, "muon": Muon}
     scaler: torch.amp.GradScaler
     batches: TrainBatches
     splits: dict  # "train" and "val" data, as get_batch reads them
@@ -983,20 +995,35 @@ def setup(cfg, rt, stack):
             f"{cfg.max_iters} has reached: nothing to train. To train further, pass a larger "
             "--max_iters (and --lr_decay_iters, where the cosine schedule ends)"
         )
+    # the optimizers' states must fit the optimizers; checkpoints from before optimizer existed are AdamW's
+    saved_optimizer = ckpt["train_config"].get("optimizer", "adamw") if ckpt is not None else cfg.optimizer
+    if saved_optimizer != cfg.optimizer:
+        raise ConfigError(
+            f"{out_dir / 'ckpt.pt'} was trained with optimizer={saved_optimizer!r}: resume it with "
+            f"--optimizer={saved_optimizer}"
+        )
     splits = load_splits(folder, data_meta, cfg.block_size)
     # on the device before the optimizer is built, so that its state (and fused kernels) live there too
     raw_model.to(rt.device)
     if rt.device.type == "cpu":
         keep_freed_memory()
-    betas = (cfg.beta1, cfg.beta2)
-    # AdamW, weight decay on matrices and embeddings only; summary is a line describing the groups
-    optimizer, summary = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, rt.device.type)
+    # AdamW (and Muon for the blocks' matrices), weight decay on matrices and embeddings only; summary: one line
+    optimizers, summary = raw_model.configure_optimizers(
+        cfg.weight_decay,
+        cfg.learning_rate,
+        (cfg.beta1, cfg.beta2),
+        rt.device.type,
+        optimizer=cfg.optimizer,
+        muon_lr=cfg.muon_lr,
+    )
     # float16 only: its small gradients would underflow to 0 without a loss scale; bfloat16 has float32's range
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     generator = torch.Generator().manual_seed(cfg.seed)  # the training data stream: the same on every rank
     if ckpt is not None:
-        # a resume goes on where the run stopped: Adam's moments, the loss scale and the position in the data
-        optimizer.load_state_dict(ckpt["optimizer"])
+        # a resume goes on where the run stopped: Adam's moments (and Muon's), the loss scale, the data's position
+        optimizers["adamw"].load_state_dict(ckpt["optimizer"])
+        if "muon" in optimizers:
+            optimizers["muon"].load_state_dict(ckpt["muon"])
         if scaler.is_enabled() and ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
         generator.set_state(ckpt["sampler"]["generator"])
@@ -1062,7 +1089,7 @@ def setup(cfg, rt, stack):
         eval_model,
         ema_model,
         ema_pairs,
-        optimizer,
+        optimizers,
         scaler,
         batches,
         splits,
@@ -1095,7 +1122,7 @@ def save_training_state(run, iter_num):
         meta=run.meta,
         iter_num=iter_num,
         best_val_loss=run.best_val_loss,
-        optimizer=run.optimizer,
+        optimizers=run.optimizers,
         scaler=run.scaler,
         sampler_state=run.batches.resume_state,
         world_size=run.rt.world_size,
@@ -1165,15 +1192,17 @@ def take_step(run, iter_num):
     lr = cfg.learning_rate
     if cfg.decay_lr:
         lr = get_lr(iter_num, lr, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters, cfg.lr_schedule)
+    # the schedule's multiplier scales each optimizer's peak learning rate alike
+    lrs = {"adamw": lr, "muon": cfg.muon_lr * lr / cfg.learning_rate}
     loss, grad_norm, skipped = train_step(
         run.model,
-        run.optimizer,
+        run.optimizers,
         run.scaler,
         micro_batches,
         rt,
         # at least 1: a step whose batches hold no real target must not divide by zero
         n_targets=max(n_targets, 1),
-        lr=lr,
+        lrs=lrs,
         grad_clip=cfg.grad_clip,
         label_smoothing=cfg.label_smoothing,
         ddp=run.ddp,

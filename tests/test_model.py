@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -447,14 +448,38 @@ def test_peak_flops_of_real_device_names(name, peak):
 
 def test_optimizer_groups():
     model = build_model(tiny(arch="encoder_decoder"))
-    optimizer, summary = model.configure_optimizers(
+    optimizers, summary = model.configure_optimizers(
         weight_decay=0.1, learning_rate=1e-3, betas=(0.9, 0.95), device_type="cpu"
     )
-    decay, no_decay = optimizer.param_groups
+    assert list(optimizers) == ["adamw"]
+    decay, no_decay = optimizers["adamw"].param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
     assert {id(p) for p in decay["params"] + no_decay["params"]} == {id(p) for p in model.parameters()}
     assert "weight decay" in summary
+
+
+# the 2-D weights inside the blocks, by name: attention (self and cross) qkv and proj, MLP fc, up and proj
+BLOCK_MATRIX = re.compile(r"(body|encoder|decoder)\.blocks\.\d+\.(attn|cross_attn|mlp)\.(qkv|proj|fc|up)\.weight")
+
+
+@pytest.mark.parametrize("arch", ["gpt", "encoder", "encoder_decoder"])
+def test_muon_gets_exactly_the_block_matrices(arch):
+    """Every trainable parameter is in exactly one optimizer; Muon's are the blocks' matrices, checked by name."""
+    model = build_model(tiny(arch=arch, activation="swiglu", qk_norm=True, bias=True, tie_embeddings=False))
+    optimizers, summary = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu", optimizer="muon", muon_lr=0.02)
+    assert list(optimizers) == ["adamw", "muon"] and summary.startswith("Muon: ")
+    names = {id(p): name for name, p in model.named_parameters()}
+    held = [names[id(p)] for opt in optimizers.values() for group in opt.param_groups for p in group["params"]]
+    assert sorted(held) == sorted(names.values())  # each parameter once, none left out
+    muon = {names[id(p)] for p in optimizers["muon"].param_groups[0]["params"]}
+    assert muon == {name for name in names.values() if BLOCK_MATRIX.fullmatch(name)}
+    assert any("up" in name for name in muon) and (arch != "encoder_decoder" or any("cross" in n for n in muon))
+    assert (
+        optimizers["muon"].param_groups[0]["lr"] == 0.02 and optimizers["muon"].param_groups[0]["weight_decay"] == 0.1
+    )
+    decay, no_decay = optimizers["adamw"].param_groups
+    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
 
 
 def test_sampling_filters():
