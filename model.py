@@ -88,6 +88,9 @@ class ModelConfig:
     pad_token_id: int | None = None  # positions holding this token are never attended to; None: no padding
     norm_eps: float = 1e-5  # epsilon of the norms
     rope_theta: float = 10000.0  # rotary base; larger values rotate slower
+    # sliding-window self-attention (Longformer, Mistral): a query sees only keys fewer than window_size positions
+    # away: itself and the window_size - 1 before it when causal, that many either side in an encoder; 0: off
+    window_size: int = 0
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -112,6 +115,8 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not isinstance(self.window_size, int) or self.window_size < 0:
+            raise ValueError(f"window_size must be a non-negative integer (0 = off), got {self.window_size!r}")
         if self.logit_softcap < 0:
             raise ValueError(f"logit_softcap must be >= 0 (0 = off), got {self.logit_softcap}")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
@@ -165,17 +170,24 @@ def apply_rope(x, cos, sin):
 # Attention
 
 
-def attention_mask(q_len, k_len, causal, key_mask=None, device=None):
+def attention_mask(q_len, k_len, causal, key_mask=None, window=0, device=None):
     """
     The one mask helper: bool, True = may attend, shaped (B or 1, 1, Tq, Tk); None when every key is allowed.
-    key_mask: (B, Tk) bool, True at real (non-padding) keys.
-    The causal triangle is aligned to the lower right: the Tq queries are the last Tq of the Tk positions,
+    key_mask: (B, Tk) bool, True at real (non-padding) keys. window: keys fewer than this many positions from
+    the query, 0 for all of them.
+    Queries and keys are aligned to the lower right: the Tq queries are the last Tq of the Tk positions,
     so queries that continue a KV cache still see every earlier position (SDPA's is_causal would not).
     """
     mask = None
-    if causal and q_len > 1:
-        q_pos = torch.arange(k_len - q_len, k_len, device=device)
-        mask = (torch.arange(k_len, device=device)[None, :] <= q_pos[:, None])[None, None]  # (1, 1, Tq, Tk)
+    if (causal and q_len > 1) or window:
+        q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]  # (Tq, 1)
+        distance = q_pos - torch.arange(k_len, device=device)[None, :]  # (Tq, Tk): how far back each key is
+        mask = torch.ones_like(distance, dtype=torch.bool)
+        if causal:
+            mask &= distance >= 0
+        if window:
+            mask &= distance.abs() < window
+        mask = mask[None, None]  # (1, 1, Tq, Tk)
     if key_mask is not None:
         keys = key_mask[:, None, None, :]  # (B, 1, 1, Tk)
         mask = keys if mask is None else mask & keys
@@ -188,23 +200,34 @@ class KVCache:
     Self-attention appends each step's new positions to preallocated buffers;
     cross-attention stores the projected encoder output once and reuses it.
     With grouped-query attention H below is n_kv_head: the cache holds the shared heads only.
+    With a sliding window (window > 0) it keeps just the last window - 1 positions, all that a later query can
+    still see, so its size stays fixed however long the decoding goes on.
     """
 
-    def __init__(self, capacity):
+    def __init__(self, capacity, window=0):
         self.capacity = capacity  # positions the buffers hold (the model's block_size)
+        self.window = window
         self.k = self.v = None  # (B, H, capacity, D) for self-attention, (B, H, S, D) for cross-attention
-        self.length = 0  # positions filled so far
+        self.length = 0  # positions seen so far: the position of the next one
 
     def append(self, k, v):
-        """Store k, v (B, H, T, D) after the cached positions; return all keys and values so far."""
+        """
+        Store k, v (B, H, T, D) after the cached positions; return the keys and values the new queries attend
+        over: all positions so far, or with a window the kept ones and the new ones.
+        """
+        start, self.length = self.length, self.length + k.size(2)
+        if self.window:
+            if self.k is not None:
+                k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)  # (B, H, kept + T, D)
+            drop = max(0, k.size(2) - (self.window - 1))  # positions that no later query can see
+            self.k, self.v = k[:, :, drop:], v[:, :, drop:]
+            return k, v
         if self.k is None:
             shape = (*k.shape[:2], self.capacity, k.shape[3])
             self.k, self.v = k.new_empty(shape), v.new_empty(shape)
-        end = self.length + k.size(2)
-        self.k[:, :, self.length : end] = k
-        self.v[:, :, self.length : end] = v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+        self.k[:, :, start : self.length] = k
+        self.v[:, :, start : self.length] = v
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]
 
     def reorder(self, index):
         """Keep the batch rows in `index` (beam search moves each beam's history to its surviving children)."""
@@ -224,6 +247,7 @@ class Attention(nn.Module):
     def __init__(self, config, causal):
         super().__init__()
         self.n_head, self.n_kv_head, self.causal, self.dropout = config.n_head, config.n_kv_head, causal, config.dropout
+        self.window = config.window_size  # self-attention only: cross-attention reads the whole context
         self.head_dim = config.n_embd // config.n_head  # D
         kv_dim = config.n_kv_head * self.head_dim  # C when n_kv_head == n_head
         # one Linear with rows W_q (C), W_k and W_v (kv_dim each) stacked, so the parameter names stay GPT-2's
@@ -287,12 +311,14 @@ class Attention(nn.Module):
 
         # Mask and scaled dot product: softmax(q k^T / sqrt(D)) v over the keys the mask allows
         dropout = self.dropout if self.training else 0.0
+        window = self.window if context is None else 0
         weights = None
-        if self.causal and S == T and key_mask is None and not need_weights:
+        if self.causal and S == T and key_mask is None and not window and not need_weights:
             # nothing cached and no padding: SDPA's own (upper-left) triangle is right and allows the flash kernel
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # (B, H, T, D)
         else:
-            mask = attention_mask(T, S, causal=self.causal, key_mask=key_mask, device=x.device)  # (B|1, 1, T, S)
+            # (B|1, 1, T, S); a window needs an explicit mask, which rules out the flash kernel on GPUs
+            mask = attention_mask(T, S, causal=self.causal, key_mask=key_mask, window=window, device=x.device)
             if need_weights:  # the same computation spelled out, so the probabilities can be returned
                 scores = (q @ k.transpose(-2, -1)) / math.sqrt(D)  # (B, H, T, S)
                 if mask is not None:
@@ -634,7 +660,8 @@ class TransformerModel(nn.Module):
         """An empty KV cache for incremental decoding: one (self, cross) pair of KVCaches per decoder block."""
         cross = self.config.arch == "encoder_decoder"
         size = self.config.block_size
-        return [(KVCache(size), KVCache(size) if cross else None) for _ in range(self.config.n_layer)]
+        window = self.config.window_size
+        return [(KVCache(size, window), KVCache(size) if cross else None) for _ in range(self.config.n_layer)]
 
 
 # -----------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 import itertools
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from model import (
     ModelConfig,
     build_model,
     peak_flops,
+    rope_tables,
     sample_next,
 )
 
@@ -609,15 +611,15 @@ def sequence_log_probs(model, src, hyps):
 
 @pytest.mark.parametrize("length_penalty", [0.6, 0.0, -0.5])
 @pytest.mark.parametrize("seed", range(3))
-def test_wide_beam_search_returns_the_best_of_all_sequences(seed, length_penalty):
+@pytest.mark.parametrize("window_size", [0, 2])  # 2: the beams' windowed KV caches are reordered too
+def test_wide_beam_search_returns_the_best_of_all_sequences(seed, length_penalty, window_size):
     """Every target of up to L tokens is scored; a beam that holds every extension of every prefix finds the best."""
     vocab, L = 5, 4
     torch.manual_seed(seed)
-    model = build_model(
-        ModelConfig(
-            arch="encoder_decoder", vocab_size=vocab, block_size=8, n_layer=1, n_head=2, n_embd=16, pad_token_id=PAD
-        )
-    ).eval()
+    config = ModelConfig(
+        arch="encoder_decoder", vocab_size=vocab, block_size=8, n_layer=1, n_head=2, n_embd=16, pad_token_id=PAD
+    )
+    model = build_model(replace(config, window_size=window_size)).eval()
     with torch.no_grad():
         for p in model.parameters():  # far from uniform, so that no two sequences score nearly alike
             p.normal_(0, 0.7)
@@ -654,6 +656,7 @@ def test_wide_beam_search_returns_the_best_of_all_sequences(seed, length_penalty
         ({"n_head": 4, "n_kv_head": 3}, "n_kv_head"),
         ({"n_kv_head": 0}, "n_kv_head"),
         ({"logit_softcap": -1.0}, "logit_softcap"),
+        ({"window_size": -1}, "window_size"),
     ],
 )
 def test_bad_config_names_the_field(overrides, field):
@@ -718,7 +721,7 @@ def test_from_pretrained_rejects_a_longer_block_size(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# Options: grouped-query attention, qk_norm, relu2 / swiglu, logit_softcap, zero_init_proj
+# Options: grouped-query attention, qk_norm, relu2 / swiglu, logit_softcap, zero_init_proj, sliding window
 
 # every new option alone, then all of them together (relu2 and swiglu exclude each other)
 OPTIONS = [
@@ -729,6 +732,7 @@ OPTIONS = [
     {"activation": "swiglu"},
     {"logit_softcap": 3.0},
     {"zero_init_proj": True},
+    {"window_size": 3},
     {
         "n_head": 4,
         "n_kv_head": 2,
@@ -736,6 +740,7 @@ OPTIONS = [
         "activation": "swiglu",
         "logit_softcap": 3.0,
         "zero_init_proj": True,
+        "window_size": 4,
     },
 ]
 
@@ -858,8 +863,6 @@ def reference_attention_options(attn, x, allowed, context=None, rope_theta=None)
 
 def test_qk_norm_and_grouped_query_attention_against_float64_loop():
     """Norm before rotary: with unequal gains per channel the other order gives other scores."""
-    from model import rope_tables
-
     torch.manual_seed(0)
     config = tiny(n_head=4, n_kv_head=2, qk_norm=True, pos_encoding="rope")
     causal, bidirectional = Attention(config, causal=True).eval(), Attention(config, causal=False).eval()
@@ -881,6 +884,62 @@ def test_qk_norm_and_grouped_query_attention_against_float64_loop():
         for need_weights in (False, True):
             got = attn(x, ctx, key_mask=km, rope=tables, need_weights=need_weights)[0]
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_sliding_window_attention_against_float64_loop():
+    """Causal: itself and the window - 1 keys before it; bidirectional: keys fewer than window positions away."""
+    torch.manual_seed(0)
+    window = 3
+    config = tiny(n_head=4, n_kv_head=2, qk_norm=True, pos_encoding="rope", window_size=window)
+    causal, bidirectional = Attention(config, causal=True).eval(), Attention(config, causal=False).eval()
+    x = torch.randn(2, 9, 32)
+    key_mask = torch.tensor([[True] * 9, [True] * 7 + [False] * 2])  # every query keeps a real key in its window
+    rope = rope_tables(9, 8, config.rope_theta)
+    cases = [
+        (causal, None, lambda b, t, s: 0 <= t - s < window),
+        (bidirectional, key_mask, lambda b, t, s: abs(t - s) < window and key_mask[b, s].item()),
+    ]
+    for attn, km, allowed in cases:
+        expected = reference_attention_options(attn, x, allowed, rope_theta=config.rope_theta).float()
+        for need_weights in (False, True):
+            got, weights = attn(x, key_mask=km, rope=rope, need_weights=need_weights)
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        distance = torch.arange(9)[:, None] - torch.arange(9)[None, :]
+        outside = distance.abs() >= window if km is not None else (distance < 0) | (distance >= window)
+        assert (weights[:, :, outside] == 0).all() and (weights[0, :, ~outside] > 0).all()
+
+
+@pytest.mark.parametrize("arch", ["gpt", "encoder_decoder"])
+def test_sliding_window_cache_keeps_window_minus_one_positions_past_the_window(arch):
+    """Decoding 12 steps past a window of 4: every step's logits equal the full forward's, from a 3-position cache."""
+    torch.manual_seed(0)
+    model = perturbed(build_model(tiny(arch=arch, n_head=4, n_kv_head=2, window_size=4, pos_encoding="rope"))).eval()
+    x, src = tokens(2, 16), tokens(2, 7, seed=1)
+    memory, src_mask = model.encode(src) if arch == "encoder_decoder" else (None, None)
+
+    def step(part, cache):
+        if arch == "gpt":
+            return model.head(model.body(part, cache=cache)[0])
+        return model.decode(part, memory, src_mask, cache=cache)
+
+    cache = model.new_cache()
+    steps = [step(x[:, :4], cache)]
+    for t in range(4, 16):
+        steps.append(step(x[:, t : t + 1], cache))
+        for self_cache, _ in cache:
+            assert self_cache.k.shape == self_cache.v.shape == (2, 2, 3, 8)  # (B, n_kv_head, window - 1, D)
+            assert self_cache.length == t + 1
+    torch.testing.assert_close(torch.cat(steps, dim=1), logits_of(model, src, x) if memory is not None else model(x)[0])
+
+
+def test_a_sliding_window_leaves_padded_rows_finite():
+    """Right-padded far beyond the window: the padded queries see no real key, and still no NaN reaches the loss."""
+    model = build_model(tiny(arch="encoder", window_size=2, pad_token_id=PAD))
+    x = F.pad(tokens(2, 4), (0, 10), value=PAD)
+    targets = x.masked_fill(x == PAD, IGNORE_INDEX)
+    loss = model(x, targets)[1]
+    loss.backward()
+    assert loss.isfinite() and all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -954,7 +1013,7 @@ def test_config_without_the_option_keys_loads_as_before():
     """A checkpoint's config from before the options existed: the defaults fill in, the weights keep their shapes."""
     from dataclasses import asdict
 
-    new_keys = ("n_kv_head", "qk_norm", "logit_softcap", "zero_init_proj")
+    new_keys = ("n_kv_head", "qk_norm", "logit_softcap", "zero_init_proj", "window_size")
     old = {k: v for k, v in asdict(tiny()).items() if k not in new_keys}
     config = ModelConfig.from_dict(old)
     assert config == tiny() and config.n_kv_head == config.n_head

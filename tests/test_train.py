@@ -444,6 +444,7 @@ def test_seq2seq_learns_and_its_exact_match_agrees_with_the_task_solver(tmp_path
             "logit_softcap": 30.0,
             "zero_init_proj": True,
             "pos_encoding": "rope",
+            "window_size": 5,
         },
         {
             "arch": "encoder_decoder",
@@ -1439,7 +1440,7 @@ def test_a_checkpoint_from_before_a_setting_existed_resumes_with_its_default(tmp
     main(tiny(data_root, tmp_path, max_iters=2))
     path = tmp_path / "ckpt.pt"
     ckpt = torch.load(path, weights_only=True)
-    for key in ("n_kv_head", "qk_norm", "logit_softcap", "zero_init_proj"):
+    for key in ("n_kv_head", "qk_norm", "logit_softcap", "zero_init_proj", "window_size"):
         del ckpt["model_config"][key]
     save_checkpoint(ckpt, path)
     capsys.readouterr()
