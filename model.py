@@ -1,7 +1,7 @@
 """
 The Transformer family in one file, read top to bottom:
 config, norms and positions, attention, MLP, block, the shared body, the three models
-(GPT, Encoder, EncoderDecoder), sampling and beam search, GPT-2 weight loading.
+(GPT, Encoder, EncoderDecoder), sampling and beam search, loading Hugging Face weights (GPT-2, Llama, Mistral).
 
 Shape letters used in comments:
     B batch, T target (query) length, S source (key) length, H heads, D head dim,
@@ -760,11 +760,22 @@ class GPT(TransformerModel):
     @classmethod
     def from_pretrained(cls, name_or_path, **overrides):
         """
-        GPT-2 weights in the Hugging Face layout (config.json + model.safetensors or pytorch_model.bin),
-        from a local directory or, when online, a hub id such as "gpt2" or "gpt2-medium".
+        Weights in the Hugging Face layout, from a local directory (as save_pretrained writes it) or, when online, a
+        hub id such as "gpt2". The directory holds config.json and model.safetensors, or pytorch_model.bin, or
+        either sharded (model-00001-of-00003.safetensors ... with model.safetensors.index.json). config.json's
+        model_type picks the mapping; the ModelConfig follows from config.json:
+            "gpt2": learned positions, LayerNorm, GELU (tanh), biases, the head tied to the embedding.
+            "llama": rotary positions (rope_theta), RMSNorm (rms_norm_eps), SwiGLU of width intermediate_size,
+                grouped-query attention (num_key_value_heads), biases if attention_bias and mlp_bias, the head tied
+                if tie_word_embeddings. A scaled rope (rope_scaling, or a rope_type other than "default"), another
+                hidden_act than silu or a head_dim other than hidden_size / num_attention_heads is a ValueError.
+            "mistral": as llama, with sliding_window as window_size.
+        block_size is the trained positions (n_positions, max_position_embeddings); it may be overridden shorter,
+        not longer. Llama-style checkpoints often have long ones: a shorter block_size also shrinks the KV cache,
+        which generation allocates at full size unless there is a window.
         overrides: ModelConfig fields to change, e.g. dropout=0.1 or block_size=256 for fine-tuning.
         """
-        return load_gpt2(cls, name_or_path, overrides)
+        return load_pretrained(cls, name_or_path, overrides)
 
 
 class Encoder(TransformerModel):
@@ -1009,16 +1020,28 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 
 
 # -----------------------------------------------------------------------------
-# GPT-2 weights from Hugging Face
+# Pretrained weights from Hugging Face: GPT-2, Llama, Mistral
 
 
-def load_gpt2(cls, name_or_path, overrides):
-    """A `cls` (GPT) holding the Hugging Face GPT-2 weights in name_or_path; see GPT.from_pretrained."""
+def load_pretrained(cls, name_or_path, overrides):
+    """A `cls` (GPT) holding the Hugging Face weights in name_or_path, loaded as its config.json's model_type says."""
     path = Path(name_or_path)
     if not path.is_dir():
         path = download_from_hub(str(name_or_path))
-    # GPT-2's architecture in our terms, sized by its config.json; the caller may override any field
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: pass a directory written by transformers' save_pretrained")
     hf = json.loads((path / "config.json").read_text())
+    model_type = hf.get("model_type")
+    if model_type not in PRETRAINED_LOADERS:
+        raise ValueError(
+            f"{path} holds a model_type={model_type!r} model; from_pretrained loads {', '.join(PRETRAINED_LOADERS)}"
+        )
+    return PRETRAINED_LOADERS[model_type](cls, path, hf, overrides)
+
+
+def load_gpt2(cls, path, hf, overrides):
+    """A `cls` (GPT) holding the GPT-2 weights in path, whose config.json is hf; see GPT.from_pretrained."""
+    # GPT-2's architecture in our terms, sized by its config.json; the caller may override any field
     config = ModelConfig(
         **{
             "arch": "gpt",
@@ -1038,11 +1061,7 @@ def load_gpt2(cls, name_or_path, overrides):
             **overrides,
         }
     )
-    if config.block_size > hf["n_positions"]:
-        raise ValueError(
-            f"block_size={config.block_size} is longer than the {hf['n_positions']} positions "
-            f"{name_or_path} was trained with; use block_size <= {hf['n_positions']}"
-        )
+    check_block_size(config, hf["n_positions"], path)
     hf_state = read_state_dict(path)
     # GPT2LMHeadModel prefixes "transformer."; a bare GPT2Model does not. The attention-mask buffers are not weights.
     hf_state = {
@@ -1070,45 +1089,213 @@ def load_gpt2(cls, name_or_path, overrides):
                 names[f"h.{i}.{hf_name}.{p}"] = f"body.blocks.{i}.{ours}.{p}"
     hf_state.pop("lm_head.weight", None)  # tied to wte
     # name by name, both ways: a checkpoint of another architecture fails here, not with a shape error later
-    missing = set(names) - set(hf_state)
-    unexpected = set(hf_state) - set(names)
-    if missing or unexpected:
-        raise ValueError(
-            f"{path} does not hold GPT-2 weights: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-        )
+    check_names(path, "GPT-2", expected=names, found=hf_state)
 
-    model = cls(config)
-    block_size = config.block_size
     state = {}
     for hf_name, ours in names.items():
         tensor = hf_state[hf_name]
         if hf_name.endswith(".weight") and any(c in hf_name for c in ("c_attn", "c_proj", "c_fc")):
             tensor = tensor.t()  # HF's Conv1D stores (in, out); nn.Linear wants (out, in)
         if hf_name == "wpe.weight":
-            tensor = tensor[:block_size]  # fine-tuning with a shorter context keeps the first positions
+            tensor = tensor[: config.block_size]  # fine-tuning with a shorter context keeps the first positions
         state[ours] = tensor
     state["lm_head.weight"] = state["body.wte.weight"]  # the tied head is a state_dict key of its own
+    return load_checked(cls(config), state, path)
+
+
+def load_llama(cls, path, hf, overrides):
+    """A `cls` (GPT) holding the Llama or Mistral weights in path, whose config.json is hf; see GPT.from_pretrained."""
+    # What our model cannot compute is refused here, before any weights are read. Optional keys default as in
+    # transformers' LlamaConfig and MistralConfig.
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    absent = [key for key in (*sizes, "max_position_embeddings") if hf.get(key) is None]
+    if absent:
+        raise ValueError(f"{path / 'config.json'} has no {', '.join(absent)}: is it a {hf['model_type']} config?")
+    C, H = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # two names of x * sigmoid(x)
+        raise ValueError(f"{path}: hidden_act={hf['hidden_act']!r} is not implemented; SwiGLU here gates with 'silu'")
+    if hf.get("head_dim") not in (None, C // H) or C % H:
+        raise ValueError(
+            f"{path}: head_dim={hf.get('head_dim')} with hidden_size={C} and num_attention_heads={H} is not "
+            f"supported; our attention's head dim is always hidden_size / num_attention_heads"
+        )
+    bias = hf.get("attention_bias", False)
+    if hf.get("mlp_bias", False) != bias:
+        raise ValueError(
+            f"{path}: attention_bias={bias} but mlp_bias={hf.get('mlp_bias', False)}; one bias flag covers all our "
+            f"Linears, so both must be equal"
+        )
+    tied = hf.get("tie_word_embeddings", False)
+    # Mistral is Llama plus a sliding window; transformers' MistralConfig defaults it to 4096, None turns it off
+    window = (hf.get("sliding_window", 4096) or 0) if hf["model_type"] == "mistral" else 0
+    config = ModelConfig(
+        **{
+            "arch": "gpt",
+            "vocab_size": hf["vocab_size"],
+            "block_size": hf["max_position_embeddings"],
+            "n_layer": hf["num_hidden_layers"],
+            "n_head": H,
+            "n_kv_head": hf.get("num_key_value_heads") or H,
+            "n_embd": C,
+            "d_ff": hf["intermediate_size"],
+            "bias": bias,
+            "pos_encoding": "rope",
+            "rope_theta": float(llama_rope_theta(hf, path)),
+            "norm_position": "pre",
+            "norm": "rmsnorm",
+            "norm_eps": hf.get("rms_norm_eps", 1e-6),
+            "activation": "swiglu",
+            "tie_embeddings": tied,
+            "window_size": window,
+            **overrides,
+        }
+    )
+    check_block_size(config, hf["max_position_embeddings"], path)
+    hf_state = read_state_dict(path)
+    # LlamaForCausalLM prefixes the body with "model."; a bare LlamaModel does not. rotary_emb.inv_freq (saved by
+    # transformers before 4.31) is the rotary table, not a weight.
+    hf_state = {k.removeprefix("model."): v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.tie_embeddings:
+        hf_state.pop("lm_head.weight", None)  # the head is embed_tokens; save_pretrained leaves it out
+
+    # Our name -> the Hugging Face tensors it is made of, stacked along dim 0 (the output rows) when more than one.
+    # qkv: q_proj (H*D rows), k_proj and v_proj (n_kv_head*D rows each) give the rows [W_q; W_k; W_v] that Attention
+    # splits as [C, kv_dim, kv_dim]. Head h is rows h*D:(h+1)*D in both layouts, and both rotate the channel pairs
+    # (i, i + D/2) (transformers' rotate_half), so no row needs permuting. Norms are RMSNorm gains, without bias.
+    sources = {"body.wte.weight": ["embed_tokens.weight"], "body.norm.weight": ["norm.weight"]}
+    if not config.tie_embeddings:
+        sources["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(config.n_layer):
+        hf_layer, ours = f"layers.{i}", f"body.blocks.{i}"
+        sources[f"{ours}.norm1.weight"] = [f"{hf_layer}.input_layernorm.weight"]
+        sources[f"{ours}.norm2.weight"] = [f"{hf_layer}.post_attention_layernorm.weight"]
+        for our_linear, hf_linears in [
+            ("attn.qkv", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+            ("attn.proj", ["self_attn.o_proj"]),
+            ("mlp.fc", ["mlp.gate_proj"]),  # SwiGLU's gate, the one under the SiLU
+            ("mlp.up", ["mlp.up_proj"]),
+            ("mlp.proj", ["mlp.down_proj"]),
+        ]:
+            for p in ("weight", "bias") if config.bias else ("weight",):
+                sources[f"{ours}.{our_linear}.{p}"] = [f"{hf_layer}.{name}.{p}" for name in hf_linears]
+    check_names(path, "Llama", expected=[name for names in sources.values() for name in names], found=hf_state)
+
+    # (a lone tensor is taken as it is: a copy of every weight would double the memory a large model needs)
+    state = {
+        ours: torch.cat([hf_state[n] for n in names]) if len(names) > 1 else hf_state[names[0]]
+        for ours, names in sources.items()
+    }
+    if config.tie_embeddings:
+        state["lm_head.weight"] = state["body.wte.weight"]  # the tied head is a state_dict key of its own
+    return load_checked(cls(config), state, path)
+
+
+def llama_rope_theta(hf, path):
+    """The rotary base of a Llama config.json; ValueError for a scaled rope (linear, dynamic, yarn, llama3...)."""
+    # transformers < 5 writes rope_theta at the top level, beside rope_scaling (null unless scaled, its kind under
+    # "type" or "rope_type"); transformers 5 writes both into rope_parameters: {"rope_type": "default", "rope_theta"}
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(
+            f"{path}: rope_type={rope_type!r} ({', '.join(f'{k}={v}' for k, v in rope.items())}) is not implemented; "
+            f"only unscaled rotary positions (rope_type 'default') are"
+        )
+    return rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+
+
+# config.json's model_type -> the loader that maps its weights onto ours
+PRETRAINED_LOADERS = {"gpt2": load_gpt2, "llama": load_llama, "mistral": load_llama}
+
+
+def check_block_size(config, positions, path):
+    """ValueError when the (overridden) block_size is longer than the positions the checkpoint was trained with."""
+    if config.block_size > positions:
+        raise ValueError(
+            f"block_size={config.block_size} is longer than the {positions} positions "
+            f"{path} was trained with; use block_size <= {positions}"
+        )
+
+
+def check_names(path, kind, expected, found):
+    """ValueError naming the first few missing and unexpected tensors, unless `found` has just the `expected` ones."""
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{path} does not hold {kind} weights that match its config.json: missing {missing[:5]} "
+            f"({len(missing)} in all), unexpected {unexpected[:5]} ({len(unexpected)} in all)"
+        )
+
+
+def load_checked(model, state, path):
+    """model holding the tensors of state (our names), all checked first so that a mismatch loads nothing."""
+    expected = model.state_dict()
+    # the names differ only when the overrides change the architecture, e.g. pos_encoding or qk_norm
+    differ = sorted(set(expected) ^ set(state))
+    if differ:
+        raise ValueError(
+            f"the overrides change which weights the model has ({', '.join(differ[:3])}), so {path} does not fit it; "
+            f"override only fields that keep the weights, such as dropout or block_size"
+        )
+    wrong = [
+        f"{k} is {tuple(v.shape)} where the model has {tuple(expected[k].shape)}"
+        for k, v in state.items()
+        if v.shape != expected[k].shape
+    ]
+    if wrong:
+        raise ValueError(f"{path}: {len(wrong)} tensors do not have the shapes config.json implies, e.g. {wrong[0]}")
     model.load_state_dict(state, strict=True)
     return model
 
 
-def read_state_dict(path):
-    """The tensors of a Hugging Face model directory: model.safetensors, else pytorch_model.bin."""
-    if (path / "model.safetensors").exists():
-        from safetensors.torch import load_file
+# Where save_pretrained puts the weights, tried in this order: one file, or an index whose "weight_map" names the
+# shard holding each tensor (a model larger than max_shard_size)
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
-        return load_file(str(path / "model.safetensors"))
-    if (path / "pytorch_model.bin").exists():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{path} has neither model.safetensors nor pytorch_model.bin")
+
+def read_state_dict(path):
+    """The tensors of a Hugging Face model directory, from the first of WEIGHT_FILES that it has."""
+    name = next((name for name in WEIGHT_FILES if (path / name).is_file()), None)
+    if name is None:
+        raise FileNotFoundError(f"{path} has no weights: none of {', '.join(WEIGHT_FILES)} is there")
+    shards = [name]
+    if name.endswith(".index.json"):
+        weight_map = json.loads((path / name).read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{path / name} has no weight_map: it is not an index written by save_pretrained")
+        shards = sorted(set(weight_map.values()))
+        absent = [shard for shard in shards if not (path / shard).is_file()]
+        if absent:
+            raise FileNotFoundError(f"{path} lacks {len(absent)} of the shards {name} names, e.g. {absent[0]}")
+    state = {}
+    for shard in shards:
+        if shard.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state.update(load_file(str(path / shard)))
+        else:
+            state.update(torch.load(path / shard, map_location="cpu", weights_only=True))
+    return state
 
 
 def download_from_hub(name):
-    """Download config.json and model.safetensors of a hub id; FileNotFoundError saying what to pass when offline."""
+    """Download config.json and the safetensors weights of a hub id; FileNotFoundError saying what to pass offline."""
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(name, allow_patterns=["config.json", "model.safetensors"]))
+        patterns = [
+            "config.json",
+            "tokenizer.json",
+            "model.safetensors",
+            "model.safetensors.index.json",
+            "model-*.safetensors",
+        ]
+        return Path(snapshot_download(name, allow_patterns=patterns))
     except Exception as e:
         raise FileNotFoundError(
             f"could not load {name!r}: it is not a local directory and the Hugging Face hub is unreachable "
