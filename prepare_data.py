@@ -13,6 +13,7 @@ never leaves a folder that looks prepared.
 import argparse
 import codecs
 import contextlib
+import functools
 import glob
 import hashlib
 import http.client
@@ -20,6 +21,7 @@ import itertools
 import json
 import os
 import random
+import re
 import secrets
 import shutil
 import string
@@ -36,6 +38,7 @@ from tokens import (
     DATA_DIR_ENV,
     FORMAT_VERSION,
     SEQ2SEQ_SPLITS,
+    TOKENIZER_JSON,
     DownloadError,
     PairWriter,
     Tokenizer,
@@ -43,10 +46,12 @@ from tokens import (
     atomic_output,
     data_root,
     dataset_dir,
+    huggingface_tokenizer,
     is_prepared,
     load_meta,
     one_line,
     tiktoken_encoding,
+    tokenizer_json_file,
 )
 
 # Re-exported for train.py, sample.py and their tests until they import these from tokens.py; remove then.
@@ -60,6 +65,7 @@ SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2d
 _BLOCK_BYTES = 1 << 18  # text is read, cut and encoded in pieces of about this size
 _BATCH_PIECES = 16  # pieces per tiktoken batch: enough work for every thread, bounded memory
 _BATCH_DOCS = 1024  # documents (or pairs) per batch for the Hugging Face streams
+_CUT_CONTEXT = 64  # characters either side of a cut that a tokenizer.json must encode alike whole and cut
 _SYNTH_SYMBOLS = string.digits + string.ascii_lowercase  # what reverse/sort strings are made of
 _SYNTH_CHARS = sorted(" -" + _SYNTH_SYMBOLS)  # one vocabulary for all synthetic tasks
 
@@ -76,6 +82,10 @@ def _describe(spec: dict) -> str:
     # a tokenizer spec as a person reads it, for messages
     if spec.get("type") == "char":
         return f"char-level, {len(spec['chars'])} symbols"
+    if spec.get("type") == "huggingface":
+        # the content, not the path the file came from, tells two tokenizers apart
+        digest = hashlib.sha256(spec["json"].encode("utf-8")).hexdigest()
+        return f"Hugging Face {TOKENIZER_JSON} with sha256 {digest[:12]}"
     return f"tiktoken {spec.get('encoding')}"
 
 
@@ -94,6 +104,7 @@ class Option:
     choices: tuple = ()  # the allowed values; (): any value of the type
     at_least: int | None = None  # the smallest allowed value; None: no bound
     fraction: bool = False  # True: the value must lie strictly between 0 and 1
+    file: Callable | None = None  # (value) -> file: a value outside choices names this file, recorded by its hash
 
     def resolve(self, dataset: str, value):
         """`value` converted to the option's type and checked; a bad one raises ValueError naming the option."""
@@ -106,12 +117,26 @@ class Option:
         except (TypeError, ValueError):
             raise ValueError(f"{dataset}: --{self.name} must be {self.type.__name__}, got {value!r}") from None
         if self.choices and value not in self.choices:
-            raise ValueError(f"{dataset}: --{self.name} must be one of {', '.join(self.choices)}, got {value!r}")
+            if self.file is None:
+                raise ValueError(f"{dataset}: --{self.name} must be one of {', '.join(self.choices)}, got {value!r}")
+            try:
+                # checked now, before any download or scan: the file must exist (its content is read by the builder)
+                self.file(value)
+            except OSError as err:
+                names = self.choices[0] if len(self.choices) == 1 else f"one of {', '.join(self.choices)}"
+                raise ValueError(f"{dataset}: --{self.name} must be {names} or a path: {one_line(err)}") from None
         if self.at_least is not None and value < self.at_least:
             raise ValueError(f"{dataset}: --{self.name} must be at least {self.at_least}, got {value}")
         if self.fraction and not 0 < value < 1:
             raise ValueError(f"{dataset}: --{self.name} must be between 0 and 1, got {value}")
         return value
+
+    def recorded(self, value):
+        """What the up-to-date record keeps of a resolved value: the value, or for a file its sha256."""
+        if self.file is None or value is None or value in self.choices:
+            return value
+        # by content, not by path: the same path may hold another file tomorrow, and a copy elsewhere is the same
+        return {"sha256": _sha256(self.file(value))}
 
 
 def _count(name: str, default: int | None, help_text: str) -> Option:
@@ -125,6 +150,11 @@ def _fraction(name: str, default: float, help_text: str) -> Option:
 def _num_proc() -> Option:
     # threads change the speed, never the ids: another thread count does not rebuild
     return Option("num_proc", int, None, "tokenizer threads (default: all cores)", affects_output=False, at_least=1)
+
+
+def _tokenizer(names: tuple[str, ...], default: str, help_text: str) -> Option:
+    # any value but the names is a tokenizer.json or a folder holding one (a Hugging Face model folder)
+    return Option("tokenizer", str, default, help_text, choices=names, file=tokenizer_json_file)
 
 
 def _input(help_text: str) -> Option:
@@ -214,18 +244,39 @@ def _last_cut(text: str) -> int:
     return 0
 
 
-def _pieces(blocks: Iterable[str]) -> Iterator[str]:
+def _checked_cut(tokenizer: Tokenizer, text: str) -> int:
+    # The cut for a tokenizer.json: just after or just before the newline that _last_cut finds, whichever leaves the
+    # ids around it unchanged (checked on _CUT_CONTEXT characters either side); 0 if neither does.
+    #
+    # Pre-tokenizers keep tokens from crossing a newline on one side or the other: GPT-2's may join ' \n' but never
+    # '\nA', Llama 3's joins ':\n' but never '\nA'. A tokenizer that marks the start of every text it is given
+    # (sentencepiece's '▁' in Llama 2 and Mistral) fails both checks: its text is never cut, and each file's split is
+    # encoded whole.
+    i = _last_cut(text)
+    if not i:
+        return 0
+    # the same window for all three encodings: its ends, which may fall inside a word, agree whole and cut
+    start, end = max(0, i - _CUT_CONTEXT), i + 1 + _CUT_CONTEXT
+    whole = tokenizer.encode(text[start:end])
+    for cut in (i + 1, i):
+        if tokenizer.encode(text[start:cut]) + tokenizer.encode(text[cut:end]) == whole:
+            return cut
+    return 0
+
+
+def _pieces(blocks: Iterable[str], last_cut: Callable[[str], int] = _last_cut) -> Iterator[str]:
     # Regroup text blocks into pieces that BPE-encode exactly like the whole text.
     #
     # GPT-2 pre-tokenization always makes a newline followed by a non-space character a
     # token of its own, and no token crosses it; cutting just before such a newline therefore
-    # leaves the ids unchanged, so pieces can be encoded independently, in parallel.
+    # leaves the ids unchanged, so pieces can be encoded independently, in parallel. Another
+    # tokenizer passes its own last_cut (_checked_cut).
     # the text after the last cut waits for the next block, which may continue its last token
     carry = ""
     for block in blocks:
         text = carry + block
         # cut 0 (no safe place yet, e.g. one very long line): keep growing the text
-        cut = _last_cut(text)
+        cut = last_cut(text)
         if cut:
             yield text[:cut]
         carry = text[cut:]
@@ -248,7 +299,7 @@ def _scan_text(files: list[Path]) -> tuple[int, set[str]]:
     return total, chars
 
 
-def _corpus_items(files: list[Path], split_at: int) -> Iterator[tuple[str, str | None]]:
+def _corpus_items(files: list[Path], split_at: int, last_cut: Callable[[str], int]) -> Iterator[tuple[str, str | None]]:
     # ("train" | "val", text) pieces of the concatenated files, and (split, None) after each non-empty file.
     #
     # The first `split_at` characters are train, the rest val, exactly as nanoGPT cuts.
@@ -256,7 +307,7 @@ def _corpus_items(files: list[Path], split_at: int) -> Iterator[tuple[str, str |
     for path in files:
         # pos: characters of all files so far; start: where this file began
         start = pos
-        for piece in _pieces(_decoded_blocks(path)):
+        for piece in _pieces(_decoded_blocks(path), last_cut):
             # a piece straddling split_at is cut there: val starts at exactly nanoGPT's character
             end = pos + len(piece)
             if end <= split_at:
@@ -396,6 +447,17 @@ def _named_folder(opts: dict) -> str:
     return opts["name"]
 
 
+def _shakespeare_folder(opts: dict) -> str:
+    # another tokenizer's ids get a folder of their own, named after it: 'shakespeare' stays GPT-2's
+    if opts["tokenizer"] == "gpt2":
+        return "shakespeare"
+    file = tokenizer_json_file(opts["tokenizer"]).resolve()
+    # a model folder's name (shakespeare_Llama-3.2-1B), or a lone file's own; two tokenizers that come out with the
+    # same name are still told apart, by prepare's check of the tokenizer in the folder
+    label = file.parent.name if file.name == TOKENIZER_JSON else file.stem
+    return "shakespeare_" + re.sub(r"[^\w.-]", "_", label or "tokenizer")
+
+
 def _shakespeare_inputs(name, opts, root):
     path = shakespeare_file(opts["input"], root)
     return [path], _sha256(path)  # by content: the mirror, the cache and --input all count as the same text
@@ -484,31 +546,39 @@ def _encode_items(
         bar.update(sum(map(len, texts)))
 
 
-def _build_lm_text(stage, name, opts, files, check_tokenizer, *, tokenizer_type: str, eot_after_files: bool):
+def _build_lm_text(stage, name, opts, files, check_tokenizer, *, tokenizer: str, eot_after_files: bool):
     # train.bin/val.bin from text files: the first (1 - val_fraction) of the characters are train.
+    # tokenizer: 'char', 'bpe' (GPT-2 BPE), or the path of a tokenizer.json or of a folder holding one
+    if tokenizer == "bpe":
+        encoding = tiktoken_encoding("gpt2")
+        # GPT-2 BPE: 50,257 ids, the last (50256) being <|endoftext|>
+        spec, vocab_size, special = _gpt2_spec(), encoding.n_vocab, {"eot": encoding.eot_token}
+    elif tokenizer != "char":
+        # read before the scan, so a file that cannot be parsed fails at once; bos/eos from config.json beside it
+        hf = huggingface_tokenizer(tokenizer)
+        spec, vocab_size, special = hf["tokenizer"], hf["vocab_size"], hf["special_tokens"]
     # pass 1: character count and set; also rejects files that are not UTF-8 text
     total, chars = _scan_text(files)
     if total == 0:
         raise ValueError(f"{opts['input'] or files[0]} holds no text; pass a non-empty --input")
-    if tokenizer_type == "char":
+    if tokenizer == "char":
         # sorted: the same text always gets the same ids (65 for tiny Shakespeare); a char vocabulary has no
         # special tokens, so no end-of-text either
         spec, vocab_size, special = {"type": "char", "chars": sorted(chars)}, len(chars), {}
-    else:
-        encoding = tiktoken_encoding("gpt2")
-        # GPT-2 BPE: 50,257 ids, the last (50256) being <|endoftext|>
-        spec, vocab_size, special = _gpt2_spec(), encoding.n_vocab, {"eot": encoding.eot_token}
     check_tokenizer(spec)
     # the same Tokenizer that training and sampling rebuild from meta.json
-    tokenizer = Tokenizer(spec, vocab_size, special)
+    encoder = Tokenizer(spec, vocab_size, special)
     split_at = int(total * (1 - opts["val_fraction"]))  # nanoGPT's int(n * 0.9): 1,003,854 for Shakespeare
-    eot = special.get("eot") if eot_after_files else None  # documents (files) end with end-of-text
+    # documents (files) end with end-of-text: GPT-2's, or a tokenizer.json's eos (none if config.json names none)
+    eot = special.get("eot", special.get("eos")) if eot_after_files else None
+    # where pieces may be cut: GPT-2's rule is known; a tokenizer.json's is checked at each cut
+    last_cut = functools.partial(_checked_cut, encoder) if spec["type"] == "huggingface" else _last_cut
     # num_proc is not an option of the Shakespeare recipes: get() then gives None, all cores
     num_threads = opts.get("num_proc") or os.cpu_count()
     # pass 2: read again, cut into pieces, encode them in parallel batches and stream the ids into train.bin
     # and val.bin; every step is a generator, so only one batch of text and ids is in memory at a time
     with tqdm(desc=f"tokenizing {name}", total=total, unit="char", unit_scale=True, disable=None) as bar:
-        items = _encode_items(_corpus_items(files, split_at), tokenizer, eot, num_threads, bar)
+        items = _encode_items(_corpus_items(files, split_at, last_cut), encoder, eot, num_threads, bar)
         files_meta = _write_lm(stage, items, vocab_size)
     # the builder's part of meta.json; prepare() adds format_version, name and source
     return {"kind": "lm", "tokenizer": spec, "vocab_size": vocab_size, "special_tokens": special, "files": files_meta}
@@ -517,20 +587,20 @@ def _build_lm_text(stage, name, opts, files, check_tokenizer, *, tokenizer_type:
 def _build_shakespeare_char(stage, name, opts, files, check_tokenizer):
     opts = opts | {"val_fraction": 0.1}
     # 90/10 fixed, as in nanoGPT's data/shakespeare_char, so losses compare; one file, so no end-of-text
-    return _build_lm_text(stage, name, opts, files, check_tokenizer, tokenizer_type="char", eot_after_files=False)
+    return _build_lm_text(stage, name, opts, files, check_tokenizer, tokenizer="char", eot_after_files=False)
 
 
 def _build_shakespeare(stage, name, opts, files, check_tokenizer):
     opts = opts | {"val_fraction": 0.1}
-    # as nanoGPT's data/shakespeare: one document, no end-of-text in it
-    return _build_lm_text(stage, name, opts, files, check_tokenizer, tokenizer_type="bpe", eot_after_files=False)
+    # as nanoGPT's data/shakespeare: one document, no end-of-text in it; the option's 'gpt2' is text's 'bpe'
+    tokenizer = "bpe" if opts["tokenizer"] == "gpt2" else opts["tokenizer"]
+    return _build_lm_text(stage, name, opts, files, check_tokenizer, tokenizer=tokenizer, eot_after_files=False)
 
 
 def _build_text(stage, name, opts, files, check_tokenizer):
-    # each file is a document: with BPE an end-of-text follows it, so the model learns where texts end
-    return _build_lm_text(
-        stage, name, opts, files, check_tokenizer, tokenizer_type=opts["tokenizer"], eot_after_files=True
-    )
+    # each file is a document: with BPE an end-of-text (a tokenizer.json's eos) follows it, so the model learns
+    # where texts end
+    return _build_lm_text(stage, name, opts, files, check_tokenizer, tokenizer=opts["tokenizer"], eot_after_files=True)
 
 
 def _encode_documents(dataset, tokenizer: Tokenizer, period: int, max_tokens: int | None, num_threads: int, bar):
@@ -891,10 +961,19 @@ RECIPES: dict[str, Recipe] = {
         build=_build_shakespeare_char,
     ),
     "shakespeare": Recipe(
-        "tiny Shakespeare, GPT-2 BPE (tiktoken), 90/10 split as in nanoGPT",
-        options=(_SHAKESPEARE_INPUT,),
+        "tiny Shakespeare, GPT-2 BPE (tiktoken) or a tokenizer.json, 90/10 split as in nanoGPT",
+        options=(
+            _SHAKESPEARE_INPUT,
+            _tokenizer(
+                ("gpt2",),
+                "gpt2",
+                "gpt2: GPT-2 BPE; else a tokenizer.json or a folder holding one (a Llama or Mistral model folder), "
+                "written to shakespeare_<its folder name>",
+            ),
+        ),
         inputs=_shakespeare_inputs,
         build=_build_shakespeare,
+        folder=_shakespeare_folder,
     ),
     "openwebtext": Recipe(
         "OpenWebText through Hugging Face datasets, GPT-2 BPE, streamed (--max_docs for a quick run)",
@@ -909,15 +988,14 @@ RECIPES: dict[str, Recipe] = {
         build=_build_hf_lm,
     ),
     "text": Recipe(
-        "your own text: a file, directory or glob (--input), char-level or GPT-2 BPE",
+        "your own text: a file, directory or glob (--input), char-level, GPT-2 BPE or a tokenizer.json",
         options=(
             _input("UTF-8 text file, directory (recursive) or glob; required"),
-            Option(
-                "tokenizer",
-                str,
+            _tokenizer(
+                ("char", "bpe"),
                 "bpe",
-                "char: the corpus's characters; bpe: GPT-2 BPE with end-of-text after each file",
-                choices=("char", "bpe"),
+                "char: the corpus's characters; bpe: GPT-2 BPE with end-of-text after each file; else a "
+                "tokenizer.json or a folder holding one (a model folder), with config.json's eos after each file",
             ),
             Option("name", str, "text", "output folder name under data_dir", affects_output=False),
             _fraction("val_fraction", 0.1, "the last fraction of the characters is the val split"),
@@ -1033,7 +1111,7 @@ def prepare(name: str, /, data_dir=None, force: bool = False, **options) -> Path
     record = {
         "dataset": name,
         "inputs": fingerprint,
-        **{o.name: opts[o.name] for o in recipe.options if o.affects_output},
+        **{o.name: o.recorded(opts[o.name]) for o in recipe.options if o.affects_output},
     }
     record = json.loads(json.dumps(record))
     # --force ignores the existing folder: nothing is kept, nothing refused
@@ -1094,7 +1172,8 @@ def _parser() -> argparse.ArgumentParser:
                 f"--{option.name}",
                 type=option.type,
                 default=argparse.SUPPRESS,
-                choices=option.choices or None,
+                # an option that also takes a path is checked by Option.resolve, which knows about the path
+                choices=None if option.file else option.choices or None,
                 help=option.help + default,
             )
     return parser

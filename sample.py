@@ -4,6 +4,7 @@ a GPT continues the prompt, an encoder-decoder translates it, an encoder fills i
 
     python sample.py --out_dir=out-shakespeare --start "ROMEO:" --num_samples=3 --temperature=0.8
     python sample.py --init_from=gpt2 --start "The meaning of life is" --top_p=0.9
+    python sample.py --init_from=/models/Llama-3.2-1B --start "ROMEO:"   # a folder with its tokenizer.json
     python sample.py --out_dir=out-reverse --start "hello" --beam_size=4
     python sample.py --help
 """
@@ -19,29 +20,22 @@ import torch
 from checkpoint import load_checkpoint, model_from_checkpoint
 from config import parse_config
 from devices import autocast, resolve_device, resolve_dtype
-from model import GPT, Stack, check_sampling_args
+from model import GPT, Stack, check_sampling_args, download_from_hub
 from prepare_data import solve
-from tokens import Tokenizer
+from tokens import Tokenizer, pretrained_meta
 
 MASK = "[MASK]"  # what the encoder's prompt writes where a token is to be filled in
 # what --dtype accepts; resolve_dtype (devices.py) turns auto into one of the others
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# GPT-2's tokenizer as a dataset's meta.json would describe it: tiktoken's gpt2 encoding, 50256 = <|endoftext|>
-GPT2_META = {
-    "kind": "lm",
-    "tokenizer": {"type": "tiktoken", "encoding": "gpt2"},
-    "vocab_size": 50257,
-    "special_tokens": {"eot": 50256},
-}
 MAX_TICK_LABELS = 32  # token labels per axis of a heat map; more would overlap
 
 
 @dataclass
 class SampleConfig:
-    init_from: str = "resume"  # "resume": out_dir's checkpoint; else GPT-2 weights: a hub id (gpt2, ...) or a folder
+    init_from: str = "resume"  # "resume": out_dir's checkpoint; else Hugging Face weights: a hub id (gpt2) or a folder
     out_dir: str = "out-shakespeare"  # the folder train.py wrote its checkpoints to
     checkpoint: str = "ckpt.pt"  # which file of out_dir: "ckpt.pt" (the latest) or "best.pt" (the lowest val loss)
-    start: str = ""  # the prompt; "FILE:path" reads a file; "" starts from end-of-text (or a newline)
+    start: str = ""  # the prompt; "FILE:path" reads a file; "" starts from end-of-text (bos, or a newline)
     num_samples: int = 1  # GPT: continuations drawn, all in one batch
     max_new_tokens: int = 500  # GPT: tokens added to each sample; encoder-decoder: the longest output (<= block_size)
     temperature: float = 0.8  # GPT: divides the logits; < 1 sharper, > 1 flatter, 0 picks the likeliest (greedy)
@@ -75,7 +69,8 @@ class SampleConfig:
 
 
 def load_model(cfg, device):
-    """(model in eval mode on device, its Tokenizer, the dataset meta) from out_dir's checkpoint or GPT-2 weights."""
+    """(model in eval mode on device, its Tokenizer, the dataset meta) from out_dir's checkpoint or Hugging Face
+    weights."""
     if cfg.init_from == "resume":
         path = Path(cfg.out_dir) / cfg.checkpoint
         # to the CPU first: a checkpoint saved on a GPU loads on any machine; .to(device) below moves it
@@ -85,8 +80,14 @@ def load_model(cfg, device):
         except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit
             raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
     else:
-        # GPT-2 weights come without a dataset: their tokenizer is tiktoken's gpt2, as GPT2_META describes
-        model, meta = GPT.from_pretrained(cfg.init_from), GPT2_META
+        folder = Path(cfg.init_from).expanduser()
+        if not folder.is_dir():
+            # a hub id: its config.json and tokenizer.json come down with the weights (or from the local cache)
+            folder = download_from_hub(cfg.init_from)
+        # Hugging Face weights come without a dataset: the folder's tokenizer.json, else GPT-2's BPE (GPT2_META) for
+        # GPT-2; read first, so that a folder without its tokenizer fails before the slow load
+        meta = pretrained_meta(folder)
+        model = GPT.from_pretrained(folder)
     # eval: dropout off, so the same seed gives the same text
     model.eval().to(device)
     if cfg.compile:
@@ -112,17 +113,22 @@ def read_prompt(start):
         raise ValueError(f"prompt file {path} is not UTF-8 text") from None
 
 
-def crop_prompt(ids, block_size):
-    """The last block_size ids of the prompt, with a notice on stderr when that drops some."""
-    if len(ids) <= block_size:
+def crop_prompt(ids, block_size, reserved=0):
+    """
+    The last block_size - reserved ids of the prompt (reserved: ids that go before it, such as bos), with a notice
+    on stderr when that drops some.
+    """
+    room = block_size - reserved
+    if len(ids) <= room:
         return ids
+    beside = f" beside {reserved} start token(s)" if reserved else ""
     print(
-        f"note: the prompt has {len(ids)} tokens, more than the model's block_size={block_size}; "
-        f"keeping its last {block_size}",
+        f"note: the prompt has {len(ids)} tokens, more than the model's block_size={block_size} holds{beside}; "
+        f"keeping its last {room}",
         file=sys.stderr,
     )
     # the end, since a GPT continues from the last tokens of its context
-    return ids[-block_size:]
+    return ids[-room:]
 
 
 def sample_gpt(model, prompt, cfg, stop_token, generator, vocab_size):
@@ -169,7 +175,7 @@ def print_stream(steps, shown, tokenizer, stop_token, out):
             break
         ids.append(token)
         text = tokenizer.decode(ids)
-        # U+FFFD: tiktoken's stand-in for an incomplete character; wait for the rest of it
+        # U+FFFD: tiktoken's (and a byte-level tokenizer.json's) stand-in for an incomplete character; wait for the rest
         if not text.endswith("\ufffd"):
             print(text[len(printed) :], end="", file=out, flush=True)
             printed = text
@@ -282,16 +288,37 @@ def attention_panels(model, tokenizer, src, tgt=None):
     return panels
 
 
+def start_ids(tokenizer, meta, text):
+    """
+    The ids that go before the prompt's own and are never printed: those a tokenizer.json's template puts before
+    every text (Llama's bos); with no prompt, where a document starts.
+    """
+    head = tokenizer.template_prefix()
+    if text or head:
+        return head
+    special = meta["special_tokens"]
+    # after GPT-2's end-of-text; at a tokenizer.json's bos (config.json's bos_token_id); after a newline for char data
+    if "eot" in special:
+        return [special["eot"]]
+    if "bos" in special:
+        return [special["bos"]]
+    if meta["tokenizer"]["type"] == "char":
+        return tokenizer.encode("\n")
+    raise ValueError(
+        "this model's tokenizer has no bos token to start from (its config.json has no bos_token_id); "
+        'give a prompt with --start, e.g. --start "Once upon a time"'
+    )
+
+
 def show_samples(model, tokenizer, meta, text, cfg, out):
     """GPT: print cfg.num_samples continuations of text, streamed or all at the end. Returns the prompt ids."""
-    # end-of-text for BPE data; None for char-level data, which has no such token
-    stop = meta["special_tokens"].get("eot")
-    if text:
-        prompt = crop_prompt(tokenizer.encode(text), model.config.block_size)
-    else:  # start where a document starts: after end-of-text, or for char-level data after a newline
-        prompt = [stop] if stop is not None else tokenizer.encode("\n")
-    # the implicit start token is not printed, only a prompt the user gave
-    shown = prompt if text else []
+    special = meta["special_tokens"]
+    # GPT-2's end-of-text, or a tokenizer.json's eos; None for char-level data, which has no such token
+    stop = special.get("eot", special.get("eos"))
+    head = start_ids(tokenizer, meta, text)
+    # only the prompt the user gave is printed, never the start tokens before it
+    shown = crop_prompt(tokenizer.encode(text), model.config.block_size, len(head)) if text else []
+    prompt = head + shown
     # a seeded generator of our own, on the model's device: the same seed gives the same text, and the
     # global RNG is left alone
     generator = torch.Generator(next(model.parameters()).device).manual_seed(cfg.seed)

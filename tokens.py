@@ -4,7 +4,8 @@ A prepared dataset is a folder <data_dir>/<name>/ holding meta.json plus token f
 train.bin and val.bin; seq2seq datasets hold {split}_src.bin, {split}_tgt.bin and {split}_idx.npy for the
 splits train, val and test. A token file is a 32-byte header (magic, format version, bytes per token, vocab
 size, token count) followed by the ids as little-endian uint16 (when the vocabulary has at most 65,536 ids)
-or uint32. prepare_data.py writes these folders with the writers below; train.py and sample.py read them.
+or uint32 (Llama 3's 128,256 ids, say). prepare_data.py writes these folders with the writers below; train.py and
+sample.py read them.
 """
 
 import array
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import tiktoken
+import tokenizers
 
 # the first 8 bytes of every token file: any other file is refused at once, never read as ids
 MAGIC = b"NFTOKENS"
@@ -36,6 +38,15 @@ SEQ2SEQ_SPLITS = ("train", "val", "test")
 DATA_DIR_ENV = "NANOFORMER_DATA_DIR"
 # named in error messages only: where tiktoken fetches the fallback encoding from
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
+# a Hugging Face tokenizer's file (the `tokenizers` library's format), on its own or in a model folder
+TOKENIZER_JSON = "tokenizer.json"
+# GPT-2's tokenizer as a dataset's meta.json would describe it: tiktoken's gpt2 encoding, 50256 = <|endoftext|>
+GPT2_META = {
+    "kind": "lm",
+    "tokenizer": {"type": "tiktoken", "encoding": "gpt2"},
+    "vocab_size": 50257,
+    "special_tokens": {"eot": 50256},
+}
 
 # warnings go through logging, so the caller (train.py, a test) decides where they show
 _log = logging.getLogger("nanoformer.data")
@@ -308,26 +319,49 @@ def tiktoken_encoding(name: str) -> tiktoken.Encoding:
     return encoding
 
 
+def _parse_tokenizer_json(text: str, source) -> tokenizers.Tokenizer:
+    # `source` names where the text came from, for the message: a file, or the copy in a dataset or checkpoint
+    try:
+        tokenizer = tokenizers.Tokenizer.from_str(text)
+    except Exception as err:  # the library raises a bare Exception for bad JSON and for unknown components alike
+        raise ValueError(
+            f"{source} is not a tokenizer.json the tokenizers library can read ({one_line(err)})"
+        ) from None
+    # '<s>' or '<|begin_of_text|>' written in a text stays text, never the special id, as with tiktoken's
+    # encode_ordinary: a corpus or a prompt cannot smuggle in control tokens
+    tokenizer.encode_special_tokens = True
+    return tokenizer
+
+
 class Tokenizer:
-    """Text <-> ids for a dataset: a character vocabulary or a tiktoken encoding, plus special tokens.
+    """Text <-> ids for a dataset: a character vocabulary, a tiktoken encoding or a Hugging Face tokenizer.json, plus
+    special tokens.
 
     Special tokens beyond the base vocabulary (pad/bos/eos of seq2seq data) come after it
-    and decode as markers such as '<eos>'; tiktoken's own end-of-text id decodes as
-    '<|endoftext|>'. encode() never produces special ids.
+    and decode as markers such as '<eos>'; tiktoken's own end-of-text id and a Hugging Face
+    tokenizer's own specials (Llama's '<s>') decode as their text. encode() never produces
+    special ids.
     """
 
     def __init__(self, spec: dict, vocab_size: int, special_tokens: dict[str, int]):
+        # exactly one of the three is set, by the spec's type
+        self._chars = self._bpe = self._hf = None
         if spec.get("type") == "char":
             # char: id i is the i-th character of the list in meta.json; _index maps back, character -> id
             self._chars = list(spec["chars"])
             self._index = {c: i for i, c in enumerate(self._chars)}
-            self._bpe, base = None, len(self._chars)
+            base = len(self._chars)
         elif spec.get("type") == "tiktoken":
             # base: the ids that text itself uses (GPT-2: 50,257, end-of-text included)
             self._bpe = tiktoken_encoding(spec["encoding"])
             base = self._bpe.n_vocab
+        elif spec.get("type") == "huggingface":
+            # the file's text itself, not its path: a checkpoint is sampled on machines that never had the file
+            self._hf = _parse_tokenizer_json(spec["json"], "the tokenizer.json stored in this dataset or checkpoint")
+            # every id the file defines, its added tokens (Llama 3's reserved specials) included
+            base = self._hf.get_vocab_size()
         else:
-            raise ValueError(f"unknown tokenizer spec {spec!r}; expected type 'char' or 'tiktoken'")
+            raise ValueError(f"unknown tokenizer spec {spec!r:.200}; expected type 'char', 'tiktoken' or 'huggingface'")
         # vocab_size must cover the base ids and every special id; the ids beyond base are the specials
         if vocab_size < base or any(not 0 <= i < vocab_size for i in special_tokens.values()):
             raise ValueError(
@@ -335,7 +369,7 @@ class Tokenizer:
             )
         self.spec, self.vocab_size, self.special_tokens = spec, vocab_size, dict(special_tokens)
         self._base = base
-        # only specials past the base get a marker: tiktoken decodes its own end-of-text itself
+        # only specials past the base get a marker: tiktoken and tokenizer.json decode their own specials themselves
         self._markers = {i: f"<{name}>" for name, i in special_tokens.items() if i >= base}
 
     @classmethod
@@ -348,6 +382,9 @@ class Tokenizer:
         if self._bpe is not None:
             # ordinary: '<|endoftext|>' written in a text stays text, never the special id
             return self._bpe.encode_ordinary(text)
+        if self._hf is not None:
+            # without the template's specials (Llama's bos): the ids of the text alone, as encode_ordinary gives
+            return self._hf.encode(text, add_special_tokens=False).ids
         try:
             # the fast path; the except clause below only builds the message
             return [self._index[c] for c in text]
@@ -358,16 +395,29 @@ class Tokenizer:
             raise ValueError(f"characters not in the {len(self._chars)}-character vocabulary: {shown}") from None
 
     def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
-        """encode() of each text; BPE runs on `num_threads` threads."""
+        """encode() of each text; tiktoken runs on `num_threads` threads, a tokenizer.json on the library's own pool."""
         if self._bpe is not None:
             return self._bpe.encode_ordinary_batch(texts, num_threads=num_threads)
+        if self._hf is not None:
+            # the library's thread pool (sized by RAYON_NUM_THREADS) takes no thread count per call; _fast: ids
+            # without the offsets nobody here reads
+            return [e.ids for e in self._hf.encode_batch_fast(texts, add_special_tokens=False)]
         return [self.encode(t) for t in texts]
+
+    def template_prefix(self) -> list[int]:
+        """The special ids a Hugging Face tokenizer's template puts before every text (Llama's bos); else []."""
+        if self._hf is None:
+            return []
+        # any text will do: the template's ids are flagged special, and the prefix is those before the text's first
+        encoding = self._hf.encode("a", add_special_tokens=True)
+        mask = encoding.special_tokens_mask
+        return encoding.ids[: mask.index(0)] if 0 in mask else encoding.ids
 
     def decode(self, ids) -> str:
         """Text of `ids` (any int sequence or array); ids beyond the vocabulary raise ValueError."""
         # a list, a numpy array or a CPU tensor of any shape becomes a flat list of Python ints
         ids = np.asarray(ids).ravel().tolist()
-        parts, run = [], []  # BPE ids are decoded in runs: one character may span several tokens
+        parts, run = [], []  # base ids are decoded in runs: one character may span several tokens
         for i in ids:
             # ordinary ids gather in the current run
             if 0 <= i < self._base:
@@ -385,7 +435,94 @@ class Tokenizer:
         if self._bpe is not None:
             # an incomplete UTF-8 character at the end decodes as U+FFFD, which sample.py's streaming waits out
             return self._bpe.decode(ids)
+        if self._hf is not None:
+            # the run at once, never token by token: a byte-level character spread over tokens, or metaspace's
+            # '▁' that becomes a space except at the start, decodes right only in context; specials as their text
+            return self._hf.decode(ids, skip_special_tokens=False)
         return "".join(self._chars[i] for i in ids)
+
+
+# ----------------------------------------------------------------------------- Hugging Face model folders
+
+
+def tokenizer_json_file(path) -> Path:
+    """The tokenizer.json that `path` names: the file itself, or the one in the folder `path`."""
+    path = Path(path).expanduser()
+    file = path / TOKENIZER_JSON if path.is_dir() else path
+    if not file.is_file():
+        problem = f"{path} has no {TOKENIZER_JSON}" if path.is_dir() else f"{path} does not exist"
+        raise FileNotFoundError(
+            f"{problem}; pass a {TOKENIZER_JSON} or a folder holding one (a Hugging Face model folder)"
+        )
+    return file
+
+
+def model_config(folder) -> dict:
+    """The config.json of a Hugging Face model folder, as a dict; a missing or malformed file raises one line."""
+    path = Path(folder).expanduser() / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path} not found; a Hugging Face model folder holds config.json (save_pretrained writes it)"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({one_line(err)})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a model config (a JSON object)")
+    return config
+
+
+def huggingface_tokenizer(path) -> dict:
+    """meta.json's tokenizer, vocab_size and special_tokens for the Hugging Face tokenizer at `path`.
+
+    `path` is a tokenizer.json or a folder holding one. The spec keeps the file's text, so
+    datasets and checkpoints stay self-contained; bos and eos are config.json's
+    bos_token_id and eos_token_id when a config.json beside the file names them.
+    A file that is missing or cannot be parsed raises one line naming it.
+    """
+    file = tokenizer_json_file(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{file} is not UTF-8 text, so not a {TOKENIZER_JSON}") from None
+    vocab_size = _parse_tokenizer_json(text, file).get_vocab_size()
+    config = model_config(file.parent) if (file.parent / "config.json").is_file() else {}
+    special = {}
+    for name in ("bos", "eos"):
+        value = config.get(f"{name}_token_id")
+        # Llama 3.1's instruct models list several eos ids; the first is the base model's end-of-text
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is None:
+            continue
+        # refused now, while the file can be named, rather than by the Tokenizer of a later run
+        if not isinstance(value, int) or not 0 <= value < vocab_size:
+            raise ValueError(
+                f"{file.parent / 'config.json'}: {name}_token_id {value!r} is not an id of the {vocab_size:,} in "
+                f"{file}; is it the same model's tokenizer?"
+            )
+        special[name] = value
+    return {"tokenizer": {"type": "huggingface", "json": text}, "vocab_size": vocab_size, "special_tokens": special}
+
+
+def pretrained_meta(folder) -> dict:
+    """The meta (kind, tokenizer, vocab_size, special_tokens) of the text a Hugging Face model folder's model reads.
+
+    Its tokenizer.json when it holds one (huggingface_tokenizer); GPT-2's BPE (GPT2_META) for
+    a GPT-2 without one. Another model's folder without one raises FileNotFoundError saying to
+    put the model's tokenizer.json there.
+    """
+    folder = Path(folder).expanduser()
+    if (folder / TOKENIZER_JSON).is_file():
+        return {"kind": "lm", **huggingface_tokenizer(folder)}
+    model_type = model_config(folder).get("model_type")
+    if model_type == "gpt2":
+        return GPT2_META
+    raise FileNotFoundError(
+        f"{folder} has no {TOKENIZER_JSON}, which a {model_type or 'non-GPT-2'} model needs to read and write text: "
+        f"put the model's {TOKENIZER_JSON} (from the same Hugging Face repository) in the folder"
+    )
 
 
 # ----------------------------------------------------------------------------- dataset folders

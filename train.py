@@ -43,7 +43,7 @@ from checkpoint import (
 )
 from config import ConfigError, parse_config
 from devices import autocast, resolve_device, resolve_dtype
-from model import GPT, IGNORE_INDEX, ModelConfig, build_model, peak_flops
+from model import GPT, IGNORE_INDEX, ModelConfig, build_model, download_from_hub, peak_flops
 
 # ModelConfig fields a TrainConfig sets directly; the vocabulary and padding id come from the dataset
 MODEL_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name not in ("vocab_size", "pad_token_id"))
@@ -58,7 +58,7 @@ class TrainConfig:
     eval_iters: int = 200  # batches per split at each evaluation, shared out over the ranks
     eval_only: bool = False  # evaluate once (e.g. init_from='resume' or 'gpt2') and exit
     always_save_checkpoint: bool = True  # ckpt.pt at every eval; False: only at the end (best.pt tracks the best)
-    init_from: str = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), 'gpt2'...'gpt2-xl' or a local HF GPT-2 folder
+    init_from: str = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), 'gpt2'... or a GPT-2/Llama/Mistral HF folder
     tensorboard: bool = True  # write TensorBoard scalars into out_dir (tensorboard --logdir OUT_DIR)
     wandb_log: bool = False  # also log to Weights & Biases (pip install wandb)
     wandb_project: str = "nanoformer"  # W&B project
@@ -761,13 +761,43 @@ def first_line(error):
 # Weights to start from, where to write
 
 
-def pretrained_gpt2(name, arch, meta, dropout, block_size):
-    """GPT-2 weights (a hub name or a local Hugging Face folder) for fine-tuning on GPT-2 BPE data."""
-    # GPT-2's weights only fit a causal LM on GPT-2's token ids
-    if arch != "gpt" or meta["tokenizer"] != {"type": "tiktoken", "encoding": "gpt2"}:
-        raise ConfigError(f"init_from={name} needs arch='gpt' and a GPT-2 BPE dataset (e.g. dataset='shakespeare')")
+def pretrained_weights(name, arch, meta, dropout, block_size):
+    """
+    Hugging Face weights (a hub id or a local folder) for fine-tuning: GPT-2 on GPT-2 BPE data, or any model (Llama,
+    Mistral, GPT-2) on data prepared with its folder's tokenizer.json.
+    """
+    folder = Path(name).expanduser()
+    # a hub id is refused before any download where no pretrained model could fit: char-level ids, another arch
+    if not folder.is_dir() and (arch != "gpt" or meta["tokenizer"]["type"] == "char"):
+        raise ConfigError(
+            f"init_from={name} needs arch='gpt' and data in the model's token ids: a GPT-2 BPE dataset "
+            "(e.g. dataset='shakespeare') for GPT-2, else one prepared with its tokenizer.json (--tokenizer)"
+        )
     try:
-        return GPT.from_pretrained(name, dropout=dropout, block_size=block_size)
+        if not folder.is_dir():
+            # a hub id: its config.json and tokenizer.json come down with the weights (or from the local cache)
+            folder = download_from_hub(name)
+        # the ids the model was trained on, read before the slow load: its tokenizer.json, or GPT-2's BPE
+        accepted = [tokens.pretrained_meta(folder)["tokenizer"]]
+        gpt2 = tokens.model_config(folder).get("model_type") == "gpt2"
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"init_from={name}: {first_line(e)}") from None
+    if gpt2:
+        # GPT-2 reads GPT-2 BPE however the data was prepared: with tiktoken, or with its own tokenizer.json
+        accepted.append(tokens.GPT2_META["tokenizer"])
+    # the weights only fit a causal LM on the token ids they were trained on
+    if gpt2 and (arch != "gpt" or meta["tokenizer"] not in accepted):
+        raise ConfigError(f"init_from={name} needs arch='gpt' and a GPT-2 BPE dataset (e.g. dataset='shakespeare')")
+    if arch != "gpt":
+        raise ConfigError(f"init_from={name} holds a causal LM: it needs arch='gpt', not arch={arch!r}")
+    if meta["tokenizer"] not in accepted:
+        raise ConfigError(
+            f"init_from={name} needs a dataset prepared with its tokenizer.json, which {meta.get('name')} was not; "
+            f"prepare one with --tokenizer={folder}, e.g. --dataset=shakespeare "
+            f"--data_options=\"{{'tokenizer': '{folder}'}}\""
+        )
+    try:
+        return GPT.from_pretrained(folder, dropout=dropout, block_size=block_size)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"init_from={name}: {first_line(e)}") from None
 
@@ -855,8 +885,8 @@ def init_model(cfg, meta):
         return cfg, model.train(), objective, ckpt["meta"], ckpt
     if cfg.init_from == "scratch":
         return cfg, build_model(cfg.model_config(vocab_size, objective.pad_id)), objective, meta_out, None
-    # init_from names GPT-2 weights: their size decides n_layer, n_head, n_embd and the rest
-    model = pretrained_gpt2(cfg.init_from, cfg.arch, meta, cfg.dropout, cfg.block_size)
+    # init_from names Hugging Face weights: their size decides n_layer, n_head, n_embd and the rest
+    model = pretrained_weights(cfg.init_from, cfg.arch, meta, cfg.dropout, cfg.block_size)
     return replace(cfg, **{k: getattr(model.config, k) for k in MODEL_KEYS}), model, objective, meta_out, None
 
 

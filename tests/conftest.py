@@ -45,3 +45,38 @@ def shakespeare_char_dir(shakespeare_path, tmp_path_factory) -> Path:
 
     # no --input: the text comes through NANOFORMER_DATA_MIRROR, the documented offline route
     return prepare_data.prepare("shakespeare_char", data_dir=tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="session")
+def llama_dir(shakespeare_path, tmp_path_factory) -> Path:
+    """
+    A tiny random LlamaForCausalLM saved by transformers, with a tokenizer.json beside it: a byte-level BPE of 300 ids
+    trained on the start of tiny Shakespeare, whose template puts bos (<s>, id 0) before every text as Llama's does.
+    """
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator([shakespeare_path.read_text(encoding="utf-8")[:20_000]], trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    config = transformers.LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder

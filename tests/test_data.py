@@ -4,6 +4,7 @@ The references are the raw text, tiktoken itself (r50k_base: the same ids as gpt
 loadable offline), struct-parsed headers and explicit loops, never this module's own output.
 """
 
+import functools
 import io
 import json
 import logging
@@ -20,8 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tiktoken
+import tokenizers
 
 import prepare_data
+import tokens
 from prepare_data import DATASETS, prepare, solve
 from tokens import (
     DownloadError,
@@ -763,3 +766,199 @@ def test_translation_malformed_input_names_the_line(tmp_path, name, content, mes
 def test_translation_missing_input(tmp_path):
     with pytest.raises(FileNotFoundError, match="is not a file"):
         prepare("translation", data_dir=tmp_path, input=str(tmp_path / "missing.tsv"))
+
+
+# ----------------------------------------------------------------------------- Hugging Face tokenizers
+# The references are the `tokenizers` library itself, on the tokenizer.json files the tests train here.
+
+# Llama 3's pre-tokenizer pattern: unlike GPT-2's, it joins punctuation to the newlines after it (':\n')
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def trained_bpe(style: str, text: str):
+    """A 300-id BPE trained on the start of text: 'llama3' (Llama 3's split, then bytes) or 'metaspace' (Llama 2 and
+    Mistral's sentencepiece style, '▁' marking spaces and the start of every text)."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+
+    if style == "metaspace":
+        bpe = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+        bpe.pre_tokenizer = pre_tokenizers.Metaspace()
+        bpe.decoder = decoders.Metaspace()
+        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"])
+    else:
+        bpe = tokenizers.Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        bpe.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([text[:20_000]], trainer)
+    return bpe
+
+
+def as_tokenizer(reference) -> Tokenizer:
+    return Tokenizer({"type": "huggingface", "json": reference.to_str()}, reference.get_vocab_size(), {})
+
+
+def library_ids(reference, text: str) -> list[int]:
+    return reference.encode(text, add_special_tokens=False).ids
+
+
+def test_tokenizer_json_matches_the_tokenizers_library(llama_dir, text):
+    reference = tokenizers.Tokenizer.from_file(str(llama_dir / "tokenizer.json"))
+    meta = tokens.huggingface_tokenizer(llama_dir)
+    assert meta["tokenizer"] == {"type": "huggingface", "json": (llama_dir / "tokenizer.json").read_text("utf-8")}
+    assert meta["vocab_size"] == reference.get_vocab_size() == 300
+    assert meta["special_tokens"] == {"bos": 0, "eos": 1}  # config.json's bos_token_id and eos_token_id
+    tok = Tokenizer.from_meta(meta)
+    sample_text = text[:5000] + "\ncafé, 日本 🙂\ttabs\r\n"
+    ids = tok.encode(sample_text)
+    assert ids == library_ids(reference, sample_text)
+    assert tok.encode_batch([sample_text, "ROMEO:"]) == [ids, library_ids(reference, "ROMEO:")]
+    assert tok.decode(ids) == reference.decode(ids) == sample_text
+    # byte-level BPE spreads 日 over several tokens: decoded one by one, they come out as U+FFFD
+    assert "".join(tok.decode([i]) for i in ids) != sample_text
+    assert tok.template_prefix() == [0]  # the template's bos, which sample.py puts before a prompt
+    # written in a text, a special token stays text, as '<|endoftext|>' does with tiktoken's encode_ordinary
+    assert 0 not in tok.encode("<s>") and tok.decode(tok.encode("<s>")) == "<s>"
+    assert tok.decode([0, *ids[:3], 1]) == reference.decode([0, *ids[:3], 1], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("style", ["llama3", "metaspace"])
+def test_tokenizer_json_styles_round_trip(text, style):
+    reference = trained_bpe(style, text)
+    tok = as_tokenizer(reference)
+    # characters beyond the training text are bytes to a byte-level BPE, unknown (<unk>) to this metaspace one
+    part = text[:3000] + ("" if style == "metaspace" else "\ncafé, 日本 🙂")
+    ids = tok.encode(part)
+    assert ids == library_ids(reference, part) and tok.vocab_size == reference.get_vocab_size()
+    assert tok.decode(ids) == reference.decode(ids) == part
+    # decoded one by one, metaspace's words would lose their spaces ('▁' is a space only inside a text), and
+    # byte-level characters spread over several tokens would come out as U+FFFD
+    assert "".join(tok.decode([i]) for i in ids) != part
+
+
+@pytest.mark.parametrize("style", ["byte-level", "llama3", "metaspace"])
+def test_tokenizer_json_pieces_encode_like_the_whole_text(llama_dir, text, style):
+    if style == "byte-level":
+        reference = tokenizers.Tokenizer.from_file(str(llama_dir / "tokenizer.json"))
+    else:
+        reference = trained_bpe(style, text)
+    tok = as_tokenizer(reference)
+    # where GPT-2 and Llama 3 join whitespace or punctuation to a newline, on one side of it or the other
+    parts = ["hello", " world", "\n", "\n\n", " \n", ":\n", "!\n\n", "\r\n", "\t\n", "  ", "42", "ROMEO", "\n x", "'ll"]
+    rng = random.Random(0)
+    whole = "".join(rng.choice(parts) for _ in range(20_000))
+    blocks, i = [], 0
+    while i < len(whole):
+        size = rng.randint(1, 400)
+        blocks.append(whole[i : i + size])
+        i += size
+    pieces = list(prepare_data._pieces(blocks, functools.partial(prepare_data._checked_cut, tok)))
+    assert "".join(pieces) == whole
+    assert [t for piece in pieces for t in tok.encode(piece)] == library_ids(reference, whole)
+    # metaspace marks the start of every text it is given, so no cut keeps the ids: the text stays whole
+    assert len(pieces) == 1 if style == "metaspace" else len(pieces) > 50
+
+
+def test_shakespeare_with_a_tokenizer_folder_matches_the_tokenizers_library(tmp_path, text, llama_dir):
+    reference = tokenizers.Tokenizer.from_file(str(llama_dir / "tokenizer.json"))
+    folder = prepare("shakespeare", data_dir=tmp_path, tokenizer=str(llama_dir))
+    assert folder.name == f"shakespeare_{llama_dir.name}"  # never GPT-2's shakespeare/
+    meta = load_meta(folder)
+    assert meta["tokenizer"] == {"type": "huggingface", "json": (llama_dir / "tokenizer.json").read_text("utf-8")}
+    assert meta["vocab_size"] == 300 and meta["special_tokens"] == {"bos": 0, "eos": 1}
+    train, val = load_tokens(folder / "train.bin"), load_tokens(folder / "val.bin")
+    assert train.tolist() == library_ids(reference, text[:TRAIN_CHARS])  # several pieces, cut where checked
+    assert val.tolist() == library_ids(reference, text[TRAIN_CHARS:])
+    assert Tokenizer.from_meta(meta).decode(val) == text[TRAIN_CHARS:]
+
+
+def test_text_with_a_tokenizer_json_ends_each_file_with_eos(tmp_path, llama_dir):
+    reference = tokenizers.Tokenizer.from_file(str(llama_dir / "tokenizer.json"))
+    docs = {"a.txt": "First document.\nIt has two lines.\n", "b.txt": "Second one, é and 日本.\n\nEnd"}
+    for name, content in docs.items():
+        (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / name).write_text(content, encoding="utf-8")
+    # the tokenizer.json itself, not its folder: bos and eos still come from the config.json beside it
+    tokenizer = llama_dir / "tokenizer.json"
+    folder = prepare("text", data_dir=tmp_path / "data", input=str(tmp_path / "in"), tokenizer=str(tokenizer))
+    a, b = docs.values()
+    split_at = int((len(a) + len(b)) * 0.9) - len(a)  # where val starts within b
+    assert 0 < split_at < len(b)
+    assert load_tokens(folder / "train.bin").tolist() == library_ids(reference, a) + [1] + library_ids(
+        reference, b[:split_at]
+    )
+    assert load_tokens(folder / "val.bin").tolist() == library_ids(reference, b[split_at:]) + [1]
+
+
+def test_text_with_a_tokenizer_json_of_more_than_65536_ids(tmp_path):
+    # Llama 3 has 128,256 ids: a 70,000-word vocabulary stands in for it, and ids above 65,535 must come back intact
+    from tokenizers import models, pre_tokenizers
+
+    words = tokenizers.Tokenizer(models.WordLevel({f"w{i}": i for i in range(70_000)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(tmp_path / "tokenizer.json"))
+    corpus = tmp_path / "words.txt"
+    content = " ".join(f"w{i}" for i in range(65_000, 70_000))
+    corpus.write_text(content, encoding="utf-8")
+    folder = prepare("text", data_dir=tmp_path / "data", input=str(corpus), tokenizer=str(tmp_path), name="wide")
+    assert load_meta(folder)["vocab_size"] == 70_000
+    train, val = load_tokens(folder / "train.bin"), load_tokens(folder / "val.bin")
+    assert train.dtype == np.uint32 and header(folder / "train.bin")[2] == 4 and int(train.max()) > 65_535
+    split_at = int(len(content) * 0.9)
+    assert train.tolist() == library_ids(words, content[:split_at])
+    assert val.tolist() == library_ids(words, content[split_at:]) and val.max() == 69_999
+
+
+def test_a_changed_tokenizer_json_is_never_reused_silently(tmp_path, llama_dir, text):
+    corpus = small_corpus(tmp_path / "in")
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(llama_dir / "tokenizer.json", model / "tokenizer.json")  # no config.json: no bos, no eos
+    options = {"data_dir": tmp_path / "data", "input": str(corpus), "name": "corpus"}
+    folder = prepare("text", tokenizer=str(model), **options)
+    assert load_meta(folder)["special_tokens"] == {}
+    first = (folder / "train.bin").stat().st_ino
+    # up to date, however the same file is named: kept, not rebuilt
+    for same in (model, model / "tokenizer.json"):
+        assert prepare("text", tokenizer=str(same), **options) == folder
+        assert (folder / "train.bin").stat().st_ino == first
+    # another tokenizer at the same path: its content differs, so the data is refused, not reused
+    trained_bpe("llama3", text).save(str(model / "tokenizer.json"))
+    with pytest.raises(ValueError, match="different tokenizer .*Hugging Face tokenizer.json.*--force"):
+        prepare("text", tokenizer=str(model), **options)
+    prepare("text", tokenizer=str(model), force=True, **options)
+    assert load_meta(folder)["tokenizer"]["json"] == (model / "tokenizer.json").read_text("utf-8")
+
+
+def test_tokenizer_json_errors_are_one_line(tmp_path, llama_dir, capsys):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "tokenizer.json").write_text('{"version": "1.0", "model": ', encoding="utf-8")
+    corpus = small_corpus(tmp_path / "in")
+    data = tmp_path / "data"
+    cases = [
+        (bad, f"{bad / 'tokenizer.json'} is not a tokenizer.json the tokenizers library can read"),
+        (tmp_path / "in", f"--tokenizer must be one of char, bpe or a path: {tmp_path / 'in'} has no tokenizer.json"),
+        (tmp_path / "nope", f"{tmp_path / 'nope'} does not exist"),
+    ]
+    for tokenizer, message in cases:
+        argv = ["text", "--input", str(corpus), "--tokenizer", str(tokenizer), "--data_dir", str(data)]
+        assert prepare_data.cli(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert not data.exists() or list(data.iterdir()) == []
+    wrong = shutil.copytree(llama_dir, tmp_path / "wrong")
+    config = json.loads((wrong / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps({**config, "bos_token_id": 300}))
+    with pytest.raises(ValueError, match="bos_token_id 300 is not an id of the 300 in"):
+        tokens.huggingface_tokenizer(wrong)
+    with pytest.raises(ValueError, match="tokenizer.json stored in this dataset or checkpoint is not"):
+        Tokenizer({"type": "huggingface", "json": "{"}, 10, {})

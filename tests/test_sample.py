@@ -3,9 +3,11 @@
 import ast
 import io
 import itertools
+import json
 import math
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -353,15 +355,15 @@ def test_init_from_gpt2_weights_matches_hugging_face_greedy(gpt2_dir, capsys):
 
 
 def test_streaming_never_prints_half_a_character():
-    tokenizer = tokens.Tokenizer.from_meta(sample.GPT2_META)
+    tokenizer = tokens.Tokenizer.from_meta(tokens.GPT2_META)
     # GPT-2 BPE splits each of these characters over two tokens: b"\xe2\x9c" + b"\x93", b"\xf0\x9f" + b"\x99\x82"
     text = "ok ✓🙂✓ done"
     ids = tokenizer.encode(text)
     prompt, new = ids[:2], ids[2:]
     assert any("\ufffd" in tokenizer.decode([token]) for token in new)  # some tokens hold part of a character
-    steps = (torch.tensor([[token]]) for token in [*new, sample.GPT2_META["special_tokens"]["eot"], 0])
+    steps = (torch.tensor([[token]]) for token in [*new, tokens.GPT2_META["special_tokens"]["eot"], 0])
     out = Terminal()
-    sample.print_stream(steps, prompt, tokenizer, sample.GPT2_META["special_tokens"]["eot"], out)
+    sample.print_stream(steps, prompt, tokenizer, tokens.GPT2_META["special_tokens"]["eot"], out)
     assert out.getvalue() == text + "\n"  # stopped at end-of-text, which is not printed
     assert "\ufffd" not in "".join(out.written)
 
@@ -598,7 +600,7 @@ def test_beam_options_on_a_model_without_beam_search_are_refused(request, capsys
 def test_bpe_checkpoint_without_tiktoken_files_is_one_line(tmp_path):
     """A GPT-2 BPE checkpoint, offline, with an empty tiktoken cache: its tokenizer cannot load; one line, exit 2."""
     model = build_model(ModelConfig(arch="gpt", vocab_size=50257, block_size=8, n_layer=1, n_head=1, n_embd=8))
-    out_dir = save_checkpoint(tmp_path / "bpe", model, sample.GPT2_META)
+    out_dir = save_checkpoint(tmp_path / "bpe", model, tokens.GPT2_META)
     (tmp_path / "empty_cache").mkdir()
     env = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy"}
     with socket.socket() as refusing:
@@ -672,3 +674,57 @@ def test_sampling_speed_generates_what_it_counts(gpt_dir, monkeypatch):
         assert len(rates) == 2 and all(r > 0 for r in rates)
         # per repeat: one batch of 3, or 3 batches of 1
         assert calls == ([(3, 4, use_cache)] if batched else [(1, 4, use_cache)] * 3) * 2
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face folders with their tokenizer.json (Llama and Mistral)
+
+
+def test_init_from_llama_folder_matches_transformers_greedy(llama_dir, tmp_path, capsys):
+    import tokenizers
+    import transformers
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(llama_dir).eval()
+    reference = tokenizers.Tokenizer.from_file(str(llama_dir / "tokenizer.json"))
+
+    def greedy(ids):
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=1)
+        new = out[0, len(ids) :].tolist()
+        return new[: new.index(1)] if 1 in new else new  # eos (1) ends a sample and is not printed
+
+    prompt = reference.encode("ROMEO:").ids  # with the template: bos (0) first, as transformers' tokenizer does
+    assert prompt[0] == 0
+    new = greedy(prompt)
+    assert len(new) > 4  # enough tokens to tell two models apart
+    args = ("--init_from", llama_dir, "--temperature=0", "--max_new_tokens=12", "--device=cpu")
+    code, out, _ = cli(capsys, *args, "--start", "ROMEO:")
+    assert code == 0 and out == reference.decode(prompt[1:] + new, skip_special_tokens=False) + "\n"
+    # no prompt: the sample starts from bos, which is not printed
+    code, out, _ = cli(capsys, *args)
+    assert code == 0 and out == reference.decode(greedy([0]), skip_special_tokens=False) + "\n"
+    # a tokenizer without a template: bos is config.json's bos_token_id
+    plain = shutil.copytree(llama_dir, tmp_path / "plain")
+    reference.post_processor = None
+    reference.save(str(plain / "tokenizer.json"))
+    assert cli(capsys, "--init_from", plain, *args[2:]) == (0, out, "")
+
+
+def test_llama_folder_without_its_tokenizer_is_one_line(llama_dir, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(llama_dir / name, bare / name)
+    code, out, err = cli(capsys, "--init_from", bare, "--start", "Hi", "--device=cpu")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert f"{bare} has no tokenizer.json" in err and "put the model's tokenizer.json" in err
+    # a tokenizer with no bos, neither in its template nor in config.json: only a prompt can start a sample
+    import tokenizers
+
+    tokenizer = tokenizers.Tokenizer.from_file(str(llama_dir / "tokenizer.json"))
+    tokenizer.post_processor = None
+    tokenizer.save(str(bare / "tokenizer.json"))
+    config = json.loads((bare / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps({**config, "bos_token_id": None}))
+    code, out, err = cli(capsys, "--init_from", bare, "--device=cpu", "--max_new_tokens=2")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "give a prompt with --start" in err
+    assert cli(capsys, "--init_from", bare, "--device=cpu", "--max_new_tokens=2", "--start", "Hi")[0] == 0

@@ -930,14 +930,16 @@ def test_configs_are_all_tested():
         "shakespeare_gpu.py",
         "finetune_shakespeare.py",
         "gpt2.py",
+        "gpt2_modern.py",
         "reverse.py",
         "translation.py",
         "shakespeare_mlm.py",
     }
 
 
-def test_gpt2_config_steps_half_a_million_tokens_on_8_gpus():
-    cfg = parse_config(TrainConfig, ["configs/gpt2.py"])
+@pytest.mark.parametrize("config", ["configs/gpt2.py", "configs/gpt2_modern.py"])
+def test_gpt2_config_steps_half_a_million_tokens_on_8_gpus(config):
+    cfg = parse_config(TrainConfig, [config])
     assert split_accumulation(cfg.gradient_accumulation_steps, 8) * 8 == cfg.gradient_accumulation_steps
     assert cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size == pytest.approx(0.5e6, rel=0.05)
 
@@ -947,6 +949,7 @@ def test_shipped_config_runs_shrunk(config, tmp_path, data_root, tiny_gpt2_dir, 
     offline = {  # what each config needs in place of the network
         "finetune_shakespeare": [f"--init_from={tiny_gpt2_dir}"],
         "gpt2": ["--dataset=shakespeare"],
+        "gpt2_modern": ["--dataset=shakespeare"],
         "reverse": [f"--data_options={REVERSE}"],
         "translation": [f"--data_options={{'input': '{pairs_tsv}', 'val_fraction': 0.1, 'test_fraction': 0.1}}"],
     }.get(config.stem, [])
@@ -961,13 +964,16 @@ def test_shipped_config_runs_shrunk(config, tmp_path, data_root, tiny_gpt2_dir, 
 # bench.py
 
 
-def test_bench_prints_every_measure(tmp_path, env):
-    """The table's rows and their formats; the numbers themselves are the machine's business, not a test's."""
+def test_bench_prints_every_measure_for_each_config(tmp_path, env):
+    """The table's rows and their formats, a column per config; the numbers are the machine's business, not a test's."""
     train_args = " ".join([*SHRINK, "--log_interval=1", "--dataset=shakespeare_char"])
+    other = tmp_path / "relu2.py"  # a second config, outside the repository
+    other.write_text((REPO / "configs/shakespeare.py").read_text() + 'activation = "relu2"\n')
     run = subprocess.run(
         [
             sys.executable,
             str(REPO / "bench.py"),
+            f"--config=configs/shakespeare.py,{other}",
             "--runs=2",
             "--repeats=2",
             "--samples=2",
@@ -983,13 +989,30 @@ def test_bench_prints_every_measure(tmp_path, env):
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = dict(line.strip("|").split("|")[:2] for line in run.stdout.splitlines()[2:])
-    rows = {name.strip(): value.strip() for name, value in rows.items()}
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("device: CPU") and lines[1].split("|")[2:4] == [
+        " configs/shakespeare.py median (min-max) ",
+        f" {other} median (min-max) ",
+    ]
+    rows = {cells[1].strip(): [c.strip() for c in cells[2:-1]] for cells in (line.split("|") for line in lines[3:])}
     number = r"[\d,.]+ \([\d,.]+-[\d,.]+\)"  # median (min-max)
-    assert re.fullmatch(number, rows["training tokens/s (per progress line)"])
-    assert re.fullmatch(number, rows["seconds to val loss <= 10.0"])  # the first evaluation, at step 0, is below 10
-    assert re.fullmatch(number, rows["best val loss within 600 s"])
-    assert re.fullmatch(r"[\d.]+x \([\d.]+x-[\d.]+x\)", rows[next(k for k in rows if k.startswith("sampling speedup"))])
+    for name in ("training tokens/s (per progress line)", "seconds to val loss <= 10.0", "best val loss within 600 s"):
+        assert len(rows[name]) == 2 and all(re.fullmatch(number, value) for value in rows[name]), (name, rows[name])
+    speedup = rows[next(k for k in rows if k.startswith("sampling speedup"))]
+    assert len(speedup) == 2 and all(re.fullmatch(r"[\d.]+x \([\d.]+x-[\d.]+x\)", value) for value in speedup)
+
+
+def test_bench_refuses_a_config_that_does_not_exist(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench.py"), "--config=configs/shakespeare.py,configs/nope.py"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 2 and run.stderr.strip() == (
+        "error: config configs/nope.py not found; pass --config=PATH[,PATH...] of train.py configs"
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -1476,3 +1499,44 @@ def test_a_damaged_folder_of_ones_own_names_the_real_cause(tmp_path, shakespeare
     assert cli(cli_argv(tmp_path, tmp_path / "out", dataset="my_corpus")) == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "train.bin is truncated" in error and "nor a folder" not in error
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face folders with their tokenizer.json (Llama and Mistral)
+
+
+def test_init_from_llama_folder_fine_tunes_on_data_of_its_tokenizer(tmp_path, data_root, llama_dir):
+    tokenizer_json = (llama_dir / "tokenizer.json").read_text(encoding="utf-8")
+    # dataset='shakespeare' prepared with the folder's tokenizer, as data_options asks: its own folder and ids
+    cfg = tiny(
+        data_root,
+        tmp_path,
+        dataset="shakespeare",
+        data_options={"tokenizer": str(llama_dir)},
+        init_from=str(llama_dir),
+        max_iters=3,
+    )
+    result = main(cfg)
+    assert sorted(result["losses"]) == [1, 2, 3] and all(math.isfinite(v) for v in result["losses"].values())
+    ckpt = load_checkpoint(tmp_path / "ckpt.pt")
+    # the model's settings come from its config.json (grouped-query attention, SwiGLU, RMSNorm, rotary), not TINY's
+    settings = {k: ckpt["model_config"][k] for k in ("n_head", "n_kv_head", "activation", "norm", "pos_encoding")}
+    assert settings == {"n_head": 4, "n_kv_head": 2, "activation": "swiglu", "norm": "rmsnorm", "pos_encoding": "rope"}
+    # the checkpoint carries the tokenizer itself, so sample.py reads it on a machine without the folder
+    assert ckpt["meta"]["tokenizer"] == {"type": "huggingface", "json": tokenizer_json}
+    assert ckpt["meta"]["name"] == f"shakespeare_{llama_dir.name}" and ckpt["model_config"]["vocab_size"] == 300
+
+
+def test_init_from_llama_folder_refuses_data_of_another_tokenizer(tmp_path, data_root, llama_dir, capsys):
+    common = [f"--data_dir={data_root}", f"--out_dir={tmp_path / 'out'}", "--device=cpu", "--block_size=32"]
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(llama_dir / name, bare / name)
+    assert cli(["--dataset=shakespeare", f"--init_from={llama_dir}", *common]) == 2  # GPT-2 BPE data
+    assert cli(["--dataset=shakespeare_char", f"--init_from={llama_dir}", *common]) == 2
+    assert cli(["--dataset=shakespeare_char", f"--init_from={bare}", *common]) == 2  # no tokenizer.json
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 3 and all(f"--tokenizer={llama_dir}" in e for e in errors[:2])
+    assert "shakespeare was not" in errors[0] and f"{bare} has no tokenizer.json" in errors[2]
+    assert not (tmp_path / "out").exists()
