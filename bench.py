@@ -4,12 +4,15 @@ the best validation loss within a time budget, sampling speed with and without t
 tokenization speed.
 
     python bench.py                                  # the quick start, configs/shakespeare.py
+    python bench.py --config=configs/shakespeare.py,old.py --parts=train   # two configs side by side, in turns
     python bench.py --config=configs/shakespeare_gpu.py --target_loss=1.47 --budget=600
     python bench.py --parts=sample --out_dir=out-shakespeare
     python bench.py --parts=bpe                      # BPE tokens/s: 1 thread, all cores, prepare_data.py text
 
 Each training run is a real `python train.py CONFIG` process, timed from its launch, so compilation, data
 preparation and evaluation all count. Numbers vary from run to run: each is the median of several, with the spread.
+Several configs are run in turns (run 1 of each, then run 2 of each, ...), so that the machine's drift in speed
+over minutes hits them alike, and each gets a column of the table.
 """
 
 import os
@@ -36,7 +39,7 @@ ROOT = Path(__file__).resolve().parent
 
 @dataclass
 class BenchConfig:
-    config: str = "configs/shakespeare.py"  # the training config to measure
+    config: str = "configs/shakespeare.py"  # the training config to measure; several, comma-separated: in turns
     runs: int = 3  # full training runs, for time-to-target and best loss (median and spread over them)
     target_loss: float = 1.88  # time-to-quality: seconds until the first evaluation at or below this val loss
     budget: float = 120.0  # best val loss among evaluations within this many seconds of the launch
@@ -54,8 +57,16 @@ class BenchConfig:
         unknown = set(self.parts.split(",")) - {"train", "sample", "bpe"}
         if unknown:
             raise ValueError(f"parts: unknown {', '.join(sorted(unknown))}; choose from train, sample, bpe")
-        if self.repeats < 1:
-            raise ValueError(f"repeats must be at least 1, got {self.repeats}")
+        if self.repeats < 1 or self.runs < 1:
+            raise ValueError(f"runs and repeats must be at least 1, got {self.runs} and {self.repeats}")
+        missing = [c for c in self.configs if not (ROOT / c).is_file()]
+        if missing:
+            raise ValueError(f"config {missing[0]} not found; pass --config=PATH[,PATH...] of train.py configs")
+
+    @property
+    def configs(self):
+        """The training configs, in the order of the table's columns."""
+        return [c.strip() for c in self.config.split(",") if c.strip()]
 
 
 def summary(values, fmt):
@@ -67,13 +78,13 @@ def summary(values, fmt):
     return f"{fmt.format(statistics.median(values))} ({fmt.format(values[0])}-{fmt.format(values[-1])})"
 
 
-def timed_run(cfg, out_dir):
+def timed_run(cfg, config, out_dir):
     """
-    One `python train.py` process. Returns (evals: [(seconds since launch, iter, val loss)],
+    One `python train.py config` process. Returns (evals: [(seconds since launch, iter, val loss)],
     tokens/s of every progress line, MFU of every progress line, total seconds).
     """
     # every run writes its own out_dir; train_args come last, so they override the config
-    command = [sys.executable, str(ROOT / "train.py"), cfg.config, f"--out_dir={out_dir}", "--tensorboard=false"]
+    command = [sys.executable, str(ROOT / "train.py"), config, f"--out_dir={out_dir}", "--tensorboard=false"]
     command += cfg.train_args.split()
     # from before the launch: start-up, data preparation and compilation all count
     begin = time.perf_counter()
@@ -94,32 +105,40 @@ def timed_run(cfg, out_dir):
 
 
 def bench_training(cfg, work):
-    """Table rows for cfg.runs training runs in folders under work: speed, MFU, time to target, losses."""
-    # one entry per run (reached, best, finals, walls) or per progress line (speeds, mfus)
-    rows, reached, best, finals, walls, speeds, mfus = [], [], [], [], [], [], []
+    """
+    Table rows for cfg.runs training runs of each config, in folders under work: speed, MFU, time to target,
+    losses. Each row holds one value per config.
+    """
+    # per config: one entry per run (reached, best, finals, walls) or per progress line (speeds, mfus)
+    stats = [{"reached": [], "best": [], "finals": [], "walls": [], "speeds": [], "mfus": []} for _ in cfg.configs]
     for run in range(cfg.runs):
-        evals, run_speeds, run_mfus, wall = timed_run(cfg, work / f"run{run}")
-        speeds += run_speeds[1:]  # the first progress line includes warm-up (and compilation)
-        mfus += run_mfus[1:]
-        # inf for a run that never got there (or had no eval within the budget): it shows in the spread, not dropped
-        hits = [seconds for seconds, _, loss in evals if loss <= cfg.target_loss]
-        reached.append(hits[0] if hits else float("inf"))
-        best.append(min((loss for seconds, _, loss in evals if seconds <= cfg.budget), default=float("inf")))
-        # the last evaluation's val loss
-        finals += [evals[-1][2]] if evals else []
-        walls.append(wall)
-    rows.append(("training tokens/s (per progress line)", summary(speeds, "{:,.0f}")))
-    if mfus:
-        rows.append(("MFU %", summary(mfus, "{:.1f}")))
-    rows.append((f"seconds to val loss <= {cfg.target_loss}", summary(reached, "{:.1f}")))
-    rows.append((f"best val loss within {cfg.budget:.0f} s", summary(best, "{:.4f}")))
-    rows.append(("final val loss", summary(finals, "{:.4f}")))
-    rows.append(("wall seconds per run", summary(walls, "{:.1f}")))
+        for i, config in enumerate(cfg.configs):  # in turns: run 1 of each config, then run 2 of each, ...
+            evals, speeds, mfus, wall = timed_run(cfg, config, work / f"config{i}-run{run}")
+            s = stats[i]
+            s["speeds"] += speeds[1:]  # the first progress line includes warm-up (and compilation)
+            s["mfus"] += mfus[1:]
+            # inf for a run that never got there (or had no eval within the budget): it shows in the spread
+            hits = [seconds for seconds, _, loss in evals if loss <= cfg.target_loss]
+            s["reached"].append(hits[0] if hits else float("inf"))
+            s["best"].append(min((loss for seconds, _, loss in evals if seconds <= cfg.budget), default=float("inf")))
+            s["finals"] += [evals[-1][2]] if evals else []  # the last evaluation's val loss
+            s["walls"].append(wall)
+
+    def row(name, key, fmt):
+        return name, [summary(s[key], fmt) for s in stats]
+
+    rows = [row("training tokens/s (per progress line)", "speeds", "{:,.0f}")]
+    if any(s["mfus"] for s in stats):
+        rows.append(row("MFU %", "mfus", "{:.1f}"))
+    rows.append(row(f"seconds to val loss <= {cfg.target_loss}", "reached", "{:.1f}"))
+    rows.append(row(f"best val loss within {cfg.budget:.0f} s", "best", "{:.4f}"))
+    rows.append(row("final val loss", "finals", "{:.4f}"))
+    rows.append(row("wall seconds per run", "walls", "{:.1f}"))
     return rows
 
 
 def bench_sampling(cfg, out_dir):
-    """Table rows for sampling speed from out_dir's ckpt.pt: KV cache and batched vs neither."""
+    """Rows (name, value) for sampling speed from out_dir's ckpt.pt: KV cache and batched vs neither."""
     # the latest checkpoint: the speed does not depend on how well the weights are trained
     ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
     model = model_from_checkpoint(ckpt).to("cuda" if torch.cuda.is_available() else "cpu")
@@ -161,7 +180,7 @@ def bpe_throughput(text, num_threads, repeats):
 
 
 def bench_bpe(cfg, work):
-    """Table rows for GPT-2 BPE speed: encoding alone on 1 and all threads, then prepare_data.py's text recipe."""
+    """Rows (name, value) for GPT-2 BPE speed: encoding alone on 1 and all threads, then prepare_data.py's text."""
     try:
         path = Path(cfg.bpe_input).expanduser() if cfg.bpe_input else shakespeare_file(None, data_root())
         text = path.read_text(encoding="utf-8")
@@ -191,26 +210,41 @@ def bench_bpe(cfg, work):
     return rows
 
 
+def print_table(header, rows):
+    """A Markdown table, ready to paste into the README or an issue; rows: (name, [one value per column])."""
+    width = max(len(name) for name, _ in [(header[0], None), *rows])
+    print("| " + " | ".join([f"{header[0]:<{width}}", *header[1:]]) + " |")
+    print("|" + "|".join(["-" * (width + 2), *("-" * (len(h) + 2) for h in header[1:])]) + "|")
+    for name, values in rows:
+        print("| " + " | ".join([f"{name:<{width}}", *values]) + " |")
+
+
 def main(cfg):
-    """Measure what cfg.parts names and print one table: each row a median with its spread."""
+    """Measure what cfg.parts names and print a table: each value a median with its spread, a column per config."""
     parts = set(cfg.parts.split(","))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
-    rows = [("config", cfg.config), ("device", device), ("torch", torch.__version__)]
+    print(f"device: {device}, torch {torch.__version__}")
+    rows = []
     # runs, checkpoints and the bpe corpus live in a temporary folder, removed at the end
     with tempfile.TemporaryDirectory() as work:
         if "train" in parts:
             rows += bench_training(cfg, Path(work))
         if "sample" in parts:
-            # no --out_dir: the last training run's checkpoint, still in the temporary folder
-            rows += bench_sampling(cfg, cfg.out_dir or Path(work) / f"run{cfg.runs - 1}")
-        if "bpe" in parts:
-            rows += bench_bpe(cfg, Path(work))
-    # a Markdown table, ready to paste into the README or an issue
-    width = max(len(name) for name, _ in rows)
-    print(f"| {'measure':<{width}} | median (min-max) |")
-    print(f"|{'-' * (width + 2)}|------------------|")
-    for name, value in rows:
-        print(f"| {name:<{width}} | {value} |")
+            # no --out_dir: each config's last training run's checkpoint, still in the temporary folder
+            folders = (
+                [cfg.out_dir]
+                if cfg.out_dir
+                else [Path(work) / f"config{i}-run{cfg.runs - 1}" for i in range(len(cfg.configs))]
+            )
+            by_folder = [bench_sampling(cfg, folder) for folder in folders]
+            rows += [(name, [rs[j][1] for rs in by_folder]) for j, (name, _) in enumerate(by_folder[0])]
+        bpe = bench_bpe(cfg, Path(work)) if "bpe" in parts else []
+    # one column per config; without training runs (sampling --out_dir) a single column
+    columns = cfg.configs if "train" in parts or not cfg.out_dir else [cfg.out_dir]
+    if rows:
+        print_table(["measure", *(f"{c} median (min-max)" for c in columns)], rows)
+    if bpe:  # the tokenizer's speed does not depend on a config: a table of its own
+        print_table(["measure", "median (min-max)"], [(name, [value]) for name, value in bpe])
 
 
 def cli(argv):
