@@ -514,9 +514,14 @@ def pretrained_meta(folder) -> dict:
     put the model's tokenizer.json there.
     """
     folder = Path(folder).expanduser()
+    model_type = model_config(folder).get("model_type")
+    if model_type is None:  # most likely a train.py out_dir, which holds a config.json of its own
+        raise ValueError(
+            f"{folder} is not a Hugging Face model folder (its config.json has no model_type); "
+            f"a folder train.py wrote is read with --init_from=resume --out_dir={folder}"
+        )
     if (folder / TOKENIZER_JSON).is_file():
         return {"kind": "lm", **huggingface_tokenizer(folder)}
-    model_type = model_config(folder).get("model_type")
     if model_type == "gpt2":
         return GPT2_META
     raise FileNotFoundError(

@@ -90,6 +90,16 @@ def test_char_tokenizer_round_trip(shakespeare_char_dir, text):
         tok.decode([65])
 
 
+def random_blocks(text, rng):
+    """text cut into blocks of 1 to 400 characters at random places, as a file is read in blocks."""
+    blocks, i = [], 0
+    while i < len(text):
+        size = rng.randint(1, 400)
+        blocks.append(text[i : i + size])
+        i += size
+    return blocks
+
+
 def test_shakespeare_bpe_matches_tiktoken(tmp_path, text, r50k):
     folder = prepare("shakespeare", data_dir=tmp_path)
     meta = load_meta(folder)
@@ -125,12 +135,7 @@ def test_bpe_pieces_encode_like_the_whole_text(r50k):
         "\n x",
     ]
     text = "".join(rng.choice(parts) for _ in range(20_000))
-    blocks, i = [], 0
-    while i < len(text):
-        size = rng.randint(1, 400)
-        blocks.append(text[i : i + size])
-        i += size
-    pieces = list(prepare_data._pieces(blocks))
+    pieces = list(prepare_data._pieces(random_blocks(text, rng)))
     assert len(pieces) > 50 and "".join(pieces) == text
     assert [t for piece in pieces for t in r50k.encode_ordinary(piece)] == r50k.encode_ordinary(text)
 
@@ -855,12 +860,7 @@ def test_tokenizer_json_pieces_encode_like_the_whole_text(llama_dir, text, style
     parts = ["hello", " world", "\n", "\n\n", " \n", ":\n", "!\n\n", "\r\n", "\t\n", "  ", "42", "ROMEO", "\n x", "'ll"]
     rng = random.Random(0)
     whole = "".join(rng.choice(parts) for _ in range(20_000))
-    blocks, i = [], 0
-    while i < len(whole):
-        size = rng.randint(1, 400)
-        blocks.append(whole[i : i + size])
-        i += size
-    pieces = list(prepare_data._pieces(blocks, functools.partial(prepare_data._checked_cut, tok)))
+    pieces = list(prepare_data._pieces(random_blocks(whole, rng), functools.partial(prepare_data._checked_cut, tok)))
     assert "".join(pieces) == whole
     assert [t for piece in pieces for t in tok.encode(piece)] == library_ids(reference, whole)
     # metaspace marks the start of every text it is given, so no cut keeps the ids: the text stays whole

@@ -728,3 +728,10 @@ def test_llama_folder_without_its_tokenizer_is_one_line(llama_dir, tmp_path, cap
     code, out, err = cli(capsys, "--init_from", bare, "--device=cpu", "--max_new_tokens=2")
     assert code == 2 and out == "" and err.count("\n") == 1 and "give a prompt with --start" in err
     assert cli(capsys, "--init_from", bare, "--device=cpu", "--max_new_tokens=2", "--start", "Hi")[0] == 0
+
+
+def test_init_from_a_train_out_dir_says_to_resume(gpt_dir, capsys):
+    """A newcomer's mistake: --init_from=OUT_DIR instead of --out_dir=OUT_DIR. One line naming the right option."""
+    code, out, err = cli(capsys, "--init_from", gpt_dir, "--start", "Hi", "--device=cpu")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "is not a Hugging Face model folder" in err and f"--init_from=resume --out_dir={gpt_dir}" in err
