@@ -762,19 +762,33 @@ def tensorboard_scalars(folder, tag):
     return {e.step: e.value for e in events.Scalars(tag)}
 
 
+# the model options of the modern recipe, all at once: under DDP they must change nothing about the equality
+MODERN = {
+    "n_kv_head": 1,
+    "qk_norm": True,
+    "activation": "relu2",
+    "logit_softcap": 30.0,
+    "zero_init_proj": True,
+    "pos_encoding": "rope",
+    "window_size": 5,
+    "tie_embeddings": False,
+}
+
+
 @pytest.mark.parametrize(
-    "device, optimizer",
+    "device, optimizer, options",
     [
-        ("cpu", "adamw"),
-        ("cpu", "muon"),
+        ("cpu", "adamw", {}),
+        ("cpu", "muon", MODERN),
         pytest.param(
             "cuda",
             "adamw",
+            {},
             marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (nccl)"),
         ),
     ],
 )
-def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, data_root, env, device, optimizer):
+def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, data_root, env, device, optimizer, options):
     """
     Masked LM: micro-batches hold different numbers of targets, so the global token mean is really exercised.
     With a weight average, which must start from the weights DDP gives every rank (rank 1 draws others at init).
@@ -792,6 +806,7 @@ def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, data_root,
         ema_decay=0.5,
         device=device,
         optimizer=optimizer,
+        **options,
     )
     tolerance = 1e-5 if device == "cpu" else 1e-3  # TF32 matmuls and reduction order on GPUs
     # Newton-Schulz's matrix powers amplify the reduction order's last-bit differences: on this tiny model Muon's
