@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100  # targets with this value add nothing to the loss (padding, unmasked MLM positions)
 
@@ -471,6 +472,8 @@ class Stack(nn.Module):
         self.blocks = nn.ModuleList(Block(config, causal=causal, cross=cross) for _ in range(n_layer))
         # Post-norm blocks end with a norm already; pre-norm stacks need one before the head (GPT-2's ln_f).
         self.norm = make_norm(config) if config.norm_position == "pre" else nn.Identity()
+        # activation checkpointing (set_activation_checkpointing): keep only each block's input for the backward
+        self.checkpoint_blocks = False
 
     def forward(self, idx, key_mask=None, context=None, context_mask=None, cache=None, need_weights=False):
         """
@@ -496,9 +499,10 @@ class Stack(nn.Module):
             rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])  # (T, D/2) each
         x = self.drop(x)
         maps = []
+        # recomputed blocks only where a backward will come: in training, with gradients on
+        recompute = self.checkpoint_blocks and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
-            x, block_maps = block(
-                x,
+            inputs = dict(
                 key_mask=key_mask,
                 rope=rope,
                 context=context,
@@ -506,6 +510,12 @@ class Stack(nn.Module):
                 cache=cache[i] if cache is not None else None,
                 need_weights=need_weights,
             )
+            if recompute:
+                # the block's forward runs again in the backward, with the same dropout masks (the RNG state is
+                # saved), instead of keeping its intermediate activations: memory for one more forward's compute
+                x, block_maps = checkpoint(block, x, use_reentrant=False, **inputs)
+            else:
+                x, block_maps = block(x, **inputs)
             maps.append(block_maps)
         return self.norm(x), maps
 
@@ -617,6 +627,17 @@ class TransformerModel(nn.Module):
             macs = stack(B, T, c.n_layer) + (B * T * C * C if c.arch == "encoder" else 0)  # BERT's transform
         macs += B * T * C * c.vocab_size  # the head, once even when tied to the embedding (a lookup costs nothing)
         return 6.0 * macs  # 2 FLOPs per multiply-add, times 3 for forward and backward
+
+    def set_activation_checkpointing(self, enabled=True):
+        """
+        Recompute each block's activations in the backward instead of storing them (Chen et al. 2016): the memory
+        for activations falls from all of every block's intermediates to the blocks' inputs, for about one more
+        forward pass of compute per step. Gradients are unchanged.
+        """
+        for module in self.modules():
+            if isinstance(module, Stack):
+                module.checkpoint_blocks = enabled
+        return self
 
     def block_matrices(self):
         """The 2-D weights inside the blocks (attention qkv and proj, cross-attention, MLP fc/up/proj): Muon's."""

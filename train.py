@@ -117,6 +117,7 @@ class TrainConfig:
     device: str = "auto"  # 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype: str = "auto"  # 'float32', 'bfloat16', 'float16'; 'auto': bf16 (else fp16) on CUDA, float32 elsewhere
     compile: bool | None = None  # torch.compile the model; None: on for CUDA only
+    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~25% slower
     seed: int = 1337  # seeds data sampling, initialisation and dropout (dropout differs per rank)
     dist_timeout: int = 900  # seconds a rank waits for the others before the job fails instead of hanging
 
@@ -984,10 +985,12 @@ def init_distributed(cfg, rt, stack):
 
 def wrap_model(raw_model, cfg, rt, example):
     """
-    (model for training steps, its DDP module or None, model for evaluation): DDP under torchrun, then
-    torch.compile if cfg says so. DDP is compiled, not wrapped around a compiled model: then its graph is split at
-    the gradient buckets, so each bucket's all-reduce starts while the backward of the layers before it still runs.
+    (model for training steps, its DDP module or None, model for evaluation): activation checkpointing if cfg
+    says so, DDP under torchrun, then torch.compile if cfg says so. DDP is compiled, not wrapped around a compiled
+    model: then its graph is split at the gradient buckets, so each bucket's all-reduce starts while the backward
+    of the layers before it still runs.
     """
+    raw_model.set_activation_checkpointing(cfg.activation_checkpointing)
     ddp = None
     if rt.world_size > 1:  # DDP also gives every rank rank 0's initial weights
         ddp = DDP(raw_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)

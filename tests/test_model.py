@@ -16,6 +16,7 @@ from model import (
     IGNORE_INDEX,
     MLP,
     Attention,
+    Block,
     EncoderDecoder,
     KVCache,
     ModelConfig,
@@ -1248,3 +1249,35 @@ def test_gpt2_weights_from_bin_and_sharded_files(tmp_path, layout):
     x = hf_ids(2, 20) % 97
     with torch.no_grad():
         assert (GPT.from_pretrained(tmp_path)(x)[0] - hf(x).logits).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_activation_checkpointing_recomputes_blocks_and_keeps_the_gradients(arch):
+    """float64, dropout on: the loss and every gradient equal those of the same model storing its activations."""
+    config = tiny(arch=arch, dropout=0.1, pad_token_id=PAD, pos_encoding="rope", window_size=4)
+    plain = build_model(config).double().train()
+    recomputing = build_model(config).double().train().set_activation_checkpointing()
+    recomputing.load_state_dict(plain.state_dict())
+    calls = []
+    for block in recomputing.modules():
+        if isinstance(block, Block):
+            block.register_forward_pre_hook(lambda module, args: calls.append(module))
+    x, y = F.pad(tokens(2, 9), (0, 3), value=PAD), tokens(2, 7, seed=1)
+    inputs = (x, y) if arch == "encoder_decoder" else (x,)
+    targets = y if arch == "encoder_decoder" else x
+    results = []
+    for model in (plain, recomputing):
+        torch.manual_seed(0)  # the same dropout masks in both
+        loss = model(*inputs, targets.masked_fill(targets == PAD, IGNORE_INDEX))[1]
+        loss.backward()
+        results.append((loss, {name: p.grad for name, p in model.named_parameters()}))
+    blocks = {"gpt": 2, "encoder": 2, "encoder_decoder": 4}[arch]
+    assert len(calls) == 2 * blocks  # each block ran twice: its forward, and again in the backward
+    (plain_loss, plain_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-12, atol=1e-12)
+    assert grads.keys() == plain_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], plain_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+    with torch.no_grad():  # no backward to come: nothing is recomputed
+        recomputing(*inputs)
+    assert len(calls) == 3 * blocks

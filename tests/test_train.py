@@ -27,7 +27,7 @@ import tokens
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 from config import ConfigError, parse_config
-from model import IGNORE_INDEX, ModelConfig, build_model
+from model import IGNORE_INDEX, Block, ModelConfig, build_model
 from train import (
     MODEL_KEYS,
     Objective,
@@ -772,6 +772,7 @@ MODERN = {
     "pos_encoding": "rope",
     "window_size": 5,
     "tie_embeddings": False,
+    "activation_checkpointing": True,
 }
 
 
@@ -1555,3 +1556,30 @@ def test_init_from_llama_folder_refuses_data_of_another_tokenizer(tmp_path, data
     assert len(errors) == 3 and all(f"--tokenizer={llama_dir}" in e for e in errors[:2])
     assert "shakespeare was not" in errors[0] and f"{bare} has no tokenizer.json" in errors[2]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("arch", ["gpt", "encoder_decoder"])
+def test_activation_checkpointing_trains_the_same_steps(tmp_path, data_root, arch, monkeypatch):
+    """
+    Recomputing the blocks in backward changes no loss and no weight (bitwise, on a CPU), and it does happen:
+    every training step runs each block's forward twice.
+    """
+    extra = {"dropout": 0.1, "max_iters": 4, "log_interval": 1, "eval_interval": 4, "eval_iters": 2}
+    if arch == "encoder_decoder":
+        extra.update(arch=arch, dataset="reverse", data_options=REVERSE, eval_accuracy_examples=0)
+    calls = []
+    block_forward = Block.forward
+
+    def counted(self, *args, **kwargs):
+        calls[-1] += torch.is_grad_enabled()  # training forwards and their recomputation, not evaluation
+        return block_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Block, "forward", counted)
+    runs = []
+    for on in (False, True):
+        calls.append(0)
+        runs.append(main(tiny(data_root, tmp_path / str(on), activation_checkpointing=on, **extra)))
+    assert calls[1] == 2 * calls[0] > 0
+    assert runs[0]["losses"] == runs[1]["losses"] and len(runs[0]["losses"]) == 4
+    plain, recomputed = (ckpt_weights(tmp_path / str(on) / "ckpt.pt") for on in (False, True))
+    assert all(torch.equal(plain[k], recomputed[k]) for k in plain)
