@@ -220,31 +220,27 @@ def print_table(header, rows):
 
 
 def main(cfg):
-    """Measure what cfg.parts names and print a table: each value a median with its spread, a column per config."""
+    """Measure what cfg.parts names and print tables: each value a median with its spread, a column per config."""
     parts = set(cfg.parts.split(","))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     print(f"device: {device}, torch {torch.__version__}")
-    rows = []
+    # (header, rows) of each table; rows: (name, [one value per column]), or (name, value) for a single column
+    tables = []
+    columns = [f"{c} median (min-max)" for c in cfg.configs]
     # runs, checkpoints and the bpe corpus live in a temporary folder, removed at the end
     with tempfile.TemporaryDirectory() as work:
-        if "train" in parts:
-            rows += bench_training(cfg, Path(work))
-        if "sample" in parts:
-            # no --out_dir: each config's last training run's checkpoint, still in the temporary folder
-            folders = (
-                [cfg.out_dir]
-                if cfg.out_dir
-                else [Path(work) / f"config{i}-run{cfg.runs - 1}" for i in range(len(cfg.configs))]
-            )
-            by_folder = [bench_sampling(cfg, folder) for folder in folders]
-            rows += [(name, [rs[j][1] for rs in by_folder]) for j, (name, _) in enumerate(by_folder[0])]
-        bpe = bench_bpe(cfg, Path(work)) if "bpe" in parts else []
-    # one column per config; without training runs (sampling --out_dir) a single column
-    columns = cfg.configs if "train" in parts or not cfg.out_dir else [cfg.out_dir]
-    if rows:
-        print_table(["measure", *(f"{c} median (min-max)" for c in columns)], rows)
-    if bpe:  # the tokenizer's speed does not depend on a config: a table of its own
-        print_table(["measure", "median (min-max)"], [(name, [value]) for name, value in bpe])
+        rows = bench_training(cfg, Path(work)) if "train" in parts else []
+        if "sample" in parts and cfg.out_dir:  # one given checkpoint: a table of its own
+            tables.append((["measure", f"{cfg.out_dir} median (min-max)"], bench_sampling(cfg, cfg.out_dir)))
+        elif "sample" in parts:  # each config's last training run's checkpoint, still in the temporary folder
+            by_config = [bench_sampling(cfg, Path(work) / f"config{i}-run{cfg.runs - 1}") for i in range(len(columns))]
+            rows += [(name, [rs[j][1] for rs in by_config]) for j, (name, _) in enumerate(by_config[0])]
+        if rows:
+            tables.insert(0, (["measure", *columns], rows))
+        if "bpe" in parts:  # the tokenizer's speed does not depend on a config
+            tables.append((["measure", "median (min-max)"], bench_bpe(cfg, Path(work))))
+    for header, rows in tables:
+        print_table(header, [(name, values if isinstance(values, list) else [values]) for name, values in rows])
 
 
 def cli(argv):

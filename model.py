@@ -192,6 +192,10 @@ def attention_mask(q_len, k_len, causal, key_mask=None, window=0, device=None):
     if key_mask is not None:
         keys = key_mask[:, None, None, :]  # (B, 1, 1, Tk)
         mask = keys if mask is None else mask & keys
+        # A padded query may have no key left (all padding within its window, or before it): its softmax would be
+        # 0/0 = NaN, which the next layer's 0 * NaN spreads to real positions. Such a row reads every key instead;
+        # its output is padding's, read by no real position and no loss.
+        mask = mask | ~mask.any(dim=-1, keepdim=True)
     return mask
 
 

@@ -452,7 +452,7 @@ def _shakespeare_folder(opts: dict) -> str:
     if opts["tokenizer"] == "gpt2":
         return "shakespeare"
     file = tokenizer_json_file(opts["tokenizer"]).resolve()
-    # a model folder's name (shakespeare_Llama-3.2-1B), or a lone file's own; two tokenizers that come out with the
+    # a model folder's name (shakespeare_TinyLlama-1.1B), or a lone file's own; two tokenizers that come out with the
     # same name are still told apart, by prepare's check of the tokenizer in the folder
     label = file.parent.name if file.name == TOKENIZER_JSON else file.stem
     return "shakespeare_" + re.sub(r"[^\w.-]", "_", label or "tokenizer")

@@ -4,7 +4,7 @@ a GPT continues the prompt, an encoder-decoder translates it, an encoder fills i
 
     python sample.py --out_dir=out-shakespeare --start "ROMEO:" --num_samples=3 --temperature=0.8
     python sample.py --init_from=gpt2 --start "The meaning of life is" --top_p=0.9
-    python sample.py --init_from=/models/Llama-3.2-1B --start "ROMEO:"   # a folder with its tokenizer.json
+    python sample.py --init_from=/models/TinyLlama-1.1B --start "ROMEO:"   # a folder with its tokenizer.json
     python sample.py --out_dir=out-reverse --start "hello" --beam_size=4
     python sample.py --help
 """

@@ -49,3 +49,21 @@ def test_bench_refuses_an_unknown_part(tmp_path):
         cwd=tmp_path,
     )
     assert run.returncode != 0 and "unknown tokens" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_given_checkpoint_gets_its_own_sampling_table(monkeypatch, capsys):
+    """--out_dir with several configs: the sampling rows are that checkpoint's, never under a config's column."""
+    import bench
+
+    monkeypatch.setattr(bench, "bench_training", lambda cfg, work: [("training tokens/s", ["100 (1-2)", "200 (1-2)"])])
+    monkeypatch.setattr(bench, "bench_sampling", lambda cfg, folder: [(f"sampling from {folder}", "999 (9-9)")])
+    cfg = bench.BenchConfig(config="configs/shakespeare.py,configs/gpt2.py", parts="train,sample", out_dir="ckpts")
+    bench.main(cfg)
+    lines = capsys.readouterr().out.splitlines()
+    cells = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines if line.startswith("| ")]
+    assert cells == [
+        ["measure", "configs/shakespeare.py median (min-max)", "configs/gpt2.py median (min-max)"],
+        ["training tokens/s", "100 (1-2)", "200 (1-2)"],
+        ["measure", "ckpts median (min-max)"],
+        ["sampling from ckpts", "999 (9-9)"],
+    ]

@@ -934,14 +934,28 @@ def test_sliding_window_cache_keeps_window_minus_one_positions_past_the_window(a
     torch.testing.assert_close(torch.cat(steps, dim=1), logits_of(model, src, x) if memory is not None else model(x)[0])
 
 
-def test_a_sliding_window_leaves_padded_rows_finite():
-    """Right-padded far beyond the window: the padded queries see no real key, and still no NaN reaches the loss."""
-    model = build_model(tiny(arch="encoder", window_size=2, pad_token_id=PAD))
-    x = F.pad(tokens(2, 4), (0, 10), value=PAD)
+@pytest.mark.parametrize("arch", ["gpt", "encoder"])
+def test_padded_queries_with_no_key_leave_every_real_position_finite(arch):
+    """
+    Padding far beyond a window: some padded queries see no real key. Neither the loss, the gradients nor the
+    attention maps of 3 layers may turn NaN, and the real positions keep the values they have without it.
+    (A GPT's padding goes on the right, where the causal mask keeps it from real positions; an encoder's anywhere.)
+    """
+    model = build_model(tiny(arch=arch, n_layer=3, window_size=2, pad_token_id=PAD))
+    before = 0 if arch == "gpt" else 3
+    x = F.pad(tokens(2, 4), (before, 12 - before), value=PAD)
     targets = x.masked_fill(x == PAD, IGNORE_INDEX)
     loss = model(x, targets)[1]
     loss.backward()
     assert loss.isfinite() and all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
+    real = x != PAD
+    for layer in model.attention_maps(x):
+        assert layer["self"].isfinite().all()
+        real_reads_padding = (real[:, :, None] & ~real[:, None, :])[:, None].expand_as(layer["self"])
+        assert (layer["self"][real_reads_padding] == 0).all()
+    # the same positions without the trailing padding, whose queries are the ones with no key in their window
+    shorter = model(x[:, : before + 4])[0][:, before:]
+    torch.testing.assert_close(model(x)[0][:, before : before + 4], shorter, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
