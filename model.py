@@ -258,7 +258,7 @@ class Attention(nn.Module):
         # one Linear with rows W_q (C), W_k and W_v (kv_dim each) stacked, so the parameter names stay GPT-2's
         self.qkv = nn.Linear(config.n_embd, config.n_embd + 2 * kv_dim, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.proj.residual = True  # scaled (or zeroed) at init, see TransformerModel._init_weights
+        self.proj.residual = True  # scaled (or zeroed) at init, see TransformerModel.init_weights
         # qk_norm: RMSNorm over each head's D channels, one gain per channel shared by the heads, which keeps the
         # scores q . k bounded however large the projections grow
         if config.qk_norm:
@@ -372,7 +372,7 @@ class MLP(nn.Module):
         self.up = nn.Linear(config.n_embd, config.d_ff, bias=config.bias) if config.activation == "swiglu" else None
         self.act = make_activation(config.activation)
         self.proj = nn.Linear(config.d_ff, config.n_embd, bias=config.bias)
-        self.proj.residual = True  # scaled (or zeroed) at init, see TransformerModel._init_weights
+        self.proj.residual = True  # scaled (or zeroed) at init, see TransformerModel.init_weights
 
     def forward(self, x):
         h = self.act(self.fc(x))  # (B, T, C) -> (B, T, d_ff)
@@ -466,18 +466,25 @@ class Stack(nn.Module):
         self.wte = wte if wte is not None else nn.Embedding(config.vocab_size, config.n_embd)
         if config.pos_encoding == "learned":
             self.wpe = nn.Embedding(config.block_size, config.n_embd)
-        elif config.pos_encoding == "sinusoidal":
-            self.register_buffer("pe", sinusoid_table(config.block_size, config.n_embd), persistent=False)
-        else:
-            cos, sin = rope_tables(config.block_size, config.n_embd // config.n_head, config.rope_theta)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+        else:  # fixed tables, computed from the config (not saved in checkpoints)
+            for name, table in self.position_tables().items():
+                self.register_buffer(name, table, persistent=False)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, causal=causal, cross=cross) for _ in range(n_layer))
         # Post-norm blocks end with a norm already; pre-norm stacks need one before the head (GPT-2's ln_f).
         self.norm = make_norm(config) if config.norm_position == "pre" else nn.Identity()
         # activation checkpointing (set_activation_checkpointing): keep only each block's input for the backward
         self.checkpoint_blocks = False
+
+    def position_tables(self):
+        """The fixed position tables by buffer name: sinusoidal "pe" (T, C), or rotary "rope_cos" and "rope_sin"."""
+        c = self.config
+        if c.pos_encoding == "sinusoidal":
+            return {"pe": sinusoid_table(c.block_size, c.n_embd)}
+        if c.pos_encoding == "rope":
+            cos, sin = rope_tables(c.block_size, c.n_embd // c.n_head, c.rope_theta)
+            return {"rope_cos": cos, "rope_sin": sin}
+        return {}
 
     def forward(self, idx, key_mask=None, context=None, context_mask=None, cache=None, need_weights=False):
         """
@@ -531,13 +538,33 @@ class Stack(nn.Module):
 class TransformerModel(nn.Module):
     """What the three models share: GPT-2 initialisation, the head and loss, parameter and FLOP counts, AdamW."""
 
-    def _init_weights(self):
+    @torch.no_grad()
+    def init_weights(self):
+        """
+        Give every parameter its initial value and compute the position tables. The constructors call it; a model
+        built on the meta device (no memory, for models too large to build in one place) calls it after to_empty:
+            with torch.device("meta"):
+                model = build_model(config)
+            model.to_empty(device="cuda")
+            model.init_weights()
+        Given the same random seed, that is the same model as one built in memory and then init_weights()'d.
+        """
         # GPT-2: N(0, 0.02) everywhere; projections that write into the residual stream are scaled by
         # 1/sqrt(2 * n_layer) so the stream's variance does not grow with depth. zero_init_proj starts them at 0
         # (modded-nanogpt): every block begins as the identity, and their gradients are not zero, so they still learn.
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        # Tied before anything is drawn (to_empty unties them): the shared matrix is initialised once, as the
+        # embedding it is, and the head's Linear leaves it alone below
+        embedding = self.decoder.wte if isinstance(self, EncoderDecoder) else self.body.wte
+        if self.config.tie_embeddings:
+            self.lm_head.weight = embedding.weight
         for module in self.modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, Stack):
+                for name, table in module.position_tables().items():
+                    getattr(module, name).copy_(table)  # computed on the CPU, copied to wherever the buffer lives
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                module.reset_parameters()  # gains 1, biases 0
+            elif isinstance(module, nn.Linear) and module.weight is not embedding.weight:
                 if getattr(module, "residual", False) and self.config.zero_init_proj:
                     nn.init.zeros_(module.weight)
                 else:
@@ -701,9 +728,7 @@ class GPT(TransformerModel):
         self.config = config
         self.body = Stack(config, n_layer=config.n_layer, causal=True, cross=False)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self._init_weights()
-        if config.tie_embeddings:
-            self.lm_head.weight = self.body.wte.weight
+        self.init_weights()
 
     def forward(self, idx, targets=None, *, label_smoothing=0.0, reduction="mean", return_logits=True):
         """
@@ -818,9 +843,7 @@ class Encoder(TransformerModel):
             make_norm(config),
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self._init_weights()
-        if config.tie_embeddings:
-            self.lm_head.weight = self.body.wte.weight
+        self.init_weights()
 
     def forward(self, idx, targets=None, *, label_smoothing=0.0, reduction="mean", return_logits=True):
         """
@@ -851,9 +874,7 @@ class EncoderDecoder(TransformerModel):
         shared = self.encoder.wte if config.share_embeddings else None
         self.decoder = Stack(config, n_layer=config.n_layer, causal=True, cross=True, wte=shared)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self._init_weights()
-        if config.tie_embeddings:
-            self.lm_head.weight = self.decoder.wte.weight
+        self.init_weights()
 
     def encode(self, src):
         """src: (B, S). Returns (memory (B, S, C), source key mask (B, S) or None)."""

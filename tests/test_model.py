@@ -1295,3 +1295,27 @@ def test_activation_checkpointing_recomputes_blocks_and_keeps_the_gradients(arch
     with torch.no_grad():  # no backward to come: nothing is recomputed
         recomputing(*inputs)
     assert len(calls) == 3 * blocks
+
+
+@pytest.mark.parametrize(
+    "arch,pos,tied", [("gpt", "rope", True), ("encoder", "sinusoidal", False), ("encoder_decoder", "learned", True)]
+)
+def test_a_model_built_on_the_meta_device_is_the_model_built_in_memory(arch, pos, tied):
+    """No memory until to_empty; then init_weights gives the weights, tables and tying of an ordinary build."""
+    config = tiny(arch=arch, pos_encoding=pos, tie_embeddings=tied, n_kv_head=1, qk_norm=True, norm="layernorm")
+    with torch.device("meta"):
+        lazy = build_model(config)
+    assert all(t.is_meta for t in (*lazy.parameters(), *lazy.buffers()))
+    lazy.to_empty(device="cpu")
+    torch.manual_seed(5)
+    lazy.init_weights()
+    ordinary = build_model(config)
+    torch.manual_seed(5)
+    ordinary.init_weights()
+    expected = dict(ordinary.named_buffers()) | ordinary.state_dict()
+    got = dict(lazy.named_buffers()) | lazy.state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+    embedding = lazy.decoder.wte if arch == "encoder_decoder" else lazy.body.wte
+    assert (lazy.lm_head.weight is embedding.weight) == tied
+    x = tokens(2, 7)
+    torch.testing.assert_close(logits_of(lazy.eval(), x), logits_of(ordinary.eval(), x), atol=0, rtol=0)
