@@ -199,10 +199,13 @@ def attention_mask(q_len, k_len, causal, key_mask=None, window=0, device=None):
     return mask
 
 
+MIN_CACHE = 256  # positions a KV cache first allocates (when block_size allows)
+
+
 class KVCache:
     """
     Keys and values of one attention layer while decoding a few tokens at a time.
-    Self-attention appends each step's new positions to preallocated buffers;
+    Self-attention appends each step's new positions to buffers that grow as needed;
     cross-attention stores the projected encoder output once and reuses it.
     With grouped-query attention H below is n_kv_head: the cache holds the shared heads only.
     With a sliding window (window > 0) it keeps just the last window - 1 positions, all that a later query can
@@ -210,9 +213,9 @@ class KVCache:
     """
 
     def __init__(self, capacity, window=0):
-        self.capacity = capacity  # positions the buffers hold (the model's block_size)
+        self.capacity = capacity  # the most positions the buffers will hold (the model's block_size)
         self.window = window
-        self.k = self.v = None  # (B, H, capacity, D) for self-attention, (B, H, S, D) for cross-attention
+        self.k = self.v = None  # (B, H, up to capacity, D) for self-attention, (B, H, S, D) for cross-attention
         self.length = 0  # positions seen so far: the position of the next one
 
     def append(self, k, v):
@@ -227,9 +230,15 @@ class KVCache:
             drop = max(0, k.size(2) - (self.window - 1))  # positions that no later query can see
             self.k, self.v = k[:, :, drop:], v[:, :, drop:]
             return k, v
-        if self.k is None:
-            shape = (*k.shape[:2], self.capacity, k.shape[3])
-            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+        held = 0 if self.k is None else self.k.size(2)
+        if self.length > held:
+            # The buffers grow by doubling (from MIN_CACHE positions) up to capacity, so that memory follows the
+            # positions decoded, not block_size: a model trained on 32k positions sampled for 500 tokens holds 1k.
+            size = min(self.capacity, max(self.length, 2 * held, MIN_CACHE))
+            grown = [t.new_empty((*t.shape[:2], size, t.shape[3])) for t in (k, v)]
+            if held:  # the positions so far move over: one copy per doubling, a few in all
+                grown[0][:, :, :start], grown[1][:, :, :start] = self.k[:, :, :start], self.v[:, :, :start]
+            self.k, self.v = grown
         self.k[:, :, start : self.length] = k
         self.v[:, :, start : self.length] = v
         return self.k[:, :, : self.length], self.v[:, :, : self.length]
@@ -821,8 +830,7 @@ class GPT(TransformerModel):
                 hidden_act than silu or a head_dim other than hidden_size / num_attention_heads is a ValueError.
             "mistral": as llama, with sliding_window as window_size.
         block_size is the trained positions (n_positions, max_position_embeddings); it may be overridden shorter,
-        not longer. Llama-style checkpoints often have long ones: a shorter block_size also shrinks the KV cache,
-        which generation allocates at full size unless there is a window.
+        not longer (the rotary tables are block_size long; the KV cache grows with the positions decoded).
         overrides: ModelConfig fields to change, e.g. dropout=0.1 or block_size=256 for fine-tuning.
         """
         return load_pretrained(cls, name_or_path, overrides)

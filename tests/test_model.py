@@ -1319,3 +1319,16 @@ def test_a_model_built_on_the_meta_device_is_the_model_built_in_memory(arch, pos
     assert (lazy.lm_head.weight is embedding.weight) == tied
     x = tokens(2, 7)
     torch.testing.assert_close(logits_of(lazy.eval(), x), logits_of(ordinary.eval(), x), atol=0, rtol=0)
+
+
+def test_the_kv_cache_grows_with_the_positions_decoded_not_block_size():
+    """block_size 1024: the cache starts at 256 positions and doubles; every step's logits equal the full forward's."""
+    model = build_model(tiny(block_size=1024, n_layer=1, pos_encoding="rope")).eval()
+    x = tokens(1, 600)
+    cache = model.new_cache()
+    steps, sizes = [model.head(model.body(x[:, :200], cache=cache)[0])], []
+    for t in range(200, 600):
+        steps.append(model.head(model.body(x[:, t : t + 1], cache=cache)[0]))
+        sizes.append(cache[0][0].k.size(2))
+    assert sorted(set(sizes)) == [256, 512, 1024]
+    torch.testing.assert_close(torch.cat(steps, dim=1), model(x)[0], atol=1e-5, rtol=1e-5)
