@@ -525,7 +525,7 @@ def pretrained_meta(folder) -> dict:
     if model_type == "gpt2":
         return GPT2_META
     raise FileNotFoundError(
-        f"{folder} has no {TOKENIZER_JSON}, which a {model_type or 'non-GPT-2'} model needs to read and write text: "
+        f"{folder} has no {TOKENIZER_JSON}, which a {model_type} model needs to read and write text: "
         f"put the model's {TOKENIZER_JSON} (from the same Hugging Face repository) in the folder"
     )
 

@@ -91,7 +91,7 @@ class TrainConfig:
     share_embeddings: bool = False  # encoder_decoder: source and target share one embedding
     norm_eps: float = 1e-5  # epsilon of the norms
     rope_theta: float = 10000.0  # rotary base
-    window_size: int = 0  # sliding-window attention: each position sees itself and the window_size - 1 before it
+    window_size: int = 0  # sliding window: attend to keys fewer than this many positions away (causal: earlier); 0: off
     # objective
     mask_prob: float = 0.15  # encoder: fraction of tokens to predict; 80% shown as [MASK], 10% random, 10% unchanged
     label_smoothing: float = 0.0  # 0.1 in the 2017 paper; evaluation losses are always plain cross-entropy

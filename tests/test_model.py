@@ -735,6 +735,7 @@ OPTIONS = [
     {"logit_softcap": 3.0},
     {"zero_init_proj": True},
     {"window_size": 3},
+    {"tie_embeddings": False},
     {
         "n_head": 4,
         "n_kv_head": 2,

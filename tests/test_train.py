@@ -445,6 +445,7 @@ def test_seq2seq_learns_and_its_exact_match_agrees_with_the_task_solver(tmp_path
             "zero_init_proj": True,
             "pos_encoding": "rope",
             "window_size": 5,
+            "tie_embeddings": False,
         },
         {
             "arch": "encoder_decoder",
