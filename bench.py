@@ -1,13 +1,14 @@
 """
 Performance numbers in one table: training throughput (and MFU on a GPU), time to a target validation loss,
-the best validation loss within a time budget, sampling speed with and without the KV cache, and GPT-2 BPE
-tokenization speed.
+the best validation loss within a time budget, sampling speed with and without the KV cache, GPT-2 BPE
+tokenization speed, and each rank's memory with DDP and with FSDP.
 
     python bench.py                                  # the quick start, configs/shakespeare.py
     python bench.py --config=configs/shakespeare.py,old.py --parts=train   # two configs side by side, in turns
     python bench.py --config=configs/shakespeare_gpu.py --target_loss=1.47 --budget=600
     python bench.py --parts=sample --out_dir=out-shakespeare
     python bench.py --parts=bpe                      # BPE tokens/s: 1 thread, all cores, prepare_data.py text
+    python bench.py --parts=memory --train_args="--n_layer=8 --n_embd=512"  # per-rank memory, DDP vs FSDP
 
 Each training run is a real `python train.py CONFIG` process, timed from its launch, so compilation, data
 preparation and evaluation all count. Numbers vary from run to run: each is the median of several, with the spread.
@@ -51,14 +52,16 @@ class BenchConfig:
     repeats: int = 5  # sampling and bpe: timed repeats of each way of sampling or tokenizing
     bpe_input: str = ""  # bpe: UTF-8 text to tokenize; "": tiny Shakespeare ($NANOFORMER_DATA_MIRROR, cache or web)
     bpe_size_mb: float = 10.0  # bpe: the text is repeated to about this many MB
+    ranks: int = 2  # memory: torchrun processes, each run with DDP and with FSDP
+    memory_iters: int = 3  # memory: training steps per run (then one evaluation and a save)
 
     def __post_init__(self):
         # checked before any run: a typo in parts would otherwise surface after minutes of training
-        unknown = set(self.parts.split(",")) - {"train", "sample", "bpe"}
+        unknown = set(self.parts.split(",")) - {"train", "sample", "bpe", "memory"}
         if unknown:
-            raise ValueError(f"parts: unknown {', '.join(sorted(unknown))}; choose from train, sample, bpe")
-        if self.repeats < 1 or self.runs < 1:
-            raise ValueError(f"runs and repeats must be at least 1, got {self.runs} and {self.repeats}")
+            raise ValueError(f"parts: unknown {', '.join(sorted(unknown))}; choose from train, sample, bpe, memory")
+        if min(self.repeats, self.runs, self.memory_iters) < 1 or self.ranks < 2:
+            raise ValueError("runs, repeats and memory_iters must be at least 1, and ranks at least 2")
         missing = [c for c in self.configs if not (ROOT / c).is_file()]
         if missing:
             raise ValueError(f"config {missing[0]} not found; pass --config=PATH[,PATH...] of train.py configs")
@@ -135,6 +138,45 @@ def bench_training(cfg, work):
     rows.append(row("final val loss", "finals", "{:.4f}"))
     rows.append(row("wall seconds per run", "walls", "{:.1f}"))
     return rows
+
+
+def memory_run(cfg, config, fsdp, out_dir):
+    """
+    One `torchrun --nproc_per_node=ranks train.py config` of memory_iters steps, with fsdp on or off. Returns
+    {rank: (weights + gradients + optimizer state, peak)} in MiB, from train.py's closing memory lines.
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.ranks}"]
+    command += [str(ROOT / "train.py"), config, f"--out_dir={out_dir}", "--tensorboard=false", f"--fsdp={fsdp}"]
+    steps = cfg.memory_iters
+    command += [f"--max_iters={steps}", f"--eval_interval={steps}", "--eval_iters=1", f"--log_interval={steps}"]
+    run = subprocess.run(command + cfg.train_args.split(), cwd=ROOT, capture_output=True, text=True)
+    if run.returncode:
+        raise SystemExit(f"error: {' '.join(command)} failed with exit status {run.returncode}:\n{run.stderr[-2000:]}")
+    number = r"([\d.]+) MiB"
+    pattern = rf"memory rank (\d+): weights {number}, gradients {number}, optimizer state {number}, peak {number}"
+    return {int(m[1]): (float(m[2]) + float(m[3]) + float(m[4]), float(m[5])) for m in re.finditer(pattern, run.stdout)}
+
+
+def bench_memory(cfg, work):
+    """
+    (header, rows): each rank's weights + gradients + optimizer state, and its peak memory, with DDP and with FSDP
+    for each config, runs times in turns.
+    """
+    columns = [(config, fsdp) for config in cfg.configs for fsdp in (False, True)]
+    measured = {column: {} for column in columns}  # {rank: [(state, peak) of each run]}
+    for run in range(cfg.runs):
+        for i, (config, fsdp) in enumerate(columns):
+            for rank, values in memory_run(cfg, config, fsdp, work / f"memory{i}-run{run}").items():
+                measured[(config, fsdp)].setdefault(rank, []).append(values)
+    rows = []
+    for rank in range(cfg.ranks):
+        for j, what in enumerate(("weights + gradients + optimizer state MiB", "peak MiB")):
+            values = [summary([v[j] for v in measured[column].get(rank, [])], "{:,.1f}") for column in columns]
+            rows.append((f"rank {rank} {what}", values))
+    peak = "CUDA allocated" if torch.cuda.is_available() else "process resident set"
+    header = ["measure (peak: " + peak + ")"]
+    header += [f"{config} {'FSDP' if fsdp else 'DDP'} median (min-max)" for config, fsdp in columns]
+    return header, rows
 
 
 def bench_sampling(cfg, out_dir):
@@ -239,6 +281,8 @@ def main(cfg):
             tables.insert(0, (["measure", *columns], rows))
         if "bpe" in parts:  # the tokenizer's speed does not depend on a config
             tables.append((["measure", "median (min-max)"], bench_bpe(cfg, Path(work))))
+        if "memory" in parts:
+            tables.append(bench_memory(cfg, Path(work)))
     for header, rows in tables:
         print_table(header, [(name, values if isinstance(values, list) else [values]) for name, values in rows])
 

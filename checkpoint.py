@@ -8,23 +8,38 @@ A checkpoint is a dict: format_version, model (the plain model's state dict), mo
 (the dataset's meta.json, so a tokenizer can be rebuilt from the checkpoint alone), iter_num, best_val_loss; ckpt.pt
 adds optimizer (AdamW's state dict), scaler, rng (every rank's generators), sampler (the data stream), with a weight
 average train_model (the optimizer's own weights) and, with optimizer='muon', muon (Muon's state dict).
+
+With fsdp, ckpt.pt is a folder instead, a sharded checkpoint (torch.distributed.checkpoint) that every rank writes
+its part of: model, optimizer and train_model keyed by parameter name, and beside them state.pt, the rest of the
+dict above. load_checkpoint reads either kind; a folder's weights load whole into one process, or resharded into
+any number of ranks with load_sharded.
 """
 
 import contextlib
 import json
 import os
 import random
+import shutil
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from config import ConfigError
 from model import ModelConfig, build_model
 
 FORMAT_VERSION = 2  # of checkpoints; a checkpoint with a larger number needs newer code. 2: train_model
+STATE_FILE = "state.pt"  # in a sharded checkpoint's folder: all but the weights and the optimizer's state
 
 
 def rng_state():
@@ -52,28 +67,39 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def finite_weights(model, iter_num):
-    """model's state_dict; FloatingPointError if any weight is not finite, so that no checkpoint ever holds one."""
-    state = model.state_dict()
-    # only floating tensors can hold inf or nan (integer buffers cannot)
-    floats = [v for v in state.values() if v.is_floating_point()]
+def all_finite(tensors):
+    """A 0-d bool tensor: whether every floating tensor of the list is finite (integers always are)."""
     # one flag per tensor, stacked: the host waits for the GPU once, not once per tensor
-    if not torch.stack([torch.isfinite(v).all() for v in floats]).all():
-        raise FloatingPointError(
-            f"the weights hold non-finite values at iteration {iter_num}; nothing saved, the "
-            "last checkpoint is untouched. Lower learning_rate or raise warmup_iters"
-        )
+    return torch.stack(
+        [torch.isfinite(v).all() for v in tensors if v.is_floating_point()] or [torch.tensor(True)]
+    ).all()
+
+
+def nonfinite_weights(iter_num):
+    """The error that stops a save of weights holding inf or nan, so that no checkpoint ever holds one."""
+    return FloatingPointError(
+        f"the weights hold non-finite values at iteration {iter_num}; nothing saved, the "
+        "last checkpoint is untouched. Lower learning_rate or raise warmup_iters"
+    )
+
+
+def finite_weights(state, iter_num):
+    """state (a state dict), unchanged; nonfinite_weights's error if any weight is not finite."""
+    if not all_finite(list(state.values())):
+        raise nonfinite_weights(iter_num)
     return state
 
 
-def weights_state(model, cfg, meta, iter_num, best_val_loss):
-    """What best.pt holds: the weights to use (the average, with ema_decay), the model settings, the dataset's meta."""
-    return {
+def weights_state(weights, model_config, cfg, meta, iter_num, best_val_loss):
+    """
+    What best.pt holds: weights (the state dict of the weights to use: the average, with ema_decay), the model's
+    settings (a ModelConfig), the run's, the dataset's meta. weights None: all but the weights (a sharded
+    checkpoint's state.pt; its weights are saved apart).
+    """
+    state = {
         "format_version": FORMAT_VERSION,
-        # tensors keyed by parameter name, from the unwrapped model: no `module.` (DDP) or `_orig_mod.` prefix
-        "model": finite_weights(model, iter_num),
         # settings as plain dicts: enough to rebuild the architecture (model_from_checkpoint) and the run
-        "model_config": asdict(model.config),
+        "model_config": asdict(model_config),
         "train_config": asdict(cfg),
         # the tokenizer's description: sample.py decodes with it, without the dataset
         "meta": meta,
@@ -81,38 +107,132 @@ def weights_state(model, cfg, meta, iter_num, best_val_loss):
         "iter_num": iter_num,
         "best_val_loss": best_val_loss,
     }
+    if weights is not None:
+        # tensors keyed by parameter name, from the unwrapped model: no `module.` (DDP) or `_orig_mod.` prefix
+        state["model"] = finite_weights(weights, iter_num)
+    return state
 
 
 def training_state(
-    model, *, ema_model, cfg, meta, iter_num, best_val_loss, optimizers, scaler, sampler_state, world_size
+    model, *, ema_model, cfg, meta, iter_num, best_val_loss, optimizers, scaler, sampler_state, world_size, sharded
 ):
     """
     What ckpt.pt holds: weights_state plus all a resume needs, including the optimizer's own weights (model's) as
     "train_model" when "model" holds their average (ema_model). Call it on every rank: RNG states are gathered.
+    sharded: all but the weights and the optimizer's state, which sharded_state gives (a sharded checkpoint).
     """
     # each rank has its own generators (dropout differs per rank): all are gathered, in rank order, for rank 0 to save
     rng = [rng_state()]
     if world_size > 1:
         rng = [None] * world_size
         dist.all_gather_object(rng, rng_state())
+    kept = model if ema_model is None else ema_model
     state = {
         # with a weight average, "model" holds the average: the weights best.pt and sample.py use
-        **weights_state(model if ema_model is None else ema_model, cfg, meta, iter_num, best_val_loss),
-        # AdamW's moments and step counts: without them a resume would restart its estimates from zero
-        "optimizer": optimizers["adamw"].state_dict(),
+        **weights_state(None if sharded else kept.state_dict(), model.config, cfg, meta, iter_num, best_val_loss),
         # float16's current loss scale; an empty dict when no scaler is in use
         "scaler": scaler.state_dict(),
         "rng": rng,
         # the data stream's generator as it was before the pending step's batches were drawn
         "sampler": {"generator": sampler_state},
     }
+    if sharded:
+        return state
+    # AdamW's moments and step counts: without them a resume would restart its estimates from zero
+    state["optimizer"] = optimizers["adamw"].state_dict()
     if "muon" in optimizers:
         # Muon's momentum buffers, beside AdamW's state (which then covers the parameters outside the blocks only)
         state["muon"] = optimizers["muon"].state_dict()
     if ema_model is not None:
         # the weights training goes on from: resuming from the average instead would change the run
-        state["train_model"] = finite_weights(model, iter_num)
+        state["train_model"] = finite_weights(model.state_dict(), iter_num)
     return state
+
+
+def sharded_state(model, *, ema_model, optimizer):
+    """
+    The tensors of a sharded checkpoint, each rank's own part (DTensors under FSDP; whole tensors in a process that
+    holds the whole model): {"model", "optimizer"[, "train_model"]} as in ckpt.pt, keyed by parameter name.
+    Saved as it is by save_sharded, or filled in by load_sharded. optimizer: AdamW (FSDP runs do not use Muon).
+    """
+    # the optimizer's state keyed by parameter names, not by its own numbering: it then fits any sharding
+    tensors = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    if ema_model is not None:
+        # as in ckpt.pt: "model" holds the average, "train_model" the weights training goes on from
+        tensors["model"], tensors["train_model"] = get_model_state_dict(ema_model), tensors["model"]
+    return tensors
+
+
+def save_sharded(tensors, state, path, rank):
+    """
+    Write a sharded checkpoint to folder path: every rank its part of tensors (sharded_state), in parallel, and
+    rank 0 the rest (state: the dict of training_state without its tensors) as state.pt. Atomically: the folder is
+    written beside path and renamed into place once complete, so a run killed during the save keeps the previous
+    checkpoint (found by load_checkpoint). Call it on every rank; a failed write raises OSError as save_checkpoint.
+    """
+    path = Path(path)
+    new = path.with_name(f".{path.name}.new")
+    try:
+        if rank == 0:
+            shutil.rmtree(new, ignore_errors=True)  # what a save cut short left
+        dist.barrier()
+        # each rank writes its own files, synced to disk; rank 0 then the index of all of them (.metadata)
+        dcp.save(tensors, checkpoint_id=new)
+        if rank == 0:
+            # which tensors the folder holds: resuming reads train_model only where there is one
+            save_checkpoint({**state, "sharded_keys": sorted(tensors)}, new / STATE_FILE)
+        dist.barrier()  # every rank's files are written
+        if rank == 0:
+            move_into_place(new, path)
+    except OSError as e:
+        raise OSError(
+            f"could not write {path} ({e.strerror or e}); the previous {path.name}, if any, is intact: free space "
+            "or fix the folder, then go on with --init_from=resume"
+        ) from None
+
+
+def move_into_place(new, path):
+    """
+    Rename new (a file or a folder) to path, replacing what is there. A file over a file is one atomic rename; where
+    either is a folder (a sharded checkpoint), the previous one first steps aside as .NAME.old, which
+    load_checkpoint reads if a kill comes between the two renames, and is deleted after.
+    """
+    old = path.with_name(f".{path.name}.old")
+    if path.exists() and (path.is_dir() or new.is_dir()):
+        remove(old)
+        os.replace(path, old)
+        os.replace(new, path)
+    else:
+        os.replace(new, path)
+    remove(old)  # the previous checkpoint, or one that a save killed between its renames left
+
+
+def remove(path):
+    """Delete a file or a folder, if there is one."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def load_sharded(path, model, *, optimizer, ema_model, key):
+    """
+    Fill model (with the checkpoint's `key`: "model", or "train_model" when "model" holds an average), optimizer
+    (AdamW, the one the run trains with: its state is created, then filled) and ema_model (or None: with "model"'s
+    average when key is "train_model", else the weights just loaded) from the sharded checkpoint folder path. Each
+    rank reads the parts its own shards need, however many ranks wrote it (torch.distributed.checkpoint reshards),
+    or all of them in a process without FSDP.
+    """
+    weights = get_model_state_dict(model)
+    tensors = {key: weights, "optimizer": get_optimizer_state_dict(model, optimizer)}
+    if ema_model is not None and key == "train_model":
+        tensors["model"] = get_model_state_dict(ema_model)
+    # a single process (a resume without torchrun) reads every part itself
+    read_shards(tensors, path, alone=not dist.is_initialized())
+    set_model_state_dict(model, weights)
+    set_optimizer_state_dict(model, optimizer, tensors["optimizer"])
+    if ema_model is not None:
+        set_model_state_dict(ema_model, tensors.get("model") if key == "train_model" else weights)
 
 
 def save_checkpoint(state, path):
@@ -130,7 +250,7 @@ def save_checkpoint(state, path):
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
         # a reader (or a crash) sees the old checkpoint or the new one, never half of one
-        os.replace(tmp, path)
+        move_into_place(tmp, path)
     except OSError as e:
         # strerror is the OS's short message ('No space left on device'), without the errno and the temporary path
         raise OSError(
@@ -150,20 +270,39 @@ def write_json(obj, path):
     os.replace(tmp, path)
 
 
-def load_checkpoint(path, map_location="cpu"):
+def load_checkpoint(path, map_location="cpu", weights=True):
     """
-    A checkpoint written by train.py, loaded with weights_only=True so that it cannot run code.
-    A missing, corrupt or newer-format file raises ConfigError with a one-line message.
+    A checkpoint written by train.py, loaded with weights_only=True so that it cannot run code. A sharded one (a
+    folder, written with fsdp) gives the same dict with "model" read whole into this process (the optimizer's state
+    is left on disk), or, with weights=False, no tensors at all; "sharded" then names the folder, for load_sharded.
+    A missing, corrupt or newer-format checkpoint raises ConfigError with a one-line message.
     """
     path = Path(path)
+    # a sharded save killed between its two renames left the previous checkpoint under this name
+    old = path.with_name(f".{path.name}.old")
+    if not path.exists() and old.exists():
+        path = old
+    if path.is_dir():
+        if not (path / STATE_FILE).is_file():
+            raise ConfigError(f"{path} is a folder but not a sharded checkpoint: it has no {STATE_FILE}")
+        ckpt = read_checkpoint(path / STATE_FILE, map_location, fallback="")
+        ckpt["sharded"] = path
+        if weights:
+            ckpt["model"] = sharded_weights(path, ckpt["model_config"])
+        return ckpt
     if not path.is_file():
         raise ConfigError(f"no checkpoint at {path}; train one first, or point --out_dir at the run's folder")
     fallback = ""  # what may still be usable beside a damaged file
     # ckpt.pt and best.pt are written at different times, so one damaged file often leaves the other usable
     if path.name == "ckpt.pt" and path.with_name("best.pt").is_file():
         fallback = "; best.pt beside it still holds the best weights (sample.py --checkpoint=best.pt)"
-    elif path.name != "ckpt.pt" and path.with_name("ckpt.pt").is_file():
+    elif path.name != "ckpt.pt" and path.with_name("ckpt.pt").exists():
         fallback = "; ckpt.pt beside it may still be usable"
+    return read_checkpoint(path, map_location, fallback)
+
+
+def read_checkpoint(path, map_location, fallback):
+    """The checks and the load of load_checkpoint for one file; fallback: what to suggest if it is damaged."""
     # torch.load's own message for an empty file is cryptic, and this case has a likely cause worth naming
     if path.stat().st_size == 0:
         raise ConfigError(f"{path} is empty, not a checkpoint (a save cut short?){fallback}")
@@ -188,6 +327,30 @@ def load_checkpoint(path, map_location="cpu"):
             f"{path} has checkpoint format {version}, newer than this code's {FORMAT_VERSION}; update nanoformer"
         )
     return ckpt
+
+
+def read_shards(tensors, path, alone):
+    """
+    Fill tensors (a nested dict, as sharded_state's) from the sharded checkpoint folder path; alone: this process
+    reads them without the other ranks (else every rank calls it and each reads its part).
+    """
+    with warnings.catch_warnings():  # that it assumes a single process, which it is told
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(tensors, checkpoint_id=path, no_dist=alone)
+
+
+def sharded_weights(path, model_config):
+    """The "model" weights of sharded checkpoint folder path, read whole into this process: a state dict."""
+    # built without drawing any initial values (the meta device), then given memory for the checkpoint to fill
+    with torch.device("meta"):
+        model = build_model(ModelConfig.from_dict(model_config))
+    weights = model.to_empty(device="cpu").state_dict()
+    try:
+        # this process reads every rank's part itself, whether or not it is one of several
+        read_shards({"model": weights}, path, alone=True)
+    except Exception as e:  # a part missing or cut short: the checkpoint cannot be used
+        raise ConfigError(f"{path} is not a readable sharded checkpoint ({str(e).strip().splitlines()[0]})") from None
+    return weights
 
 
 def model_from_checkpoint(ckpt):

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100  # targets with this value add nothing to the loss (padding, unmasked MLM positions)
@@ -544,6 +545,31 @@ class Stack(nn.Module):
 # Shared model machinery: init, head and loss, counting, optimizer
 
 
+def default_inits_discarded():
+    """
+    A context in which PyTorch's modules draw their default initialisation from a copy of the random generator,
+    thrown away after it: init_weights overwrites every such value, and its own draws then start from the seed as
+    they would on the meta device, where nothing is drawn. So build_model(config) after torch.manual_seed(s) is
+    the same model as one built on the meta device and initialised later with the same seed.
+    """
+    return torch.random.fork_rng(devices=[])
+
+
+def init_normal(param, std):
+    """
+    nn.init.normal_(param, 0, std), also for a parameter sharded over processes (a DTensor, under FSDP): that one is
+    drawn whole on the CPU, as an unsharded model's would be, and each process keeps its own part, so a sharded
+    model starts with the same weights as an unsharded one. Every process must draw with the same seed.
+    """
+    if not isinstance(param, DTensor):
+        return nn.init.normal_(param, 0.0, std)
+    whole = torch.empty(param.shape).normal_(0.0, std)
+    # src_data_rank=None: each process slices its own copy; nothing is sent
+    part = distribute_tensor(whole.to(param.device), param.device_mesh, param.placements, src_data_rank=None).to_local()
+    with torch.no_grad():
+        param.to_local().copy_(part)
+
+
 class TransformerModel(nn.Module):
     """What the three models share: GPT-2 initialisation, the head and loss, parameter and FLOP counts, AdamW."""
 
@@ -556,7 +582,8 @@ class TransformerModel(nn.Module):
                 model = build_model(config)
             model.to_empty(device="cuda")
             model.init_weights()
-        Given the same random seed, that is the same model as one built in memory and then init_weights()'d.
+        Given the same random seed, that is the same model as one built in memory (build_model), also when FSDP
+        has sharded the parameters over several processes in between (see init_normal).
         """
         # GPT-2: N(0, 0.02) everywhere; projections that write into the residual stream are scaled by
         # 1/sqrt(2 * n_layer) so the stream's variance does not grow with depth. zero_init_proj starts them at 0
@@ -577,11 +604,11 @@ class TransformerModel(nn.Module):
                 if getattr(module, "residual", False) and self.config.zero_init_proj:
                     nn.init.zeros_(module.weight)
                 else:
-                    nn.init.normal_(module.weight, 0.0, residual_std if getattr(module, "residual", False) else 0.02)
+                    init_normal(module.weight, residual_std if getattr(module, "residual", False) else 0.02)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, 0.02)
+                init_normal(module.weight, 0.02)
 
     def key_mask(self, idx):
         """(B, T) bool, True at real tokens; None when the model has no pad_token_id."""
@@ -735,8 +762,9 @@ class GPT(TransformerModel):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.body = Stack(config, n_layer=config.n_layer, causal=True, cross=False)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        with default_inits_discarded():
+            self.body = Stack(config, n_layer=config.n_layer, causal=True, cross=False)
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.init_weights()
 
     def forward(self, idx, targets=None, *, label_smoothing=0.0, reduction="mean", return_logits=True):
@@ -842,15 +870,16 @@ class Encoder(TransformerModel):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.body = Stack(config, n_layer=config.n_layer, causal=False, cross=False)
-        # BERT's prediction head: a dense layer and a norm before the projection to the vocabulary. A single
-        # Linear has nothing to gate, so a swiglu model uses GELU here (BERT's); the other activations as they are.
-        self.transform = nn.Sequential(
-            nn.Linear(config.n_embd, config.n_embd, bias=config.bias),
-            make_activation("gelu" if config.activation == "swiglu" else config.activation),
-            make_norm(config),
-        )
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        with default_inits_discarded():
+            self.body = Stack(config, n_layer=config.n_layer, causal=False, cross=False)
+            # BERT's prediction head: a dense layer and a norm before the projection to the vocabulary. A single
+            # Linear has nothing to gate, so a swiglu model uses GELU here (BERT's); the others as they are.
+            self.transform = nn.Sequential(
+                nn.Linear(config.n_embd, config.n_embd, bias=config.bias),
+                make_activation("gelu" if config.activation == "swiglu" else config.activation),
+                make_norm(config),
+            )
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.init_weights()
 
     def forward(self, idx, targets=None, *, label_smoothing=0.0, reduction="mean", return_logits=True):
@@ -878,10 +907,11 @@ class EncoderDecoder(TransformerModel):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.encoder = Stack(config, n_layer=config.n_encoder_layer, causal=False, cross=False)
-        shared = self.encoder.wte if config.share_embeddings else None
-        self.decoder = Stack(config, n_layer=config.n_layer, causal=True, cross=True, wte=shared)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        with default_inits_discarded():
+            self.encoder = Stack(config, n_layer=config.n_encoder_layer, causal=False, cross=False)
+            shared = self.encoder.wte if config.share_embeddings else None
+            self.decoder = Stack(config, n_layer=config.n_layer, causal=True, cross=True, wte=shared)
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.init_weights()
 
     def encode(self, src):

@@ -16,6 +16,7 @@ import copy
 import ctypes
 import math
 import os
+import resource
 import signal
 import sys
 import time
@@ -28,22 +29,37 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import prepare_data
 import tokens
 from checkpoint import (
+    all_finite,
     load_checkpoint,
+    load_sharded,
     model_from_checkpoint,
+    nonfinite_weights,
     save_checkpoint,
+    save_sharded,
     set_rng_state,
+    sharded_state,
     training_state,
     weights_state,
     write_json,
 )
 from config import ConfigError, parse_config
 from devices import autocast, resolve_device, resolve_dtype
-from model import GPT, IGNORE_INDEX, ModelConfig, build_model, download_from_hub, peak_flops
+from model import GPT, IGNORE_INDEX, Block, ModelConfig, build_model, download_from_hub, peak_flops
 
 # ModelConfig fields a TrainConfig sets directly; the vocabulary and padding id come from the dataset
 MODEL_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name not in ("vocab_size", "pad_token_id"))
@@ -114,6 +130,7 @@ class TrainConfig:
     min_lr: float = 6e-5  # cosine floor, usually learning_rate / 10
     # system
     backend: str = "auto"  # DDP backend: 'auto' (nccl on CUDA, gloo otherwise), 'nccl' or 'gloo'
+    fsdp: bool = False  # torchrun: shard weights, gradients and optimizer state over the ranks (FSDP2), not DDP
     device: str = "auto"  # 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype: str = "auto"  # 'float32', 'bfloat16', 'float16'; 'auto': bf16 (else fp16) on CUDA, float32 elsewhere
     compile: bool | None = None  # torch.compile the model; None: on for CUDA only
@@ -149,6 +166,11 @@ class TrainConfig:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.learning_rate <= 0 or self.muon_lr <= 0:
             raise ConfigError(f"learning_rate and muon_lr must be positive, got {self.learning_rate}, {self.muon_lr}")
+        if self.fsdp and self.optimizer == "muon":
+            raise ConfigError(
+                "fsdp=True cannot train with optimizer='muon': Muon orthogonalises each whole matrix, which FSDP "
+                "splits over the ranks; use optimizer='adamw' with fsdp, or Muon without fsdp (DDP)"
+            )
         if self.optimizer == "muon" and not hasattr(torch.optim, "Muon"):
             raise ConfigError(
                 f"optimizer='muon' needs PyTorch 2.9 or newer (torch.optim.Muon); this is {torch.__version__}"
@@ -188,7 +210,12 @@ class Runtime:
     local_rank: int = 0  # rank within this machine: which GPU is ours
     world_size: int = 1
     device: torch.device = torch.device("cpu")
-    dtype: torch.dtype = torch.float32  # autocast's dtype; float32 means none
+    dtype: torch.dtype = torch.float32  # what forward passes compute in; float32 means no mixed precision
+    fsdp: bool = False  # the model is sharded over the ranks with FSDP (else whole on each rank, under DDP)
+
+    def autocast(self):
+        """Mixed precision for a forward pass: autocast to dtype, except under FSDP, whose own policy casts."""
+        return autocast(self.device, torch.float32 if self.fsdp else self.dtype)
 
 
 def make_runtime(cfg):
@@ -197,7 +224,14 @@ def make_runtime(cfg):
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(cfg.device, local_rank)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    return Runtime(rank, local_rank, world_size, device, resolve_dtype(cfg.dtype, device))
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.fsdp and dtype == torch.float16:
+        raise ConfigError(
+            "fsdp=True computes in bfloat16 or float32, not float16 (whose gradient scaler FSDP runs lack); use "
+            "--dtype=bfloat16, or DDP (fsdp=False) on GPUs without bfloat16"
+        )
+    # one process has nothing to shard over: it trains the whole model, as without fsdp (setup says so)
+    return Runtime(rank, local_rank, world_size, device, dtype, fsdp=cfg.fsdp and world_size > 1)
 
 
 def keep_freed_memory():
@@ -536,30 +570,56 @@ def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters, schedule="co
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
-def accumulate_gradients(model, batches, n_targets, scaler, rt, *, label_smoothing=0.0, ddp=None):
+def gradient_sync(parallel, enabled):
+    """
+    A context for one micro-batch's backward. enabled False: its gradients only add up on this rank, no
+    communication (DDP's no_sync; FSDP keeps them unsharded); True (the last micro-batch of a step): the summed
+    gradients are averaged over the ranks (DDP all-reduces, FSDP reduce-scatters: each rank keeps its shard).
+    parallel: the DDP module or the FSDP-sharded root module, or None in one process.
+    """
+    if isinstance(parallel, DDP) and not enabled:
+        return parallel.no_sync()
+    if isinstance(parallel, FSDPModule):
+        parallel.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()
+
+
+def accumulate_gradients(model, batches, n_targets, scaler, rt, *, label_smoothing=0.0, parallel=None):
     """
     Forward and backward over this rank's micro-batches; returns their summed loss. Each summed loss is divided by
-    n_targets, the real targets of the whole step on all ranks, and multiplied by world_size to undo DDP's average:
-    the gradient is that of the mean over every target of the step, not a mean of per-micro-batch means.
-    ddp: the DistributedDataParallel module inside `model`, if any: it all-reduces after the last micro-batch only.
+    n_targets, the real targets of the whole step on all ranks, and multiplied by world_size to undo the ranks'
+    average: the gradient is that of the mean over every target of the step, not a mean of per-micro-batch means.
+    parallel: the DDP or FSDP module of `model`, if any: the ranks exchange gradients after the last micro-batch only.
     """
     total = torch.zeros((), device=rt.device)
     for i, (inputs, targets) in enumerate(batches):
-        # no_sync: the micro-batches before the last only add up gradients locally; the last one's backward all-reduces
-        sync = ddp is None or i == len(batches) - 1
-        with contextlib.nullcontext() if sync else ddp.no_sync():
+        with gradient_sync(parallel, enabled=i == len(batches) - 1):
             inputs, targets = model_inputs(inputs, targets, rt.device)
-            with autocast(rt.device, rt.dtype):
+            with rt.autocast():
                 # the model sums the loss itself, in chunks of positions: the (B, T, V) logits never exist whole
                 _, loss = model(*inputs, targets, label_smoothing=label_smoothing, reduction="sum", return_logits=False)
-            # / n_targets: this micro-batch's part of the step's mean loss; * world_size: undoes DDP's average
+            # / n_targets: this micro-batch's part of the step's mean loss; * world_size: undoes the ranks' average
             scaler.scale(loss * (rt.world_size / n_targets)).backward()
         # a device tensor: adding to it never waits for the GPU
         total += loss.detach()
     return total
 
 
-def train_step(model, optimizers, scaler, batches, rt, *, n_targets, lrs, grad_clip, label_smoothing=0.0, ddp=None):
+def clip_gradients(parameters, max_norm):
+    """
+    Scale the gradients of parameters (a list) so that their global norm is at most max_norm; returns the norm from
+    before. Under FSDP each rank holds a shard of each gradient: the norm is taken over all the shards of all ranks.
+    """
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()  # every rank's part of the sum of squares, added up
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return norm
+
+
+def train_step(
+    model, optimizers, scaler, batches, rt, *, n_targets, lrs, grad_clip, label_smoothing=0.0, parallel=None
+):
     """
     One optimizer step on this rank's micro-batches (n_targets: the real targets of the step on all ranks).
     optimizers: {name: optimizer}, each over its own parameters; lrs: {name: its learning rate for this step}.
@@ -572,7 +632,7 @@ def train_step(model, optimizers, scaler, batches, rt, *, n_targets, lrs, grad_c
         for group in optimizer.param_groups:
             group["lr"] = lrs[name]
     args = (batches, n_targets, scaler, rt)
-    kwargs = {"label_smoothing": label_smoothing, "ddp": ddp}
+    kwargs = {"label_smoothing": label_smoothing, "parallel": parallel}
     try:
         loss = accumulate_gradients(model, *args, **kwargs)
     except torch.OutOfMemoryError:
@@ -588,8 +648,8 @@ def train_step(model, optimizers, scaler, batches, rt, *, n_targets, lrs, grad_c
     for optimizer in optimizers.values():
         scaler.unscale_(optimizer)
     # with no clipping (math.inf) the norm is still computed, for the log and the finiteness check
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
-    skipped = (~torch.isfinite(grad_norm)).float()  # DDP averaged the gradients: the same on every rank
+    grad_norm = clip_gradients(list(model.parameters()), grad_clip if grad_clip > 0 else math.inf)
+    skipped = (~torch.isfinite(grad_norm)).float()  # of the gradients averaged over the ranks: the same everywhere
     for optimizer in optimizers.values():
         if scaler.is_enabled():
             scaler.step(optimizer)  # float16: the gradient scaler skips such steps itself
@@ -665,20 +725,28 @@ def evaluate(model, splits, objective, cfg, rt):
     for i, (split, data) in enumerate(splits.items()):
         # fixed seeds apart from training's stream: the same batches at every evaluation; rank r takes every
         # world_size-th of them
-        seeds = micro_seeds(torch.Generator().manual_seed(cfg.seed + 1 + i), cfg.eval_iters)[rt.rank :: rt.world_size]
+        seeds = micro_seeds(torch.Generator().manual_seed(cfg.seed + 1 + i), cfg.eval_iters)
+        mine = seeds[rt.rank :: rt.world_size]
+        # under FSDP every forward pass is a collective (it gathers the weights): all ranks run as many, a rank
+        # with one batch fewer (eval_iters not a multiple of the ranks) runs one more that is not counted
+        rounds = -(-len(seeds) // rt.world_size) if rt.fsdp else len(mine)
         total, count = torch.zeros((), device=rt.device), 0
-        for s in seeds:
-            generator = torch.Generator().manual_seed(s)
+        for r in range(rounds):
+            counted = r < len(mine)
+            generator = torch.Generator().manual_seed(mine[r] if counted else seeds[0])
             inputs, targets = get_batch(data, objective, cfg.batch_size, cfg.block_size, generator)
             # counted on the CPU before the copy, so that no batch waits for the GPU
-            count += count_targets(targets)
+            count += count_targets(targets) * counted
             inputs, targets = model_inputs(inputs, targets, rt.device)
-            with autocast(rt.device, rt.dtype):
+            with rt.autocast():
                 _, loss = model(*inputs, targets, reduction="sum", return_logits=False)
-            total += loss.float()
+            total += loss.float() * counted
         # sums over the ranks, then one division: the mean over every target, however they were shared out
         total, count = all_reduce([total, count], rt).tolist()
         losses[split] = total / max(count, 1)
+    if rt.fsdp:
+        # FSDP keeps the root's weights gathered after a forward pass, for the backward that follows in training
+        next(m for m in model.modules() if isinstance(m, FSDPModule)).reshard()
     return losses
 
 
@@ -693,7 +761,7 @@ def exact_match(model, pairs, rows, objective, cfg, rt):
     mine, correct = rows[rt.rank :: rt.world_size], 0
     for start in range(0, len(mine), cfg.batch_size):
         src, _, targets = seq2seq_batch(pairs, mine[start : start + cfg.batch_size], objective)
-        with autocast(rt.device, rt.dtype):
+        with rt.autocast():
             # (B, L) ids without bos, each row ending at its eos, padded after it
             out = model.generate(src.to(rt.device), cfg.block_size, objective.bos_id, objective.eos_id).tolist()
         for hyp, ref in zip(out, targets.tolist()):
@@ -738,7 +806,7 @@ def compile_model(model, example, rt, label_smoothing=0.0):
         # the trial leaves every random generator as it was, so compiling does not change the run
         with torch.random.fork_rng(devices=[rt.device.index] if rt.device.type == "cuda" else []):
             inputs, targets = model_inputs(*example, rt.device)
-            with autocast(rt.device, rt.dtype):
+            with rt.autocast():
                 # the training step's exact call, so that training reuses this graph instead of compiling another
                 _, loss = compiled(
                     *inputs, targets, label_smoothing=label_smoothing, reduction="sum", return_logits=False
@@ -853,15 +921,21 @@ class Scalars:
 # The run
 
 
-def init_model(cfg, meta):
+UNAVERAGED_NOTE = "note: training goes on from the un-averaged weights; their average is dropped (ema_decay=0)"
+
+
+def init_model(cfg, meta, lazy=False):
     """
     (cfg, model, objective, meta for checkpoints, checkpoint or None) for cfg.init_from. A checkpoint or GPT-2
     decides the model's settings, and cfg is updated to match (with a note when settings given differ).
+    lazy: a model that starts from scratch or from a sharded checkpoint is built on the meta device, without memory
+    or values (FSDP then allocates and fills each rank's shards). A sharded checkpoint's weights are not loaded here:
+    the checkpoint comes back with "sharded", for load_sharded once the model and optimizer are in place.
     """
     ckpt = None
     if cfg.init_from == "resume":
         path = Path(cfg.out_dir) / "ckpt.pt"
-        ckpt = load_checkpoint(path)
+        ckpt = load_checkpoint(path, weights=False)
         # the weights were trained on another tokenizer's ids: on this data they would read nonsense
         if ckpt["meta"]["tokenizer"] != meta["tokenizer"]:
             raise ConfigError(f"{path} was trained with another tokenizer than dataset={cfg.dataset}'s")
@@ -877,15 +951,21 @@ def init_model(cfg, meta):
         cfg = replace(cfg, **{k: saved[k] for k in MODEL_KEYS})
     # meta_out may add a [MASK] id; a resumed run keeps the checkpoint's meta, which already has it
     objective, vocab_size, meta_out = make_objective(cfg.arch, meta, cfg.mask_prob)
+    if ckpt is not None and "sharded" in ckpt:
+        with torch.device("meta") if lazy else contextlib.nullcontext():
+            model = build_model(ModelConfig.from_dict(ckpt["model_config"]))
+        return cfg, model, objective, ckpt["meta"], ckpt
     if ckpt is not None:
         model = model_from_checkpoint(ckpt)
         if "train_model" in ckpt and not cfg.eval_only:  # trained with ema_decay: "model" is the average,
             model.load_state_dict(ckpt["train_model"])  # these are the optimizer's weights (eval_only: the average)
             if not cfg.ema_decay:
-                log("note: training goes on from the un-averaged weights; their average is dropped (ema_decay=0)")
+                log(UNAVERAGED_NOTE)
         return cfg, model.train(), objective, ckpt["meta"], ckpt
     if cfg.init_from == "scratch":
-        return cfg, build_model(cfg.model_config(vocab_size, objective.pad_id)), objective, meta_out, None
+        with torch.device("meta") if lazy else contextlib.nullcontext():
+            model = build_model(cfg.model_config(vocab_size, objective.pad_id))
+        return cfg, model, objective, meta_out, None
     # init_from names Hugging Face weights: their size decides n_layer, n_head, n_embd and the rest
     model = pretrained_weights(cfg.init_from, cfg.arch, meta, cfg.dropout, cfg.block_size)
     return replace(cfg, **{k: getattr(model.config, k) for k in MODEL_KEYS}), model, objective, meta_out, None
@@ -918,7 +998,7 @@ class Run:
     rt: Runtime
     raw_model: nn.Module  # the plain model: what is saved (without prefixes), counted, sampled
     model: nn.Module  # what a training step calls: compiled and/or wrapped in DDP
-    ddp: DDP | None  # the DDP module inside `model`, if any
+    parallel: nn.Module | None  # the DDP module inside `model`, or the FSDP-sharded raw_model; None in one process
     eval_model: nn.Module  # what evaluation calls: outside DDP (ranks may see different numbers of eval batches)
     ema_model: nn.Module | None  # with ema_decay: the moving average of raw_model's weights, else None
     ema_pairs: tuple  # (the average's parameters, raw_model's): listed once, not at every step
@@ -983,25 +1063,77 @@ def init_distributed(cfg, rt, stack):
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
+def shard_model(model, rt, seed):
+    """
+    FSDP2 over the ranks: each Block sharded as a unit, then the root (embeddings, head, final norm), so that a
+    block's weights are gathered just before its forward and backward and freed after. Each rank keeps its shard of
+    every weight, gradient and (built afterwards) optimizer state. A model built on the meta device gets memory for
+    its shards only and is initialised with seed on every rank: the same weights as an unsharded model built after
+    torch.manual_seed(seed). On CUDA, a mixed-precision policy replaces autocast: weights gathered in rt.dtype for
+    the forward and backward, gradients reduced in float32, the sharded weights and AdamW's state kept in float32.
+    """
+    mesh = init_device_mesh(rt.device.type, (rt.world_size,))
+    policy = MixedPrecisionPolicy()  # float32: no casts
+    if rt.dtype != torch.float32:
+        policy = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32)
+    for block in [m for m in model.modules() if isinstance(m, Block)]:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if next(model.parameters()).is_meta:
+        model.to_empty(device=rt.device)
+        # every rank draws the same values (each keeps its part); dropout's per-rank generator is left as it was
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model.init_weights()
+    return model
+
+
+def average_model(raw_model, rt, seed):
+    """A copy of raw_model for the weight average (sharded alike under FSDP): never trained, always in eval mode."""
+    if not rt.fsdp:
+        return copy.deepcopy(raw_model).eval().requires_grad_(False)
+    with torch.device("meta"):
+        average = build_model(raw_model.config)
+    average = shard_model(average, rt, seed)
+    # each rank copies its own shards: sharded state dicts load into a model sharded alike
+    average.load_state_dict(raw_model.state_dict())
+    return average.eval().requires_grad_(False)
+
+
 def wrap_model(raw_model, cfg, rt, example):
     """
-    (model for training steps, its DDP module or None, model for evaluation): activation checkpointing if cfg
-    says so, DDP under torchrun, then torch.compile if cfg says so. DDP is compiled, not wrapped around a compiled
-    model: then its graph is split at the gradient buckets, so each bucket's all-reduce starts while the backward
-    of the layers before it still runs.
+    (model for training steps, its DDP or FSDP module or None, model for evaluation): activation checkpointing if
+    cfg says so, DDP under torchrun (FSDP models were sharded by setup, before their optimizer was built), then
+    torch.compile if cfg says so. DDP is compiled, not wrapped around a compiled model: then its graph is split at
+    the gradient buckets, so each bucket's all-reduce starts while the backward of the layers before it still runs.
     """
     raw_model.set_activation_checkpointing(cfg.activation_checkpointing)
-    ddp = None
-    if rt.world_size > 1:  # DDP also gives every rank rank 0's initial weights
-        ddp = DDP(raw_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
-    model, eval_model = raw_model if ddp is None else ddp, raw_model
+    parallel = raw_model if rt.fsdp else None
+    if rt.world_size > 1 and not rt.fsdp:  # DDP also gives every rank rank 0's initial weights
+        parallel = DDP(raw_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
+    ddp = isinstance(parallel, DDP)
+    model, eval_model = parallel if ddp else raw_model, raw_model
     # compile=None: on CUDA only, where the compile time pays for itself
     if cfg.compile or cfg.compile is None and rt.device.type == "cuda":
         model = compile_model(model, example, rt, cfg.label_smoothing)
         if isinstance(model, CompiledModel):
             # with DDP, the compiled model is DDP's: evaluation, which stays outside DDP, compiles the plain model apart
-            eval_model = model if ddp is None else CompiledModel(raw_model)
-    return model, ddp, eval_model
+            eval_model = CompiledModel(raw_model) if ddp else model
+    return model, parallel, eval_model
+
+
+def load_whole_optimizer_state(model, optimizer, state):
+    """
+    AdamW's state_dict() from a run without FSDP (ckpt.pt as a file) into optimizer over the FSDP-sharded model:
+    its parameters renumbered as names, each rank then keeping its shards.
+    """
+    # the names in the order of the optimizer's own numbering (the same in both runs: configure_optimizers's)
+    names = [name for group in get_optimizer_state_dict(model, optimizer)["param_groups"] for name in group["params"]]
+    by_name = {
+        "state": {names[i]: value for i, value in state["state"].items()},
+        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]],
+    }
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
 def setup(cfg, rt, stack):
@@ -1021,7 +1153,7 @@ def setup(cfg, rt, stack):
     folder = find_dataset(cfg, rt)
     data_meta = tokens.load_meta(folder)
     # cfg comes back with the model settings of the checkpoint or GPT-2 weights, if it starts from either
-    cfg, raw_model, objective, meta, ckpt = init_model(cfg, data_meta)
+    cfg, raw_model, objective, meta, ckpt = init_model(cfg, data_meta, lazy=rt.fsdp)
     # resuming a finished run would train nothing and only save it again
     if ckpt is not None and ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
         raise ConfigError(
@@ -1037,8 +1169,13 @@ def setup(cfg, rt, stack):
             f"--optimizer={saved_optimizer}"
         )
     splits = load_splits(folder, data_meta, cfg.block_size)
-    # on the device before the optimizer is built, so that its state (and fused kernels) live there too
-    raw_model.to(rt.device)
+    # on the device (sharded, under FSDP) before the optimizer is built, so that its state lives there too
+    if rt.fsdp:
+        shard_model(raw_model, rt, cfg.seed)
+    else:
+        raw_model.to(rt.device)
+    if cfg.fsdp and not rt.fsdp:
+        log("note: fsdp=True with one process: nothing to shard over, the model is trained whole")
     if rt.device.type == "cpu":
         keep_freed_memory()
     # AdamW (and Muon for the blocks' matrices), weight decay on matrices and embeddings only; summary: one line
@@ -1054,8 +1191,12 @@ def setup(cfg, rt, stack):
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     generator = torch.Generator().manual_seed(cfg.seed)  # the training data stream: the same on every rank
     if ckpt is not None:
-        # a resume goes on where the run stopped: Adam's moments (and Muon's), the loss scale, the data's position
-        optimizers["adamw"].load_state_dict(ckpt["optimizer"])
+        # a resume goes on where the run stopped: Adam's moments (and Muon's), the loss scale, the data's position;
+        # a sharded checkpoint's optimizer state is loaded below, with its weights
+        if "sharded" not in ckpt and rt.fsdp:
+            load_whole_optimizer_state(raw_model, optimizers["adamw"], ckpt["optimizer"])
+        elif "sharded" not in ckpt:
+            optimizers["adamw"].load_state_dict(ckpt["optimizer"])
         if "muon" in optimizers:
             optimizers["muon"].load_state_dict(ckpt["muon"])
         if scaler.is_enabled() and ckpt["scaler"]:
@@ -1084,14 +1225,23 @@ def setup(cfg, rt, stack):
 
     # a batch for compile_model's trial, drawn with a throwaway generator so that the training stream is untouched
     example = get_batch(splits["train"], objective, cfg.batch_size, cfg.block_size, torch.Generator())
-    model, ddp, eval_model = wrap_model(raw_model, cfg, rt, example)
+    model, parallel, eval_model = wrap_model(raw_model, cfg, rt, example)
     ema_model = None  # the average starts from the weights DDP gave every rank
     if cfg.ema_decay:
-        # the average is never trained: no gradients, always in eval mode (no dropout)
-        ema_model = eval_model = copy.deepcopy(raw_model).eval().requires_grad_(False)
+        ema_model = eval_model = average_model(raw_model, rt, cfg.seed)
         # a checkpoint with train_model holds the average in "model"; without one, the average starts afresh
-        if ckpt is not None and "train_model" in ckpt:
+        if ckpt is not None and "train_model" in ckpt and rt.fsdp:
+            # whole tensors from a run without FSDP: each rank keeps its shards of them
+            set_model_state_dict(ema_model, ckpt["model"], options=StateDictOptions(full_state_dict=True))
+        elif ckpt is not None and "train_model" in ckpt:
             ema_model.load_state_dict(ckpt["model"])
+    if ckpt is not None and "sharded" in ckpt:
+        # weights, AdamW's state and the average from the folder, each rank reading what its shards need
+        averaged = "train_model" in ckpt["sharded_keys"]
+        key = "train_model" if averaged and not cfg.eval_only else "model"
+        load_sharded(ckpt["sharded"], raw_model, optimizer=optimizers["adamw"], ema_model=ema_model, key=key)
+        if key == "train_model" and not cfg.ema_decay:
+            log(UNAVERAGED_NOTE)
     if ckpt is not None:
         # each rank's own generators (dropout) back as they were, in rank order, if the rank count is unchanged
         if len(ckpt["rng"]) == rt.world_size:
@@ -1125,7 +1275,7 @@ def setup(cfg, rt, stack):
         rt,
         raw_model,
         model,
-        ddp,
+        parallel,
         eval_model,
         ema_model,
         ema_pairs,
@@ -1153,8 +1303,25 @@ def should_evaluate(run, iter_num, last, stopping):
     return not stopping and not just_resumed and (iter_num % run.cfg.eval_interval == 0 or last)
 
 
+def check_shards_finite(models, rt, iter_num):
+    """Under FSDP, before a save: the error of finite_weights on every rank if any rank's shards hold inf or nan."""
+    shards = [p.to_local() for model in models for p in model.parameters()]
+    if all_reduce([~all_finite(shards)], rt).item():
+        raise nonfinite_weights(iter_num)
+
+
+def whole_weights(model, rt):
+    """model's state dict, whole; under FSDP gathered onto rank 0's CPU (the others get {}): call it on every rank."""
+    if not rt.fsdp:
+        return model.state_dict()
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
 def save_training_state(run, iter_num):
-    """ckpt.pt: everything a resume needs (every rank takes part: their RNG states are gathered)."""
+    """
+    ckpt.pt: everything a resume needs (every rank takes part: their RNG states are gathered). Under FSDP, a
+    sharded checkpoint (a folder) that every rank writes its part of: no rank ever holds the whole model or optimizer.
+    """
     state = training_state(
         run.raw_model,
         ema_model=run.ema_model,
@@ -1166,10 +1333,37 @@ def save_training_state(run, iter_num):
         scaler=run.scaler,
         sampler_state=run.batches.resume_state,
         world_size=run.rt.world_size,
+        sharded=run.rt.fsdp,
     )
+    path = Path(run.cfg.out_dir) / "ckpt.pt"
+    if run.rt.fsdp:
+        check_shards_finite([m for m in (run.raw_model, run.ema_model) if m is not None], run.rt, iter_num)
+        tensors = sharded_state(run.raw_model, ema_model=run.ema_model, optimizer=run.optimizers["adamw"])
+        save_sharded(tensors, state, path, run.rt.rank)
     # every rank built the state (gathering the RNG states is a collective); one writes it
-    if run.rt.rank == 0:
-        save_checkpoint(state, Path(run.cfg.out_dir) / "ckpt.pt")
+    elif run.rt.rank == 0:
+        save_checkpoint(state, path)
+
+
+def val_accuracy(run):
+    """
+    Exact match of greedy decoding on the first eval_accuracy_examples val pairs, with the kept model. Under FSDP
+    rank 0 decodes them all with the weights gathered: decoding stops at different steps on different ranks,
+    and a sharded model's every forward pass is a collective.
+    """
+    cfg, rt = run.cfg, run.rt
+    pairs, usable = run.splits["val"]
+    rows = usable[: cfg.eval_accuracy_examples]
+    if not rt.fsdp:
+        return exact_match(run.kept_model, pairs, rows, run.objective, cfg, rt)
+    weights, correct = whole_weights(run.kept_model, rt), 0.0
+    if rt.rank == 0:
+        model = build_model(run.raw_model.config)
+        model.load_state_dict(weights)
+        # a Runtime of one process: exact_match then decodes every pair, in autocast where FSDP would cast
+        one = Runtime(device=rt.device, dtype=rt.dtype)
+        correct = exact_match(model.to(rt.device), pairs, rows, run.objective, cfg, one)
+    return all_reduce([correct], rt).item()
 
 
 def evaluate_and_save(run, iter_num, last):
@@ -1186,10 +1380,7 @@ def evaluate_and_save(run, iter_num, last):
             "the last checkpoint is untouched. Lower learning_rate"
         )
     if run.objective.arch == "encoder_decoder" and cfg.eval_accuracy_examples:
-        pairs, usable = run.splits["val"]
-        result["accuracy"] = exact_match(
-            run.kept_model, pairs, usable[: cfg.eval_accuracy_examples], run.objective, cfg, rt
-        )
+        result["accuracy"] = val_accuracy(run)
     # evaluation switched the model to eval mode; training needs its dropout back
     run.raw_model.train()
     run.scalars.add(iter_num, {f"eval/{k}": v for k, v in result.items()})
@@ -1197,8 +1388,12 @@ def evaluate_and_save(run, iter_num, last):
     # only weights trained in this run can be a new best: the first evaluation after a resume just measures
     if iter_num > run.start_iter and result["val"] < run.best_val_loss:
         run.best_val_loss = result["val"]
+        if rt.fsdp:
+            check_shards_finite([run.kept_model], rt, iter_num)
+        # under FSDP, gathered one tensor at a time onto rank 0's CPU: the optimizer's state is never gathered
+        weights = whole_weights(run.kept_model, rt)
         if rt.rank == 0:
-            state = weights_state(run.kept_model, cfg, run.meta, iter_num, run.best_val_loss)
+            state = weights_state(weights, run.raw_model.config, cfg, run.meta, iter_num, run.best_val_loss)
             save_checkpoint(state, Path(cfg.out_dir) / "best.pt")
         saved.append("best.pt")
     # after the last step main saves ckpt.pt anyway, with the final state
@@ -1245,12 +1440,54 @@ def take_step(run, iter_num):
         lrs=lrs,
         grad_clip=cfg.grad_clip,
         label_smoothing=cfg.label_smoothing,
-        ddp=run.ddp,
+        parallel=run.parallel,
     )
     if run.ema_model is not None:
         update_ema(*run.ema_pairs, cfg.ema_decay, iter_num + 1)
     flops = sum(run.raw_model.training_flops(*inputs) for inputs, _ in micro_batches) if run.peak_flops else 0.0
     return Step(loss, grad_norm, skipped, lr, n_tokens, flops)
+
+
+def memory_use(run):
+    """
+    This rank's memory in MiB: {"weights", "gradients" (one per trained weight), "optimizer" (its state), "peak"}.
+    Under FSDP, the rank's shards only. peak: the most CUDA memory allocated, or on a CPU the process's peak
+    resident set (the Python interpreter and the libraries included).
+    """
+    mib = 2**20
+
+    def size(tensors):
+        # a DTensor's local part: what this rank holds
+        return sum(
+            t.numel() * t.element_size() for t in (x.to_local() if isinstance(x, DTensor) else x for x in tensors)
+        )
+
+    params = list(run.raw_model.parameters())
+    states = [v for opt in run.optimizers.values() for state in opt.state.values() for v in state.values()]
+    if run.rt.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(run.rt.device)
+    else:  # ru_maxrss counts KiB on Linux, bytes on macOS
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {
+        "weights": size(params) / mib,
+        "gradients": size(p for p in params if p.requires_grad) / mib,
+        "optimizer": size(v for v in states if torch.is_tensor(v)) / mib,
+        "peak": peak / mib,
+    }
+
+
+def log_memory(run):
+    """One line per rank (rank 0 prints them all): weights, gradients, optimizer state and peak memory."""
+    uses = [memory_use(run)]
+    if run.rt.world_size > 1:
+        uses = [None] * run.rt.world_size
+        dist.all_gather_object(uses, memory_use(run))
+    where = "CUDA allocated" if run.rt.device.type == "cuda" else "process resident set"
+    for rank, use in enumerate(uses):
+        log(
+            f"memory rank {rank}: weights {use['weights']:.1f} MiB, gradients {use['gradients']:.1f} MiB, "
+            f"optimizer state {use['optimizer']:.1f} MiB, peak {use['peak']:.1f} MiB ({where})"
+        )
 
 
 def log_progress(run, iter_num, loss, step, window, skipped):
@@ -1305,6 +1542,7 @@ def main(cfg):
                     if skipped := losses.take_unreported():
                         log(f"{skipped} step(s) skipped since the last progress line: gradient not finite")
                     save_training_state(run, iter_num)
+                    log_memory(run)
                     how = f"stopped by {run.stop.signal or 'a signal to another rank'}" if stopping else "done"
                     log(
                         f"{how} at iteration {iter_num}: saved {Path(cfg.out_dir) / 'ckpt.pt'}"

@@ -1302,7 +1302,7 @@ def test_activation_checkpointing_recomputes_blocks_and_keeps_the_gradients(arch
     "arch,pos,tied", [("gpt", "rope", True), ("encoder", "sinusoidal", False), ("encoder_decoder", "learned", True)]
 )
 def test_a_model_built_on_the_meta_device_is_the_model_built_in_memory(arch, pos, tied):
-    """No memory until to_empty; then init_weights gives the weights, tables and tying of an ordinary build."""
+    """No memory until to_empty; then init_weights gives the weights, tables and tying of build_model with that seed."""
     config = tiny(arch=arch, pos_encoding=pos, tie_embeddings=tied, n_kv_head=1, qk_norm=True, norm="layernorm")
     with torch.device("meta"):
         lazy = build_model(config)
@@ -1310,9 +1310,8 @@ def test_a_model_built_on_the_meta_device_is_the_model_built_in_memory(arch, pos
     lazy.to_empty(device="cpu")
     torch.manual_seed(5)
     lazy.init_weights()
-    ordinary = build_model(config)
     torch.manual_seed(5)
-    ordinary.init_weights()
+    ordinary = build_model(config)  # the default inits drawn in construction must not shift init_weights's draws
     expected = dict(ordinary.named_buffers()) | ordinary.state_dict()
     got = dict(lazy.named_buffers()) | lazy.state_dict()
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
