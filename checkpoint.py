@@ -17,6 +17,7 @@ any number of ranks with load_sharded.
 
 import contextlib
 import json
+import math
 import os
 import random
 import shutil
@@ -36,7 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from config import ConfigError
-from model import ModelConfig, build_model
+from model import ModelConfig, build_model, load_nanogpt
+from tokens import GPT2_META
 
 FORMAT_VERSION = 2  # of checkpoints; a checkpoint with a larger number needs newer code. 2: train_model
 STATE_FILE = "state.pt"  # in a sharded checkpoint's folder: all but the weights and the optimizer's state
@@ -316,6 +318,8 @@ def read_checkpoint(path, map_location, fallback):
                 "plain data, and unpickling them could run code"
             ) from None
         raise ConfigError(f"{path} is not a readable checkpoint (truncated or corrupted){fallback}") from None
+    if isinstance(ckpt, dict) and "model_args" in ckpt and "format_version" not in ckpt:
+        return nanogpt_checkpoint(ckpt, path)
     # only nanoformer writes format_version: any other file (a Hugging Face state dict, say) lacks it
     version = ckpt.get("format_version") if isinstance(ckpt, dict) else None
     if not isinstance(version, int):
@@ -337,6 +341,30 @@ def read_shards(tensors, path, alone):
     with warnings.catch_warnings():  # that it assumes a single process, which it is told
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(tensors, checkpoint_id=path, no_dist=alone)
+
+
+def nanogpt_checkpoint(ckpt, path):
+    """
+    A checkpoint written by nanoGPT's train.py, as ours: its weights under our names, its settings, iter_num and
+    best_val_loss; "nanogpt" marks it (its optimizer state is not carried over). meta: GPT-2 BPE for its GPT-2
+    vocabulary (50257, or 50304 padded); None for any other, whose characters nanoGPT keeps in a pickle (meta.pkl)
+    that is not read, since unpickling can run code: the caller takes them from a dataset.
+    """
+    try:
+        model = load_nanogpt(ckpt, path)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path} looks like a nanoGPT checkpoint but does not load: {e}") from None
+    gpt2 = model.config.vocab_size in (GPT2_META["vocab_size"], 50304)
+    return {
+        "format_version": FORMAT_VERSION,
+        "model": model.state_dict(),
+        "model_config": asdict(model.config),
+        "train_config": {},
+        "meta": GPT2_META if gpt2 else None,
+        "iter_num": int(ckpt.get("iter_num", 0)),
+        "best_val_loss": float(ckpt.get("best_val_loss", math.inf)),
+        "nanogpt": True,
+    }
 
 
 def sharded_weights(path, model_config):

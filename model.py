@@ -1153,24 +1153,7 @@ def load_gpt2(cls, path, hf, overrides):
         for k, v in hf_state.items()
         if not k.endswith((".attn.bias", ".attn.masked_bias"))
     }
-    # Hugging Face name -> ours. The stacked c_attn maps onto qkv as it is: both hold q, k, v in that order.
-    names = {
-        "wte.weight": "body.wte.weight",
-        "wpe.weight": "body.wpe.weight",
-        "ln_f.weight": "body.norm.weight",
-        "ln_f.bias": "body.norm.bias",
-    }
-    for i in range(config.n_layer):
-        for hf_name, ours in [
-            ("ln_1", "norm1"),
-            ("attn.c_attn", "attn.qkv"),
-            ("attn.c_proj", "attn.proj"),
-            ("ln_2", "norm2"),
-            ("mlp.c_fc", "mlp.fc"),
-            ("mlp.c_proj", "mlp.proj"),
-        ]:
-            for p in ("weight", "bias"):
-                names[f"h.{i}.{hf_name}.{p}"] = f"body.blocks.{i}.{ours}.{p}"
+    names = gpt2_names(config.n_layer, bias=True)
     hf_state.pop("lm_head.weight", None)  # tied to wte
     # name by name, both ways: a checkpoint of another architecture fails here, not with a shape error later
     check_names(path, "GPT-2", expected=names, found=hf_state)
@@ -1185,6 +1168,65 @@ def load_gpt2(cls, path, hf, overrides):
         state[ours] = tensor
     state["lm_head.weight"] = state["body.wte.weight"]  # the tied head is a state_dict key of its own
     return load_checked(cls(config), state, path)
+
+
+def gpt2_names(n_layer, bias):
+    """
+    GPT-2's parameter names, as GPT2LMHeadModel and nanoGPT write them (without their "transformer." prefix) -> ours.
+    The stacked c_attn maps onto qkv as it is: both hold q, k, v in that order. bias False: nanoGPT's bias=False.
+    """
+    names = {"wte.weight": "body.wte.weight", "wpe.weight": "body.wpe.weight", "ln_f.weight": "body.norm.weight"}
+    if bias:
+        names["ln_f.bias"] = "body.norm.bias"
+    for i in range(n_layer):
+        for theirs, ours in [
+            ("ln_1", "norm1"),
+            ("attn.c_attn", "attn.qkv"),
+            ("attn.c_proj", "attn.proj"),
+            ("ln_2", "norm2"),
+            ("mlp.c_fc", "mlp.fc"),
+            ("mlp.c_proj", "mlp.proj"),
+        ]:
+            for p in ("weight", "bias") if bias else ("weight",):
+                names[f"h.{i}.{theirs}.{p}"] = f"body.blocks.{i}.{ours}.{p}"
+    return names
+
+
+def load_nanogpt(checkpoint, path):
+    """
+    A GPT holding the weights of a checkpoint dict written by nanoGPT's train.py (karpathy/nanoGPT), path naming it
+    in errors. Its model_args give the sizes; its model is GPT-2's (pre-norm LayerNorm, learned positions, tied
+    head) with exact GELU and nn.Linear weights (not GPT-2's transposed Conv1D), biases as model_args says. A
+    compiled run's keys carry "_orig_mod.".
+    """
+    args = checkpoint["model_args"]
+    config = ModelConfig(
+        arch="gpt",
+        vocab_size=args["vocab_size"],
+        block_size=args["block_size"],
+        n_layer=args["n_layer"],
+        n_head=args["n_head"],
+        n_embd=args["n_embd"],
+        dropout=args.get("dropout", 0.0),
+        bias=args.get("bias", True),
+        pos_encoding="learned",
+        norm_position="pre",
+        norm="layernorm",
+        activation="gelu",
+        tie_embeddings=True,
+    )
+    # the causal-mask buffers of nanoGPT on PyTorch < 2 (".attn.bias", not c_attn's) are not weights
+    state = {
+        k.removeprefix("_orig_mod.").removeprefix("transformer."): v
+        for k, v in checkpoint["model"].items()
+        if not k.endswith(".attn.bias")
+    }
+    state.pop("lm_head.weight", None)  # tied to wte
+    names = gpt2_names(config.n_layer, config.bias)
+    check_names(path, "nanoGPT", expected=names, found=state, source="model_args")
+    ours = {names[k]: v for k, v in state.items()}
+    ours["lm_head.weight"] = ours["body.wte.weight"]  # the tied head is a state_dict key of its own
+    return load_checked(GPT(config), ours, path)
 
 
 def load_llama(cls, path, hf, overrides):
@@ -1301,12 +1343,12 @@ def check_block_size(config, positions, path):
         )
 
 
-def check_names(path, kind, expected, found):
+def check_names(path, kind, expected, found, source="config.json"):
     """ValueError naming the first few missing and unexpected tensors, unless `found` has just the `expected` ones."""
     missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
     if missing or unexpected:
         raise ValueError(
-            f"{path} does not hold {kind} weights that match its config.json: missing {missing[:5]} "
+            f"{path} does not hold {kind} weights that match its {source}: missing {missing[:5]} "
             f"({len(missing)} in all), unexpected {unexpected[:5]} ({len(unexpected)} in all)"
         )
 

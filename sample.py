@@ -22,7 +22,7 @@ from config import parse_config
 from devices import autocast, resolve_device, resolve_dtype
 from model import GPT, Stack, check_sampling_args, download_from_hub
 from prepare_data import solve
-from tokens import Tokenizer, pretrained_meta
+from tokens import Tokenizer, dataset_dir, load_meta, pretrained_meta
 
 MASK = "[MASK]"  # what the encoder's prompt writes where a token is to be filled in
 # what --dtype accepts; resolve_dtype (devices.py) turns auto into one of the others
@@ -32,9 +32,11 @@ MAX_TICK_LABELS = 32  # token labels per axis of a heat map; more would overlap
 
 @dataclass
 class SampleConfig:
-    init_from: str = "resume"  # "resume": out_dir's checkpoint; else Hugging Face weights: a hub id (gpt2) or a folder
+    init_from: str = "resume"  # "resume": out_dir's checkpoint; a checkpoint file (ours or nanoGPT's); else Hugging
+    # Face weights: a hub id (gpt2) or a folder
     out_dir: str = "out-shakespeare"  # the folder train.py wrote its checkpoints to
     checkpoint: str = "ckpt.pt"  # which file of out_dir: "ckpt.pt" (the latest) or "best.pt" (the lowest val loss)
+    dataset: str = ""  # nanoGPT character-level checkpoints only: the prepared dataset of their characters
     start: str = ""  # the prompt; "FILE:path" reads a file; "" starts from end-of-text (bos, or a newline)
     num_samples: int = 1  # GPT: continuations drawn, all in one batch
     max_new_tokens: int = 500  # GPT: tokens added to each sample; encoder-decoder: the longest output (<= block_size)
@@ -71,12 +73,13 @@ class SampleConfig:
 def load_model(cfg, device):
     """(model in eval mode on device, its Tokenizer, the dataset meta) from out_dir's checkpoint or Hugging Face
     weights."""
-    if cfg.init_from == "resume":
-        path = Path(cfg.out_dir) / cfg.checkpoint
+    file = Path(cfg.init_from).expanduser()
+    if cfg.init_from == "resume" or file.is_file():
+        path = Path(cfg.out_dir) / cfg.checkpoint if cfg.init_from == "resume" else file
         # to the CPU first: a checkpoint saved on a GPU loads on any machine; .to(device) below moves it
         ckpt = load_checkpoint(path, map_location="cpu")
         try:
-            model, meta = model_from_checkpoint(ckpt), ckpt["meta"]
+            model, meta = model_from_checkpoint(ckpt), ckpt["meta"] or nanogpt_characters(ckpt, path, cfg.dataset)
         except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit
             raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
     else:
@@ -97,6 +100,23 @@ def load_model(cfg, device):
                 module.compile(dynamic=True)
     # the tokenizer the data was prepared with, rebuilt from the checkpoint alone
     return model, Tokenizer.from_meta(meta), meta
+
+
+def nanogpt_characters(ckpt, path, dataset):
+    """
+    The meta of a nanoGPT character-level checkpoint: its characters are in nanoGPT's meta.pkl, a pickle that is
+    not read (unpickling can run code), so they come from the prepared dataset named, which must have as many.
+    """
+    vocab_size = ckpt["model_config"]["vocab_size"]
+    if not dataset:
+        raise ValueError(
+            f"{path} is a nanoGPT model of {vocab_size} characters, kept in its meta.pkl, which is not read "
+            "(unpickling can run code): name a prepared dataset of the same characters, e.g. --dataset=shakespeare_char"
+        )
+    meta = load_meta(dataset_dir(dataset, None))
+    if meta["tokenizer"]["type"] != "char" or meta["vocab_size"] != vocab_size:
+        raise ValueError(f"dataset {dataset} has {meta['vocab_size']} ids, not the {vocab_size} characters of {path}")
+    return meta
 
 
 def read_prompt(start):

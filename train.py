@@ -74,7 +74,8 @@ class TrainConfig:
     eval_iters: int = 200  # batches per split at each evaluation, shared out over the ranks
     eval_only: bool = False  # evaluate once (e.g. init_from='resume' or 'gpt2') and exit
     always_save_checkpoint: bool = True  # ckpt.pt at every eval; False: only at the end (best.pt tracks the best)
-    init_from: str = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), 'gpt2'... or a GPT-2/Llama/Mistral HF folder
+    init_from: str = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), 'gpt2'..., a GPT-2/Llama/Mistral HF folder,
+    # or a checkpoint file to start a new run from: another run's best.pt/ckpt.pt, or nanoGPT's ckpt.pt
     tensorboard: bool = True  # write TensorBoard scalars into out_dir (tensorboard --logdir OUT_DIR)
     wandb_log: bool = False  # also log to Weights & Biases (pip install wandb)
     wandb_project: str = "nanoformer"  # W&B project
@@ -921,6 +922,31 @@ class Scalars:
 # The run
 
 
+def checkpoint_weights(path, cfg, meta):
+    """
+    (model, meta for its checkpoints) from a checkpoint file, train.py's (another run's best.pt or ckpt.pt: its
+    weights, the average if it kept one) or nanoGPT's, to fine-tune or evaluate on the dataset whose meta is given.
+    It must have been trained on the same tokenizer; nanoGPT's character-level models, whose characters this
+    project does not read (they are in a pickle), take the dataset's, which must be as many.
+    """
+    ckpt = load_checkpoint(path)
+    saved, vocab_size = ckpt["meta"], ckpt["model_config"]["vocab_size"]
+    if saved is None:
+        if meta["tokenizer"]["type"] != "char" or meta["vocab_size"] != vocab_size:
+            raise ConfigError(
+                f"{path} is a nanoGPT model of {vocab_size} characters, which it keeps in a meta.pkl that is not "
+                "read (unpickling can run code): train it on a character-level dataset of the same characters in "
+                f"the same order, e.g. --dataset=shakespeare_char (65); {cfg.dataset} has {meta['vocab_size']} ids"
+            )
+        saved = meta
+    elif saved["tokenizer"] != meta["tokenizer"]:
+        raise ConfigError(f"{path} was trained with another tokenizer than dataset={cfg.dataset}'s")
+    # its architecture and weights; dropout is the new run's (0 to evaluate, 0.1 to fine-tune on little data)
+    model = build_model(ModelConfig.from_dict({**ckpt["model_config"], "dropout": cfg.dropout}))
+    model.load_state_dict(ckpt["model"])
+    return model, saved
+
+
 UNAVERAGED_NOTE = "note: training goes on from the un-averaged weights; their average is dropped (ema_decay=0)"
 
 
@@ -936,6 +962,11 @@ def init_model(cfg, meta, lazy=False):
     if cfg.init_from == "resume":
         path = Path(cfg.out_dir) / "ckpt.pt"
         ckpt = load_checkpoint(path, weights=False)
+        if ckpt.get("nanogpt"):
+            raise ConfigError(
+                f"{path} was written by nanoGPT: start a new run from it with --init_from={path} and another "
+                "--out_dir (its optimizer state is not carried over)"
+            )
         # the weights were trained on another tokenizer's ids: on this data they would read nonsense
         if ckpt["meta"]["tokenizer"] != meta["tokenizer"]:
             raise ConfigError(f"{path} was trained with another tokenizer than dataset={cfg.dataset}'s")
@@ -949,6 +980,12 @@ def init_model(cfg, meta, lazy=False):
             log(f"note: resuming with the checkpoint's model settings: {', '.join(changed)}")
         # the checkpoint's settings win: its weights fit only the architecture they were trained in
         cfg = replace(cfg, **{k: saved[k] for k in MODEL_KEYS})
+    if cfg.init_from not in ("scratch", "resume") and Path(cfg.init_from).expanduser().is_file():
+        # a new run from a checkpoint's weights: its settings decide the architecture, as a resume's do
+        model, meta = checkpoint_weights(Path(cfg.init_from).expanduser(), cfg, meta)
+        cfg = replace(cfg, **{k: getattr(model.config, k) for k in MODEL_KEYS})
+        objective, _, meta_out = make_objective(cfg.arch, meta, cfg.mask_prob)
+        return cfg, model, objective, meta_out, None
     # meta_out may add a [MASK] id; a resumed run keeps the checkpoint's meta, which already has it
     objective, vocab_size, meta_out = make_objective(cfg.arch, meta, cfg.mask_prob)
     if ckpt is not None and "sharded" in ckpt:
