@@ -1125,6 +1125,14 @@ def load_pretrained(cls, name_or_path, overrides):
 
 def load_gpt2(cls, path, hf, overrides):
     """A `cls` (GPT) holding the GPT-2 weights in path, whose config.json is hf; see GPT.from_pretrained."""
+    # OpenAI's GPT-2 uses tanh GELU ("gelu_new"); exact GELU is "gelu" (export.py writes it for activation="gelu")
+    activations = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+    activation = activations.get(hf.get("activation_function", "gelu_new"))
+    if activation is None:
+        raise ValueError(
+            f"{path}: activation_function={hf['activation_function']!r} is not implemented; "
+            f"GPT-2 here runs {', '.join(activations)}"
+        )
     # GPT-2's architecture in our terms, sized by its config.json; the caller may override any field
     config = ModelConfig(
         **{
@@ -1139,7 +1147,7 @@ def load_gpt2(cls, path, hf, overrides):
             "pos_encoding": "learned",
             "norm_position": "pre",
             "norm": "layernorm",
-            "activation": "gelu_tanh",
+            "activation": activation,
             "tie_embeddings": True,
             "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
             **overrides,

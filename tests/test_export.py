@@ -1,0 +1,297 @@
+"""
+export.py against an independent reference: transformers loads each exported folder and must give our logits and
+greedy tokens; its AutoTokenizer must give tiktoken's ids. Then the refusals, the folder handling, the command line.
+"""
+
+import json
+
+import pytest
+import torch
+
+import export
+from checkpoint import save_checkpoint, weights_state
+from model import GPT, ModelConfig, build_model
+from tokens import GPT2_META, Tokenizer, huggingface_tokenizer, tiktoken_encoding
+from train import TrainConfig
+
+transformers = pytest.importorskip("transformers")  # a dev dependency (requirements-dev.txt): the reference
+
+VOCAB = 101
+CHAR_META = {
+    "kind": "lm",
+    "tokenizer": {"type": "char", "chars": [chr(i) for i in range(32, 32 + VOCAB)]},
+    "vocab_size": VOCAB,
+    "special_tokens": {},
+}
+LLAMA = {"pos_encoding": "rope", "norm": "rmsnorm", "activation": "swiglu"}  # the defaults are GPT-2's layout
+
+
+def tiny(**changes):
+    return ModelConfig(**{"vocab_size": VOCAB, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 32, **changes})
+
+
+def with_large_weights(model, seed=0):
+    """
+    model with N(0, 0.2) weights and N(1, 0.2) norm gains, in eval mode: the 0.02 init leaves logits so flat that a
+    mix-up (gate and up swapped, the wrong GELU, theta or eps) hides within the tolerance.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(("norm" in name and name.endswith("weight")) + 0.2 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def load_hf(folder):
+    """The exported folder as transformers loads it, in float32, after checking that every tensor found its place."""
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    return hf.eval()
+
+
+def random_ids(*shape, vocab=VOCAB, seed=1):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def max_logit_difference(model, hf, x):
+    with torch.no_grad():
+        return (model(x)[0] - hf(x).logits).abs().max().item()
+
+
+def assert_same_greedy_tokens(model, hf, prompt, new_tokens=8):
+    expected = hf.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+    )
+    assert expected.shape == (prompt.size(0), prompt.size(1) + new_tokens)  # no early stop on an eos
+    assert torch.equal(model.generate(prompt, new_tokens, temperature=0), expected)
+
+
+# -----------------------------------------------------------------------------
+# The weights: transformers' logits and greedy tokens are ours
+
+CASES = {  # name: ModelConfig changes
+    "gpt2-bias-gelu": {"activation": "gelu"},
+    "gpt2-nobias-gelu_tanh": {"bias": False, "activation": "gelu_tanh", "norm_eps": 1e-3, "d_ff": 48, "dropout": 0.1},
+    "llama-gqa-untied": {
+        **LLAMA,
+        "n_kv_head": 2,
+        "tie_embeddings": False,
+        "bias": False,
+        "rope_theta": 500.0,
+        "norm_eps": 1e-3,
+    },
+    "llama-mha-tied-bias": {**LLAMA, "bias": True, "d_ff": 80, "rope_theta": 1e6},
+    "llama-mqa-tied": {**LLAMA, "n_kv_head": 1, "bias": False, "norm_eps": 1e-6},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_transformers_gives_our_logits_and_greedy_tokens(tmp_path, case):
+    torch.manual_seed(0)
+    model = with_large_weights(GPT(tiny(**CASES[case])))
+    export.export(model, CHAR_META, tmp_path / "hf")
+    hf = load_hf(tmp_path / "hf")
+    assert type(hf).__name__ == ("GPT2LMHeadModel" if case.startswith("gpt2") else "LlamaForCausalLM")
+    assert max_logit_difference(model, hf, random_ids(2, 32)) < 1e-4
+    assert_same_greedy_tokens(model, hf, random_ids(2, 5, seed=2))
+
+
+def test_exact_gelu_is_not_gpt2s_tanh_gelu(tmp_path):
+    """activation_function is mapped precisely: read as "gelu_new", an exact-GELU model's logits move past 1e-4."""
+    torch.manual_seed(0)
+    model = with_large_weights(GPT(tiny(activation="gelu")))
+    export.export(model, CHAR_META, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["activation_function"] == "gelu"
+    (tmp_path / "config.json").write_text(json.dumps({**config, "activation_function": "gelu_new"}))
+    assert max_logit_difference(model, load_hf(tmp_path), random_ids(2, 32)) > 1e-3
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_an_export_loads_back_with_from_pretrained(tmp_path, case):
+    """The way back: GPT.from_pretrained reads either layout's folder (GELU flavour included) to the same logits."""
+    torch.manual_seed(0)
+    model = with_large_weights(GPT(tiny(**CASES[case])))
+    export.export(model, CHAR_META, tmp_path / "hf")
+    back = GPT.from_pretrained(tmp_path / "hf").eval()
+    assert back.config.activation == model.config.activation
+    x = random_ids(2, 32)
+    torch.testing.assert_close(back(x)[0], model(x)[0], atol=1e-5, rtol=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# The tokenizer
+
+TEXTS = [
+    "ROMEO: But, soft! what light through yonder window breaks?",
+    "  two  spaces,\n\nthree newlines\n\n\n\ttab and trailing   ",
+    "café naïve 日本語 🤖 Ünïcödé",
+    "it's we'll I'M 123456 3.14",
+    "",
+]
+EOT_TEXTS = ["one<|endoftext|>two", "<|endoftext|>", "end <|endoftext|>\n"]
+
+
+def test_gpt2_tokenizer_gives_tiktokens_ids(tmp_path, shakespeare_path):
+    # a Llama-layout model on GPT-2 BPE data: tokenizer_config.json must name GPT-2's tokenizer, not Llama's
+    model = GPT(tiny(vocab_size=50304, **LLAMA)).eval()
+    assert export.export(model, GPT2_META, tmp_path) is None
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    enc, ours = tiktoken_encoding("gpt2"), Tokenizer.from_meta(GPT2_META)
+    shakespeare = shakespeare_path.read_text(encoding="utf-8")[:100_000]
+    for text in [*TEXTS, shakespeare]:
+        ids = tokenizer(text)["input_ids"]
+        assert ids == ours.encode(text) == enc.encode_ordinary(text)
+        assert tokenizer.decode(ids) == text
+    # '<|endoftext|>' in a text is the end-of-text id, as in GPT-2's tokenizer (ours keeps it as text)
+    for text in EOT_TEXTS:
+        assert tokenizer(text)["input_ids"] == enc.encode(text, allowed_special={"<|endoftext|>"})
+    assert tokenizer.bos_token_id == tokenizer.eos_token_id == tokenizer.unk_token_id == 50256
+    # the merges recovered from tiktoken's ranks are GPT-2's own: 50,000 of them, in GPT-2's order
+    merges = (tmp_path / "merges.txt").read_text(encoding="utf-8").splitlines()
+    assert len(merges) == 1 + 50_000 and merges[:4] == ["#version: 0.2", "Ġ t", "Ġ a", "h e"]
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["vocab_size"], config["bos_token_id"], config["eos_token_id"]) == (50304, 50256, 50256)
+
+
+def test_huggingface_tokenizer_is_written_as_it_is(tmp_path, llama_dir):
+    meta = {"kind": "lm", **huggingface_tokenizer(llama_dir)}  # bos <s> = 0, eos </s> = 1, from its config.json
+    model = GPT(tiny(vocab_size=meta["vocab_size"], **LLAMA)).eval()
+    assert export.export(model, meta, tmp_path) is None
+    assert (tmp_path / "tokenizer.json").read_text(encoding="utf-8").strip() == meta["tokenizer"]["json"].strip()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours = Tokenizer.from_meta(meta)
+    for text in TEXTS:
+        assert tokenizer(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
+        assert tokenizer(text)["input_ids"] == ours.template_prefix() + ours.encode(text)  # <s> first, as Llama's
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1)
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (0, 1)
+
+
+# -----------------------------------------------------------------------------
+# What neither layout computes
+
+REFUSALS = [  # ModelConfig changes, the option the message must name
+    ({"arch": "encoder"}, "arch='encoder'"),
+    ({"arch": "encoder_decoder"}, "arch='encoder_decoder'"),
+    ({"norm_position": "post"}, "norm_position='post'"),
+    ({"pos_encoding": "sinusoidal"}, "pos_encoding='sinusoidal'"),
+    ({**LLAMA, "qk_norm": True}, "qk_norm=True"),
+    ({"logit_softcap": 15.0}, "logit_softcap=15.0"),
+    ({**LLAMA, "window_size": 8}, "window_size=8"),
+    ({"activation": "relu"}, "activation='relu'"),
+    ({"activation": "relu2"}, "activation='relu2'"),
+    ({"activation": "swiglu"}, "activation='swiglu'"),  # with learned positions
+    ({"norm": "rmsnorm"}, "norm='rmsnorm'"),  # with learned positions
+    ({**LLAMA, "activation": "gelu"}, "activation='gelu'"),  # with rope
+    ({**LLAMA, "norm": "layernorm"}, "norm='layernorm'"),  # with rope
+    ({"n_kv_head": 2}, "n_kv_head=2"),  # GPT-2 has no grouped-query attention
+    ({"tie_embeddings": False}, "tie_embeddings=False"),  # nor an untied head
+]
+
+
+@pytest.mark.parametrize(("changes", "option"), REFUSALS, ids=[option for _, option in REFUSALS])
+def test_refusal_names_the_option_and_writes_nothing(tmp_path, changes, option):
+    model = build_model(tiny(**changes))
+    with pytest.raises(ValueError) as err:
+        export.export(model, CHAR_META, tmp_path / "hf")
+    message = str(err.value)
+    assert message.startswith("cannot export ") and f"{option}:" in message and "\n" not in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_option_in_the_way_is_named_at_once():
+    """The quick start's model (ReLU, two key/value heads, learned positions): retraining must change both."""
+    with pytest.raises(ValueError) as err:
+        export.hf_layout(tiny(activation="relu", n_kv_head=2))
+    assert str(err.value).startswith("cannot export activation='relu': ") and "; n_kv_head=2: " in str(err.value)
+
+
+# -----------------------------------------------------------------------------
+# The folder
+
+
+def test_earlier_export_is_replaced_anything_else_refused(tmp_path):
+    dest = tmp_path / "hf"
+    export.export(GPT(tiny()), CHAR_META, dest)
+    export.export(GPT(tiny(**LLAMA)), CHAR_META, dest)  # over the earlier export: replaced whole
+    assert json.loads((dest / "config.json").read_text())["model_type"] == "llama"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary folder beside it
+    (dest / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not empty and not an earlier export .*notes.txt"):
+        export.export(GPT(tiny()), CHAR_META, dest)
+    assert (dest / "notes.txt").read_text() == "mine"
+
+
+def test_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
+    dest = tmp_path / "hf"
+    export.export(GPT(tiny()), CHAR_META, dest)
+    before = {p.name: p.read_bytes() for p in dest.iterdir()}
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "save_file", full_disk)
+    for target in (dest, tmp_path / "new"):  # over an earlier export, and into a new folder
+        with pytest.raises(OSError, match="No space left"):
+            export.export(GPT(tiny(**LLAMA)), CHAR_META, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    assert {p.name: p.read_bytes() for p in dest.iterdir()} == before
+
+
+# -----------------------------------------------------------------------------
+# The command line
+
+
+def save_run(out_dir, model, meta):
+    """out_dir/best.pt as train.py writes it (weights_state), without training."""
+    out_dir.mkdir()
+    save_checkpoint(weights_state(model.state_dict(), model.config, TrainConfig(), meta, 10, 1.0), out_dir / "best.pt")
+
+
+def test_cli_end_to_end_with_gpt2_bpe(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = with_large_weights(GPT(tiny(vocab_size=50304, activation="gelu_tanh")))  # GPT-2's padded vocabulary
+    save_run(tmp_path / "out", model, GPT2_META)
+    dest = tmp_path / "hf"
+    assert export.cli([f"--out_dir={tmp_path / 'out'}", "--checkpoint=best.pt", f"--dest={dest}"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 1 and printed[0].startswith(f"wrote {dest}: GPT2LMHeadModel")
+    hf, tokenizer = load_hf(dest), transformers.AutoTokenizer.from_pretrained(dest)
+    prompt = tokenizer("ROMEO: But, soft!", return_tensors="pt")["input_ids"]
+    assert prompt[0].tolist() == Tokenizer.from_meta(GPT2_META).encode("ROMEO: But, soft!")
+    assert max_logit_difference(model, hf, random_ids(2, 32, vocab=50304)) < 1e-4
+    assert_same_greedy_tokens(model, hf, prompt)
+
+
+def test_cli_char_vocabulary_is_noted_and_kept_in_config_json(tmp_path, capsys):
+    save_run(tmp_path / "out", GPT(tiny()), CHAR_META)
+    assert export.cli([f"--out_dir={tmp_path / 'out'}", "--checkpoint=best.pt", f"--dest={tmp_path / 'hf'}"]) == 0
+    note = capsys.readouterr().out.splitlines()[1]
+    assert note.startswith("note: no Hugging Face tokenizer written; the 101-character vocabulary")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["nanoformer"]["meta"]["tokenizer"]["chars"] == CHAR_META["tokenizer"]["chars"]
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "--dest is required"),
+        (["--dest=DEST", "--out_dir=nowhere"], "no checkpoint at nowhere/best.pt"),
+        (["--dest=DEST", "--out_dir=ENCODER"], "cannot export arch='encoder': "),
+        (["--dest=OUT", "--out_dir=ENCODER"], "--dest=OUT is not empty"),  # train.py's folder is not an export
+        (["--dest=DEST", "--out_dri=x"], "unknown key 'out_dri'; did you mean 'out_dir'?"),
+    ],
+)
+def test_cli_mistakes_are_one_line_and_status_2(tmp_path, capsys, args, message):
+    save_run(tmp_path / "encoder", build_model(tiny(arch="encoder", pad_token_id=0)), CHAR_META)
+    places = {"DEST": tmp_path / "hf", "ENCODER": tmp_path / "encoder", "OUT": tmp_path / "encoder"}
+    for name, place in places.items():
+        args = [arg.replace(f"={name}", f"={place}") for arg in args]
+        message = message.replace(f"={name}", f"={place}")
+    assert export.cli(["--checkpoint=best.pt", *args]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and error.startswith("error: ") and message in error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["encoder"]
