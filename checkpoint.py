@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -234,7 +235,7 @@ def load_sharded(path, model, *, optimizer, ema_model, key):
     set_model_state_dict(model, weights)
     set_optimizer_state_dict(model, optimizer, tensors["optimizer"])
     if ema_model is not None:
-        set_model_state_dict(ema_model, tensors.get("model") if key == "train_model" else weights)
+        set_model_state_dict(ema_model, tensors["model"] if key == "train_model" else weights)
 
 
 def save_checkpoint(state, path):
@@ -338,9 +339,18 @@ def read_shards(tensors, path, alone):
     Fill tensors (a nested dict, as sharded_state's) from the sharded checkpoint folder path; alone: this process
     reads them without the other ranks (else every rank calls it and each reads its part).
     """
-    with warnings.catch_warnings():  # that it assumes a single process, which it is told
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, checkpoint_id=path, no_dist=alone)
+    # checked here: PyTorch would log two tracebacks looking for it before failing
+    if not (Path(path) / ".metadata").is_file():
+        raise ConfigError(f"{path} is not a readable sharded checkpoint: it has no .metadata (a save cut short?)")
+    try:
+        with warnings.catch_warnings():  # that it assumes a single process, which it is told
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(tensors, checkpoint_id=path, no_dist=alone)
+    except CheckpointException as e:  # a BaseException: each failing rank's error, with its traceback
+        error = next(iter(e.failures.values()))[0]
+        raise ConfigError(f"{path} is not a readable sharded checkpoint: {type(error).__name__}: {error}") from None
+    except (OSError, RuntimeError, ValueError) as e:  # no .metadata, a part cut short, tensors of other shapes
+        raise ConfigError(f"{path} is not a readable sharded checkpoint: {str(e).strip().splitlines()[0]}") from None
 
 
 def nanogpt_checkpoint(ckpt, path):
@@ -373,11 +383,8 @@ def sharded_weights(path, model_config):
     with torch.device("meta"):
         model = build_model(ModelConfig.from_dict(model_config))
     weights = model.to_empty(device="cpu").state_dict()
-    try:
-        # this process reads every rank's part itself, whether or not it is one of several
-        read_shards({"model": weights}, path, alone=True)
-    except Exception as e:  # a part missing or cut short: the checkpoint cannot be used
-        raise ConfigError(f"{path} is not a readable sharded checkpoint ({str(e).strip().splitlines()[0]})") from None
+    # this process reads every rank's part itself, whether or not it is one of several
+    read_shards({"model": weights}, path, alone=True)
     return weights
 
 

@@ -32,8 +32,7 @@ MAX_TICK_LABELS = 32  # token labels per axis of a heat map; more would overlap
 
 @dataclass
 class SampleConfig:
-    init_from: str = "resume"  # "resume": out_dir's checkpoint; a checkpoint file (ours or nanoGPT's); else Hugging
-    # Face weights: a hub id (gpt2) or a folder
+    init_from: str = "resume"  # "resume": out_dir's checkpoint; a checkpoint file (ours, nanoGPT's); a HF id or folder
     out_dir: str = "out-shakespeare"  # the folder train.py wrote its checkpoints to
     checkpoint: str = "ckpt.pt"  # which file of out_dir: "ckpt.pt" (the latest) or "best.pt" (the lowest val loss)
     dataset: str = ""  # nanoGPT character-level checkpoints only: the prepared dataset of their characters

@@ -442,6 +442,71 @@ class Tokenizer:
         return "".join(self._chars[i] for i in ids)
 
 
+def token_byte_lengths(meta: dict) -> np.ndarray:
+    """The UTF-8 bytes of text that each id of meta's tokenizer stands for: int64 (meta["vocab_size"],).
+
+    What bits per byte divides by: for any text, the lengths of tokenizer.encode(text) sum to
+    len(text.encode()), whichever the tokenizer, so losses per byte compare across tokenizers. Raw bytes, not
+    decoded text: a byte-level BPE token may hold part of a character (GPT-2 splits most CJK characters and emoji
+    over several tokens), and each part counts its own bytes. Special tokens (end-of-text, pad/bos/eos, [MASK], a
+    tokenizer.json's special added tokens) stand for no text and count 0. A sentencepiece-style tokenizer.json
+    (Llama 2, Mistral) that puts a '▁' before every text counts that space too, so a text's sum is one more than
+    its length there; for WordPiece (BERT) the spaces between words go uncounted.
+    """
+    spec = meta["tokenizer"]
+    lengths = np.zeros(meta["vocab_size"], dtype=np.int64)
+    if spec["type"] == "char":
+        lengths[: len(spec["chars"])] = [len(c.encode("utf-8")) for c in spec["chars"]]
+    elif spec["type"] == "tiktoken":
+        encoding = tiktoken_encoding(spec["encoding"])
+        specials = {encoding.encode_single_token(s) for s in encoding.special_tokens_set}
+        for i in range(encoding.n_vocab):
+            # some encodings (cl100k_base) leave gaps in their ids: no token, no bytes
+            with contextlib.suppress(KeyError):
+                lengths[i] = 0 if i in specials else len(encoding.decode_single_token_bytes(i))
+    elif spec["type"] == "huggingface":
+        base = _huggingface_byte_lengths(spec["json"])
+        lengths[: len(base)] = base
+    else:
+        raise ValueError(f"unknown tokenizer spec {spec!r:.200}; expected type 'char', 'tiktoken' or 'huggingface'")
+    # specials appended after the base vocabulary (seq2seq pad/bos/eos, the encoder's [MASK]), and those within it
+    lengths[list(meta["special_tokens"].values())] = 0
+    return lengths
+
+
+def _huggingface_byte_lengths(text: str) -> list[int]:
+    # a token's bytes follow from its string in the vocabulary and the decoder that turns strings into text
+    tokenizer = _parse_tokenizer_json(text, "the tokenizer.json stored in this dataset or checkpoint")
+    decoder = json.loads(text).get("decoder") or {}
+    # a Sequence decoder (Llama 2's: Replace, ByteFallback, Fuse, Strip) chains others: the kinds used, flattened
+    steps = decoder.get("decoders", [decoder])
+    kinds = {step.get("type") for step in steps}
+    # byte-level BPE (GPT-2, Llama 3, SmolLM) writes each byte as one of 256 printable characters
+    byte_chars = set(tokenizers.pre_tokenizers.ByteLevel.alphabet()) if "ByteLevel" in kinds else set()
+    # sentencepiece-style: '▁' is a space (Metaspace, or a Replace of it), '<0xE2>' one raw byte (ByteFallback)
+    spaces = "Metaspace" in kinds or any(step.get("pattern") == {"String": "▁"} for step in steps)
+    # WordPiece (BERT) marks a word's continuation with "##", which is no text
+    prefix = next((step.get("prefix", "##") for step in steps if step.get("type") == "WordPiece"), None)
+    pieces = {i: piece for piece, i in tokenizer.get_vocab(with_added_tokens=False).items()}
+    added = tokenizer.get_added_tokens_decoder()
+    lengths = []
+    for i in range(tokenizer.get_vocab_size()):
+        if i in added and (added[i].special or i not in pieces):
+            # an added token is matched in the raw text, so it stands for its content as written
+            lengths.append(0 if added[i].special else len(added[i].content.encode("utf-8")))
+            continue
+        piece = pieces.get(i, "")
+        if byte_chars:
+            lengths.append(sum(1 if c in byte_chars else len(c.encode("utf-8")) for c in piece))
+        elif "ByteFallback" in kinds and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            lengths.append(1)
+        else:
+            if prefix is not None:
+                piece = piece.removeprefix(prefix)
+            lengths.append(len((piece.replace("▁", " ") if spaces else piece).encode("utf-8")))
+    return lengths
+
+
 # ----------------------------------------------------------------------------- Hugging Face model folders
 
 

@@ -74,8 +74,7 @@ class TrainConfig:
     eval_iters: int = 200  # batches per split at each evaluation, shared out over the ranks
     eval_only: bool = False  # evaluate once (e.g. init_from='resume' or 'gpt2') and exit
     always_save_checkpoint: bool = True  # ckpt.pt at every eval; False: only at the end (best.pt tracks the best)
-    init_from: str = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), 'gpt2'..., a GPT-2/Llama/Mistral HF folder,
-    # or a checkpoint file to start a new run from: another run's best.pt/ckpt.pt, or nanoGPT's ckpt.pt
+    init_from: str = "scratch"  # 'scratch', 'resume', 'gpt2'..., a HF folder, or a checkpoint file (ours or nanoGPT's)
     tensorboard: bool = True  # write TensorBoard scalars into out_dir (tensorboard --logdir OUT_DIR)
     wandb_log: bool = False  # also log to Weights & Biases (pip install wandb)
     wandb_project: str = "nanoformer"  # W&B project
@@ -716,10 +715,12 @@ class StepLosses:
 
 
 @torch.no_grad()
-def evaluate(model, splits, objective, cfg, rt):
+def evaluate(model, splits, objective, cfg, rt, byte_lengths=None):
     """
     Mean cross-entropy per real target over eval_iters batches of each split, the batches shared out over the ranks
-    and the sums added over all of them. Fixed seeds: every evaluation sees the same batches.
+    and the sums added over all of them. Fixed seeds: every evaluation sees the same batches. byte_lengths (the
+    UTF-8 bytes each id stands for, tokens.token_byte_lengths): also "val_bpb", the val loss in bits per byte of
+    the text its targets cover, which compares across tokenizers.
     """
     model.eval()
     losses = {}
@@ -731,20 +732,25 @@ def evaluate(model, splits, objective, cfg, rt):
         # under FSDP every forward pass is a collective (it gathers the weights): all ranks run as many, a rank
         # with one batch fewer (eval_iters not a multiple of the ranks) runs one more that is not counted
         rounds = -(-len(seeds) // rt.world_size) if rt.fsdp else len(mine)
-        total, count = torch.zeros((), device=rt.device), 0
+        total, count, n_bytes = torch.zeros((), device=rt.device), 0, 0
         for r in range(rounds):
             counted = r < len(mine)
             generator = torch.Generator().manual_seed(mine[r] if counted else seeds[0])
             inputs, targets = get_batch(data, objective, cfg.batch_size, cfg.block_size, generator)
             # counted on the CPU before the copy, so that no batch waits for the GPU
             count += count_targets(targets) * counted
+            if byte_lengths is not None and counted:
+                n_bytes += int(byte_lengths[targets[targets != IGNORE_INDEX].numpy()].sum())
             inputs, targets = model_inputs(inputs, targets, rt.device)
             with rt.autocast():
                 _, loss = model(*inputs, targets, reduction="sum", return_logits=False)
             total += loss.float() * counted
         # sums over the ranks, then one division: the mean over every target, however they were shared out
-        total, count = all_reduce([total, count], rt).tolist()
+        total, count, n_bytes = all_reduce([total, count, n_bytes], rt).tolist()
         losses[split] = total / max(count, 1)
+        if byte_lengths is not None and split == "val":
+            # nats summed over the targets, in bits, per byte of the text they spell
+            losses["val_bpb"] = total / (math.log(2) * max(n_bytes, 1))
     if rt.fsdp:
         # FSDP keeps the root's weights gathered after a forward pass, for the backward that follows in training
         next(m for m in model.modules() if isinstance(m, FSDPModule)).reshard()
@@ -1043,6 +1049,7 @@ class Run:
     scaler: torch.amp.GradScaler
     batches: TrainBatches
     splits: dict  # "train" and "val" data, as get_batch reads them
+    byte_lengths: np.ndarray | None  # GPT: the UTF-8 bytes of each token id, for val_bpb; else None
     objective: Objective
     meta: dict  # the dataset's meta, as checkpoints store it
     scalars: "Scalars"
@@ -1320,6 +1327,7 @@ def setup(cfg, rt, stack):
         scaler,
         batches,
         splits,
+        tokens.token_byte_lengths(data_meta) if objective.arch == "gpt" else None,
         objective,
         meta,
         scalars,
@@ -1410,7 +1418,7 @@ def evaluate_and_save(run, iter_num, last):
     """
     cfg, rt = run.cfg, run.rt
     # eval_model: the average when there is one, outside DDP (ranks may evaluate different numbers of batches)
-    result = evaluate(run.eval_model, run.splits, run.objective, cfg, rt)
+    result = evaluate(run.eval_model, run.splits, run.objective, cfg, rt, run.byte_lengths)
     if not all(map(math.isfinite, result.values())):
         raise FloatingPointError(
             f"the evaluation at iteration {iter_num} gave {result}; nothing saved, "
@@ -1437,9 +1445,10 @@ def evaluate_and_save(run, iter_num, last):
     if iter_num > run.start_iter and cfg.always_save_checkpoint and not last:
         save_training_state(run, iter_num)
         saved.append("ckpt.pt")
-    accuracy = f", exact match {result['accuracy']:.1%}" if "accuracy" in result else ""
+    extra = f" ({result['val_bpb']:.4f} bits/byte)" if "val_bpb" in result else ""
+    extra += f", exact match {result['accuracy']:.1%}" if "accuracy" in result else ""
     log(
-        f"eval {iter_num}: train loss {result['train']:.4f}, val loss {result['val']:.4f}{accuracy}"
+        f"eval {iter_num}: train loss {result['train']:.4f}, val loss {result['val']:.4f}{extra}"
         + (f" (saved {', '.join(saved)})" if saved else "")
     )
     return {"iter": iter_num, **result}

@@ -359,6 +359,34 @@ def test_loss_is_the_mean_over_all_targets_of_the_step():
 # Short runs
 
 
+def test_val_bpb_is_the_val_loss_in_bits_per_byte_of_its_targets(data_root, shakespeare_char_dir):
+    """
+    evaluate's val_bpb against a float64 loop over the same batches: each target's -log p in bits, summed, over the
+    bytes its id stands for (random lengths here, 0 to 3, so that bytes and tokens differ).
+    """
+    cfg = tiny(data_root, "unused", eval_iters=3, batch_size=2)
+    meta = tokens.load_meta(shakespeare_char_dir)
+    splits = train.load_splits(shakespeare_char_dir, meta, cfg.block_size)
+    objective, vocab_size, _ = train.make_objective("gpt", meta, cfg.mask_prob)
+    torch.manual_seed(0)
+    model = build_model(cfg.model_config(vocab_size))
+    byte_lengths = np.random.default_rng(0).integers(0, 4, size=vocab_size)
+    result = train.evaluate(model, splits, objective, cfg, Runtime(), byte_lengths)
+    bits = n_bytes = 0.0
+    # the val split is the second: its batches come from the seeds evaluate draws for it
+    for seed in train.micro_seeds(torch.Generator().manual_seed(cfg.seed + 2), cfg.eval_iters):
+        (x,), y = train.get_batch(
+            splits["val"], objective, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(seed)
+        )
+        log_p = torch.log_softmax(model(x)[0].double(), dim=-1)
+        for b in range(y.size(0)):
+            for t in range(y.size(1)):
+                bits -= log_p[b, t, y[b, t]].item() / math.log(2)
+                n_bytes += int(byte_lengths[y[b, t]])
+    assert result["val_bpb"] == pytest.approx(bits / n_bytes, rel=1e-6)
+    assert "val_bpb" not in train.evaluate(model, splits, objective, cfg, Runtime())
+
+
 @pytest.mark.parametrize("arch, extra", [("gpt", {}), ("encoder", {"batch_size": 16})])
 def test_loss_falls_from_uniform(tmp_path, data_root, arch, extra):
     cfg = tiny(
@@ -1067,6 +1095,30 @@ def test_a_save_killed_between_its_renames_leaves_the_previous_checkpoint_readab
     # and a file over a folder (a run without fsdp after one with it)
     save_checkpoint({**state, "iter_num": 4, "model": model.state_dict()}, tmp_path / "ckpt.pt")
     assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] == 4 and not (tmp_path / ".ckpt.pt.old").exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save's, in this one process
+def test_a_damaged_sharded_checkpoint_is_one_line(tmp_path):
+    """A folder read whole into one process; a part missing, its index missing, or its state.pt missing: one line."""
+    import torch.distributed.checkpoint as dcp
+
+    model = build_model(ModelConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    folder = tmp_path / "ckpt.pt"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=folder, no_dist=True)
+    state = {"format_version": 2, "model_config": dataclasses.asdict(model.config), "iter_num": 3, "meta": None}
+    save_checkpoint(state, folder / "state.pt")
+    whole = load_checkpoint(folder)
+    assert whole["iter_num"] == 3 and whole["model"].keys() == model.state_dict().keys()
+    assert all(torch.equal(whole["model"][k], v) for k, v in model.state_dict().items())
+    (folder / "__0_0.distcp").unlink()
+    with pytest.raises(ConfigError, match=r"ckpt.pt is not a readable sharded checkpoint: FileNotFoundError"):
+        load_checkpoint(folder)
+    (folder / ".metadata").unlink()
+    with pytest.raises(ConfigError, match=r"it has no .metadata \(a save cut short\?\)$"):
+        load_checkpoint(folder)
+    (folder / "state.pt").unlink()
+    with pytest.raises(ConfigError, match="is a folder but not a sharded checkpoint: it has no state.pt"):
+        load_checkpoint(folder)
 
 
 def test_fsdp_refuses_muon_and_trains_whole_in_one_process(tmp_path, data_root, capsys):

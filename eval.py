@@ -1,0 +1,596 @@
+"""
+Evaluate a checkpoint of train.py, or Hugging Face weights: a language model's loss, perplexity and bits per byte
+over a whole dataset split or any text file, a masked-LM encoder's masked loss, HellaSwag accuracy, and an
+encoder-decoder's exact match and token accuracy over a split's pairs.
+
+    python eval.py --out_dir=out-shakespeare                          # the val split of the data it trained on
+    python eval.py --out_dir=out-shakespeare --input=hamlet.txt       # any UTF-8 text, with the model's tokenizer
+    python eval.py --init_from=gpt2 --task=hellaswag --input=hellaswag_val.jsonl
+    python eval.py --out_dir=out-reverse --split=test --beam_size=4
+    python eval.py --help
+"""
+
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from config import parse_config
+from devices import autocast, resolve_device, resolve_dtype
+from model import IGNORE_INDEX
+from prepare_data import MIRROR_ENV
+from sample import DTYPES, load_model
+from tokens import dataset_dir, load_meta, load_pairs, load_tokens, token_byte_lengths
+from train import Objective, mask_tokens, seq2seq_batch
+
+# "auto" is seq2seq for an encoder-decoder and lm for the others; hellaswag is asked for by name
+TASKS = ("auto", "lm", "seq2seq", "hellaswag")
+SPLITS = ("train", "val", "test")
+HELLASWAG_FILE = "hellaswag_val.jsonl"
+HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+
+
+@dataclass
+class EvalConfig:
+    init_from: str = "resume"  # "resume": out_dir's checkpoint; a checkpoint file (ours, nanoGPT's); a HF id or folder
+    out_dir: str = "out-shakespeare"  # the folder train.py wrote its checkpoints to
+    checkpoint: str = "best.pt"  # which file of out_dir: "best.pt" (the lowest val loss) or "ckpt.pt" (the latest)
+    dataset: str = ""  # nanoGPT character-level checkpoints only: the prepared dataset of their characters
+    task: str = "auto"  # "lm": loss, perplexity, bits per byte; "seq2seq": exact match; "hellaswag"; "auto": by arch
+    split: str | None = None  # "train", "val" or (seq2seq) "test" of the data the model was trained on; None: val
+    input: str = ""  # lm: a UTF-8 text file instead of a split; hellaswag: its jsonl (else $NANOFORMER_DATA_MIRROR's)
+    data_dir: str | None = None  # where the datasets are; None: the run's (out_dir/config.json), else as in train.py
+    stride: int | None = None  # GPT: a window every stride tokens, scoring only its last stride; None: block_size
+    mask_prob: float = 0.15  # encoder: the fraction of positions masked and predicted, as in training
+    seed: int = 1337  # encoder: which positions are masked; the same seed masks the same positions
+    beam_size: int = 1  # seq2seq: 1 decodes greedily; more runs beam search with that many hypotheses
+    length_penalty: float = 0.6  # beam search: a hypothesis scores log p / ((5 + length) / 6) ** length_penalty
+    limit: int | None = None  # only the first N windows, pairs or HellaSwag items, for a quick look; None: all
+    batch_size: int = 16  # windows, pairs or HellaSwag items (4 sequences each) per forward pass
+    json: bool = False  # print one JSON object instead of `key  value` lines
+    progress: bool | None = None  # a progress bar on stderr; None: when stderr is a terminal
+    device: str = "auto"  # "cpu", "cuda", "cuda:1", "mps"; "auto": cuda, else mps, else cpu
+    dtype: str = "auto"  # "float32", "bfloat16" or "float16" (autocast); "auto": as in train.py
+    compile: bool = False  # torch.compile the layers: a slow start, faster batches after it
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}")
+        if self.split is not None and self.split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}; got {self.split!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        for name in ("batch_size", "beam_size", "stride", "limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 < self.mask_prob < 1:
+            raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
+        if self.split is not None and self.input:
+            raise ValueError("give --split or --input, not both: --input evaluates a file instead of a split")
+
+
+# -----------------------------------------------------------------------------
+# Language models: loss, perplexity, bits per byte
+
+
+def window_starts(n_tokens, block_size, stride):
+    """
+    Where the windows of a GPT's evaluation start: every stride tokens, until a window reaches the last token. A
+    window holds block_size + 1 tokens (inputs, and the targets one further); the last may be shorter.
+    """
+    # the last window starts at the first multiple of stride from which block_size tokens reach the end
+    last = max(n_tokens - 1 - block_size, 0)
+    return range(0, last + stride, stride)
+
+
+def lm_loss(model, tokens, byte_lengths, *, block_size, stride, batch_size, limit=None, progress=False):
+    """
+    A GPT's summed cross-entropy over every token of tokens (a 1-D id array) but the first, in windows of block_size
+    (window_starts): the first window scores all its targets, each later one only its last stride, those the one
+    before did not reach. Returns {"windows", "tokens", "bytes", "nats"}: the windows run, the tokens scored, the
+    UTF-8 bytes they stand for (byte_lengths: token_byte_lengths of the tokenizer) and their loss in nats.
+    """
+    device = next(model.parameters()).device
+    starts = window_starts(len(tokens), block_size, stride)[:limit]
+    nats, count, n_bytes = 0.0, 0, 0
+    with tqdm(total=len(starts), unit="window", file=sys.stderr, disable=not progress) as bar:
+        for i in range(0, len(starts), batch_size):
+            batch = starts[i : i + batch_size]
+            # IGNORE_INDEX past the end of a short last window: its targets are then left out of the loss
+            windows = torch.full((len(batch), block_size + 1), IGNORE_INDEX)
+            for row, start in enumerate(batch):
+                piece = tokens[start : start + block_size + 1]
+                windows[row, : len(piece)] = torch.from_numpy(piece.astype(np.int64))
+            # the padding read as id 0 comes after the real tokens, which a causal model never lets them see
+            inputs, targets = windows[:, :-1].clamp(min=0), windows[:, 1:].clone()
+            # later windows: their first block_size - stride targets were scored by the window before
+            targets[torch.tensor(batch) > 0, : block_size - stride] = IGNORE_INDEX
+            scored = targets[targets != IGNORE_INDEX].numpy()
+            count, n_bytes = count + len(scored), n_bytes + int(byte_lengths[scored].sum())
+            _, loss = model(inputs.to(device), targets.to(device), reduction="sum", return_logits=False)
+            nats += loss.item()
+            bar.update(len(batch))
+    return {"windows": len(starts), "tokens": count, "bytes": n_bytes, "nats": nats}
+
+
+def masked_loss(model, tokens, objective, *, block_size, batch_size, seed, limit=None, progress=False):
+    """
+    An encoder's summed cross-entropy at the masked positions of tokens, cut into windows of block_size, each masked
+    as in training (mask_tokens: mask_prob of the positions, 80% shown as [MASK], 10% a random token, 10% unchanged)
+    with its own generator, seeded by seed and its index, so that the same seed masks the same positions whatever
+    the batch size. Returns {"windows", "masked_tokens", "nats"}.
+    """
+    device = next(model.parameters()).device
+    starts = range(0, len(tokens), block_size)[:limit]
+    # a bidirectional model without a padding id would attend to padding: the shorter last window runs alone
+    full = [k for k, start in enumerate(starts) if start + block_size <= len(tokens)]
+    batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
+    batches += [[k] for k in range(len(full), len(starts))]
+    nats, count = 0.0, 0
+    with tqdm(total=len(starts), unit="window", file=sys.stderr, disable=not progress) as bar:
+        for batch in batches:
+            masked = []
+            for k in batch:
+                window = torch.from_numpy(tokens[starts[k] : starts[k] + block_size].astype(np.int64))
+                masked.append(mask_tokens(window[None], objective, torch.Generator().manual_seed(seed + k)))
+            inputs, targets = (torch.cat(parts) for parts in zip(*masked))
+            count += int((targets != IGNORE_INDEX).sum())
+            _, loss = model(inputs.to(device), targets.to(device), reduction="sum", return_logits=False)
+            nats += loss.item()
+            bar.update(len(batch))
+    return {"windows": len(starts), "masked_tokens": count, "nats": nats}
+
+
+def read_text(path):
+    """The contents of a UTF-8 text file, refusing a missing, empty or binary one with one line."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text") from None
+    if not text:
+        raise ValueError(f"{path} is empty: there is no text to evaluate")
+    return text
+
+
+def dataset_folder(cfg, meta):
+    """The folder of the prepared dataset the model was trained on (meta's name) under --data_dir, the run's data_dir
+    or the default root; refused if its data was prepared with another tokenizer since."""
+    if "name" not in meta:
+        raise ValueError("these weights come without a dataset: evaluate a text file with --input=FILE")
+    checkpoint = Path(cfg.out_dir) / cfg.checkpoint if cfg.init_from == "resume" else Path(cfg.init_from).expanduser()
+    data_dir, run = cfg.data_dir, checkpoint.parent / "config.json"
+    if data_dir is None and run.is_file():
+        # train.py writes its settings beside the checkpoints: the run's data_dir is where its data is
+        try:
+            data_dir = json.loads(run.read_text(encoding="utf-8"))["train_config"]["data_dir"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(
+                f"{run} is not train.py's config.json; name the datasets' folder with --data_dir"
+            ) from None
+    folder = dataset_dir(meta["name"], data_dir)
+    if load_meta(folder)["tokenizer"] != meta["tokenizer"]:
+        raise ValueError(
+            f"{folder} holds data of another tokenizer than the model's (prepared again since?); evaluate a text "
+            "file with --input, or point --data_dir at the data it was trained on"
+        )
+    return folder
+
+
+def lm_tokens(cfg, meta, tokenizer):
+    """(the token ids to evaluate, what they are): the --input file encoded, or the split of the training data."""
+    if cfg.input:
+        text = read_text(cfg.input)
+        try:
+            ids = tokenizer.encode(text)
+        except ValueError as err:  # characters outside a char-level vocabulary, named
+            raise ValueError(f"{cfg.input}: {err}") from None
+        return np.asarray(ids, dtype=np.int64), cfg.input
+    split = cfg.split or "val"
+    folder = dataset_folder(cfg, meta)
+    if split == "test":
+        raise ValueError(f"{folder.name} is a language-modelling dataset: its splits are train and val, not test")
+    return load_tokens(folder / f"{split}.bin"), f"{folder.name} {split}"
+
+
+def start_tokens(tokenizer, meta):
+    """
+    The ids put before a text file's own, so that its first token is scored too, as lm-evaluation-harness scores a
+    document: a tokenizer.json's template prefix (Llama's bos), else end-of-text (GPT-2), else bos; none for a
+    character vocabulary, whose first character is then context only.
+    """
+    special = meta["special_tokens"]
+    if prefix := tokenizer.template_prefix():
+        return prefix
+    return [special["eot"]] if "eot" in special else [special["bos"]] if "bos" in special else []
+
+
+def evaluate_lm(model, tokenizer, meta, cfg, progress):
+    """GPT: loss, perplexity and bits per byte of the text; encoder: its masked loss. A dict of results."""
+    tokens, data = lm_tokens(cfg, meta, tokenizer)
+    block = model.config.block_size
+    if model.config.arch == "encoder":
+        mask_id = meta["special_tokens"]["mask"]
+        # train.py appends [MASK] after the dataset's ids: its random replacements are drawn from the ids below it
+        objective = Objective("encoder", data_vocab=mask_id, mask_id=mask_id, mask_prob=cfg.mask_prob)
+        counts = masked_loss(
+            model,
+            tokens,
+            objective,
+            block_size=block,
+            batch_size=cfg.batch_size,
+            seed=cfg.seed,
+            limit=cfg.limit,
+            progress=progress,
+        )
+        if not counts["masked_tokens"]:
+            raise ValueError(f"{data} is too short: no position was masked; raise --mask_prob or give more text")
+        return {
+            "data": data,
+            "windows": counts["windows"],
+            "masked_tokens": counts["masked_tokens"],
+            "mask_prob": cfg.mask_prob,
+            "masked_loss": counts["nats"] / counts["masked_tokens"],
+        }
+    if cfg.input:
+        tokens = np.concatenate([np.asarray(start_tokens(tokenizer, meta), dtype=np.int64), tokens])
+    # a GPT needs one token to predict from and one to predict
+    if len(tokens) < 2:
+        raise ValueError(f"{data} has {len(tokens)} token(s): at least 2 are needed, to predict one from the other")
+    stride = cfg.stride or block
+    if stride > block:
+        raise ValueError(f"stride must be at most the model's block_size={block}, got {stride}")
+    counts = lm_loss(
+        model,
+        tokens,
+        token_byte_lengths(meta),
+        block_size=block,
+        stride=stride,
+        batch_size=cfg.batch_size,
+        limit=cfg.limit,
+        progress=progress,
+    )
+    loss = counts["nats"] / counts["tokens"]
+    return {
+        "data": data,
+        "windows": counts["windows"],
+        "stride": stride,
+        "tokens": counts["tokens"],
+        "bytes": counts["bytes"],
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        # nats to bits, per byte of the text the scored tokens stand for (special tokens stand for none)
+        "bits_per_byte": counts["nats"] / (math.log(2) * counts["bytes"]) if counts["bytes"] else math.nan,
+    }
+
+
+# -----------------------------------------------------------------------------
+# Sequence to sequence: exact match and token accuracy
+
+
+def until_eos(ids, eos_id):
+    """ids up to and including the first eos_id (all of them if there is none)."""
+    return ids[: ids.index(eos_id) + 1] if eos_id in ids else ids
+
+
+def seq2seq_scores(model, pairs, rows, objective, *, block_size, beam_size, length_penalty, batch_size, progress):
+    """
+    Decode the sources of pairs `rows` (greedily, or by beam search) and compare with the references, target + eos.
+    Returns {"pairs", "exact", "correct_tokens", "reference_tokens", "nats", "targets"}: the outputs equal to their
+    reference up to its eos, the reference positions whose token the output has at the same position, and the
+    teacher-forced cross-entropy summed over the target + eos positions.
+    """
+    device = next(model.parameters()).device
+    scores = dict.fromkeys(("exact", "correct_tokens", "reference_tokens", "nats", "targets"), 0)
+    with tqdm(total=len(rows), unit="pair", file=sys.stderr, disable=not progress) as bar:
+        for i in range(0, len(rows), batch_size):
+            src, tgt_in, targets = seq2seq_batch(pairs, rows[i : i + batch_size], objective)
+            _, loss = model(src.to(device), tgt_in.to(device), targets.to(device), reduction="sum", return_logits=False)
+            scores["nats"] += loss.item()
+            scores["targets"] += int((targets != IGNORE_INDEX).sum())
+            # (B, L) ids without bos, each row ending at its eos, padded after it
+            outputs = model.generate(
+                src.to(device),
+                block_size,
+                objective.bos_id,
+                objective.eos_id,
+                beam_size=beam_size,
+                length_penalty=length_penalty,
+            ).tolist()
+            for output, reference in zip(outputs, targets.tolist()):
+                reference = [t for t in reference if t != IGNORE_INDEX]  # the target, then eos
+                output = until_eos(output, objective.eos_id)
+                scores["exact"] += output == reference
+                scores["correct_tokens"] += sum(o == r for o, r in zip(output, reference))
+                scores["reference_tokens"] += len(reference)
+            bar.update(len(targets))
+    return {"pairs": len(rows), **scores}
+
+
+def evaluate_seq2seq(model, meta, cfg, progress):
+    """Exact match, token accuracy and teacher-forced loss over a split's pairs that fit block_size."""
+    if cfg.input:
+        raise ValueError("an encoder-decoder is evaluated on its dataset's pairs: give --split, not --input")
+    split = cfg.split or "val"
+    folder = dataset_folder(cfg, meta)
+    pairs = load_pairs(folder, split)
+    block = model.config.block_size
+    lengths = np.diff(pairs.index, axis=0)  # (n, 2): each pair's source and target length
+    # as in training: the source within block_size, and bos + target (or target + eos) too
+    rows = np.flatnonzero((lengths[:, 0] <= block) & (lengths[:, 1] + 1 <= block))
+    if not len(rows):
+        raise ValueError(f"no {split} pair of {folder.name} fits the model's block_size={block}")
+    special = meta["special_tokens"]
+    objective = Objective(
+        "encoder_decoder", meta["vocab_size"], pad_id=special["pad"], bos_id=special["bos"], eos_id=special["eos"]
+    )
+    scores = seq2seq_scores(
+        model,
+        pairs,
+        rows[: cfg.limit],
+        objective,
+        block_size=block,
+        beam_size=cfg.beam_size,
+        length_penalty=cfg.length_penalty,
+        batch_size=cfg.batch_size,
+        progress=progress,
+    )
+    return {
+        "data": f"{folder.name} {split}",
+        "pairs": scores["pairs"],
+        "left_out": len(pairs) - len(rows),
+        "decoding": "greedy" if cfg.beam_size == 1 else f"beam search, {cfg.beam_size} beams",
+        "exact_match": scores["exact"] / scores["pairs"],
+        "token_accuracy": scores["correct_tokens"] / scores["reference_tokens"],
+        "loss": scores["nats"] / scores["targets"],
+    }
+
+
+# -----------------------------------------------------------------------------
+# HellaSwag
+
+
+@dataclass
+class HellaSwagItem:
+    """One HellaSwag question, its texts cleaned as lm-evaluation-harness cleans them."""
+
+    line: int  # where it is in its file, for error messages
+    context: str
+    endings: list[str]  # four, one of them right
+    label: int  # the right ending's index
+
+
+def harness_text(text):
+    """lm-evaluation-harness's clean-up of HellaSwag's WikiHow texts: '[title]' marks to '. ', other [marks] gone."""
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
+
+
+def hellaswag_item(item, line, where):
+    """The HellaSwagItem of one parsed jsonl line; ValueError naming `where` and the field for a malformed one."""
+
+    def text(name):
+        value = item[name]
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: '{name}' must be a string, got {value!r:.60}")
+        return value
+
+    # the public file holds ctx_a, ctx_b and activity_label: the harness builds its context from them
+    if "ctx_a" in item and "ctx_b" in item:
+        context = f"{text('ctx_a')} {text('ctx_b').capitalize()}"
+    elif "ctx" in item:
+        context = text("ctx")
+    else:
+        raise ValueError(f"{where}: no 'ctx' field (nor 'ctx_a' and 'ctx_b'); is this HellaSwag's jsonl?")
+    if "activity_label" in item:
+        context = f"{text('activity_label')}: {context}"
+    endings = item.get("endings")
+    if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
+        raise ValueError(f"{where}: 'endings' must be a list of 4 strings, got {endings!r:.80}")
+    label = item.get("label")
+    # an int in the public file, a string in the Hugging Face copy; the test split has none
+    if isinstance(label, str) and label in ("0", "1", "2", "3"):
+        label = int(label)
+    if label not in (0, 1, 2, 3) or isinstance(label, bool):
+        raise ValueError(f"{where}: 'label' must be 0, 1, 2 or 3, got {label!r:.40}")
+    context, endings = harness_text(context), [harness_text(e) for e in endings]
+    if not context or not all(endings):
+        raise ValueError(f"{where}: {'the context' if not context else 'an ending'} is empty")
+    return HellaSwagItem(line, context, endings, label)
+
+
+def hellaswag_path(name):
+    """
+    The HellaSwag file: --input, else hellaswag_val.jsonl in $NANOFORMER_DATA_MIRROR, the folder of offline copies
+    that prepare_data.py reads too; never downloaded.
+    """
+    if name:
+        return Path(name).expanduser()
+    mirror = os.environ.get(MIRROR_ENV)
+    if mirror and (Path(mirror) / HELLASWAG_FILE).is_file():
+        return Path(mirror) / HELLASWAG_FILE
+    raise FileNotFoundError(
+        f"no HellaSwag file: download {HELLASWAG_URL} and pass it as --input=PATH, or put it in the folder "
+        f"${MIRROR_ENV} names"
+    )
+
+
+def read_hellaswag(path):
+    """The items of a HellaSwag jsonl file (one JSON object a line, blank lines skipped): HellaSwagItems."""
+    items = []
+    for n, line in enumerate(read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {n}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: not JSON ({err.msg}); HellaSwag's file holds one object a line") from None
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: not a JSON object; HellaSwag's file holds one object a line")
+        items.append(hellaswag_item(item, n, where))
+    if not items:
+        raise ValueError(f"{path} holds no HellaSwag items, only blank lines")
+    return items
+
+
+def hellaswag_sequences(items, tokenizer, block_size, path):
+    """
+    Per item, per ending: (ids, n): the context's ids then the ending's, at most block_size + 1 of them (the context
+    cut from the left), the ending's n ids last. Also the number of items whose context was cut.
+    """
+    sequences, cut = [], set()
+    for item in items:
+        try:
+            context = tokenizer.encode(item.context)
+            for ending in item.endings:
+                # as the harness: the whole text encoded, the ids after the context's being the ending's, which
+                # starts with a space
+                ids = tokenizer.encode(f"{item.context} {ending}")
+                n = len(ids) - len(context)
+                if not 1 <= n <= block_size:
+                    raise ValueError(f"an ending is {n} tokens long; the model scores 1 to block_size={block_size}")
+                if len(ids) > block_size + 1:
+                    cut.add(item.line)
+                sequences.append((ids[-(block_size + 1) :], n))
+        except ValueError as err:
+            raise ValueError(f"{path} line {item.line}: {err}") from None
+    return sequences, len(cut)
+
+
+def ending_logprobs(model, sequences, *, batch_size, progress=False):
+    """
+    The log-likelihood of each sequence's ending given what comes before it: (ids, n) each, ids at most block_size + 1
+    long, scoring its last n ids. float64 (len(sequences),); batch_size sequences per forward pass.
+    """
+    device = next(model.parameters()).device
+    scores = torch.zeros(len(sequences), dtype=torch.float64)
+    with tqdm(total=len(sequences), unit="ending", file=sys.stderr, disable=not progress) as bar:
+        for i in range(0, len(sequences), batch_size):
+            batch = sequences[i : i + batch_size]
+            # right-padded inputs: a causal model's real positions never see the padding after them
+            inputs = torch.zeros((len(batch), max(len(ids) for ids, _ in batch) - 1), dtype=torch.long)
+            rows, positions, targets = [], [], []
+            for row, (ids, n) in enumerate(batch):
+                inputs[row, : len(ids) - 1] = torch.tensor(ids[:-1])
+                # position p predicts id p + 1: the ending's n ids are predicted at the last n positions
+                rows += [row] * n
+                positions += range(len(ids) - 1 - n, len(ids) - 1)
+                targets += ids[-n:]
+            x, _ = model.body(inputs.to(device))  # (B, T, C)
+            rows_t = torch.tensor(rows, device=device)
+            # the head only where an ending is scored: the (B, T, V) logits of a 50k vocabulary would be gigabytes
+            logits = model.head(x[rows_t, torch.tensor(positions, device=device)]).float()
+            logp = logits.log_softmax(dim=-1).gather(1, torch.tensor(targets, device=device)[:, None])[:, 0]
+            sums = torch.zeros(len(batch), dtype=torch.float64, device=device).index_add_(0, rows_t, logp.double())
+            scores[i : i + len(batch)] = sums.cpu()
+            bar.update(len(batch))
+    return scores
+
+
+def evaluate_hellaswag(model, tokenizer, items, cfg, path, progress):
+    """HellaSwag accuracy: acc by each ending's summed log-likelihood, acc_norm by it per character of the ending."""
+    items = items[: cfg.limit]
+    sequences, cut = hellaswag_sequences(items, tokenizer, model.config.block_size, path)
+    logprobs = ending_logprobs(model, sequences, batch_size=4 * cfg.batch_size, progress=progress).view(-1, 4)
+    # the harness's acc_norm: divided by the ending's length in characters, without the space before it
+    chars = torch.tensor([[len(e) for e in item.endings] for item in items], dtype=torch.float64)
+    labels = torch.tensor([item.label for item in items])
+    return {
+        "data": str(path),
+        "items": len(items),
+        "context_cut": cut,
+        "acc": (logprobs.argmax(dim=1) == labels).double().mean().item(),
+        "acc_norm": (logprobs.div(chars).argmax(dim=1) == labels).double().mean().item(),
+    }
+
+
+# -----------------------------------------------------------------------------
+# The command line
+
+
+def check_task(cfg, arch):
+    """The task that cfg asks of a model of this arch ("auto" resolved); ValueError for one it cannot do."""
+    task = cfg.task if cfg.task != "auto" else "seq2seq" if arch == "encoder_decoder" else "lm"
+    if task == "hellaswag" and arch != "gpt":
+        raise ValueError(
+            f"HellaSwag scores endings by a causal language model's likelihood; this checkpoint's arch is {arch}"
+        )
+    if task == "seq2seq" and arch != "encoder_decoder":
+        raise ValueError(
+            f"task=seq2seq decodes with an encoder-decoder; this checkpoint's arch is {arch}: use --task=lm"
+        )
+    if task == "lm" and arch == "encoder_decoder":
+        raise ValueError("task=lm scores text with a GPT or an encoder; an encoder-decoder takes --task=seq2seq")
+    if task != "seq2seq" and (cfg.beam_size != 1 or cfg.length_penalty != EvalConfig.length_penalty):
+        raise ValueError(f"--beam_size and --length_penalty apply to seq2seq, not to task={task}")
+    if cfg.stride is not None and (task != "lm" or arch != "gpt"):
+        raise ValueError("--stride applies to a GPT's language modelling (task=lm) only")
+    if task == "hellaswag" and cfg.split is not None:
+        raise ValueError("HellaSwag reads its jsonl file (--input), not a --split")
+    return task
+
+
+def format_results(results):
+    """`key  value` lines: floats to 4 decimals, counts with thousands separators."""
+    width = max(map(len, results))
+    lines = []
+    for key, value in results.items():
+        if isinstance(value, float):
+            value = f"{value:.4f}"
+        elif isinstance(value, int):
+            value = f"{value:,}"
+        lines.append(f"{key:<{width}}  {value}")
+    return "\n".join(lines)
+
+
+def main(cfg, out=None):
+    """Evaluate as cfg says, print the results to out (None: stdout) and return them as a dict."""
+    out = sys.stdout if out is None else out  # looked up now, not at import: tests and callers may replace it
+    device = resolve_device(cfg.device, 0)
+    dtype = resolve_dtype(cfg.dtype, device)
+    # the HellaSwag file is read and checked before the slow model load, so that a wrong one fails at once
+    path = hellaswag_path(cfg.input) if cfg.task == "hellaswag" else None
+    items = read_hellaswag(path) if path else None
+    model, tokenizer, meta = load_model(cfg, device)
+    task = check_task(cfg, model.config.arch)
+    progress = sys.stderr.isatty() if cfg.progress is None else cfg.progress
+    source = cfg.init_from if cfg.init_from != "resume" else str(Path(cfg.out_dir) / cfg.checkpoint)
+    results = {"model": source, "arch": model.config.arch, "task": task}
+    # no_grad: nothing is trained; autocast: matmuls in cfg's dtype (every loss is summed in float32 or more)
+    with torch.no_grad(), autocast(device, dtype):
+        if task == "hellaswag":
+            results |= evaluate_hellaswag(model, tokenizer, items, cfg, path, progress)
+        elif task == "seq2seq":
+            results |= evaluate_seq2seq(model, meta, cfg, progress)
+        else:
+            results |= evaluate_lm(model, tokenizer, meta, cfg, progress)
+    print(json.dumps(results) if cfg.json else format_results(results), file=out)
+    return results
+
+
+def cli(argv):
+    """The command line; returns the exit status: 2 with a one-line message for bad input, 1 out of memory."""
+    try:
+        cfg = parse_config(EvalConfig, argv)
+        main(cfg)
+    except (ValueError, OSError, ImportError) as err:
+        print(f"error: {' '.join(str(err).splitlines())}", file=sys.stderr)
+        return 2
+    except torch.OutOfMemoryError:
+        print(f"error: out of memory with batch_size={cfg.batch_size}: lower --batch_size", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))
