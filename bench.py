@@ -152,9 +152,14 @@ def memory_run(cfg, config, fsdp, out_dir):
     run = subprocess.run(command + cfg.train_args.split(), cwd=ROOT, capture_output=True, text=True)
     if run.returncode:
         raise SystemExit(f"error: {' '.join(command)} failed with exit status {run.returncode}:\n{run.stderr[-2000:]}")
+    return memory_lines(run.stdout)
+
+
+def memory_lines(log):
+    """{rank: (weights + gradients + optimizer state, peak)} in MiB from train.py's closing memory lines in log."""
     number = r"([\d.]+) MiB"
     pattern = rf"memory rank (\d+): weights {number}, gradients {number}, optimizer state {number}, peak {number}"
-    return {int(m[1]): (float(m[2]) + float(m[3]) + float(m[4]), float(m[5])) for m in re.finditer(pattern, run.stdout)}
+    return {int(m[1]): (float(m[2]) + float(m[3]) + float(m[4]), float(m[5])) for m in re.finditer(pattern, log)}
 
 
 def bench_memory(cfg, work):

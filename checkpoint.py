@@ -177,7 +177,7 @@ def save_sharded(tensors, state, path, rank):
     new = path.with_name(f".{path.name}.new")
     try:
         if rank == 0:
-            shutil.rmtree(new, ignore_errors=True)  # what a save cut short left
+            remove(new)  # what a save cut short left
         dist.barrier()
         # each rank writes its own files, synced to disk; rank 0 then the index of all of them (.metadata)
         dcp.save(tensors, checkpoint_id=new)
@@ -187,10 +187,13 @@ def save_sharded(tensors, state, path, rank):
         dist.barrier()  # every rank's files are written
         if rank == 0:
             move_into_place(new, path)
-    except OSError as e:
+    except (OSError, CheckpointException) as e:
+        # CheckpointException (a BaseException) carries each failing rank's error; strerror: the OS's short message
+        if isinstance(e, CheckpointException):
+            e = next(iter(e.failures.values()))[0]
         raise OSError(
-            f"could not write {path} ({e.strerror or e}); the previous {path.name}, if any, is intact: free space "
-            "or fix the folder, then go on with --init_from=resume"
+            f"could not write {path} ({getattr(e, 'strerror', None) or e}); the previous {path.name}, if any, is "
+            "intact: free space or fix the folder, then go on with --init_from=resume"
         ) from None
 
 
@@ -375,6 +378,29 @@ def nanogpt_checkpoint(ckpt, path):
         "best_val_loss": float(ckpt.get("best_val_loss", math.inf)),
         "nanogpt": True,
     }
+
+
+def nanogpt_meta(ckpt, path, meta, fix):
+    """
+    The meta of a nanoGPT character-level checkpoint (ckpt["meta"] None): its characters are in nanoGPT's meta.pkl,
+    a pickle that is not read (unpickling can run code), so they come from a prepared dataset's meta, which must
+    be character-level with as many ids; meta None: none was named. fix: how to name one, for the error.
+    """
+    vocab_size = ckpt["model_config"]["vocab_size"]
+    if meta is None or meta["tokenizer"]["type"] != "char" or meta["vocab_size"] != vocab_size:
+        given = "" if meta is None else f"; {meta.get('name', 'the dataset')} has {meta['vocab_size']} ids"
+        raise ConfigError(
+            f"{path} is a nanoGPT model of {vocab_size} characters, kept in its meta.pkl, which is not read "
+            f"(unpickling can run code): {fix} of the same characters in the same order, e.g. "
+            f"--dataset=shakespeare_char (65){given}"
+        )
+    return meta
+
+
+def is_checkpoint(path):
+    """Whether path names a checkpoint: a file (ours or nanoGPT's) or a sharded checkpoint's folder."""
+    path = Path(path).expanduser()
+    return path.is_file() or (path / STATE_FILE).is_file()
 
 
 def sharded_weights(path, model_config):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import load_checkpoint, model_from_checkpoint
+from checkpoint import is_checkpoint, load_checkpoint, model_from_checkpoint, nanogpt_meta
 from config import parse_config
 from devices import autocast, resolve_device, resolve_dtype
 from model import GPT, Stack, check_sampling_args, download_from_hub
@@ -72,13 +72,15 @@ class SampleConfig:
 def load_model(cfg, device):
     """(model in eval mode on device, its Tokenizer, the dataset meta) from out_dir's checkpoint or Hugging Face
     weights."""
-    file = Path(cfg.init_from).expanduser()
-    if cfg.init_from == "resume" or file.is_file():
-        path = Path(cfg.out_dir) / cfg.checkpoint if cfg.init_from == "resume" else file
+    if cfg.init_from == "resume" or is_checkpoint(cfg.init_from):
+        path = Path(cfg.out_dir) / cfg.checkpoint if cfg.init_from == "resume" else Path(cfg.init_from).expanduser()
         # to the CPU first: a checkpoint saved on a GPU loads on any machine; .to(device) below moves it
         ckpt = load_checkpoint(path, map_location="cpu")
+        # nanoGPT's character-level checkpoints take their characters from the dataset named
+        named = load_meta(dataset_dir(cfg.dataset)) if cfg.dataset else None
+        meta = ckpt["meta"] or nanogpt_meta(ckpt, path, named, "name a prepared dataset with --dataset")
         try:
-            model, meta = model_from_checkpoint(ckpt), ckpt["meta"] or nanogpt_characters(ckpt, path, cfg.dataset)
+            model = model_from_checkpoint(ckpt)
         except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit
             raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
     else:
@@ -99,23 +101,6 @@ def load_model(cfg, device):
                 module.compile(dynamic=True)
     # the tokenizer the data was prepared with, rebuilt from the checkpoint alone
     return model, Tokenizer.from_meta(meta), meta
-
-
-def nanogpt_characters(ckpt, path, dataset):
-    """
-    The meta of a nanoGPT character-level checkpoint: its characters are in nanoGPT's meta.pkl, a pickle that is
-    not read (unpickling can run code), so they come from the prepared dataset named, which must have as many.
-    """
-    vocab_size = ckpt["model_config"]["vocab_size"]
-    if not dataset:
-        raise ValueError(
-            f"{path} is a nanoGPT model of {vocab_size} characters, kept in its meta.pkl, which is not read "
-            "(unpickling can run code): name a prepared dataset of the same characters, e.g. --dataset=shakespeare_char"
-        )
-    meta = load_meta(dataset_dir(dataset, None))
-    if meta["tokenizer"]["type"] != "char" or meta["vocab_size"] != vocab_size:
-        raise ValueError(f"dataset {dataset} has {meta['vocab_size']} ids, not the {vocab_size} characters of {path}")
-    return meta
 
 
 def read_prompt(start):

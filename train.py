@@ -16,7 +16,6 @@ import copy
 import ctypes
 import math
 import os
-import resource
 import signal
 import sys
 import time
@@ -45,9 +44,11 @@ import prepare_data
 import tokens
 from checkpoint import (
     all_finite,
+    is_checkpoint,
     load_checkpoint,
     load_sharded,
     model_from_checkpoint,
+    nanogpt_meta,
     nonfinite_weights,
     save_checkpoint,
     save_sharded,
@@ -640,6 +641,11 @@ def train_step(
     except Exception as e:  # a recompiled graph's backward is compiled at its first use, inside backward()
         if not isinstance(model, CompiledModel) or model.failed:
             raise
+        if isinstance(parallel, FSDPModule):
+            # FSDP holds the earlier micro-batches' gradients where zero_grad does not reach: a redo would add them
+            raise ConfigError(
+                f"torch.compile failed in a backward ({first_line(e)}); run with --compile=false"
+            ) from None
         model.fall_back(e)
         for optimizer in optimizers.values():
             optimizer.zero_grad(set_to_none=True)
@@ -936,16 +942,9 @@ def checkpoint_weights(path, cfg, meta):
     project does not read (they are in a pickle), take the dataset's, which must be as many.
     """
     ckpt = load_checkpoint(path)
-    saved, vocab_size = ckpt["meta"], ckpt["model_config"]["vocab_size"]
-    if saved is None:
-        if meta["tokenizer"]["type"] != "char" or meta["vocab_size"] != vocab_size:
-            raise ConfigError(
-                f"{path} is a nanoGPT model of {vocab_size} characters, which it keeps in a meta.pkl that is not "
-                "read (unpickling can run code): train it on a character-level dataset of the same characters in "
-                f"the same order, e.g. --dataset=shakespeare_char (65); {cfg.dataset} has {meta['vocab_size']} ids"
-            )
-        saved = meta
-    elif saved["tokenizer"] != meta["tokenizer"]:
+    # nanoGPT's character-level checkpoints take the dataset's characters
+    saved = ckpt["meta"] or nanogpt_meta(ckpt, path, meta, "train it on a character-level dataset")
+    if saved["tokenizer"] != meta["tokenizer"]:
         raise ConfigError(f"{path} was trained with another tokenizer than dataset={cfg.dataset}'s")
     # its architecture and weights; dropout is the new run's (0 to evaluate, 0.1 to fine-tune on little data)
     model = build_model(ModelConfig.from_dict({**ckpt["model_config"], "dropout": cfg.dropout}))
@@ -986,12 +985,12 @@ def init_model(cfg, meta, lazy=False):
             log(f"note: resuming with the checkpoint's model settings: {', '.join(changed)}")
         # the checkpoint's settings win: its weights fit only the architecture they were trained in
         cfg = replace(cfg, **{k: saved[k] for k in MODEL_KEYS})
-    if cfg.init_from not in ("scratch", "resume") and Path(cfg.init_from).expanduser().is_file():
-        # a new run from a checkpoint's weights: its settings decide the architecture, as a resume's do
-        model, meta = checkpoint_weights(Path(cfg.init_from).expanduser(), cfg, meta)
+    if cfg.init_from not in ("scratch", "resume") and is_checkpoint(cfg.init_from):
+        # a new run from a checkpoint's weights: its settings decide the architecture, as a resume's do; the
+        # objective from the dataset, the meta to save from the checkpoint (an encoder's holds its [MASK] id)
+        model, saved_meta = checkpoint_weights(Path(cfg.init_from).expanduser(), cfg, meta)
         cfg = replace(cfg, **{k: getattr(model.config, k) for k in MODEL_KEYS})
-        objective, _, meta_out = make_objective(cfg.arch, meta, cfg.mask_prob)
-        return cfg, model, objective, meta_out, None
+        return cfg, model, make_objective(cfg.arch, meta, cfg.mask_prob)[0], saved_meta, None
     # meta_out may add a [MASK] id; a resumed run keeps the checkpoint's meta, which already has it
     objective, vocab_size, meta_out = make_objective(cfg.arch, meta, cfg.mask_prob)
     if ckpt is not None and "sharded" in ckpt:
@@ -1113,8 +1112,9 @@ def shard_model(model, rt, seed):
     block's weights are gathered just before its forward and backward and freed after. Each rank keeps its shard of
     every weight, gradient and (built afterwards) optimizer state. A model built on the meta device gets memory for
     its shards only and is initialised with seed on every rank: the same weights as an unsharded model built after
-    torch.manual_seed(seed). On CUDA, a mixed-precision policy replaces autocast: weights gathered in rt.dtype for
-    the forward and backward, gradients reduced in float32, the sharded weights and AdamW's state kept in float32.
+    torch.manual_seed(seed). With rt.dtype other than float32 (bfloat16 on CUDA), a mixed-precision policy replaces
+    autocast: weights gathered in rt.dtype for the forward and backward, gradients reduced in float32, the sharded
+    weights and AdamW's state kept in float32.
     """
     mesh = init_device_mesh(rt.device.type, (rt.world_size,))
     policy = MixedPrecisionPolicy()  # float32: no casts
@@ -1125,9 +1125,10 @@ def shard_model(model, rt, seed):
     fully_shard(model, mesh=mesh, mp_policy=policy)
     if next(model.parameters()).is_meta:
         model.to_empty(device=rt.device)
-        # every rank draws the same values (each keeps its part); dropout's per-rank generator is left as it was
+        # every rank draws the same values on the CPU (each keeps its part); the per-rank generators of dropout
+        # are left as they were (torch.manual_seed would also reset every GPU's)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)
             model.init_weights()
     return model
 
@@ -1403,7 +1404,8 @@ def val_accuracy(run):
         return exact_match(run.kept_model, pairs, rows, run.objective, cfg, rt)
     weights, correct = whole_weights(run.kept_model, rt), 0.0
     if rt.rank == 0:
-        model = build_model(run.raw_model.config)
+        with torch.random.fork_rng(devices=[]):  # its initial values are overwritten: they must not move rank 0's RNG
+            model = build_model(run.raw_model.config)
         model.load_state_dict(weights)
         # a Runtime of one process: exact_match then decodes every pair, in autocast where FSDP would cast
         one = Runtime(device=rt.device, dtype=rt.dtype)
@@ -1512,7 +1514,9 @@ def memory_use(run):
     states = [v for opt in run.optimizers.values() for state in opt.state.values() for v in state.values()]
     if run.rt.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(run.rt.device)
-    else:  # ru_maxrss counts KiB on Linux, bytes on macOS
+    else:  # ru_maxrss counts KiB on Linux, bytes on macOS (resource: Unix only, imported where needed)
+        import resource
+
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return {
         "weights": size(params) / mib,
@@ -1560,7 +1564,8 @@ def log_progress(run, iter_num, loss, step, window, skipped):
 def main(cfg):
     """
     Train (or, with eval_only, evaluate) as cfg says, in one process or under torchrun. Returns a summary:
-    {"losses": {iteration: train loss}, "evals": [{"iter", "train", "val"[, "accuracy"]}], "iter_num", "best_val_loss"}.
+    {"losses": {iteration: train loss}, "evals": [{"iter", "train", "val"[, "val_bpb"][, "accuracy"]}], "iter_num",
+    "best_val_loss"}.
     Raises ConfigError for bad settings or data, FloatingPointError for a non-finite loss and OSError for a failed
     save.
     """

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import sample
 import tokens
@@ -45,13 +46,48 @@ def nanogpt_state(model):
     return state
 
 
+def nanogpt_forward(state, args, idx):
+    """
+    nanoGPT's GPT written out over its own state dict, in float64: x = wte[idx] + wpe; per block x += attn(ln_1(x)),
+    x += mlp(ln_2(x)) with exact GELU; logits = ln_f(x) @ wte^T (the tied head). Returns (B, T, V).
+    """
+    state = {k.removeprefix("_orig_mod."): v.double() for k, v in state.items()}
+    B, T = idx.shape
+    C, H = args["n_embd"], args["n_head"]
+
+    def layer_norm(x, name):  # nanoGPT's LayerNorm has a bias only with bias=True
+        return F.layer_norm(x, (C,), state[f"{name}.weight"], state.get(f"{name}.bias"), 1e-5)
+
+    def linear(x, name):  # nn.Linear: (out, in) weights
+        return F.linear(x, state[f"{name}.weight"], state.get(f"{name}.bias"))
+
+    x = state["transformer.wte.weight"][idx] + state["transformer.wpe.weight"][:T]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    for i in range(args["n_layer"]):
+        block = f"transformer.h.{i}"
+        q, k, v = linear(layer_norm(x, f"{block}.ln_1"), f"{block}.attn.c_attn").split(C, dim=2)
+        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        weights = (q @ k.transpose(-2, -1) / math.sqrt(C // H)).masked_fill(~causal, -math.inf).softmax(-1)
+        x = x + linear((weights @ v).transpose(1, 2).reshape(B, T, C), f"{block}.attn.c_proj")
+        x = x + linear(F.gelu(linear(layer_norm(x, f"{block}.ln_2"), f"{block}.mlp.c_fc")), f"{block}.mlp.c_proj")
+    return layer_norm(x, "transformer.ln_f") @ state["lm_head.weight"].T
+
+
 def nanogpt_model(vocab_size, bias, seed=0):
-    """A GPT of ours in nanoGPT's architecture: GPT-2's layout with exact GELU, tied head, biases or not."""
+    """
+    A GPT of ours in nanoGPT's architecture: GPT-2's layout with exact GELU, tied head, biases or not. Weights
+    N(0, 0.2) and norm gains N(1, 0.2): with the 0.02 init, logits are so flat that tanh GELU for exact GELU
+    (a 1e-3 difference here) would hide within the tolerance.
+    """
     torch.manual_seed(seed)
     config = ModelConfig(
         arch="gpt", vocab_size=vocab_size, block_size=32, n_layer=2, n_head=2, n_embd=32, bias=bias, activation="gelu"
     )
-    return build_model(config).eval()
+    model = build_model(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(("norm" in name and name.endswith("weight")) + 0.2 * torch.randn(p.shape))
+    return model
 
 
 def write_nanogpt_checkpoint(model, path, compiled):
@@ -94,6 +130,10 @@ def test_a_nanogpt_checkpoint_loads_with_its_logits(tmp_path, vocab_size, bias, 
     loaded = model_from_checkpoint(ckpt)
     x = torch.randint(vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(loaded(x)[0], model(x)[0], atol=0, rtol=0)
+    # and what nanoGPT itself computes from the checkpoint (written out here), in float64
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    reference = nanogpt_forward(saved["model"], saved["model_args"], x)
+    torch.testing.assert_close(loaded(x)[0].double(), reference, atol=1e-5, rtol=1e-5)
 
 
 def test_a_nanogpt_checkpoint_of_another_model_is_one_line(tmp_path):

@@ -965,7 +965,8 @@ FSDP_RUN = dict(
     [
         # weight average and activation checkpointing, both running on the sharded model
         {"arch": "gpt", "ema_decay": 0.9, "activation_checkpointing": True},
-        # untied head, grouped-query attention, rotary, RMSNorm, SwiGLU: parameters of every shape and kind sharded
+        # untied head, grouped-query attention, rotary, RMSNorm, SwiGLU: parameters of every shape and kind sharded;
+        # torch.compile of the sharded model
         {
             "arch": "encoder",
             "tie_embeddings": False,
@@ -974,6 +975,7 @@ FSDP_RUN = dict(
             "norm": "rmsnorm",
             "activation": "swiglu",
             "qk_norm": True,
+            "compile": True,
         },
         # shared source/target embedding, exact match decoded on rank 0 with the gathered weights
         {
@@ -1037,8 +1039,9 @@ def killing_train(folder):
 def test_a_sharded_checkpoint_resumes_on_one_or_two_ranks_and_outlives_a_kill(tmp_path, data_root, env):
     """
     Saved by 2 FSDP ranks at iteration 10 (with a weight average: train_model is in it too), resumed in one
-    process and on 2 ranks: the losses of iterations 11-20 are those of an uninterrupted run. The 2-rank resume
-    is killed in its first save (iteration 15) and resumed again: from iteration 10, as if nothing had happened.
+    process, on 2 DDP ranks and on 2 FSDP ranks: the losses of iterations 11-20 are those of an uninterrupted run.
+    The FSDP resume is killed in its first save (iteration 15) and resumed again: from iteration 10, as if nothing
+    had happened.
     A single-file ckpt.pt (a run without fsdp) also resumes under FSDP, its optimizer state sharded.
     """
     settings = {**FSDP_RUN, "eval_interval": 5, "ema_decay": 0.9}
@@ -1052,6 +1055,12 @@ def test_a_sharded_checkpoint_resumes_on_one_or_two_ranks_and_outlives_a_kill(tm
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "a" / "ckpt.pt").is_dir()
     shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.copytree(tmp_path / "a", tmp_path / "ddp")
+    # under DDP: every rank reads every part (whole tensors), together
+    run = torchrun(cli_args({**settings, "init_from": "resume"}, tmp_path / "ddp"), env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = tensorboard_scalars(tmp_path / "ddp", "train/loss")
+    assert [losses[i] for i in range(11, 21)] == pytest.approx(expected, rel=1e-5)
     # in one process: weights, optimizer state and average read whole from both ranks' shards
     one = main(tiny(data_root, tmp_path / "a", **settings, init_from="resume"))
     assert [one["losses"][i] for i in range(11, 21)] == pytest.approx(expected, rel=1e-5)
@@ -1095,6 +1104,50 @@ def test_a_save_killed_between_its_renames_leaves_the_previous_checkpoint_readab
     # and a file over a folder (a run without fsdp after one with it)
     save_checkpoint({**state, "iter_num": 4, "model": model.state_dict()}, tmp_path / "ckpt.pt")
     assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] == 4 and not (tmp_path / ".ckpt.pt.old").exists()
+
+
+def test_the_closing_memory_line_counts_weights_gradients_and_adam_state(tmp_path, data_root, capsys):
+    """fp32 AdamW: 4 bytes a parameter each for the weights and gradients, 8 for the moments; as bench.py reads it."""
+    import bench
+
+    main(tiny(data_root, tmp_path, n_embd=128, n_head=4, max_iters=1))
+    n_params = sum(v.numel() for k, v in ckpt_weights(tmp_path / "ckpt.pt").items() if k != "lm_head.weight")
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("memory rank 0: "))
+    weights = float(re.search(r"weights ([\d.]+) MiB", line)[1])
+    assert weights == pytest.approx(4 * n_params / 2**20, abs=0.05)
+    state, peak = bench.memory_lines(line)[0]
+    assert state == pytest.approx(16 * n_params / 2**20, abs=0.2) and peak > state
+
+
+def test_a_failed_sharded_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """A full disk in the middle of torch.distributed.checkpoint's write (on any rank) is save_checkpoint's OSError."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import checkpoint
+
+    model = build_model(ModelConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = {"format_version": 2, "model_config": dataclasses.asdict(model.config), "meta": None}
+    path = tmp_path / "ckpt.pt"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        tensors = checkpoint.sharded_state(model, ema_model=None, optimizer=optimizer)
+        checkpoint.save_sharded(tensors, {**state, "iter_num": 5}, path, rank=0)
+        (tmp_path / ".ckpt.pt.new").write_text("a file where the next save writes its folder")
+
+        def full_disk(*args, **kwargs):
+            raise CheckpointException("save", {1: (OSError(errno.ENOSPC, "No space left on device"), None)})
+
+        monkeypatch.setattr(checkpoint.dcp, "save", full_disk)
+        with pytest.raises(OSError, match=r"ckpt.pt \(No space left on device\); the previous ckpt.pt, if any, is"):
+            checkpoint.save_sharded(tensors, {**state, "iter_num": 6}, path, rank=0)
+        assert load_checkpoint(path, weights=False)["iter_num"] == 5
+        monkeypatch.undo()
+        checkpoint.save_sharded(tensors, {**state, "iter_num": 7}, path, rank=0)
+        assert load_checkpoint(path, weights=False)["iter_num"] == 7
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save's, in this one process
