@@ -3,6 +3,7 @@ Checkpoints: what ckpt.pt and best.pt hold, written atomically and read with tor
 
     save_checkpoint(training_state(...), out_dir / "ckpt.pt")    # everything a resume needs
     model = model_from_checkpoint(load_checkpoint("out/best.pt"))  # any script: the model, in eval mode
+    model, tokenizer, meta = load_model("resume", out_dir="out", checkpoint="best.pt", dataset="", device="cpu")
 
 A checkpoint is a dict: format_version, model (the plain model's state dict), model_config, train_config, meta
 (the dataset's meta.json, so a tokenizer can be rebuilt from the checkpoint alone), iter_num, best_val_loss; ckpt.pt
@@ -38,8 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from config import ConfigError
-from model import ModelConfig, build_model, load_nanogpt
-from tokens import GPT2_META
+from model import GPT, ModelConfig, Stack, build_model, download_from_hub, load_nanogpt
+from tokens import GPT2_META, Tokenizer, dataset_dir, load_meta, pretrained_meta
 
 FORMAT_VERSION = 2  # of checkpoints; a checkpoint with a larger number needs newer code. 2: train_model
 STATE_FILE = "state.pt"  # in a sharded checkpoint's folder: all but the weights and the optimizer's state
@@ -412,6 +413,44 @@ def sharded_weights(path, model_config):
     # this process reads every rank's part itself, whether or not it is one of several
     read_shards({"model": weights}, path, alone=True)
     return weights
+
+
+def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False):
+    """
+    (model in eval mode on device, its Tokenizer, its data's meta) for sampling and evaluation. init_from: "resume"
+    (out_dir/checkpoint), a checkpoint file or sharded folder (ours or nanoGPT's; dataset names the prepared data
+    of a nanoGPT character-level model's characters), else Hugging Face weights (a hub id or a folder). compile:
+    torch.compile the layer stacks, which generation calls.
+    """
+    if init_from == "resume" or is_checkpoint(init_from):
+        path = Path(out_dir) / checkpoint if init_from == "resume" else Path(init_from).expanduser()
+        # to the CPU first: a checkpoint saved on a GPU loads on any machine; .to(device) below moves it
+        ckpt = load_checkpoint(path, map_location="cpu")
+        # nanoGPT's character-level checkpoints take their characters from the dataset named
+        named = load_meta(dataset_dir(dataset)) if dataset else None
+        meta = ckpt["meta"] or nanogpt_meta(ckpt, path, named, "name a prepared dataset with --dataset")
+        try:
+            model = model_from_checkpoint(ckpt)
+        except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit
+            raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
+    else:
+        folder = Path(init_from).expanduser()
+        if not folder.is_dir():
+            # a hub id: its config.json and tokenizer.json come down with the weights (or from the local cache)
+            folder = download_from_hub(init_from)
+        # Hugging Face weights come without a dataset: the folder's tokenizer.json, else GPT-2's BPE (GPT2_META) for
+        # GPT-2; read first, so that a folder without its tokenizer fails before the slow load
+        meta = pretrained_meta(folder)
+        model = GPT.from_pretrained(folder)
+    # eval: dropout off, so the same seed gives the same text
+    model.eval().to(device)
+    if compile:
+        # generation calls the layer stacks, not the model's forward, so those are what gets compiled
+        for module in model.modules():
+            if isinstance(module, Stack):
+                module.compile(dynamic=True)
+    # the tokenizer the data was prepared with, rebuilt from the checkpoint alone
+    return model, Tokenizer.from_meta(meta), meta
 
 
 def model_from_checkpoint(ckpt):

@@ -7,6 +7,9 @@ import torch
 
 from config import ConfigError
 
+# what every script's dtype setting accepts; resolve_dtype turns auto into one of the others
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 
 def resolve_device(name, local_rank):
     """torch.device for 'auto' (cuda, mps, cpu in that order) or an explicit name; CUDA ranks get their own GPU."""

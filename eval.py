@@ -22,13 +22,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from batches import Objective, mask_tokens, seq2seq_batch
+from checkpoint import load_model
 from config import parse_config
-from devices import autocast, resolve_device, resolve_dtype
+from devices import DTYPES, autocast, resolve_device, resolve_dtype
 from model import IGNORE_INDEX
 from prepare_data import MIRROR_ENV
-from sample import DTYPES, load_model
 from tokens import dataset_dir, load_meta, load_pairs, load_tokens, token_byte_lengths
-from train import Objective, mask_tokens, seq2seq_batch
 
 # "auto" is seq2seq for an encoder-decoder and lm for the others; hellaswag is asked for by name
 TASKS = ("auto", "lm", "seq2seq", "hellaswag")
@@ -561,7 +561,14 @@ def main(cfg, out=None):
     # the HellaSwag file is read and checked before the slow model load, so that a wrong one fails at once
     path = hellaswag_path(cfg.input) if cfg.task == "hellaswag" else None
     items = read_hellaswag(path) if path else None
-    model, tokenizer, meta = load_model(cfg, device)
+    model, tokenizer, meta = load_model(
+        cfg.init_from,
+        out_dir=cfg.out_dir,
+        checkpoint=cfg.checkpoint,
+        dataset=cfg.dataset,
+        device=device,
+        compile=cfg.compile,
+    )
     task = check_task(cfg, model.config.arch)
     progress = sys.stderr.isatty() if cfg.progress is None else cfg.progress
     source = cfg.init_from if cfg.init_from != "resume" else str(Path(cfg.out_dir) / cfg.checkpoint)

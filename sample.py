@@ -17,16 +17,13 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import is_checkpoint, load_checkpoint, model_from_checkpoint, nanogpt_meta
+from checkpoint import load_model
 from config import parse_config
-from devices import autocast, resolve_device, resolve_dtype
-from model import GPT, Stack, check_sampling_args, download_from_hub
+from devices import DTYPES, autocast, resolve_device, resolve_dtype
+from model import check_sampling_args
 from prepare_data import solve
-from tokens import Tokenizer, dataset_dir, load_meta, pretrained_meta
 
 MASK = "[MASK]"  # what the encoder's prompt writes where a token is to be filled in
-# what --dtype accepts; resolve_dtype (devices.py) turns auto into one of the others
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_TICK_LABELS = 32  # token labels per axis of a heat map; more would overlap
 
 
@@ -67,40 +64,6 @@ class SampleConfig:
             raise ValueError(
                 f"stream=True prints one sample as it grows; set num_samples=1 (got {self.num_samples}) or stream=False"
             )
-
-
-def load_model(cfg, device):
-    """(model in eval mode on device, its Tokenizer, the dataset meta) from out_dir's checkpoint or Hugging Face
-    weights."""
-    if cfg.init_from == "resume" or is_checkpoint(cfg.init_from):
-        path = Path(cfg.out_dir) / cfg.checkpoint if cfg.init_from == "resume" else Path(cfg.init_from).expanduser()
-        # to the CPU first: a checkpoint saved on a GPU loads on any machine; .to(device) below moves it
-        ckpt = load_checkpoint(path, map_location="cpu")
-        # nanoGPT's character-level checkpoints take their characters from the dataset named
-        named = load_meta(dataset_dir(cfg.dataset)) if cfg.dataset else None
-        meta = ckpt["meta"] or nanogpt_meta(ckpt, path, named, "name a prepared dataset with --dataset")
-        try:
-            model = model_from_checkpoint(ckpt)
-        except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit
-            raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
-    else:
-        folder = Path(cfg.init_from).expanduser()
-        if not folder.is_dir():
-            # a hub id: its config.json and tokenizer.json come down with the weights (or from the local cache)
-            folder = download_from_hub(cfg.init_from)
-        # Hugging Face weights come without a dataset: the folder's tokenizer.json, else GPT-2's BPE (GPT2_META) for
-        # GPT-2; read first, so that a folder without its tokenizer fails before the slow load
-        meta = pretrained_meta(folder)
-        model = GPT.from_pretrained(folder)
-    # eval: dropout off, so the same seed gives the same text
-    model.eval().to(device)
-    if cfg.compile:
-        # generation calls the layer stacks, not the model's forward, so those are what gets compiled
-        for module in model.modules():
-            if isinstance(module, Stack):
-                module.compile(dynamic=True)
-    # the tokenizer the data was prepared with, rebuilt from the checkpoint alone
-    return model, Tokenizer.from_meta(meta), meta
 
 
 def read_prompt(start):
@@ -409,7 +372,14 @@ def main(cfg, out=None):
     dtype = resolve_dtype(cfg.dtype, device)
     # read before the slow model load, so a wrong prompt file fails at once
     text = read_prompt(cfg.start)
-    model, tokenizer, meta = load_model(cfg, device)
+    model, tokenizer, meta = load_model(
+        cfg.init_from,
+        out_dir=cfg.out_dir,
+        checkpoint=cfg.checkpoint,
+        dataset=cfg.dataset,
+        device=device,
+        compile=cfg.compile,
+    )
     # needs the architecture, known only once the model is loaded
     check_beam_options(cfg, model.config.arch)
     # no_grad: no graph kept while generating; autocast: matmuls in cfg's dtype

@@ -15,9 +15,9 @@ import eval as evaluation
 import prepare_data
 import tokens
 import train
+from batches import Objective, mask_tokens
 from checkpoint import load_checkpoint, model_from_checkpoint
 from model import GPT
-from train import Objective, mask_tokens
 
 # train.py's settings for a real checkpoint in a second or two: 2 layers, 32 wide, 32 positions
 TINY = dict(
