@@ -1,5 +1,5 @@
-# Character-level tiny Shakespeare: the quick start. On a 2-core CPU it passes val loss 1.88 in about 40 s
-# and ends near 1.70 after 3,300 steps (about 110 s); on a GPU it is done in seconds.
+# Character-level tiny Shakespeare: the quick start. On a 2-core CPU it passes val loss 1.88 in about 45 s
+# and ends near 1.71 after 3,300 steps (about 106 s); on a GPU it is done in seconds.
 # python train.py configs/shakespeare.py, then python sample.py --out_dir=out-shakespeare
 #
 # Tuned for time-to-quality on 2 CPU cores (fp32); the measurements are in the README's Performance section.
