@@ -172,30 +172,54 @@ def save_sharded(tensors, state, path, rank):
     Write a sharded checkpoint to folder path: every rank its part of tensors (sharded_state), in parallel, and
     rank 0 the rest (state: the dict of training_state without its tensors) as state.pt. Atomically: the folder is
     written beside path and renamed into place once complete, so a run killed during the save keeps the previous
-    checkpoint (found by load_checkpoint). Call it on every rank; a failed write raises OSError as save_checkpoint.
+    checkpoint (found by load_checkpoint). Call it on every rank; a failed write raises OSError as save_checkpoint,
+    on every rank at once.
     """
     path = Path(path)
     new = path.with_name(f".{path.name}.new")
-    try:
-        if rank == 0:
-            remove(new)  # what a save cut short left
-        dist.barrier()
-        # each rank writes its own files, synced to disk; rank 0 then the index of all of them (.metadata)
-        dcp.save(tensors, checkpoint_id=new)
-        if rank == 0:
-            # which tensors the folder holds: resuming reads train_model only where there is one
-            save_checkpoint({**state, "sharded_keys": sorted(tensors)}, new / STATE_FILE)
-        dist.barrier()  # every rank's files are written
-        if rank == 0:
-            move_into_place(new, path)
-    except (OSError, CheckpointException) as e:
-        # CheckpointException (a BaseException) carries each failing rank's error; strerror: the OS's short message
-        if isinstance(e, CheckpointException):
-            e = next(iter(e.failures.values()))[0]
+    # rank 0's steps and the ranks' parallel write, each failing on every rank or on none
+    reason = on_rank_0(rank, remove, new)  # what a save cut short left
+    if reason is None:
+        try:
+            # each rank writes its own files, synced to disk; rank 0 then the index of all of them (.metadata)
+            dcp.save(tensors, checkpoint_id=new)
+        except CheckpointException as e:  # a BaseException, raised on every rank, holding each failing rank's error
+            error = next(iter(e.failures.values()))[0]
+            reason = getattr(error, "strerror", None) or str(error)
+    if reason is None:
+        # which tensors the folder holds: resuming reads train_model only where there is one
+        reason = on_rank_0(rank, write_file, {**state, "sharded_keys": sorted(tensors)}, new / STATE_FILE)
+    if reason is None:
+        reason = on_rank_0(rank, move_into_place, new, path)
+    if reason is not None:
         raise OSError(
-            f"could not write {path} ({getattr(e, 'strerror', None) or e}); the previous {path.name}, if any, is "
-            "intact: free space or fix the folder, then go on with --init_from=resume"
-        ) from None
+            f"could not write {path} ({reason}); the previous {path.name}, if any, is intact: free space or fix the "
+            "folder, then go on with --init_from=resume"
+        )
+
+
+def on_rank_0(rank, step, *args):
+    """
+    step(*args) on rank 0, then its OSError's message (None if it succeeded) on every rank: all stop together
+    instead of the others waiting in the next collective until dist_timeout.
+    """
+    reason = [None]
+    if rank == 0:
+        try:
+            step(*args)
+        except OSError as e:
+            reason = [e.strerror or str(e)]
+    dist.broadcast_object_list(reason, src=0)
+    return reason[0]
+
+
+def write_file(state, path):
+    """torch.save(state) into the file path, flushed onto the disk before this returns."""
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        # flush empties Python's buffer into the OS, fsync the OS's buffer onto the disk
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def move_into_place(new, path):
@@ -251,11 +275,7 @@ def save_checkpoint(state, path):
     # a hidden file in the same folder: a rename is atomic only within one file system
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            # flush empties Python's buffer into the OS, fsync the OS's buffer onto the disk
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
+        write_file(state, tmp)  # on disk before the rename makes it the checkpoint
         # a reader (or a crash) sees the old checkpoint or the new one, never half of one
         move_into_place(tmp, path)
     except OSError as e:

@@ -1024,12 +1024,12 @@ def killing_train(folder):
         f"import os, signal, sys\n"
         f"sys.path.insert(0, {str(REPO)!r})\n"
         "import checkpoint, train\n"
-        "write = checkpoint.save_checkpoint\n"
-        "def save_checkpoint(state, path):\n"
+        "write = checkpoint.write_file\n"
+        "def write_file(state, path):\n"
         "    write(state, path)\n"
         "    if path.name == checkpoint.STATE_FILE:\n"
         "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "checkpoint.save_checkpoint = save_checkpoint\n"
+        "checkpoint.write_file = write_file\n"
         "sys.exit(train.cli(sys.argv[1:]))\n"
     )
     return script
@@ -1140,6 +1140,15 @@ def test_a_failed_sharded_save_is_one_line_and_keeps_the_previous_checkpoint(tmp
 
         monkeypatch.setattr(checkpoint.dcp, "save", full_disk)
         with pytest.raises(OSError, match=r"ckpt.pt \(No space left on device\); the previous ckpt.pt, if any, is"):
+            checkpoint.save_sharded(tensors, {**state, "iter_num": 6}, path, rank=0)
+        assert load_checkpoint(path, weights=False)["iter_num"] == 5
+        monkeypatch.undo()
+
+        def read_only(state, file):  # rank 0's state.pt, after every rank's shards: the same line
+            raise OSError(errno.EROFS, "Read-only file system")
+
+        monkeypatch.setattr(checkpoint, "write_file", read_only)
+        with pytest.raises(OSError, match=r"ckpt.pt \(Read-only file system\); the previous ckpt.pt, if any, is"):
             checkpoint.save_sharded(tensors, {**state, "iter_num": 6}, path, rank=0)
         assert load_checkpoint(path, weights=False)["iter_num"] == 5
         monkeypatch.undo()
