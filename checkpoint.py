@@ -1,5 +1,6 @@
 """
-Checkpoints: what ckpt.pt and best.pt hold, written atomically and read with torch.load(weights_only=True).
+Checkpoints: what ckpt.pt and best.pt hold, written atomically and read with torch.load(weights_only=True); and a
+model to sample or evaluate from any source (a checkpoint, nanoGPT's, Hugging Face weights) with load_model.
 
     save_checkpoint(training_state(...), out_dir / "ckpt.pt")    # everything a resume needs
     model = model_from_checkpoint(load_checkpoint("out/best.pt"))  # any script: the model, in eval mode
@@ -184,39 +185,74 @@ def save_sharded(tensors, state, path, rank):
             # each rank writes its own files, synced to disk; rank 0 then the index of all of them (.metadata)
             dcp.save(tensors, checkpoint_id=new)
         except CheckpointException as e:  # a BaseException, raised on every rank, holding each failing rank's error
-            error = next(iter(e.failures.values()))[0]
-            reason = getattr(error, "strerror", None) or str(error)
+            reason = describe(next(iter(e.failures.values()))[0])
     if reason is None:
         # which tensors the folder holds: resuming reads train_model only where there is one
         reason = on_rank_0(rank, write_file, {**state, "sharded_keys": sorted(tensors)}, new / STATE_FILE)
     if reason is None:
         reason = on_rank_0(rank, move_into_place, new, path)
     if reason is not None:
+        # the part written is of no use, and may fill the disk; every rank is past the writes by now
+        on_rank_0(rank, remove, new)
+        free = shutil.disk_usage(path.parent).free / 2**30 if path.parent.is_dir() else 0.0
         raise OSError(
-            f"could not write {path} ({reason}); the previous {path.name}, if any, is intact: free space or fix the "
-            "folder, then go on with --init_from=resume"
+            f"could not write {path} ({reason}; {free:.1f} GiB free there); the previous {path.name}, if any, is "
+            "intact: free space or fix the folder, then go on with --init_from=resume"
         )
 
 
 def on_rank_0(rank, step, *args):
     """
-    step(*args) on rank 0, then its OSError's message (None if it succeeded) on every rank: all stop together
-    instead of the others waiting in the next collective until dist_timeout.
+    step(*args) on rank 0, then what went wrong (None if nothing did) on every rank: all stop together instead of
+    the others waiting in the next collective until dist_timeout.
     """
     reason = [None]
     if rank == 0:
         try:
             step(*args)
-        except OSError as e:
-            reason = [e.strerror or str(e)]
+        except Exception as e:  # any failure: the other ranks must hear of it, whatever it is
+            reason = [describe(e)]
     dist.broadcast_object_list(reason, src=0)
     return reason[0]
 
 
+def describe(error):
+    """An error in a few words: the OS's message for an OSError ('No space left on device'), else type and text."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+
+
+class KeptError:
+    """
+    A binary file that keeps the OSError of a failed write. Written into directly, torch.save reports a full disk
+    as a RuntimeError about stream positions; through this object the OSError itself comes out.
+    """
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data):
+        try:
+            return self.file.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self.file.flush()
+
+
 def write_file(state, path):
-    """torch.save(state) into the file path, flushed onto the disk before this returns."""
+    """torch.save(state) into the file path, flushed onto the disk before this returns; a full disk is an OSError."""
     with open(path, "wb") as f:
-        torch.save(state, f)
+        writer = KeptError(f)
+        try:
+            torch.save(state, writer)
+        except RuntimeError:
+            if writer.error is None:
+                raise
+            raise writer.error from None
         # flush empties Python's buffer into the OS, fsync the OS's buffer onto the disk
         f.flush()
         os.fsync(f.fileno())

@@ -68,7 +68,7 @@ from checkpoint import (
     write_json,
 )
 from config import ConfigError, parse_config
-from devices import autocast, resolve_device, resolve_dtype
+from devices import DTYPES, autocast, resolve_device, resolve_dtype
 from model import GPT, IGNORE_INDEX, Block, ModelConfig, build_model, download_from_hub, peak_flops
 
 # ModelConfig fields a TrainConfig sets directly; the vocabulary and padding id come from the dataset
@@ -151,7 +151,7 @@ class TrainConfig:
     def __post_init__(self):
         choices = {
             # settings with a fixed set of values; the model's own (arch, norm, ...) are checked by ModelConfig below
-            "dtype": ("auto", "float32", "bfloat16", "float16"),
+            "dtype": DTYPES,
             "lr_schedule": ("cosine", "noam"),
             "backend": ("auto", "nccl", "gloo"),
             "optimizer": ("adamw", "muon"),

@@ -5,6 +5,7 @@ import contextlib
 import copy
 import dataclasses
 import errno
+import io
 import math
 import os
 import pickle
@@ -1139,7 +1140,7 @@ def test_a_failed_sharded_save_is_one_line_and_keeps_the_previous_checkpoint(tmp
             raise CheckpointException("save", {1: (OSError(errno.ENOSPC, "No space left on device"), None)})
 
         monkeypatch.setattr(checkpoint.dcp, "save", full_disk)
-        with pytest.raises(OSError, match=r"ckpt.pt \(No space left on device\); the previous ckpt.pt, if any, is"):
+        with pytest.raises(OSError, match=r"ckpt.pt \(No space left on device; [\d.]+ GiB free there\); the previous"):
             checkpoint.save_sharded(tensors, {**state, "iter_num": 6}, path, rank=0)
         assert load_checkpoint(path, weights=False)["iter_num"] == 5
         monkeypatch.undo()
@@ -1148,7 +1149,7 @@ def test_a_failed_sharded_save_is_one_line_and_keeps_the_previous_checkpoint(tmp
             raise OSError(errno.EROFS, "Read-only file system")
 
         monkeypatch.setattr(checkpoint, "write_file", read_only)
-        with pytest.raises(OSError, match=r"ckpt.pt \(Read-only file system\); the previous ckpt.pt, if any, is"):
+        with pytest.raises(OSError, match=r"ckpt.pt \(Read-only file system; [\d.]+ GiB free there\); the previous"):
             checkpoint.save_sharded(tensors, {**state, "iter_num": 6}, path, rank=0)
         assert load_checkpoint(path, weights=False)["iter_num"] == 5
         monkeypatch.undo()
@@ -1156,6 +1157,40 @@ def test_a_failed_sharded_save_is_one_line_and_keeps_the_previous_checkpoint(tmp
         assert load_checkpoint(path, weights=False)["iter_num"] == 7
     finally:
         dist.destroy_process_group()
+
+
+def test_a_sharded_save_failing_on_rank_0_stops_both_ranks_with_one_line(tmp_path, env):
+    """Rank 0's state.pt cannot be written: rank 1, past its own shards, hears of it and raises the same OSError."""
+    script = tmp_path / "save.py"
+    script.write_text(
+        "import errno, sys, torch, torch.distributed as dist\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "import checkpoint\n"
+        "from model import ModelConfig, build_model\n"
+        "dist.init_process_group('gloo')\n"
+        "def read_only(state, path):\n"
+        "    raise OSError(errno.EROFS, 'Read-only file system')\n"
+        "checkpoint.write_file = read_only\n"
+        "model = build_model(ModelConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8))\n"
+        "tensors = checkpoint.sharded_state(model, ema_model=None, optimizer=torch.optim.AdamW(model.parameters()))\n"
+        "try:\n"
+        "    checkpoint.save_sharded(tensors, {}, sys.argv[1], dist.get_rank())\n"
+        "except OSError as e:\n"
+        "    print(f'rank {dist.get_rank()}: {e}', flush=True)\n"
+        "dist.destroy_process_group()\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+        + [str(tmp_path / "ckpt.pt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: could not write {tmp_path / 'ckpt.pt'} (Read-only file system; " in run.stdout
+    assert not (tmp_path / "ckpt.pt").exists() and not (tmp_path / ".ckpt.pt.new").exists()  # nothing left
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save's, in this one process
@@ -1713,6 +1748,30 @@ def test_an_out_dir_that_cannot_be_written_is_one_line_before_any_work(tmp_path,
         error = capsys.readouterr().err.strip()
         assert len(error.splitlines()) == 1 and "is a file" in error and "--out_dir" in error
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_a_full_disk_is_an_oserror_where_torch_save_reports_a_runtimeerror(tmp_path, monkeypatch):
+    """
+    On a real full disk torch.save raises RuntimeError('... unexpected pos ...') (its writer swallows the OSError):
+    save_checkpoint must still give its one line with the OS's message, and leave no temporary file.
+    """
+    import checkpoint
+
+    class FullDisk(io.BytesIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def like_torch(obj, f):  # what torch.save does on a real file whose write fails
+        try:
+            f.write(b"PK")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
+
+    monkeypatch.setattr(checkpoint, "open", lambda path, mode: FullDisk(), raising=False)
+    monkeypatch.setattr(torch, "save", like_torch)
+    with pytest.raises(OSError, match=r"^could not write .*ckpt.pt \(No space left on device\); the previous"):
+        save_checkpoint({"format_version": 2}, tmp_path / "ckpt.pt")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_failed_save_mid_run_names_the_file_and_keeps_the_last_checkpoint(tmp_path, data_root, monkeypatch, capsys):
