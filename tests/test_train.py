@@ -732,12 +732,12 @@ def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
     data = tokens.load_tokens(Path(data_root) / "shakespeare_char" / "train.bin")
     objective = Objective("gpt", data_vocab=65)
     rt = Runtime(device=device, dtype=torch.bfloat16)
-    batches = train.TrainBatches(data, objective, cfg, torch.Generator().manual_seed(0), rt, per_rank=2)
+    stream = train.TrainBatches(data, objective, cfg, torch.Generator().manual_seed(0), rt, per_rank=2)
     losses = train.StepLosses(rt)
     try:
         for iteration in range(4):  # the first step creates the optimizer's state: not checked
-            micro_batches, n_targets, _ = batches.peek()
-            batches.advance()
+            micro_batches, n_targets, _ = stream.peek()
+            stream.advance()
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error" if iteration else "default")
             try:
@@ -755,7 +755,7 @@ def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     finally:
-        batches.close()
+        stream.close()
     read = losses.read()
     assert sorted(read) == [0, 1, 2, 3] and all(math.isfinite(v) for v in read.values())
     assert losses.take_unreported() == 0
