@@ -509,9 +509,12 @@ def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False
     return model, Tokenizer.from_meta(meta), meta
 
 
-def model_from_checkpoint(ckpt):
-    """The model a loaded checkpoint describes, with its weights, in eval mode."""
+def model_from_checkpoint(ckpt, **overrides):
+    """
+    The model a loaded checkpoint describes, with its weights, in eval mode. overrides: ModelConfig fields that
+    keep the weights, such as dropout for a new run from them.
+    """
     # the architecture from the saved settings, then its weights: load_state_dict is strict, so a mismatch raises
-    model = build_model(ModelConfig.from_dict(ckpt["model_config"]))
+    model = build_model(ModelConfig.from_dict({**ckpt["model_config"], **overrides}))
     model.load_state_dict(ckpt["model"])
     return model.eval()

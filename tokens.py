@@ -522,17 +522,20 @@ def tokenizer_json_file(path) -> Path:
     return file
 
 
+def read_json(path, missing, fix=""):
+    """The JSON in file path; one-line errors: FileNotFoundError saying `missing`, ValueError ending with `fix`."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found; {missing}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({one_line(err)}){fix}") from None
+
+
 def model_config(folder) -> dict:
     """The config.json of a Hugging Face model folder, as a dict; a missing or malformed file raises one line."""
     path = Path(folder).expanduser() / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"{path} not found; a Hugging Face model folder holds config.json (save_pretrained writes it)"
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON ({one_line(err)})") from None
+    config = read_json(path, missing="a Hugging Face model folder holds config.json (save_pretrained writes it)")
     if not isinstance(config, dict):
         raise ValueError(f"{path} is not a model config (a JSON object)")
     return config
@@ -621,14 +624,11 @@ def dataset_dir(name: str, data_dir=None) -> Path:
 def load_meta(dataset_dir) -> dict:
     """The contents of a prepared dataset's meta.json (see README.md, section Data)."""
     path = Path(dataset_dir) / "meta.json"
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"{path} not found; prepare the data first: python prepare_data.py {Path(dataset_dir).name}"
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON ({one_line(err)}); re-create the dataset with --force") from None
+    meta = read_json(
+        path,
+        missing=f"prepare the data first: python prepare_data.py {Path(dataset_dir).name}",
+        fix="; re-create the dataset with --force",
+    )
     # what training and sampling read; a meta.json without them is foreign or cut short
     required = ("format_version", "kind", "tokenizer", "vocab_size", "special_tokens", "files")
     if not isinstance(meta, dict) or any(key not in meta for key in required):

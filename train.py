@@ -848,9 +848,7 @@ def checkpoint_weights(path, cfg, meta):
     if saved["tokenizer"] != meta["tokenizer"]:
         raise ConfigError(f"{path} was trained with another tokenizer than dataset={cfg.dataset}'s")
     # its architecture and weights; dropout is the new run's (0 to evaluate, 0.1 to fine-tune on little data)
-    model = build_model(ModelConfig.from_dict({**ckpt["model_config"], "dropout": cfg.dropout}))
-    model.load_state_dict(ckpt["model"])
-    return model, saved
+    return model_from_checkpoint(ckpt, dropout=cfg.dropout).train(), saved
 
 
 UNAVERAGED_NOTE = "note: training goes on from the un-averaged weights; their average is dropped (ema_decay=0)"
