@@ -1,7 +1,9 @@
 """
 Where a script runs and in which precision: the `device` and `dtype` settings of train.py and sample.py resolved
-for this machine, and autocast for mixed precision.
+for this machine, autocast for mixed precision, and the peak FLOP/s of known GPUs (for MFU).
 """
+
+import re
 
 import torch
 
@@ -45,3 +47,29 @@ def resolve_dtype(name, device):
 def autocast(device, dtype):
     """Mixed precision for forward passes when dtype is not float32; a no-op otherwise."""
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+# Peak dense bf16 tensor-core FLOP/s (no sparsity) from the vendors' data sheets, keyed by a pattern searched in the
+# name torch.cuda.get_device_name returns. Tried in order: a variant comes before the family name it contains.
+PEAK_FLOPS = (
+    (r"\bH100 PCIe\b", 756e12),  # "NVIDIA H100 PCIe"
+    (r"\b(H100|H200) NVL\b", 835e12),  # "NVIDIA H100 NVL", "NVIDIA H200 NVL"
+    (r"\b(H100|H200|GH200)\b", 989e12),  # SXM: "NVIDIA H100 80GB HBM3", "NVIDIA H200"; the GH200 superchip
+    (r"\bA100\b", 312e12),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB"
+    (r"\bA10G\b", 70e12),
+    (r"\bA10\b", 125e12),
+    (r"\bL40S\b", 362e12),
+    (r"\bL40\b", 181e12),
+    (r"\bL4\b", 121e12),
+    (r"\bV100-PCIE\b", 112e12),  # fp16 for V100 and T4, which have no bf16. "Tesla V100-PCIE-32GB"
+    (r"\bV100S\b", 130e12),  # "Tesla V100S-PCIE-32GB"
+    (r"\bV100\b", 125e12),  # "Tesla V100-SXM2-16GB"
+    (r"\bT4\b", 65e12),  # "Tesla T4"
+    (r"\bRTX 4090\b", 165e12),  # "NVIDIA GeForce RTX 4090"
+    (r"\bRTX 3090\b", 71e12),
+)
+
+
+def peak_flops(device_name):
+    """Peak dense bf16 FLOP/s of a GPU from its torch.cuda.get_device_name(); None for one not in PEAK_FLOPS."""
+    return next((peak for pattern, peak in PEAK_FLOPS if re.search(pattern, device_name)), None)

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from batches import Objective, mask_tokens, seq2seq_batch
 from checkpoint import load_model
 from config import parse_config
+from data import Objective, mask_tokens, seq2seq_batch
 from devices import DTYPES, autocast, resolve_device, resolve_dtype
 from model import IGNORE_INDEX
 from prepare_data import MIRROR_ENV

@@ -10,7 +10,6 @@ Shape letters used in comments:
 
 import json
 import math
-import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -28,32 +27,6 @@ IGNORE_INDEX = -100  # targets with this value add nothing to the loss (padding,
 # matmuls stay large enough to be fast while the float32 copy of the logits stays bounded.
 LOSS_CHUNK_BYTES = 16 * 2**20
 ACCELERATOR_LOSS_CHUNK_BYTES = 2**30
-
-# Peak dense bf16 tensor-core FLOP/s (no sparsity) from the vendors' data sheets, keyed by a pattern searched in the
-# name torch.cuda.get_device_name returns. Tried in order: a variant comes before the family name it contains.
-PEAK_FLOPS = (
-    (r"\bH100 PCIe\b", 756e12),  # "NVIDIA H100 PCIe"
-    (r"\b(H100|H200) NVL\b", 835e12),  # "NVIDIA H100 NVL", "NVIDIA H200 NVL"
-    (r"\b(H100|H200|GH200)\b", 989e12),  # SXM: "NVIDIA H100 80GB HBM3", "NVIDIA H200"; the GH200 superchip
-    (r"\bA100\b", 312e12),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB"
-    (r"\bA10G\b", 70e12),
-    (r"\bA10\b", 125e12),
-    (r"\bL40S\b", 362e12),
-    (r"\bL40\b", 181e12),
-    (r"\bL4\b", 121e12),
-    (r"\bV100-PCIE\b", 112e12),  # fp16 for V100 and T4, which have no bf16. "Tesla V100-PCIE-32GB"
-    (r"\bV100S\b", 130e12),  # "Tesla V100S-PCIE-32GB"
-    (r"\bV100\b", 125e12),  # "Tesla V100-SXM2-16GB"
-    (r"\bT4\b", 65e12),  # "Tesla T4"
-    (r"\bRTX 4090\b", 165e12),  # "NVIDIA GeForce RTX 4090"
-    (r"\bRTX 3090\b", 71e12),
-)
-
-
-def peak_flops(device_name):
-    """Peak dense bf16 FLOP/s of a GPU from its torch.cuda.get_device_name(); None for one not in PEAK_FLOPS."""
-    return next((peak for pattern, peak in PEAK_FLOPS if re.search(pattern, device_name)), None)
-
 
 ARCHS = ("gpt", "encoder", "encoder_decoder")
 CHOICES = {

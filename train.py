@@ -42,15 +42,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import prepare_data
 import tokens
-from batches import (
-    Objective,
-    count_targets,
-    count_tokens,
-    get_batch,
-    make_objective,
-    micro_seeds,
-    seq2seq_batch,
-)
 from checkpoint import (
     all_finite,
     is_checkpoint,
@@ -68,8 +59,17 @@ from checkpoint import (
     write_json,
 )
 from config import ConfigError, parse_config
-from devices import DTYPES, autocast, resolve_device, resolve_dtype
-from model import GPT, IGNORE_INDEX, Block, ModelConfig, build_model, download_from_hub, peak_flops
+from data import (
+    Objective,
+    count_targets,
+    count_tokens,
+    get_batch,
+    make_objective,
+    micro_seeds,
+    seq2seq_batch,
+)
+from devices import DTYPES, autocast, peak_flops, resolve_device, resolve_dtype
+from model import GPT, IGNORE_INDEX, Block, ModelConfig, build_model, download_from_hub
 
 # ModelConfig fields a TrainConfig sets directly; the vocabulary and padding id come from the dataset
 MODEL_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name not in ("vocab_size", "pad_token_id"))

@@ -15,8 +15,8 @@ import eval as evaluation
 import prepare_data
 import tokens
 import train
-from batches import Objective, mask_tokens
 from checkpoint import load_checkpoint, model_from_checkpoint
+from data import Objective, mask_tokens
 from model import GPT
 
 # train.py's settings for a real checkpoint in a second or two: 2 layers, 32 wide, 32 positions

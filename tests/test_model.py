@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from devices import peak_flops
 from model import (
     ARCHS,
     GPT,
@@ -21,7 +22,6 @@ from model import (
     KVCache,
     ModelConfig,
     build_model,
-    peak_flops,
     rope_tables,
     sample_next,
 )

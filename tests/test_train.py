@@ -22,14 +22,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import batches
+import data
 import devices
 import prepare_data
 import tokens
 import train
-from batches import Objective, mask_tokens, seq2seq_batch
 from checkpoint import load_checkpoint, model_from_checkpoint, move_into_place, save_checkpoint
 from config import ConfigError, parse_config
+from data import Objective, mask_tokens, seq2seq_batch
 from model import IGNORE_INDEX, Block, ModelConfig, build_model
 from train import (
     MODEL_KEYS,
@@ -367,15 +367,15 @@ def test_val_bpb_is_the_val_loss_in_bits_per_byte_of_its_targets(data_root, shak
     cfg = tiny(data_root, "unused", eval_iters=3, batch_size=2)
     meta = tokens.load_meta(shakespeare_char_dir)
     splits = train.load_splits(shakespeare_char_dir, meta, cfg.block_size)
-    objective, vocab_size, _ = batches.make_objective("gpt", meta, cfg.mask_prob)
+    objective, vocab_size, _ = data.make_objective("gpt", meta, cfg.mask_prob)
     torch.manual_seed(0)
     model = build_model(cfg.model_config(vocab_size))
     byte_lengths = np.random.default_rng(0).integers(0, 4, size=vocab_size)
     result = train.evaluate(model, splits, objective, cfg, Runtime(), byte_lengths)
     bits = n_bytes = 0.0
     # the val split is the second: its batches come from the seeds evaluate draws for it
-    for seed in batches.micro_seeds(torch.Generator().manual_seed(cfg.seed + 2), cfg.eval_iters):
-        (x,), y = batches.get_batch(
+    for seed in data.micro_seeds(torch.Generator().manual_seed(cfg.seed + 2), cfg.eval_iters):
+        (x,), y = data.get_batch(
             splits["val"], objective, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(seed)
         )
         log_p = torch.log_softmax(model(x)[0].double(), dim=-1)
