@@ -24,19 +24,20 @@ import random
 import re
 import secrets
 import shutil
-import string
 import sys
 import urllib.request
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
+from tasks import CHARS, MAX_NUMBER, distinct_sources, random_source, solve
 from tokens import (
     DATA_DIR_ENV,
     FORMAT_VERSION,
+    MIRROR_ENV,
     SEQ2SEQ_SPLITS,
     TOKENIZER_JSON,
     DownloadError,
@@ -54,32 +55,26 @@ from tokens import (
     tokenizer_json_file,
 )
 
-# Re-exported for train.py, sample.py and their tests until they import these from tokens.py; remove then.
-
-# a folder of local copies (tinyshakespeare.txt, <dataset>/, <folder>.tsv), used before any download
-MIRROR_ENV = "NANOFORMER_DATA_MIRROR"
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 # pins the content: a mirror, cache or download that differs is refused, never tokenized
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
-_BLOCK_BYTES = 1 << 18  # text is read, cut and encoded in pieces of about this size
-_BATCH_PIECES = 16  # pieces per tiktoken batch: enough work for every thread, bounded memory
-_BATCH_DOCS = 1024  # documents (or pairs) per batch for the Hugging Face streams
-_CUT_CONTEXT = 64  # characters either side of a cut that a tokenizer.json must encode alike whole and cut
-_SYNTH_SYMBOLS = string.digits + string.ascii_lowercase  # what reverse/sort strings are made of
-_SYNTH_CHARS = sorted(" -" + _SYNTH_SYMBOLS)  # one vocabulary for all synthetic tasks
+BLOCK_BYTES = 1 << 18  # text is read, cut and encoded in pieces of about this size
+BATCH_PIECES = 16  # pieces per tiktoken batch: enough work for every thread, bounded memory
+BATCH_DOCS = 1024  # documents (or pairs) per batch for the Hugging Face streams
+CUT_CONTEXT = 64  # characters either side of a cut that a tokenizer.json must encode alike whole and cut
 
 # train.py forwards its data_options dict to prepare(), so there the same option is spelled as a dict entry
-_INPUT_OPTION = "--input PATH (in train.py: --data_options=\"{'input': 'PATH'}\")"
+INPUT_OPTION = "--input PATH (in train.py: --data_options=\"{'input': 'PATH'}\")"
 
 
-def _gpt2_spec() -> dict:
-    # meta.json's tokenizer entry for GPT-2 BPE; a function, so every meta gets a dict of its own
+def gpt2_spec():
+    """meta.json's tokenizer entry for GPT-2 BPE: a new dict on each call, so no two metas share one."""
     return {"type": "tiktoken", "encoding": "gpt2"}
 
 
-def _describe(spec: dict) -> str:
-    # a tokenizer spec as a person reads it, for messages
+def describe_tokenizer(spec):
+    """A tokenizer spec as a person reads it, for messages: 'char-level, 65 symbols', 'tiktoken gpt2', ..."""
     if spec.get("type") == "char":
         return f"char-level, {len(spec['chars'])} symbols"
     if spec.get("type") == "huggingface":
@@ -106,7 +101,7 @@ class Option:
     fraction: bool = False  # True: the value must lie strictly between 0 and 1
     file: Callable | None = None  # (value) -> file: a value outside choices names this file, recorded by its hash
 
-    def resolve(self, dataset: str, value):
+    def resolve(self, dataset, value):
         """`value` converted to the option's type and checked; a bad one raises ValueError naming the option."""
         # None is 'not set': kept, so the builder applies the default that fits (all cores, no limit)
         if value is None:
@@ -136,33 +131,38 @@ class Option:
         if self.file is None or value is None or value in self.choices:
             return value
         # by content, not by path: the same path may hold another file tomorrow, and a copy elsewhere is the same
-        return {"sha256": _sha256(self.file(value))}
+        return {"sha256": file_sha256(self.file(value))}
 
 
-def _count(name: str, default: int | None, help_text: str) -> Option:
+def count_option(name, default, help_text):
+    """An integer option that must be at least 1: a count of examples, documents, pairs or tokens."""
     return Option(name, int, default, help_text, at_least=1)
 
 
-def _fraction(name: str, default: float, help_text: str) -> Option:
+def fraction_option(name, default, help_text):
+    """A float option strictly between 0 and 1: the share of the data a held-out split gets."""
     return Option(name, float, default, help_text, fraction=True)
 
 
-def _num_proc() -> Option:
+def num_proc_option():
+    """The tokenizer's thread count; not set (None), every core."""
     # threads change the speed, never the ids: another thread count does not rebuild
     return Option("num_proc", int, None, "tokenizer threads (default: all cores)", affects_output=False, at_least=1)
 
 
-def _tokenizer(names: tuple[str, ...], default: str, help_text: str) -> Option:
-    # any value but the names is a tokenizer.json or a folder holding one (a Hugging Face model folder)
+def tokenizer_option(names, default, help_text):
+    """The tokenizer: one of `names`, or else a tokenizer.json or a folder holding one (a Hugging Face model folder)."""
     return Option("tokenizer", str, default, help_text, choices=names, file=tokenizer_json_file)
 
 
-def _input(help_text: str) -> Option:
+def input_option(help_text):
+    """--input: local files to read instead of the recipe's usual source (required where there is none)."""
     # the input's identity enters the record through its fingerprint, not its spelling
     return Option("input", str, None, help_text, affects_output=False)
 
 
-def _resolve_options(name: str, options: tuple[Option, ...], given: dict) -> dict:
+def resolve_options(name, options, given):
+    """Every option of dataset `name`: its value in `given`, converted and checked, else its default."""
     # an unknown option is an error, not ignored: a typo would otherwise build with the default
     known = {o.name: o for o in options}
     unknown = sorted(set(given) - known.keys())
@@ -175,8 +175,8 @@ def _resolve_options(name: str, options: tuple[Option, ...], given: dict) -> dic
 # ----------------------------------------------------------------------------- reading text
 
 
-def _expand_input(spec: str) -> list[Path]:
-    # The files named by a path, a directory (recursively, hidden files left out) or a glob.
+def expand_input(spec):
+    """The files named by a path, a directory (recursively, hidden files left out) or a glob."""
     path = Path(spec).expanduser()
     if path.is_file():
         return [path]
@@ -199,21 +199,21 @@ def _expand_input(spec: str) -> list[Path]:
     raise FileNotFoundError(f"input {spec} does not exist; pass an existing file, directory or glob")
 
 
-def _fingerprint(files: list[Path]) -> list:
-    # What identifies local inputs cheaply: path, size and modification time.
+def input_fingerprint(files):
+    """What identifies local input files cheaply: [path, size, modification time] for each."""
     # no hashing: the up-to-date check should take milliseconds, not a read of every input byte
     return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 
-def _decoded_blocks(path: Path) -> Iterator[str]:
-    # The text of a UTF-8 file in blocks; undecodable or binary content raises naming the file.
+def decoded_blocks(path):
+    """The text of a UTF-8 file in blocks of about BLOCK_BYTES; undecodable or binary content raises naming the file."""
     # incremental: a character whose bytes straddle two blocks is held back until its last byte comes
     decoder = codecs.getincrementaldecoder("utf-8")()
     # bytes before the current block, for the error message
     offset = 0
     with open(path, "rb") as f:
         while True:
-            raw = f.read(_BLOCK_BYTES)
+            raw = f.read(BLOCK_BYTES)
             try:
                 # an empty read is the end of the file: final=True turns a dangling partial character into an error
                 text = decoder.decode(raw, final=not raw)
@@ -232,8 +232,11 @@ def _decoded_blocks(path: Path) -> Iterator[str]:
             offset += len(raw)
 
 
-def _last_cut(text: str) -> int:
-    # The last index i > 0 with text[i] == '\n' and text[i + 1] not whitespace, or 0.
+def last_newline_cut(text):
+    """The last index i > 0 where text[i] is a newline and text[i + 1] is not whitespace, or 0 if there is none.
+
+    Where GPT-2 BPE text may be cut: see text_pieces.
+    """
     # the last character is left out: a newline there has no next character to test yet
     i = text.rfind("\n", 0, len(text) - 1)
     while i > 0:
@@ -244,19 +247,20 @@ def _last_cut(text: str) -> int:
     return 0
 
 
-def _checked_cut(tokenizer: Tokenizer, text: str) -> int:
-    # The cut for a tokenizer.json: just after or just before the newline that _last_cut finds, whichever leaves the
-    # ids around it unchanged (checked on _CUT_CONTEXT characters either side); 0 if neither does.
-    #
-    # Pre-tokenizers keep tokens from crossing a newline on one side or the other: GPT-2's may join ' \n' but never
-    # '\nA', Llama 3's joins ':\n' but never '\nA'. A tokenizer that marks the start of every text it is given
-    # (sentencepiece's '▁' in Llama 2 and Mistral) fails both checks: its text is never cut, and each file's split is
-    # encoded whole.
-    i = _last_cut(text)
+def checked_cut(tokenizer, text):
+    r"""The cut for a tokenizer.json: just after or just before the newline that last_newline_cut finds, whichever
+    leaves the ids around it unchanged (checked on CUT_CONTEXT characters either side); 0 if neither does.
+
+    Pre-tokenizers keep tokens from crossing a newline on one side or the other: GPT-2's may join ' \n' but never
+    '\nA', Llama 3's joins ':\n' but never '\nA'. A tokenizer that marks the start of every text it is given
+    (sentencepiece's '▁' in Llama 2 and Mistral) fails both checks: its text is never cut, and each file's split is
+    encoded whole.
+    """
+    i = last_newline_cut(text)
     if not i:
         return 0
     # the same window for all three encodings: its ends, which may fall inside a word, agree whole and cut
-    start, end = max(0, i - _CUT_CONTEXT), i + 1 + _CUT_CONTEXT
+    start, end = max(0, i - CUT_CONTEXT), i + 1 + CUT_CONTEXT
     whole = tokenizer.encode(text[start:end])
     for cut in (i + 1, i):
         if tokenizer.encode(text[start:cut]) + tokenizer.encode(text[cut:end]) == whole:
@@ -264,13 +268,14 @@ def _checked_cut(tokenizer: Tokenizer, text: str) -> int:
     return 0
 
 
-def _pieces(blocks: Iterable[str], last_cut: Callable[[str], int] = _last_cut) -> Iterator[str]:
-    # Regroup text blocks into pieces that BPE-encode exactly like the whole text.
-    #
-    # GPT-2 pre-tokenization always makes a newline followed by a non-space character a
-    # token of its own, and no token crosses it; cutting just before such a newline therefore
-    # leaves the ids unchanged, so pieces can be encoded independently, in parallel. Another
-    # tokenizer passes its own last_cut (_checked_cut).
+def text_pieces(blocks, last_cut=last_newline_cut):
+    """Regroup text blocks into pieces that BPE-encode exactly like the whole text.
+
+    GPT-2 pre-tokenization always makes a newline followed by a non-space character a
+    token of its own, and no token crosses it; cutting just before such a newline therefore
+    leaves the ids unchanged, so pieces can be encoded independently, in parallel. Another
+    tokenizer passes its own last_cut(text) -> index (checked_cut).
+    """
     # the text after the last cut waits for the next block, which may continue its last token
     carry = ""
     for block in blocks:
@@ -284,30 +289,31 @@ def _pieces(blocks: Iterable[str], last_cut: Callable[[str], int] = _last_cut) -
         yield carry
 
 
-def _scan_text(files: list[Path]) -> tuple[int, set[str]]:
-    # Character count and character set of the files, validating that each is UTF-8 text.
+def scan_text(files):
+    """(character count, set of characters) of the files, validating that each is UTF-8 text."""
     # a first full pass: the char vocabulary and the split point must be known before any id is
     # written, and a file that is not text should fail before the slow pass
     total, chars = 0, set()
     # disable=None: the bar shows on a terminal only, never in logs or tests
     with tqdm(desc="scanning", unit="char", unit_scale=True, disable=None) as bar:
         for path in files:
-            for block in _decoded_blocks(path):
+            for block in decoded_blocks(path):
                 total += len(block)
                 chars.update(block)
                 bar.update(len(block))
     return total, chars
 
 
-def _corpus_items(files: list[Path], split_at: int, last_cut: Callable[[str], int]) -> Iterator[tuple[str, str | None]]:
-    # ("train" | "val", text) pieces of the concatenated files, and (split, None) after each non-empty file.
-    #
-    # The first `split_at` characters are train, the rest val, exactly as nanoGPT cuts.
+def corpus_items(files, split_at, last_cut):
+    """("train" | "val", text) pieces of the concatenated files, and (split, None) after each non-empty file.
+
+    The first `split_at` characters are train, the rest val, exactly as nanoGPT cuts.
+    """
     pos = 0
     for path in files:
         # pos: characters of all files so far; start: where this file began
         start = pos
-        for piece in _pieces(_decoded_blocks(path), last_cut):
+        for piece in text_pieces(decoded_blocks(path), last_cut):
             # a piece straddling split_at is cut there: val starts at exactly nanoGPT's character
             end = pos + len(piece)
             if end <= split_at:
@@ -318,29 +324,30 @@ def _corpus_items(files: list[Path], split_at: int, last_cut: Callable[[str], in
                 yield "train", piece[: split_at - pos]
                 yield "val", piece[split_at - pos :]
             pos = end
-        # the end-of-file marker joins the split the file ended in; _encode_items makes it end-of-text
+        # the end-of-file marker joins the split the file ended in; encode_items makes it end-of-text
         if pos > start:
             yield ("train" if pos <= split_at else "val"), None
 
 
-def _batched(items: Iterable, n: int) -> Iterator[list]:
-    # lists of n items from a stream, the last one shorter (itertools.batched needs Python 3.12)
+def batched(items, n):
+    """Lists of n items from a stream, the last one shorter (itertools.batched needs Python 3.12)."""
     it = iter(items)
     while batch := list(itertools.islice(it, n)):
         yield batch
 
 
-def bpe_batches(text: str) -> list[list[str]]:
+def bpe_batches(text):
     """`text` cut into the pieces, in the batches, that prepare() BPE-encodes in parallel (bench.py times these)."""
     # blocks as if read from a file, so the pieces match those of a real prepare() run
-    blocks = (text[i : i + _BLOCK_BYTES] for i in range(0, len(text), _BLOCK_BYTES))
-    return list(_batched(_pieces(blocks), _BATCH_PIECES))
+    blocks = (text[i : i + BLOCK_BYTES] for i in range(0, len(text), BLOCK_BYTES))
+    return list(batched(text_pieces(blocks), BATCH_PIECES))
 
 
 # ----------------------------------------------------------------------------- inputs and downloads
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path):
+    """The sha256 of a file's content, as hex."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         # 1 MiB at a time: any file size in constant memory
@@ -349,8 +356,8 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _download(url: str, dest: Path, sha256: str, hint: str) -> None:
-    # Fetch `url` into `dest` atomically, refusing content whose sha256 differs.
+def download(url, dest, sha256, hint):
+    """Fetch `url` into `dest` atomically, refusing content whose sha256 differs; failures end with `hint`."""
     # the first download creates <root>/downloads/
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -369,7 +376,7 @@ def _download(url: str, dest: Path, sha256: str, hint: str) -> None:
         raise DownloadError(f"could not download {url} ({one_line(err)}); {hint}") from None
 
 
-def shakespeare_file(input_path: str | None, root: Path) -> Path:
+def shakespeare_file(input_path, root):
     """tiny Shakespeare from input_path, else $NANOFORMER_DATA_MIRROR, else <root>/downloads/, else the web."""
     if input_path:
         # an explicit --input is taken as given, unhashed: the user may want another text on purpose
@@ -377,14 +384,14 @@ def shakespeare_file(input_path: str | None, root: Path) -> Path:
         if not path.is_file():
             raise FileNotFoundError(f"--input {input_path} is not a file")
         return path
-    hint = f"pass a local copy as {_INPUT_OPTION}, or set {MIRROR_ENV} to a folder holding tinyshakespeare.txt"
+    hint = f"pass a local copy as {INPUT_OPTION}, or set {MIRROR_ENV} to a folder holding tinyshakespeare.txt"
     mirror = os.environ.get(MIRROR_ENV)
     if mirror:
         # the mirror may hold the file flat or in char-rnn's layout, tinyshakespeare/input.txt
         for candidate in (Path(mirror) / "tinyshakespeare.txt", Path(mirror) / "tinyshakespeare" / "input.txt"):
             if candidate.is_file():
                 # other content in the mirror is an error, not a silent fallback to the web
-                if _sha256(candidate) != SHAKESPEARE_SHA256:
+                if file_sha256(candidate) != SHAKESPEARE_SHA256:
                     raise ValueError(
                         f"{candidate} is not tiny Shakespeare (sha256 differs from {SHAKESPEARE_SHA256}); "
                         f"replace it, or {hint}"
@@ -392,13 +399,13 @@ def shakespeare_file(input_path: str | None, root: Path) -> Path:
                 return candidate
     # the download cache: fetched again when absent or damaged
     cached = root / "downloads" / "tinyshakespeare.txt"
-    if not (cached.is_file() and _sha256(cached) == SHAKESPEARE_SHA256):
-        _download(SHAKESPEARE_URL, cached, SHAKESPEARE_SHA256, hint)
+    if not (cached.is_file() and file_sha256(cached) == SHAKESPEARE_SHA256):
+        download(SHAKESPEARE_URL, cached, SHAKESPEARE_SHA256, hint)
     return cached
 
 
-def _load_local_dataset(files: list[Path]):
-    # A streaming `datasets` view of local parquet/json/jsonl/arrow files: the hub's code path, offline.
+def load_local_dataset(files):
+    """A streaming `datasets` view of local parquet/json/jsonl/arrow files: the hub's code path, offline."""
     import datasets  # imported on use: it is slow to import and only these datasets need it
 
     builders = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".arrow": "arrow"}
@@ -415,7 +422,8 @@ def _load_local_dataset(files: list[Path]):
     return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in files], split="train", streaming=True)
 
 
-def _load_hub_dataset(hf_dataset: str, hf_config: str | None, hint: str):
+def load_hub_dataset(hf_dataset, hf_config, hint):
+    """The train split of a Hugging Face hub dataset, streamed; a failure raises DownloadError ending with `hint`."""
     import datasets
 
     # for the message only
@@ -429,7 +437,8 @@ def _load_hub_dataset(hf_dataset: str, hf_config: str | None, hint: str):
         ) from None
 
 
-def _mirror_entry(name: str) -> Path | None:
+def mirror_entry(name):
+    """<$NANOFORMER_DATA_MIRROR>/<name>, whether or not it exists; None when no mirror is set."""
     mirror = os.environ.get(MIRROR_ENV)
     # the caller checks whether <mirror>/<name> exists, as a folder or with a suffix
     return Path(mirror) / name if mirror else None
@@ -438,16 +447,19 @@ def _mirror_entry(name: str) -> Path | None:
 # What identifies a dataset's inputs: (name, options, data root) -> (local input files or None, fingerprint).
 
 
-def _translation_folder(opts: dict) -> str:
+def translation_folder(opts):
+    """The translation dataset's folder name: --name, else translation_SRC_TGT."""
     # one folder per language pair unless --name says otherwise
     return opts["name"] or f"translation_{opts['src']}_{opts['tgt']}"
 
 
-def _named_folder(opts: dict) -> str:
+def named_folder(opts):
+    """The folder name that --name gives."""
     return opts["name"]
 
 
-def _shakespeare_folder(opts: dict) -> str:
+def shakespeare_folder(opts):
+    """'shakespeare' for GPT-2 BPE, else shakespeare_<the tokenizer's model folder or file name>."""
     # another tokenizer's ids get a folder of their own, named after it: 'shakespeare' stays GPT-2's
     if opts["tokenizer"] == "gpt2":
         return "shakespeare"
@@ -458,49 +470,53 @@ def _shakespeare_folder(opts: dict) -> str:
     return "shakespeare_" + re.sub(r"[^\w.-]", "_", label or "tokenizer")
 
 
-def _shakespeare_inputs(name, opts, root):
+def shakespeare_inputs(name, opts, root):
+    """tiny Shakespeare's file, found or downloaded, and its sha256."""
     path = shakespeare_file(opts["input"], root)
-    return [path], _sha256(path)  # by content: the mirror, the cache and --input all count as the same text
+    return [path], file_sha256(path)  # by content: the mirror, the cache and --input all count as the same text
 
 
-def _text_inputs(name, opts, root):
+def text_inputs(name, opts, root):
+    """The files --input names (required), and their fingerprint."""
     if not opts["input"]:
         # there is no default corpus for this recipe
-        raise ValueError(f"text needs {_INPUT_OPTION}: a UTF-8 text file, a directory or a glob such as 'books/*.txt'")
-    files = _expand_input(opts["input"])
-    return files, _fingerprint(files)
+        raise ValueError(f"text needs {INPUT_OPTION}: a UTF-8 text file, a directory or a glob such as 'books/*.txt'")
+    files = expand_input(opts["input"])
+    return files, input_fingerprint(files)
 
 
-def _hf_lm_inputs(name, opts, root):
-    # --input first, then a mirror folder named after the dataset, else the hub
-    mirror = _mirror_entry(name)
+def hf_lm_inputs(name, opts, root):
+    """--input's files, else those of a mirror folder named after the dataset; (None, None) for the hub."""
+    mirror = mirror_entry(name)
     if opts["input"]:
-        files = _expand_input(opts["input"])
+        files = expand_input(opts["input"])
     elif mirror is not None and mirror.is_dir():
-        files = _expand_input(str(mirror))
+        files = expand_input(str(mirror))
     else:
         return None, None  # the hub; its identity is hf_dataset/hf_config
-    return files, _fingerprint(files)
+    return files, input_fingerprint(files)
 
 
-def _translation_inputs(name, opts, root):
+def translation_inputs(name, opts, root):
+    """--input's file, else <mirror>/<folder>.tsv or .jsonl; (None, None) for the hub."""
     if opts["input"]:
         path = Path(opts["input"]).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"--input {opts['input']} is not a file")
     else:
         # no --input: <mirror>/<folder>.tsv or .jsonl, else the hub
-        mirror = _mirror_entry(_translation_folder(opts))
+        mirror = mirror_entry(translation_folder(opts))
         candidates = [mirror.parent / f"{mirror.name}{suffix}" for suffix in (".tsv", ".jsonl")] if mirror else []
         path = next((p for p in candidates if p.is_file()), None)
         if path is None:
             return None, None  # the hub; its identity is hf_dataset/hf_config
     if path.suffix.lower() not in (".tsv", ".jsonl"):
         raise ValueError(f"{path} must be a .tsv (source<TAB>target) or .jsonl file of translation pairs")
-    return [path], _fingerprint([path])
+    return [path], input_fingerprint([path])
 
 
-def _synthetic_inputs(name, opts, root):
+def synthetic_inputs(name, opts, root):
+    """No inputs: a synthetic dataset is generated."""
     return None, None  # generated: the options alone decide the output
 
 
@@ -511,8 +527,8 @@ def _synthetic_inputs(name, opts, root):
 # It calls check_tokenizer(spec) as soon as the tokenizer is known, before the slow part.
 
 
-def _write_lm(stage: Path, items: Iterable[tuple[str, Sequence[int]]], vocab_size: int) -> dict[str, int]:
-    # Stream (split, ids) items into train.bin and val.bin; both must end up non-empty.
+def write_lm(stage, items, vocab_size):
+    """Stream (split, ids) items into train.bin and val.bin; both must end up non-empty. Returns their token counts."""
     with contextlib.ExitStack() as stack:
         # both files open at once, as items of the two splits may interleave; each is renamed into place
         # only when the stack closes without an error
@@ -529,11 +545,9 @@ def _write_lm(stage: Path, items: Iterable[tuple[str, Sequence[int]]], vocab_siz
         return {f"{s}.bin": w.finish() for s, w in writers.items()}
 
 
-def _encode_items(
-    items, tokenizer: Tokenizer, eot: int | None, num_threads: int, bar
-) -> Iterator[tuple[str, list[int]]]:
-    # (split, ids) for each (split, text) item in parallel batches; a (split, None) item becomes [eot].
-    for batch in _batched(items, _BATCH_PIECES):
+def encode_items(items, tokenizer, eot, num_threads, bar):
+    """(split, ids) for each (split, text) item, encoded in parallel batches; a (split, None) item becomes [eot]."""
+    for batch in batched(items, BATCH_PIECES):
         # end-of-file markers carry no text: only the texts go to the tokenizer, whose results keep their order
         texts = [text for _, text in batch if text is not None]
         ids = iter(tokenizer.encode_batch(texts, num_threads))
@@ -546,19 +560,21 @@ def _encode_items(
         bar.update(sum(map(len, texts)))
 
 
-def _build_lm_text(stage, name, opts, files, check_tokenizer, *, tokenizer: str, eot_after_files: bool):
-    # train.bin/val.bin from text files: the first (1 - val_fraction) of the characters are train.
-    # tokenizer: 'char', 'bpe' (GPT-2 BPE), or the path of a tokenizer.json or of a folder holding one
+def build_lm_text(stage, name, opts, files, check_tokenizer, *, tokenizer, eot_after_files):
+    """train.bin/val.bin from text files: the first (1 - val_fraction) of the characters are train.
+
+    tokenizer: 'char', 'bpe' (GPT-2 BPE), or the path of a tokenizer.json or of a folder holding one.
+    """
     if tokenizer == "bpe":
         encoding = tiktoken_encoding("gpt2")
         # GPT-2 BPE: 50,257 ids, the last (50256) being <|endoftext|>
-        spec, vocab_size, special = _gpt2_spec(), encoding.n_vocab, {"eot": encoding.eot_token}
+        spec, vocab_size, special = gpt2_spec(), encoding.n_vocab, {"eot": encoding.eot_token}
     elif tokenizer != "char":
         # read before the scan, so a file that cannot be parsed fails at once; bos/eos from config.json beside it
         hf = huggingface_tokenizer(tokenizer)
         spec, vocab_size, special = hf["tokenizer"], hf["vocab_size"], hf["special_tokens"]
     # pass 1: character count and set; also rejects files that are not UTF-8 text
-    total, chars = _scan_text(files)
+    total, chars = scan_text(files)
     if total == 0:
         raise ValueError(f"{opts['input'] or files[0]} holds no text; pass a non-empty --input")
     if tokenizer == "char":
@@ -572,46 +588,50 @@ def _build_lm_text(stage, name, opts, files, check_tokenizer, *, tokenizer: str,
     # documents (files) end with end-of-text: GPT-2's, or a tokenizer.json's eos (none if config.json names none)
     eot = special.get("eot", special.get("eos")) if eot_after_files else None
     # where pieces may be cut: GPT-2's rule is known; a tokenizer.json's is checked at each cut
-    last_cut = functools.partial(_checked_cut, encoder) if spec["type"] == "huggingface" else _last_cut
+    last_cut = functools.partial(checked_cut, encoder) if spec["type"] == "huggingface" else last_newline_cut
     # num_proc is not an option of the Shakespeare recipes: get() then gives None, all cores
     num_threads = opts.get("num_proc") or os.cpu_count()
     # pass 2: read again, cut into pieces, encode them in parallel batches and stream the ids into train.bin
     # and val.bin; every step is a generator, so only one batch of text and ids is in memory at a time
     with tqdm(desc=f"tokenizing {name}", total=total, unit="char", unit_scale=True, disable=None) as bar:
-        items = _encode_items(_corpus_items(files, split_at, last_cut), encoder, eot, num_threads, bar)
-        files_meta = _write_lm(stage, items, vocab_size)
+        items = encode_items(corpus_items(files, split_at, last_cut), encoder, eot, num_threads, bar)
+        files_meta = write_lm(stage, items, vocab_size)
     # the builder's part of meta.json; prepare() adds format_version, name and source
     return {"kind": "lm", "tokenizer": spec, "vocab_size": vocab_size, "special_tokens": special, "files": files_meta}
 
 
-def _build_shakespeare_char(stage, name, opts, files, check_tokenizer):
+def build_shakespeare_char(stage, name, opts, files, check_tokenizer):
+    """tiny Shakespeare, character-level, split 90/10."""
     opts = opts | {"val_fraction": 0.1}
     # 90/10 fixed, as in nanoGPT's data/shakespeare_char, so losses compare; one file, so no end-of-text
-    return _build_lm_text(stage, name, opts, files, check_tokenizer, tokenizer="char", eot_after_files=False)
+    return build_lm_text(stage, name, opts, files, check_tokenizer, tokenizer="char", eot_after_files=False)
 
 
-def _build_shakespeare(stage, name, opts, files, check_tokenizer):
+def build_shakespeare(stage, name, opts, files, check_tokenizer):
+    """tiny Shakespeare with GPT-2 BPE or a tokenizer.json, split 90/10."""
     opts = opts | {"val_fraction": 0.1}
     # as nanoGPT's data/shakespeare: one document, no end-of-text in it; the option's 'gpt2' is text's 'bpe'
     tokenizer = "bpe" if opts["tokenizer"] == "gpt2" else opts["tokenizer"]
-    return _build_lm_text(stage, name, opts, files, check_tokenizer, tokenizer=tokenizer, eot_after_files=False)
+    return build_lm_text(stage, name, opts, files, check_tokenizer, tokenizer=tokenizer, eot_after_files=False)
 
 
-def _build_text(stage, name, opts, files, check_tokenizer):
+def build_text(stage, name, opts, files, check_tokenizer):
+    """The user's text files, with the tokenizer and val fraction of the options."""
     # each file is a document: with BPE an end-of-text (a tokenizer.json's eos) follows it, so the model learns
     # where texts end
-    return _build_lm_text(stage, name, opts, files, check_tokenizer, tokenizer=opts["tokenizer"], eot_after_files=True)
+    return build_lm_text(stage, name, opts, files, check_tokenizer, tokenizer=opts["tokenizer"], eot_after_files=True)
 
 
-def _encode_documents(dataset, tokenizer: Tokenizer, period: int, max_tokens: int | None, num_threads: int, bar):
-    # (split, ids) per batch of documents, each followed by end-of-text.
-    #
-    # Every period-th document, the first included, is val: deterministic, streaming, and
-    # never empty. Stops after the document that reaches max_tokens (kept whole).
+def encode_documents(dataset, tokenizer, period, max_tokens, num_threads, bar):
+    """(split, ids) per batch of documents, each followed by end-of-text.
+
+    Every period-th document, the first included, is val: deterministic, streaming, and
+    never empty. Stops after the document that reaches max_tokens (kept whole).
+    """
     eot = tokenizer.special_tokens["eot"]
     # seen: documents so far, which decides each one's split; written: tokens so far, eot included
     seen = written = 0
-    for batch in dataset.iter(batch_size=_BATCH_DOCS):
+    for batch in dataset.iter(batch_size=BATCH_DOCS):
         if "text" not in batch:
             raise ValueError(f"the input has no 'text' column (its columns: {', '.join(batch)})")
         # one batch of documents becomes two items, the ids of each split concatenated (one may be empty)
@@ -630,17 +650,17 @@ def _encode_documents(dataset, tokenizer: Tokenizer, period: int, max_tokens: in
             return
 
 
-def _build_hf_lm(stage, name, opts, files, check_tokenizer):
-    # Documents streamed through `datasets` (hub or local files), GPT-2 BPE.
-    spec = _gpt2_spec()
+def build_hf_lm(stage, name, opts, files, check_tokenizer):
+    """Documents streamed through `datasets` (hub or local files), GPT-2 BPE."""
+    spec = gpt2_spec()
     check_tokenizer(spec)
     encoding = tiktoken_encoding("gpt2")
     tokenizer = Tokenizer(spec, encoding.n_vocab, {"eot": encoding.eot_token})
     if files is not None:
-        dataset = _load_local_dataset(files)
+        dataset = load_local_dataset(files)
     else:
-        hint = f"pass local parquet/json files as {_INPUT_OPTION}, or set {MIRROR_ENV} to a folder holding {name}/"
-        dataset = _load_hub_dataset(opts["hf_dataset"], opts["hf_config"], hint)
+        hint = f"pass local parquet/json files as {INPUT_OPTION}, or set {MIRROR_ENV} to a folder holding {name}/"
+        dataset = load_hub_dataset(opts["hf_dataset"], opts["hf_config"], hint)
     if opts["max_docs"]:
         # lazy: a streamed dataset reads only the documents taken
         dataset = dataset.take(opts["max_docs"])
@@ -648,10 +668,10 @@ def _build_hf_lm(stage, name, opts, files, check_tokenizer):
     period = max(1, round(1 / opts["val_fraction"]))
     # total None (no --max_docs): the bar counts without an end, as the stream's length is unknown
     with tqdm(desc=f"tokenizing {name}", total=opts["max_docs"], unit="doc", unit_scale=True, disable=None) as bar:
-        items = _encode_documents(
+        items = encode_documents(
             dataset, tokenizer, period, opts["max_tokens"], opts["num_proc"] or os.cpu_count(), bar
         )
-        files_meta = _write_lm(stage, items, tokenizer.vocab_size)
+        files_meta = write_lm(stage, items, tokenizer.vocab_size)
     return {
         "kind": "lm",
         "tokenizer": spec,
@@ -661,8 +681,8 @@ def _build_hf_lm(stage, name, opts, files, check_tokenizer):
     }
 
 
-def _json_pair(obj, src: str, tgt: str) -> tuple[str, str] | None:
-    # (source, target) from {"src", "tgt"}, {src_lang, tgt_lang} or {"translation": {...}}; None if absent.
+def json_pair(obj, src, tgt):
+    """(source, target) from {"src", "tgt"}, {src_lang, tgt_lang} or {"translation": {...}}; None if absent."""
     if not isinstance(obj, dict):
         return None
     # Hugging Face translation datasets nest the pair: {'translation': {'en': ..., 'fr': ...}}
@@ -674,8 +694,8 @@ def _json_pair(obj, src: str, tgt: str) -> tuple[str, str] | None:
     return None
 
 
-def _file_pairs(path: Path, src: str, tgt: str) -> Iterator[tuple[str, str]]:
-    # (source, target) texts of a TSV or JSONL file; a malformed line raises naming the line.
+def file_pairs(path, src, tgt):
+    """(source, target) texts of a TSV or JSONL file; a malformed line raises naming the line."""
     # decoded lazily, line by line: a bad byte surfaces inside the loop, and the except clause at the end
     # catches it for the whole file
     jsonl = path.suffix.lower() == ".jsonl"
@@ -691,7 +711,7 @@ def _file_pairs(path: Path, src: str, tgt: str) -> Iterator[tuple[str, str]]:
                     raise ValueError(f"{where}: contains NUL bytes; is this a binary file?")
                 if jsonl:
                     try:
-                        pair = _json_pair(json.loads(line), src, tgt)
+                        pair = json_pair(json.loads(line), src, tgt)
                     except json.JSONDecodeError as err:
                         raise ValueError(f"{where}: invalid JSON ({err.msg})") from None
                     if pair is None:
@@ -710,12 +730,13 @@ def _file_pairs(path: Path, src: str, tgt: str) -> Iterator[tuple[str, str]]:
         raise ValueError(f"{path} is not UTF-8 text; convert it to UTF-8") from None
 
 
-def _hub_pairs(opts, hint) -> Iterator[tuple[str, str]]:
+def hub_pairs(opts, hint):
+    """(source, target) texts of a hub translation dataset, streamed; one-sided rows are skipped."""
     src, tgt = opts["src"], opts["tgt"]
     # hub translation datasets name their configs by language pair (opus_books: en-fr)
     config = opts["hf_config"] or f"{src}-{tgt}"
-    for row in _load_hub_dataset(opts["hf_dataset"], config, hint):
-        pair = _json_pair(row, src, tgt)
+    for row in load_hub_dataset(opts["hf_dataset"], config, hint):
+        pair = json_pair(row, src, tgt)
         if pair is None:
             raise ValueError(
                 f"{opts['hf_dataset']} rows have no {src!r}/{tgt!r} texts (keys: {', '.join(row)}); check --src/--tgt"
@@ -724,15 +745,19 @@ def _hub_pairs(opts, hint) -> Iterator[tuple[str, str]]:
             yield pair
 
 
-def _pair_split(source: str, val_fraction: float, test_fraction: float) -> str:
+def pair_split(source, val_fraction, test_fraction):
+    """The split ('train', 'val' or 'test') of a pair, decided by its source text."""
     # by a hash of the source text: deterministic, streaming, and duplicates never straddle splits
     # u: uniform in [0, 1); test takes the lowest test_fraction of it, val the next val_fraction
     u = zlib.crc32(source.encode("utf-8")) / 2**32
     return "test" if u < test_fraction else "val" if u < test_fraction + val_fraction else "train"
 
 
-def _write_pairs(stage: Path, pairs: Iterable[tuple[list[int], list[int], str]], vocab_size: int) -> dict:
-    # Stream (src_ids, tgt_ids, split) into the seq2seq files; every split must end up non-empty.
+def write_pairs(stage, pairs, vocab_size):
+    """Stream (src_ids, tgt_ids, split) into the seq2seq files; every split must end up non-empty.
+
+    Returns meta.json's "files" (token counts) and "pairs" (pairs per split).
+    """
     with contextlib.ExitStack() as stack:
         # all splits open at once: pairs arrive in any order; nothing is renamed into place unless all succeed
         writers = {s: PairWriter(stack, stage, s, vocab_size) for s in SEQ2SEQ_SPLITS}
@@ -749,38 +774,39 @@ def _write_pairs(stage: Path, pairs: Iterable[tuple[list[int], list[int], str]],
     return {"files": files, "pairs": counts}
 
 
-def _encode_pairs(pairs, tokenizer: Tokenizer, val_fraction: float, test_fraction: float, num_threads: int, bar):
-    # (src_ids, tgt_ids, split) for each (source, target) text pair, encoded in parallel batches.
-    for batch in _batched(pairs, _BATCH_DOCS):
+def encode_pairs(pairs, tokenizer, val_fraction, test_fraction, num_threads, bar):
+    """(src_ids, tgt_ids, split) for each (source, target) text pair, encoded in parallel batches."""
+    for batch in batched(pairs, BATCH_DOCS):
         # sources and targets in one parallel call: the first len(batch) results are the sources
         ids = tokenizer.encode_batch([s for s, _ in batch] + [t for _, t in batch], num_threads)
         for (source, _), src_ids, tgt_ids in zip(batch, ids, ids[len(batch) :]):
-            yield src_ids, tgt_ids, _pair_split(source, val_fraction, test_fraction)
+            yield src_ids, tgt_ids, pair_split(source, val_fraction, test_fraction)
         bar.update(len(batch))
 
 
-def _build_translation(stage, name, opts, files, check_tokenizer):
-    spec = _gpt2_spec()
+def build_translation(stage, name, opts, files, check_tokenizer):
+    """Translation pairs (a local file or the hub), GPT-2 BPE plus pad, bos and eos."""
+    spec = gpt2_spec()
     check_tokenizer(spec)
     base = tiktoken_encoding("gpt2").n_vocab
     special = {"pad": base, "bos": base + 1, "eos": base + 2}  # appended after GPT-2's 50,257 ids
     tokenizer = Tokenizer(spec, base + 3, special)
     if files is not None:
-        pairs = _file_pairs(files[0], opts["src"], opts["tgt"])
+        pairs = file_pairs(files[0], opts["src"], opts["tgt"])
     else:
         hint = (
-            f"pass a local .tsv/.jsonl of pairs as {_INPUT_OPTION}, or set {MIRROR_ENV} to a folder holding "
-            f"{_translation_folder(opts)}.tsv"
+            f"pass a local .tsv/.jsonl of pairs as {INPUT_OPTION}, or set {MIRROR_ENV} to a folder holding "
+            f"{translation_folder(opts)}.tsv"
         )
-        pairs = _hub_pairs(opts, hint)
+        pairs = hub_pairs(opts, hint)
     # max_pairs None: islice keeps them all
     pairs = itertools.islice(pairs, opts["max_pairs"])
     # no total: the number of pairs streamed is not known ahead
     with tqdm(desc=f"tokenizing {name}", unit="pair", unit_scale=True, disable=None) as bar:
-        items = _encode_pairs(
+        items = encode_pairs(
             pairs, tokenizer, opts["val_fraction"], opts["test_fraction"], opts["num_proc"] or os.cpu_count(), bar
         )
-        written = _write_pairs(stage, items, tokenizer.vocab_size)
+        written = write_pairs(stage, items, tokenizer.vocab_size)
     return {
         "kind": "seq2seq",
         "tokenizer": spec,
@@ -793,93 +819,38 @@ def _build_translation(stage, name, opts, files, check_tokenizer):
 
 
 # ----------------------------------------------------------------------------- synthetic tasks
-
-_ONES = (
-    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
-    "sixteen seventeen eighteen nineteen"
-).split()
-_TENS = ("", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
-_SCALES = ("", " thousand", " million", " billion")
-# 999,999,999,999: the largest number these scales can spell
-_MAX_NUMBER = 1000 ** len(_SCALES) - 1
+#
+# What a task is (its sources, its answers, its characters) is in tasks.py; here, how its dataset is drawn.
 
 
-def _below_thousand(n: int) -> str:
-    # 0..999 in words; 0 gives '', since a zero group is left out of a larger number
-    hundreds, rest = divmod(n, 100)
-    words = [f"{_ONES[hundreds]} hundred"] if hundreds else []
-    if rest >= 20:
-        words.append(_TENS[rest // 10] + (f"-{_ONES[rest % 10]}" if rest % 10 else ""))
-    elif rest:
-        words.append(_ONES[rest])
-    return " ".join(words)
+def synthetic_splits(task, opts):
+    """Distinct random sources for test, val and train, drawn in that order from one seed: {split: sources}.
 
-
-def _number_words(n: int) -> str:
-    if n == 0:
-        return "zero"
-    groups = []
-    # groups of three digits, lowest first; joined highest first below
-    for scale in _SCALES:
-        n, group = divmod(n, 1000)
-        if group:
-            groups.append(_below_thousand(group) + scale)
-    return " ".join(reversed(groups))
-
-
-def solve(task: str, src_text: str) -> str:
-    """The correct target of a synthetic task for a source string (sample.py grades answers with it)."""
-    if task == "reverse":
-        return src_text[::-1]
-    if task == "sort":
-        return "".join(sorted(src_text))
-    if task == "num2words":
-        if not (src_text.isascii() and src_text.isdigit()) or int(src_text) > _MAX_NUMBER:
-            raise ValueError(
-                f"num2words takes a whole number from 0 to {_MAX_NUMBER:,} written in digits, got {src_text!r}"
-            )
-        return _number_words(int(src_text))
-    raise ValueError(f"unknown synthetic task {task!r}; choose one of: reverse, sort, num2words")
-
-
-def _random_source(task: str, rng: random.Random, opts: dict) -> str:
-    if task == "num2words":
-        # a uniform digit count first, so small numbers are not drowned out by six-digit ones
-        digits = rng.randint(1, len(str(opts["max_number"])))
-        low = 0 if digits == 1 else 10 ** (digits - 1)
-        return str(rng.randint(low, min(10**digits - 1, opts["max_number"])))
-    # reverse and sort: a uniform length, then uniform symbols
-    length = rng.randint(opts["min_len"], opts["max_len"])
-    return "".join(rng.choices(_SYNTH_SYMBOLS, k=length))
-
-
-def _synthetic_splits(task: str, opts: dict) -> dict[str, list[str]]:
-    # Distinct random sources for test, val and train, drawn in that order from one seed.
-    #
-    # Drawing the held-out splits first keeps them the same when only --num_train changes.
+    Drawing the held-out splits first keeps them the same when only --num_train changes.
+    """
     # dict order is draw order: test, val, train
     sizes = {"test": opts["num_test"], "val": opts["num_val"], "train": opts["num_train"]}
     total = sum(sizes.values())
     if task == "num2words":
-        if opts["max_number"] > _MAX_NUMBER:
-            raise ValueError(f"--max_number must be at most {_MAX_NUMBER:,}")
-        space, knob = opts["max_number"] + 1, "raise --max_number"
+        if opts["max_number"] > MAX_NUMBER:
+            raise ValueError(f"--max_number must be at most {MAX_NUMBER:,}")
+        knob = "raise --max_number"
     else:
         if opts["min_len"] > opts["max_len"]:
             raise ValueError(f"--min_len {opts['min_len']} is larger than --max_len {opts['max_len']}")
-        # space: how many distinct sources the settings allow
-        space = sum(len(_SYNTH_SYMBOLS) ** k for k in range(opts["min_len"], opts["max_len"] + 1))
         knob = "raise --max_len"
+    # space: how many distinct sources the settings allow
+    space = distinct_sources(task, opts)
     if 2 * total > space:  # rejection sampling stays fast while at least half the space is free
         raise ValueError(
             f"{task} has only {space:,} distinct sources with these settings, too few for {total:,} distinct "
             f"examples (at most half of them can be used); lower --num_train/--num_val/--num_test or {knob}"
         )
     rng = random.Random(opts["seed"])
-    seen: dict[str, None] = {}  # insertion-ordered set
+    seen = {}  # insertion-ordered set
     # a duplicate draw is simply skipped, which keeps test, val and train disjoint
     while len(seen) < total:
-        seen.setdefault(_random_source(task, rng, opts))
+        seen.setdefault(random_source(task, rng, opts))
     # consecutive slices of the draws, in the order of sizes
     drawn, start, out = list(seen), 0, {}
     for split, n in sizes.items():
@@ -887,16 +858,17 @@ def _synthetic_splits(task: str, opts: dict) -> dict[str, list[str]]:
     return out
 
 
-def _build_synthetic(stage, name, opts, files, check_tokenizer):
-    spec = {"type": "char", "chars": _SYNTH_CHARS}
+def build_synthetic(stage, name, opts, files, check_tokenizer):
+    """Source and answer pairs of a synthetic task (tasks.py), character-level plus pad, bos and eos."""
+    spec = {"type": "char", "chars": CHARS}
     check_tokenizer(spec)
     # 38 characters (digits, letters, space, hyphen), then pad, bos and eos
-    base = len(_SYNTH_CHARS)
+    base = len(CHARS)
     special = {"pad": base, "bos": base + 1, "eos": base + 2}
     tokenizer = Tokenizer(spec, base + 3, special)
-    splits = _synthetic_splits(name, opts)
+    splits = synthetic_splits(name, opts)
     pairs = (
-        # lazy: each source is encoded with its solved target as _write_pairs consumes them
+        # lazy: each source is encoded with its solved target as write_pairs consumes them
         (tokenizer.encode(s), tokenizer.encode(solve(name, s)), split)
         for split, sources in splits.items()
         for s in sources
@@ -907,7 +879,7 @@ def _build_synthetic(stage, name, opts, files, check_tokenizer):
         "tokenizer": spec,
         "vocab_size": tokenizer.vocab_size,
         "special_tokens": special,
-        **_write_pairs(stage, pairs, tokenizer.vocab_size),
+        **write_pairs(stage, pairs, tokenizer.vocab_size),
     }
 
 
@@ -925,90 +897,94 @@ class Recipe:
     folder: Callable | None = None  # (options) -> the output folder's name; None: the dataset's name
 
 
-def _hf_lm_options(hf_dataset: str, hf_config: str | None) -> tuple[Option, ...]:
+def hf_lm_options(hf_dataset, hf_config):
+    """The options of a Hugging Face corpus recipe, defaulting to dataset `hf_dataset`, config `hf_config`."""
     return (
-        _input("local parquet/json/jsonl/arrow file, directory or glob, read through datasets.load_dataset (offline)"),
+        input_option(
+            "local parquet/json/jsonl/arrow file, directory or glob, read through datasets.load_dataset (offline)"
+        ),
         Option("hf_dataset", str, hf_dataset, "Hugging Face dataset id"),
         Option("hf_config", str, hf_config, "dataset config, e.g. sample-10BT"),
-        _count("max_docs", None, "stop after this many documents (quick runs)"),
-        _count("max_tokens", None, "stop once this many tokens are written (the last document is kept whole)"),
-        _fraction("val_fraction", 0.0005, "held-out fraction of documents (every round(1/f)-th one)"),
-        _num_proc(),
+        count_option("max_docs", None, "stop after this many documents (quick runs)"),
+        count_option("max_tokens", None, "stop once this many tokens are written (the last document is kept whole)"),
+        fraction_option("val_fraction", 0.0005, "held-out fraction of documents (every round(1/f)-th one)"),
+        num_proc_option(),
     )
 
 
-def _synthetic_options(task: str) -> tuple[Option, ...]:
+def synthetic_options(task):
+    """The options of a synthetic task's recipe: split sizes, seed, and the range of its sources."""
     common = (
-        _count("num_train", 20000, "training examples"),
-        _count("num_val", 1000, "validation examples"),
-        _count("num_test", 1000, "held-out test examples (disjoint from train and val)"),
+        count_option("num_train", 20000, "training examples"),
+        count_option("num_val", 1000, "validation examples"),
+        count_option("num_test", 1000, "held-out test examples (disjoint from train and val)"),
         Option("seed", int, 0, "random seed; the same seed gives the same files"),
     )
     if task == "num2words":
-        return common + (_count("max_number", 999_999, "largest number"),)
-    return common + (_count("min_len", 1, "shortest string"), _count("max_len", 12, "longest string"))
+        return common + (count_option("max_number", 999_999, "largest number"),)
+    return common + (count_option("min_len", 1, "shortest string"), count_option("max_len", 12, "longest string"))
 
 
 # one Option shared by both Shakespeare recipes: the same input, two tokenizers
-_SHAKESPEARE_INPUT = _input(f"local copy of tinyshakespeare.txt (else ${MIRROR_ENV}, the download cache, the web)")
+SHAKESPEARE_INPUT = input_option(f"local copy of tinyshakespeare.txt (else ${MIRROR_ENV}, the download cache, the web)")
 
 # the command line lists the datasets in this order
 RECIPES: dict[str, Recipe] = {
     "shakespeare_char": Recipe(
         "tiny Shakespeare, character-level (65 symbols), 90/10 split as in nanoGPT",
-        options=(_SHAKESPEARE_INPUT,),
-        inputs=_shakespeare_inputs,
-        build=_build_shakespeare_char,
+        options=(SHAKESPEARE_INPUT,),
+        inputs=shakespeare_inputs,
+        build=build_shakespeare_char,
     ),
     "shakespeare": Recipe(
         "tiny Shakespeare, GPT-2 BPE (tiktoken) or a tokenizer.json, 90/10 split as in nanoGPT",
         options=(
-            _SHAKESPEARE_INPUT,
-            _tokenizer(
+            SHAKESPEARE_INPUT,
+            tokenizer_option(
                 ("gpt2",),
                 "gpt2",
                 "gpt2: GPT-2 BPE; else a tokenizer.json or a folder holding one (a Llama or Mistral model folder), "
                 "written to shakespeare_<its folder name>",
             ),
         ),
-        inputs=_shakespeare_inputs,
-        build=_build_shakespeare,
-        folder=_shakespeare_folder,
+        inputs=shakespeare_inputs,
+        build=build_shakespeare,
+        folder=shakespeare_folder,
     ),
     "openwebtext": Recipe(
         "OpenWebText through Hugging Face datasets, GPT-2 BPE, streamed (--max_docs for a quick run)",
-        options=_hf_lm_options("Skylion007/openwebtext", None),
-        inputs=_hf_lm_inputs,
-        build=_build_hf_lm,
+        options=hf_lm_options("Skylion007/openwebtext", None),
+        inputs=hf_lm_inputs,
+        build=build_hf_lm,
     ),
     "fineweb_edu": Recipe(
         "FineWeb-Edu sample-10BT through Hugging Face datasets, GPT-2 BPE, streamed",
-        options=_hf_lm_options("HuggingFaceFW/fineweb-edu", "sample-10BT"),
-        inputs=_hf_lm_inputs,
-        build=_build_hf_lm,
+        options=hf_lm_options("HuggingFaceFW/fineweb-edu", "sample-10BT"),
+        inputs=hf_lm_inputs,
+        build=build_hf_lm,
     ),
     "text": Recipe(
         "your own text: a file, directory or glob (--input), char-level, GPT-2 BPE or a tokenizer.json",
         options=(
-            _input("UTF-8 text file, directory (recursive) or glob; required"),
-            _tokenizer(
+            input_option("UTF-8 text file, directory (recursive) or glob; required"),
+            tokenizer_option(
                 ("char", "bpe"),
                 "bpe",
                 "char: the corpus's characters; bpe: GPT-2 BPE with end-of-text after each file; else a "
                 "tokenizer.json or a folder holding one (a model folder), with config.json's eos after each file",
             ),
             Option("name", str, "text", "output folder name under data_dir", affects_output=False),
-            _fraction("val_fraction", 0.1, "the last fraction of the characters is the val split"),
-            _num_proc(),
+            fraction_option("val_fraction", 0.1, "the last fraction of the characters is the val split"),
+            num_proc_option(),
         ),
-        inputs=_text_inputs,
-        build=_build_text,
-        folder=_named_folder,
+        inputs=text_inputs,
+        build=build_text,
+        folder=named_folder,
     ),
     "translation": Recipe(
         "translation pairs (opus_books/wmt14 or a local TSV/JSONL) for the encoder-decoder, BPE",
         options=(
-            _input(
+            input_option(
                 f"local .tsv (source<TAB>target) or .jsonl (src/tgt keys, or the language codes) instead of the hub; "
                 f"${MIRROR_ENV}/<folder>.tsv|.jsonl is used when present"
             ),
@@ -1017,32 +993,32 @@ RECIPES: dict[str, Recipe] = {
             Option("src", str, "en", "source language code"),
             Option("tgt", str, "fr", "target language code"),
             Option("name", str, None, "output folder name (default: translation_SRC_TGT)", affects_output=False),
-            _fraction("val_fraction", 0.05, "fraction of pairs held out for val (by a hash of the source)"),
-            _fraction("test_fraction", 0.05, "fraction of pairs held out for test (by a hash of the source)"),
-            _count("max_pairs", None, "use only the first this many pairs"),
-            _num_proc(),
+            fraction_option("val_fraction", 0.05, "fraction of pairs held out for val (by a hash of the source)"),
+            fraction_option("test_fraction", 0.05, "fraction of pairs held out for test (by a hash of the source)"),
+            count_option("max_pairs", None, "use only the first this many pairs"),
+            num_proc_option(),
         ),
-        inputs=_translation_inputs,
-        build=_build_translation,
-        folder=_translation_folder,
+        inputs=translation_inputs,
+        build=build_translation,
+        folder=translation_folder,
     ),
     "reverse": Recipe(
         "synthetic seq2seq, offline: reverse a string of digits and letters",
-        options=_synthetic_options("reverse"),
-        inputs=_synthetic_inputs,
-        build=_build_synthetic,
+        options=synthetic_options("reverse"),
+        inputs=synthetic_inputs,
+        build=build_synthetic,
     ),
     "sort": Recipe(
         "synthetic seq2seq, offline: sort the characters of a string",
-        options=_synthetic_options("sort"),
-        inputs=_synthetic_inputs,
-        build=_build_synthetic,
+        options=synthetic_options("sort"),
+        inputs=synthetic_inputs,
+        build=build_synthetic,
     ),
     "num2words": Recipe(
         "synthetic seq2seq, offline: 1234 -> one thousand two hundred thirty-four",
-        options=_synthetic_options("num2words"),
-        inputs=_synthetic_inputs,
-        build=_build_synthetic,
+        options=synthetic_options("num2words"),
+        inputs=synthetic_inputs,
+        build=build_synthetic,
     ),
 }
 DATASETS = {name: recipe.description for name, recipe in RECIPES.items()}  # name -> description, for messages
@@ -1051,8 +1027,8 @@ DATASETS = {name: recipe.description for name, recipe in RECIPES.items()}  # nam
 # ----------------------------------------------------------------------------- preparing
 
 
-def _existing_meta(folder: Path) -> dict | None:
-    # meta of the dataset already in `folder`, None if there is none; a foreign folder raises.
+def existing_meta(folder):
+    """The meta of the dataset already in `folder`, None if there is none; a foreign folder raises ValueError."""
     # an absent or empty folder is simply a new dataset
     if not folder.is_dir() or not any(folder.iterdir()):
         return None
@@ -1067,8 +1043,8 @@ def _existing_meta(folder: Path) -> dict | None:
 
 
 @contextlib.contextmanager
-def _staged_folder(folder: Path):
-    # Yield a hidden folder beside `folder` that replaces it only if the block succeeds.
+def staged_folder(folder):
+    """Yield a hidden folder beside `folder` that replaces it only if the block succeeds."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     # hidden (dataset_dir refuses dot names, so no dataset is called this) and random, so concurrent runs never
     # share a stage
@@ -1087,7 +1063,7 @@ def _staged_folder(folder: Path):
         shutil.rmtree(stage, ignore_errors=True)
 
 
-def prepare(name: str, /, data_dir=None, force: bool = False, **options) -> Path:
+def prepare(name, /, data_dir=None, force=False, **options):
     """Prepare dataset `name` (a key of DATASETS) and return its folder.
 
     Options are those of `python prepare_data.py NAME --help`, as keyword arguments;
@@ -1101,7 +1077,7 @@ def prepare(name: str, /, data_dir=None, force: bool = False, **options) -> Path
     if recipe is None:
         raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
     # every option of the recipe, converted and checked, defaults filled in
-    opts = _resolve_options(name, recipe.options, options)
+    opts = resolve_options(name, recipe.options, options)
     root = data_root(data_dir)
     # <root>/<name>, or the --name folder for text and translation
     folder = dataset_dir(recipe.folder(opts) if recipe.folder else name, root)
@@ -1115,21 +1091,21 @@ def prepare(name: str, /, data_dir=None, force: bool = False, **options) -> Path
     }
     record = json.loads(json.dumps(record))
     # --force ignores the existing folder: nothing is kept, nothing refused
-    old = None if force else _existing_meta(folder)
+    old = None if force else existing_meta(folder)
     # same inputs and options, and the files intact: nothing to do
     if old is not None and old.get("source") == record and is_prepared(folder):
         return folder
 
     # replacing data of another tokenizer would leave checkpoints trained on it reading wrong ids
-    def check_tokenizer(spec: dict) -> None:
+    def check_tokenizer(spec):
         if old is not None and old["tokenizer"] != spec:
             raise ValueError(
-                f"{folder} holds data from a different tokenizer ({_describe(old['tokenizer'])}, now "
-                f"{_describe(spec)}); pass --force to replace it, or choose another --name/--data_dir"
+                f"{folder} holds data from a different tokenizer ({describe_tokenizer(old['tokenizer'])}, now "
+                f"{describe_tokenizer(spec)}); pass --force to replace it, or choose another --name/--data_dir"
             )
 
     # the builder writes into the stage; meta.json comes last, listing what was written
-    with _staged_folder(folder) as stage:
+    with staged_folder(folder) as stage:
         meta = {
             "format_version": FORMAT_VERSION,
             "name": folder.name,
@@ -1145,7 +1121,8 @@ def prepare(name: str, /, data_dir=None, force: bool = False, **options) -> Path
 # ----------------------------------------------------------------------------- command line
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser():
+    """The command line's parser: one subcommand per dataset, with that dataset's options."""
     parser = argparse.ArgumentParser(
         prog="prepare_data.py",
         description="Prepare a dataset as token files under <data_dir>/<name>/.",
@@ -1179,25 +1156,25 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _summary(folder: Path) -> str:
+def summary_line(folder):
+    """The line printed after a build: what was written, the vocab size and the tokenizer."""
     meta = load_meta(folder)
-    # the line printed after a build: what was written, the vocab size and the tokenizer
     if meta["kind"] == "seq2seq":
         counts = ", ".join(f"{split} {n:,} pairs" for split, n in meta["pairs"].items())
     else:
         counts = ", ".join(f"{fname} {n:,} tokens" for fname, n in meta["files"].items())
-    return f"{folder}: {counts}; vocab_size {meta['vocab_size']:,} ({_describe(meta['tokenizer'])})"
+    return f"{folder}: {counts}; vocab_size {meta['vocab_size']:,} ({describe_tokenizer(meta['tokenizer'])})"
 
 
-def cli(argv: list[str]) -> int:
+def cli(argv):
     """The command line; returns the exit status: errors print one line and give 2 (argparse's own exit for bad
     options)."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         # what remains are the dataset's own options, exactly those given on the command line
         options = {k: v for k, v in vars(args).items() if k not in ("dataset", "data_dir", "force")}
         folder = prepare(args.dataset, data_dir=args.data_dir, force=args.force, **options)
-        print(_summary(folder))
+        print(summary_line(folder))
     except (ValueError, OSError) as err:  # OSError: a missing or unwritable file, a failed download
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -28,14 +28,17 @@ MAGIC = b"NFTOKENS"
 # raised when the layout changes, so old code refuses new files instead of misreading them
 FORMAT_VERSION = 1
 # magic, format version, bytes per token (2 or 4), vocab size, token count; little-endian
-_HEADER = struct.Struct("<8sIIQQ")
+HEADER = struct.Struct("<8sIIQQ")
 # bytes per token -> dtype of the ids; '<' fixes little-endian whatever the machine's byte order
-_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+ID_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 # seq2seq data keeps a test split apart for a final score; LM data has train and val only
 SEQ2SEQ_SPLITS = ("train", "val", "test")
 
 # names the data root when no data_dir is passed (see data_root)
 DATA_DIR_ENV = "NANOFORMER_DATA_DIR"
+# names a folder of local copies (tinyshakespeare.txt, <dataset>/, <folder>.tsv, eval.py's benchmark files), read
+# before any download
+MIRROR_ENV = "NANOFORMER_DATA_MIRROR"
 # named in error messages only: where tiktoken fetches the fallback encoding from
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 # a Hugging Face tokenizer's file (the `tokenizers` library's format), on its own or in a model folder
@@ -49,7 +52,7 @@ GPT2_META = {
 }
 
 # warnings go through logging, so the caller (train.py, a test) decides where they show
-_log = logging.getLogger("nanoformer.data")
+logger = logging.getLogger("nanoformer.data")
 
 
 class DownloadError(OSError):
@@ -59,7 +62,7 @@ class DownloadError(OSError):
     """
 
 
-def one_line(err: BaseException) -> str:
+def one_line(err):
     """The first line of an error's message (at most 200 characters), for one-line error reports."""
     lines = str(err).strip().splitlines()
     return lines[0][:200] if lines else type(err).__name__
@@ -69,7 +72,7 @@ def one_line(err: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def atomic_output(path: Path):
+def atomic_output(path):
     """Yield a binary file beside `path` that replaces `path` only if the block succeeds."""
     # same folder, so os.replace stays on one file system (atomic); a random hidden name,
     # so concurrent writers never share a temporary file
@@ -90,7 +93,7 @@ def atomic_output(path: Path):
 class TokenWriter:
     """Appends token ids to an open file (write), then writes the header with the final count (finish)."""
 
-    def __init__(self, f, vocab_size: int):
+    def __init__(self, f, vocab_size):
         # numpy integers count too: sizes often come out of numpy (len of an array, a max id + 1)
         if not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
             raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
@@ -99,10 +102,10 @@ class TokenWriter:
             raise ValueError(f"vocab_size {vocab_size:,} is too large for token files: uint32 holds at most 2**32 ids")
         self.f, self.vocab_size, self.count = f, int(vocab_size), 0
         # 2 bytes an id whenever they fit (GPT-2's 50,257 do): half the disk and page cache
-        self.dtype = _DTYPES[2] if vocab_size <= 2**16 else _DTYPES[4]
-        f.write(bytes(_HEADER.size))  # placeholder until the count is known
+        self.dtype = ID_DTYPES[2] if vocab_size <= 2**16 else ID_DTYPES[4]
+        f.write(bytes(HEADER.size))  # placeholder until the count is known
 
-    def write(self, ids) -> None:
+    def write(self, ids):
         """Append the ids of one chunk (a list, tuple or integer array) after those written before."""
         # one array, written in one call rather than id by id
         arr = np.asarray(ids)
@@ -121,15 +124,15 @@ class TokenWriter:
         arr.astype(self.dtype).tofile(self.f)
         self.count += arr.size
 
-    def finish(self) -> int:
+    def finish(self):
         """Write the header with the final count over the placeholder; return the count. The caller closes the file."""
         # the placeholder sits at offset 0; the ids after it stay as written
         self.f.seek(0)
-        self.f.write(_HEADER.pack(MAGIC, FORMAT_VERSION, self.dtype.itemsize, self.vocab_size, self.count))
+        self.f.write(HEADER.pack(MAGIC, FORMAT_VERSION, self.dtype.itemsize, self.vocab_size, self.count))
         return self.count
 
 
-def write_tokens(path, tokens, vocab_size: int) -> int:
+def write_tokens(path, tokens, vocab_size):
     """Atomically write token ids to a token file and return how many were written.
 
     `tokens` is one sequence of ids (a numpy array, or a list/tuple of ints) or an
@@ -151,17 +154,22 @@ def write_tokens(path, tokens, vocab_size: int) -> int:
         return writer.finish()
 
 
-def _read_header(path: Path) -> tuple[np.dtype, int, int]:
+def read_header(path):
+    """(numpy dtype of the ids, vocab size, token count) from a token file's header, checked against the file.
+
+    A wrong magic, a newer format version, a corrupt header or a file shorter or longer than the
+    header promises raises ValueError naming the file and the fix.
+    """
     # every error ends with the same fix: the writer is the only way to a good file
     fix = "re-create the dataset with: python prepare_data.py NAME --force"
     with open(path, "rb") as f:
-        raw = f.read(_HEADER.size)
+        raw = f.read(HEADER.size)
         # the real size, to compare with what the header promises
         size = os.fstat(f.fileno()).st_size
-    if len(raw) < _HEADER.size:
-        raise ValueError(f"{path} is truncated (shorter than the {_HEADER.size}-byte header); {fix}")
+    if len(raw) < HEADER.size:
+        raise ValueError(f"{path} is truncated (shorter than the {HEADER.size}-byte header); {fix}")
     # 8-byte magic, uint32 version and bytes per token, uint64 vocab size and token count
-    magic, version, itemsize, vocab_size, count = _HEADER.unpack(raw)
+    magic, version, itemsize, vocab_size, count = HEADER.unpack(raw)
     if magic != MAGIC:
         raise ValueError(f"{path} is not a nanoformer token file (bad magic {magic!r}); {fix}")
     # a newer writer may lay the ids out differently; older or equal versions read as they are
@@ -170,17 +178,16 @@ def _read_header(path: Path) -> tuple[np.dtype, int, int]:
             f"{path} has format version {version}, newer than this code's {FORMAT_VERSION}; update nanoformer"
         )
     # uint16 cannot hold the ids of a larger vocabulary, so such a header is damaged
-    if itemsize not in _DTYPES or (itemsize == 2 and vocab_size > 2**16):
+    if itemsize not in ID_DTYPES or (itemsize == 2 and vocab_size > 2**16):
         raise ValueError(f"{path} has a corrupt header ({itemsize} bytes per token for vocab size {vocab_size}); {fix}")
     # a file cut short (an interrupted copy, a full disk) is caught here, not read past its end during training
-    if size != _HEADER.size + count * itemsize:
-        held = (size - _HEADER.size) / itemsize
+    if size != HEADER.size + count * itemsize:
+        held = (size - HEADER.size) / itemsize
         raise ValueError(f"{path} is truncated: its header promises {count:,} tokens but it holds {held:,.1f}; {fix}")
-    # (numpy dtype of the ids, vocab size, token count)
-    return _DTYPES[itemsize], vocab_size, count
+    return ID_DTYPES[itemsize], vocab_size, count
 
 
-def load_tokens(path) -> np.memmap:
+def load_tokens(path):
     """Read-only 1-D memmap of a token file's ids (uint16 or uint32, from its header).
 
     The header is validated first: wrong magic, a newer format version or a truncated file
@@ -188,9 +195,9 @@ def load_tokens(path) -> np.memmap:
     at will and long training runs do not grow in memory.
     """
     path = Path(path)
-    dtype, _, count = _read_header(path)
+    dtype, _, count = read_header(path)
     # offset skips the header; shape (count,) ends the array at the last id
-    return np.memmap(path, dtype=dtype, mode="r", offset=_HEADER.size, shape=(count,))
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER.size, shape=(count,))
 
 
 # ----------------------------------------------------------------------------- seq2seq pairs
@@ -199,7 +206,7 @@ def load_tokens(path) -> np.memmap:
 class PairWriter:
     """Streams (src, tgt) id pairs of one split into {split}_src.bin, {split}_tgt.bin and {split}_idx.npy."""
 
-    def __init__(self, stack: contextlib.ExitStack, folder: Path, split: str, vocab_size: int):
+    def __init__(self, stack, folder, split, vocab_size):
         # entered on the caller's stack: both files are renamed into place only when the whole build succeeds
         self.src = TokenWriter(stack.enter_context(atomic_output(folder / f"{split}_src.bin")), vocab_size)
         self.tgt = TokenWriter(stack.enter_context(atomic_output(folder / f"{split}_tgt.bin")), vocab_size)
@@ -208,14 +215,14 @@ class PairWriter:
         # row i holds where pair i starts in the src and tgt files; 16 bytes a pair stay in memory
         self.offsets = array.array("q", [0, 0])
 
-    def add(self, src_ids, tgt_ids) -> None:
+    def add(self, src_ids, tgt_ids):
         """Append one pair: the source ids and the target ids, without bos/eos."""
         self.src.write(src_ids)
         self.tgt.write(tgt_ids)
         # where this pair ends is where the next one starts
         self.offsets.extend((self.src.count, self.tgt.count))
 
-    def finish(self) -> int:
+    def finish(self):
         """Write the index, complete both token files and return the number of pairs."""
         # the flat [s0, t0, s1, t1, ...] buffer viewed, without a copy, as (n + 1, 2) rows
         index = np.frombuffer(self.offsets, dtype=np.int64).reshape(-1, 2)
@@ -235,10 +242,10 @@ class Pairs(Sequence):
     starts in src and tgt) are public for vectorised batching.
     """
 
-    def __init__(self, src: np.ndarray, tgt: np.ndarray, index: np.ndarray):
+    def __init__(self, src, tgt, index):
         self.src, self.tgt, self.index = src, tgt, index
 
-    def __len__(self) -> int:
+    def __len__(self):
         return len(self.index) - 1
 
     def __getitem__(self, i):
@@ -252,7 +259,7 @@ class Pairs(Sequence):
         return self.src[s0:s1], self.tgt[t0:t1]
 
 
-def load_pairs(dataset_dir, split: str) -> Pairs:
+def load_pairs(dataset_dir, split):
     """The pairs of `split` ('train', 'val' or 'test') of a prepared seq2seq dataset."""
     folder = Path(dataset_dir)
     if split not in SEQ2SEQ_SPLITS:
@@ -285,7 +292,7 @@ def load_pairs(dataset_dir, split: str) -> Pairs:
 
 
 @functools.cache
-def tiktoken_encoding(name: str) -> tiktoken.Encoding:
+def tiktoken_encoding(name):
     """tiktoken's encoding `name`; 'gpt2' falls back to its twin 'r50k_base' (same ids) with one warning.
 
     Raises DownloadError when neither can be loaded. Cached, so the network attempt for gpt2 and the
@@ -312,15 +319,18 @@ def tiktoken_encoding(name: str) -> tiktoken.Encoding:
             f"could not load tiktoken 'gpt2' nor its twin 'r50k_base' from {R50K_URL} "
             f"({one_line(err)}); set TIKTOKEN_CACHE_DIR to a tiktoken cache holding r50k_base"
         ) from None
-    _log.warning(
+    logger.warning(
         "tiktoken could not load 'gpt2' (%s, offline?); using 'r50k_base', which has the same token ids",
         type(gpt2_error).__name__,
     )
     return encoding
 
 
-def _parse_tokenizer_json(text: str, source) -> tokenizers.Tokenizer:
-    # `source` names where the text came from, for the message: a file, or the copy in a dataset or checkpoint
+def parse_tokenizer_json(text, source):
+    """A tokenizers.Tokenizer from a tokenizer.json's text; ValueError naming `source` if the library cannot read it.
+
+    `source` says where the text came from: a file, or the copy in a dataset or checkpoint.
+    """
     try:
         tokenizer = tokenizers.Tokenizer.from_str(text)
     except Exception as err:  # the library raises a bare Exception for bad JSON and for unknown components alike
@@ -343,23 +353,23 @@ class Tokenizer:
     special ids.
     """
 
-    def __init__(self, spec: dict, vocab_size: int, special_tokens: dict[str, int]):
+    def __init__(self, spec, vocab_size, special_tokens):
         # exactly one of the three is set, by the spec's type
-        self._chars = self._bpe = self._hf = None
+        self.chars = self.bpe = self.hf = None
         if spec.get("type") == "char":
-            # char: id i is the i-th character of the list in meta.json; _index maps back, character -> id
-            self._chars = list(spec["chars"])
-            self._index = {c: i for i, c in enumerate(self._chars)}
-            base = len(self._chars)
+            # char: id i is the i-th character of the list in meta.json; char_ids maps back, character -> id
+            self.chars = list(spec["chars"])
+            self.char_ids = {c: i for i, c in enumerate(self.chars)}
+            base = len(self.chars)
         elif spec.get("type") == "tiktoken":
             # base: the ids that text itself uses (GPT-2: 50,257, end-of-text included)
-            self._bpe = tiktoken_encoding(spec["encoding"])
-            base = self._bpe.n_vocab
+            self.bpe = tiktoken_encoding(spec["encoding"])
+            base = self.bpe.n_vocab
         elif spec.get("type") == "huggingface":
             # the file's text itself, not its path: a checkpoint is sampled on machines that never had the file
-            self._hf = _parse_tokenizer_json(spec["json"], "the tokenizer.json stored in this dataset or checkpoint")
+            self.hf = parse_tokenizer_json(spec["json"], "the tokenizer.json stored in this dataset or checkpoint")
             # every id the file defines, its added tokens (Llama 3's reserved specials) included
-            base = self._hf.get_vocab_size()
+            base = self.hf.get_vocab_size()
         else:
             raise ValueError(f"unknown tokenizer spec {spec!r:.200}; expected type 'char', 'tiktoken' or 'huggingface'")
         # vocab_size must cover the base ids and every special id; the ids beyond base are the specials
@@ -368,81 +378,82 @@ class Tokenizer:
                 f"vocab_size {vocab_size} and special tokens {special_tokens} do not fit a base vocabulary of {base}"
             )
         self.spec, self.vocab_size, self.special_tokens = spec, vocab_size, dict(special_tokens)
-        self._base = base
+        self.base_size = base
         # only specials past the base get a marker: tiktoken and tokenizer.json decode their own specials themselves
-        self._markers = {i: f"<{name}>" for name, i in special_tokens.items() if i >= base}
+        self.markers = {i: f"<{name}>" for name, i in special_tokens.items() if i >= base}
 
     @classmethod
-    def from_meta(cls, meta: dict) -> "Tokenizer":
+    def from_meta(cls, meta):
         """The tokenizer a dataset was prepared with, from its meta.json contents."""
         return cls(meta["tokenizer"], meta["vocab_size"], meta["special_tokens"])
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text):
         """Ids of `text`; characters outside a char vocabulary raise ValueError naming them."""
-        if self._bpe is not None:
+        if self.bpe is not None:
             # ordinary: '<|endoftext|>' written in a text stays text, never the special id
-            return self._bpe.encode_ordinary(text)
-        if self._hf is not None:
+            return self.bpe.encode_ordinary(text)
+        if self.hf is not None:
             # without the template's specials (Llama's bos): the ids of the text alone, as encode_ordinary gives
-            return self._hf.encode(text, add_special_tokens=False).ids
+            return self.hf.encode(text, add_special_tokens=False).ids
         try:
             # the fast path; the except clause below only builds the message
-            return [self._index[c] for c in text]
+            return [self.char_ids[c] for c in text]
         except KeyError:
-            unknown = sorted(set(text) - self._index.keys())
+            unknown = sorted(set(text) - self.char_ids.keys())
             # at most ten shown, so a wrong file (binary, another alphabet) still gives one line
             shown = ", ".join(map(repr, unknown[:10])) + (", ..." if len(unknown) > 10 else "")
-            raise ValueError(f"characters not in the {len(self._chars)}-character vocabulary: {shown}") from None
+            raise ValueError(f"characters not in the {len(self.chars)}-character vocabulary: {shown}") from None
 
-    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
+    def encode_batch(self, texts, num_threads=1):
         """encode() of each text; tiktoken runs on `num_threads` threads, a tokenizer.json on the library's own pool."""
-        if self._bpe is not None:
-            return self._bpe.encode_ordinary_batch(texts, num_threads=num_threads)
-        if self._hf is not None:
-            # the library's thread pool (sized by RAYON_NUM_THREADS) takes no thread count per call; _fast: ids
-            # without the offsets nobody here reads
-            return [e.ids for e in self._hf.encode_batch_fast(texts, add_special_tokens=False)]
+        if self.bpe is not None:
+            return self.bpe.encode_ordinary_batch(texts, num_threads=num_threads)
+        if self.hf is not None:
+            # the library's thread pool (sized by RAYON_NUM_THREADS) takes no thread count per call; the fast
+            # variant gives the ids without the offsets nobody here reads
+            return [e.ids for e in self.hf.encode_batch_fast(texts, add_special_tokens=False)]
         return [self.encode(t) for t in texts]
 
-    def template_prefix(self) -> list[int]:
+    def template_prefix(self):
         """The special ids a Hugging Face tokenizer's template puts before every text (Llama's bos); else []."""
-        if self._hf is None:
+        if self.hf is None:
             return []
         # any text will do: the template's ids are flagged special, and the prefix is those before the text's first
-        encoding = self._hf.encode("a", add_special_tokens=True)
+        encoding = self.hf.encode("a", add_special_tokens=True)
         mask = encoding.special_tokens_mask
         return encoding.ids[: mask.index(0)] if 0 in mask else encoding.ids
 
-    def decode(self, ids) -> str:
+    def decode(self, ids):
         """Text of `ids` (any int sequence or array); ids beyond the vocabulary raise ValueError."""
         # a list, a numpy array or a CPU tensor of any shape becomes a flat list of Python ints
         ids = np.asarray(ids).ravel().tolist()
         parts, run = [], []  # base ids are decoded in runs: one character may span several tokens
         for i in ids:
             # ordinary ids gather in the current run
-            if 0 <= i < self._base:
+            if 0 <= i < self.base_size:
                 run.append(i)
                 continue
-            if i not in self._markers:
+            if i not in self.markers:
                 raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
-            parts.append(self._decode_base(run))
-            parts.append(self._markers[i])
+            parts.append(self.decode_base(run))
+            parts.append(self.markers[i])
             run = []
-        parts.append(self._decode_base(run))
+        parts.append(self.decode_base(run))
         return "".join(parts)
 
-    def _decode_base(self, ids: list[int]) -> str:
-        if self._bpe is not None:
+    def decode_base(self, ids):
+        """Text of a run of base-vocabulary ids (no markers among them)."""
+        if self.bpe is not None:
             # an incomplete UTF-8 character at the end decodes as U+FFFD, which sample.py's streaming waits out
-            return self._bpe.decode(ids)
-        if self._hf is not None:
+            return self.bpe.decode(ids)
+        if self.hf is not None:
             # the run at once, never token by token: a byte-level character spread over tokens, or metaspace's
             # '▁' that becomes a space except at the start, decodes right only in context; specials as their text
-            return self._hf.decode(ids, skip_special_tokens=False)
-        return "".join(self._chars[i] for i in ids)
+            return self.hf.decode(ids, skip_special_tokens=False)
+        return "".join(self.chars[i] for i in ids)
 
 
-def token_byte_lengths(meta: dict) -> np.ndarray:
+def token_byte_lengths(meta):
     """The UTF-8 bytes of text that each id of meta's tokenizer stands for: int64 (meta["vocab_size"],).
 
     What bits per byte divides by: for any text, the lengths of tokenizer.encode(text) sum to
@@ -465,7 +476,7 @@ def token_byte_lengths(meta: dict) -> np.ndarray:
             with contextlib.suppress(KeyError):
                 lengths[i] = 0 if i in specials else len(encoding.decode_single_token_bytes(i))
     elif spec["type"] == "huggingface":
-        base = _huggingface_byte_lengths(spec["json"])
+        base = huggingface_byte_lengths(spec["json"])
         lengths[: len(base)] = base
     else:
         raise ValueError(f"unknown tokenizer spec {spec!r:.200}; expected type 'char', 'tiktoken' or 'huggingface'")
@@ -474,9 +485,12 @@ def token_byte_lengths(meta: dict) -> np.ndarray:
     return lengths
 
 
-def _huggingface_byte_lengths(text: str) -> list[int]:
-    # a token's bytes follow from its string in the vocabulary and the decoder that turns strings into text
-    tokenizer = _parse_tokenizer_json(text, "the tokenizer.json stored in this dataset or checkpoint")
+def huggingface_byte_lengths(text):
+    """The UTF-8 bytes of text that each id of a tokenizer.json stands for (see token_byte_lengths).
+
+    A token's bytes follow from its string in the vocabulary and the decoder that turns strings into text.
+    """
+    tokenizer = parse_tokenizer_json(text, "the tokenizer.json stored in this dataset or checkpoint")
     decoder = json.loads(text).get("decoder") or {}
     # a Sequence decoder (Llama 2's: Replace, ByteFallback, Fuse, Strip) chains others: the kinds used, flattened
     steps = decoder.get("decoders", [decoder])
@@ -510,7 +524,7 @@ def _huggingface_byte_lengths(text: str) -> list[int]:
 # ----------------------------------------------------------------------------- Hugging Face model folders
 
 
-def tokenizer_json_file(path) -> Path:
+def tokenizer_json_file(path):
     """The tokenizer.json that `path` names: the file itself, or the one in the folder `path`."""
     path = Path(path).expanduser()
     file = path / TOKENIZER_JSON if path.is_dir() else path
@@ -532,7 +546,7 @@ def read_json(path, missing, fix=""):
         raise ValueError(f"{path} is not valid JSON ({one_line(err)}){fix}") from None
 
 
-def model_config(folder) -> dict:
+def model_config(folder):
     """The config.json of a Hugging Face model folder, as a dict; a missing or malformed file raises one line."""
     path = Path(folder).expanduser() / "config.json"
     config = read_json(path, missing="a Hugging Face model folder holds config.json (save_pretrained writes it)")
@@ -541,7 +555,7 @@ def model_config(folder) -> dict:
     return config
 
 
-def huggingface_tokenizer(path) -> dict:
+def huggingface_tokenizer(path):
     """meta.json's tokenizer, vocab_size and special_tokens for the Hugging Face tokenizer at `path`.
 
     `path` is a tokenizer.json or a folder holding one. The spec keeps the file's text, so
@@ -554,7 +568,7 @@ def huggingface_tokenizer(path) -> dict:
         text = file.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"{file} is not UTF-8 text, so not a {TOKENIZER_JSON}") from None
-    vocab_size = _parse_tokenizer_json(text, file).get_vocab_size()
+    vocab_size = parse_tokenizer_json(text, file).get_vocab_size()
     config = model_config(file.parent) if (file.parent / "config.json").is_file() else {}
     special = {}
     for name in ("bos", "eos"):
@@ -574,7 +588,7 @@ def huggingface_tokenizer(path) -> dict:
     return {"tokenizer": {"type": "huggingface", "json": text}, "vocab_size": vocab_size, "special_tokens": special}
 
 
-def pretrained_meta(folder) -> dict:
+def pretrained_meta(folder):
     """The meta (kind, tokenizer, vocab_size, special_tokens) of the text a Hugging Face model folder's model reads.
 
     Its tokenizer.json when it holds one (huggingface_tokenizer); GPT-2's BPE (GPT2_META) for
@@ -601,7 +615,7 @@ def pretrained_meta(folder) -> dict:
 # ----------------------------------------------------------------------------- dataset folders
 
 
-def data_root(data_dir=None) -> Path:
+def data_root(data_dir=None):
     """The folder holding the datasets: data_dir, else $NANOFORMER_DATA_DIR, else data/ beside this file."""
     if data_dir is not None:
         return Path(data_dir).expanduser()
@@ -610,7 +624,7 @@ def data_root(data_dir=None) -> Path:
     return Path(__file__).resolve().parent / "data"  # beside this file, so any working directory works
 
 
-def dataset_dir(name: str, data_dir=None) -> Path:
+def dataset_dir(name, data_dir=None):
     """Where dataset (or output folder) `name` lives: <data_dir>/<name>.
 
     data_dir defaults to $NANOFORMER_DATA_DIR, else data/ beside this file.
@@ -621,7 +635,7 @@ def dataset_dir(name: str, data_dir=None) -> Path:
     return data_root(data_dir) / name
 
 
-def load_meta(dataset_dir) -> dict:
+def load_meta(dataset_dir):
     """The contents of a prepared dataset's meta.json (see README.md, section Data)."""
     path = Path(dataset_dir) / "meta.json"
     meta = read_json(
@@ -642,7 +656,7 @@ def load_meta(dataset_dir) -> dict:
     return meta
 
 
-def check_prepared(path) -> None:
+def check_prepared(path):
     """Raise ValueError or FileNotFoundError unless `path` holds a complete, intact dataset.
 
     Complete: meta.json, listing what its kind needs (train.bin and val.bin, or train/val/test pairs).
@@ -664,7 +678,7 @@ def check_prepared(path) -> None:
     for fname, count in meta["files"].items():
         if not (path / fname).is_file():
             raise FileNotFoundError(f"{path / fname} is missing (meta.json lists it); {fix}")
-        held = _read_header(path / fname)[2]
+        held = read_header(path / fname)[2]
         if held != count:
             raise ValueError(f"{path / fname} holds {held:,} tokens but meta.json records {count:,}; {fix}")
     # load_pairs checks each index against its token files; here its pair count against meta.json
@@ -675,7 +689,7 @@ def check_prepared(path) -> None:
             raise ValueError(f"{index} holds {held:,} pairs but meta.json records {count:,}; {fix}")
 
 
-def is_prepared(path) -> bool:
+def is_prepared(path):
     """True when `path` holds a complete, intact dataset, that is when check_prepared(path) raises nothing."""
     try:
         check_prepared(path)

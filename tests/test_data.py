@@ -1,7 +1,7 @@
-"""Token files, tokenizers (tokens.py) and every dataset (prepare_data.py), checked against independent references.
+"""Token files, tokenizers (tokens.py), every dataset (prepare_data.py) and the synthetic tasks (tasks.py).
 
-The references are the raw text, tiktoken itself (r50k_base: the same ids as gpt2, and
-loadable offline), struct-parsed headers and explicit loops, never this module's own output.
+Each is checked against independent references: the raw text, tiktoken itself (r50k_base: the same
+ids as gpt2, and loadable offline), struct-parsed headers and explicit loops, never this module's own output.
 """
 
 import functools
@@ -24,8 +24,10 @@ import tiktoken
 import tokenizers
 
 import prepare_data
+import tasks
 import tokens
-from prepare_data import DATASETS, prepare, solve
+from prepare_data import DATASETS, prepare
+from tasks import solve
 from tokens import (
     DownloadError,
     Tokenizer,
@@ -53,12 +55,12 @@ def text(shakespeare_path):
     return shakespeare_path.read_text(encoding="utf-8")
 
 
-def leftovers(folder: Path) -> list[str]:
+def leftovers(folder):
     """Hidden temporary files or staging folders left in `folder`."""
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
 
 
-def header(path: Path) -> tuple:
+def header(path):
     return struct.unpack("<8sIIQQ", path.read_bytes()[:32])
 
 
@@ -135,7 +137,7 @@ def test_bpe_pieces_encode_like_the_whole_text(r50k):
         "\n x",
     ]
     text = "".join(rng.choice(parts) for _ in range(20_000))
-    pieces = list(prepare_data._pieces(random_blocks(text, rng)))
+    pieces = list(prepare_data.text_pieces(random_blocks(text, rng)))
     assert len(pieces) > 50 and "".join(pieces) == text
     assert [t for piece in pieces for t in r50k.encode_ordinary(piece)] == r50k.encode_ordinary(text)
 
@@ -238,7 +240,7 @@ def test_interrupted_write_leaves_nothing(tmp_path):
 # ----------------------------------------------------------------------------- preparing
 
 
-def small_corpus(folder: Path) -> Path:
+def small_corpus(folder):
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "corpus.txt"
     path.write_text("To be, or not to be: that is the question.\n" * 50, encoding="utf-8")
@@ -545,7 +547,7 @@ def test_hub_failure_is_one_clear_error(tmp_path, monkeypatch, capsys, name, opt
 # ----------------------------------------------------------------------------- the datasets library path
 
 
-def documents(n: int) -> list[str]:
+def documents(n):
     rng = random.Random(n)
     return [
         f"Document {i}. "
@@ -554,7 +556,7 @@ def documents(n: int) -> list[str]:
     ]
 
 
-def expected_split(docs: list[str], r50k, period: int) -> tuple[list[int], list[int]]:
+def expected_split(docs, r50k, period):
     train, val = [], []
     for i, doc in enumerate(docs):
         (val if i % period == 0 else train).extend(r50k.encode_ordinary(doc) + [EOT])
@@ -605,7 +607,7 @@ TENS = {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seve
 SCALES = {"thousand": 1000, "million": 10**6, "billion": 10**9}
 
 
-def words_to_number(words: str) -> int:
+def words_to_number(words):
     """An independent reader of English number words, to check num2words targets against."""
     total = current = 0
     for word in words.split(" "):
@@ -640,6 +642,17 @@ def test_solve_knows_the_answers():
             solve("num2words", bad)
     with pytest.raises(ValueError, match="reverse, sort, num2words"):
         solve("rot13", "abc")
+
+
+def test_distinct_sources_counts_what_random_source_draws():
+    # settings small enough that a few thousand draws reach every source
+    rng = random.Random(0)
+    for task, opts, every in [
+        ("num2words", {"max_number": 99}, {str(n) for n in range(100)}),
+        ("reverse", {"min_len": 1, "max_len": 1}, set(tasks.SYMBOLS)),
+    ]:
+        assert tasks.distinct_sources(task, opts) == len(every)
+        assert {tasks.random_source(task, rng, opts) for _ in range(5000)} == every
 
 
 @pytest.mark.parametrize("task", ["reverse", "sort", "num2words"])
@@ -783,7 +796,7 @@ LLAMA3_SPLIT = (
 )
 
 
-def trained_bpe(style: str, text: str):
+def trained_bpe(style, text):
     """A 300-id BPE trained on the start of text: 'llama3' (Llama 3's split, then bytes) or 'metaspace' (Llama 2 and
     Mistral's sentencepiece style, '▁' marking spaces and the start of every text)."""
     from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
@@ -807,11 +820,11 @@ def trained_bpe(style: str, text: str):
     return bpe
 
 
-def as_tokenizer(reference) -> Tokenizer:
+def as_tokenizer(reference):
     return Tokenizer({"type": "huggingface", "json": reference.to_str()}, reference.get_vocab_size(), {})
 
 
-def library_ids(reference, text: str) -> list[int]:
+def library_ids(reference, text):
     return reference.encode(text, add_special_tokens=False).ids
 
 
@@ -860,7 +873,7 @@ def test_tokenizer_json_pieces_encode_like_the_whole_text(llama_dir, text, style
     parts = ["hello", " world", "\n", "\n\n", " \n", ":\n", "!\n\n", "\r\n", "\t\n", "  ", "42", "ROMEO", "\n x", "'ll"]
     rng = random.Random(0)
     whole = "".join(rng.choice(parts) for _ in range(20_000))
-    pieces = list(prepare_data._pieces(random_blocks(whole, rng), functools.partial(prepare_data._checked_cut, tok)))
+    pieces = list(prepare_data.text_pieces(random_blocks(whole, rng), functools.partial(prepare_data.checked_cut, tok)))
     assert "".join(pieces) == whole
     assert [t for piece in pieces for t in tok.encode(piece)] == library_ids(reference, whole)
     # metaspace marks the start of every text it is given, so no cut keeps the ids: the text stays whole
