@@ -6,13 +6,15 @@ model to sample or evaluate from any source (a checkpoint, nanoGPT's, Hugging Fa
     model = model_from_checkpoint(load_checkpoint("out/best.pt"))  # any script: the model, in eval mode
     model, tokenizer, meta = load_model("resume", out_dir="out", checkpoint="best.pt", dataset="", device="cpu")
 
-A checkpoint is a dict: format_version, model (the plain model's state dict), model_config, train_config, meta
-(the dataset's meta.json, so a tokenizer can be rebuilt from the checkpoint alone), iter_num, best_val_loss; ckpt.pt
-adds optimizer (AdamW's state dict), scaler, rng (every rank's generators), sampler (the data stream), with a weight
-average train_model (the optimizer's own weights) and, with optimizer='muon', muon (Muon's state dict).
+A checkpoint is a dict: format_version, model_config, train_config, meta (the dataset's meta.json, so a tokenizer
+can be rebuilt from the checkpoint alone), iter_num, best_val_loss, and the weights (state dicts of the plain
+model) named by their role: "weights", the trained weights, and with ema_decay "average", their moving average,
+which is what best.pt keeps, evaluations measure and sample.py uses (kept_weights picks it). ckpt.pt adds optimizer
+(AdamW's state dict), scaler, rng (every rank's generators), sampler (the data stream) and, with optimizer='muon',
+muon (Muon's state dict). Checkpoints of formats 1 and 2 are read as format 3 (upgrade).
 
 With fsdp, ckpt.pt is a folder instead, a sharded checkpoint (torch.distributed.checkpoint) that every rank writes
-its part of: model, optimizer and train_model keyed by parameter name, and beside them state.pt, the rest of the
+its part of: weights, optimizer and average keyed by parameter name, and beside them state.pt, the rest of the
 dict above. load_checkpoint reads either kind; a folder's weights load whole into one process, or resharded into
 any number of ranks with load_sharded.
 """
@@ -40,10 +42,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from config import ConfigError
-from model import GPT, ModelConfig, Stack, build_model, download_from_hub, load_nanogpt
+from hf import download_from_hub, from_pretrained, load_nanogpt
+from model import ModelConfig, Stack, build_model
 from tokens import GPT2_META, Tokenizer, dataset_dir, load_meta, pretrained_meta
 
-FORMAT_VERSION = 2  # of checkpoints; a checkpoint with a larger number needs newer code. 2: train_model
+# of checkpoints; a checkpoint with a larger number needs newer code. 2: train_model; 3: weights and average by role
+FORMAT_VERSION = 3
 STATE_FILE = "state.pt"  # in a sharded checkpoint's folder: all but the weights and the optimizer's state
 
 
@@ -95,10 +99,10 @@ def finite_weights(state, iter_num):
     return state
 
 
-def weights_state(weights, model_config, cfg, meta, iter_num, best_val_loss):
+def weights_state(weights, model_config, cfg, meta, iter_num, best_val_loss, role="weights"):
     """
-    What best.pt holds: weights (the state dict of the weights to use: the average, with ema_decay), the model's
-    settings (a ModelConfig), the run's, the dataset's meta. weights None: all but the weights (a sharded
+    What best.pt holds: weights (a state dict) under its role, "weights" or, with ema_decay, "average"; the
+    model's settings (a ModelConfig), the run's, the dataset's meta. weights None: all but the weights (a sharded
     checkpoint's state.pt; its weights are saved apart).
     """
     state = {
@@ -114,7 +118,7 @@ def weights_state(weights, model_config, cfg, meta, iter_num, best_val_loss):
     }
     if weights is not None:
         # tensors keyed by parameter name, from the unwrapped model: no `module.` (DDP) or `_orig_mod.` prefix
-        state["model"] = finite_weights(weights, iter_num)
+        state[role] = finite_weights(weights, iter_num)
     return state
 
 
@@ -122,8 +126,8 @@ def training_state(
     model, *, ema_model, cfg, meta, iter_num, best_val_loss, optimizers, scaler, sampler_state, world_size, sharded
 ):
     """
-    What ckpt.pt holds: weights_state plus all a resume needs, including the optimizer's own weights (model's) as
-    "train_model" when "model" holds their average (ema_model). Call it on every rank: RNG states are gathered.
+    What ckpt.pt holds: weights_state (model's trained weights) plus all a resume needs, with ema_model's weights as
+    "average" where there is one. Call it on every rank: RNG states are gathered.
     sharded: all but the weights and the optimizer's state, which sharded_state gives (a sharded checkpoint).
     """
     # each rank has its own generators (dropout differs per rank): all are gathered, in rank order, for rank 0 to save
@@ -131,10 +135,8 @@ def training_state(
     if world_size > 1:
         rng = [None] * world_size
         dist.all_gather_object(rng, rng_state())
-    kept = model if ema_model is None else ema_model
     state = {
-        # with a weight average, "model" holds the average: the weights best.pt and sample.py use
-        **weights_state(None if sharded else kept.state_dict(), model.config, cfg, meta, iter_num, best_val_loss),
+        **weights_state(None if sharded else model.state_dict(), model.config, cfg, meta, iter_num, best_val_loss),
         # float16's current loss scale; an empty dict when no scaler is in use
         "scaler": scaler.state_dict(),
         "rng": rng,
@@ -149,22 +151,21 @@ def training_state(
         # Muon's momentum buffers, beside AdamW's state (which then covers the parameters outside the blocks only)
         state["muon"] = optimizers["muon"].state_dict()
     if ema_model is not None:
-        # the weights training goes on from: resuming from the average instead would change the run
-        state["train_model"] = finite_weights(model.state_dict(), iter_num)
+        # what best.pt and sample.py use; training goes on from "weights", or the run would change
+        state["average"] = finite_weights(ema_model.state_dict(), iter_num)
     return state
 
 
 def sharded_state(model, *, ema_model, optimizer):
     """
     The tensors of a sharded checkpoint, each rank's own part (DTensors under FSDP; whole tensors in a process that
-    holds the whole model): {"model", "optimizer"[, "train_model"]} as in ckpt.pt, keyed by parameter name.
+    holds the whole model): {"weights", "optimizer"[, "average"]} as in ckpt.pt, keyed by parameter name.
     Saved as it is by save_sharded, or filled in by load_sharded. optimizer: AdamW (FSDP runs do not use Muon).
     """
     # the optimizer's state keyed by parameter names, not by its own numbering: it then fits any sharding
-    tensors = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    tensors = {"weights": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     if ema_model is not None:
-        # as in ckpt.pt: "model" holds the average, "train_model" the weights training goes on from
-        tensors["model"], tensors["train_model"] = get_model_state_dict(ema_model), tensors["model"]
+        tensors["average"] = get_model_state_dict(ema_model)
     return tensors
 
 
@@ -187,7 +188,7 @@ def save_sharded(tensors, state, path, rank):
         except CheckpointException as e:  # a BaseException, raised on every rank, holding each failing rank's error
             reason = describe(next(iter(e.failures.values()))[0])
     if reason is None:
-        # which tensors the folder holds: resuming reads train_model only where there is one
+        # which tensors the folder holds: resuming reads an average only where there is one
         reason = on_rank_0(rank, write_file, {**state, "sharded_keys": sorted(tensors)}, new / STATE_FILE)
     if reason is None:
         reason = on_rank_0(rank, move_into_place, new, path)
@@ -282,24 +283,26 @@ def remove(path):
         path.unlink(missing_ok=True)
 
 
-def load_sharded(path, model, *, optimizer, ema_model, key):
+def load_sharded(ckpt, model, *, optimizer, ema_model, role="weights"):
     """
-    Fill model (with the checkpoint's `key`: "model", or "train_model" when "model" holds an average), optimizer
-    (AdamW, the one the run trains with: its state is created, then filled) and ema_model (or None: with "model"'s
-    average when key is "train_model", else the weights just loaded) from the sharded checkpoint folder path. Each
-    rank reads the parts its own shards need, however many ranks wrote it (torch.distributed.checkpoint reshards),
-    or all of them in a process without FSDP.
+    Fill model (with the weights of `role`: "weights", or "average" to evaluate the average), optimizer (AdamW,
+    the one the run trains with: its state is created, then filled) and ema_model (or None: with the checkpoint's
+    average, else the weights just loaded) from the sharded checkpoint ckpt (load_checkpoint's dict). Each rank
+    reads the parts its own shards need, however many ranks wrote it (torch.distributed.checkpoint reshards), or
+    all of them in a process without FSDP.
     """
+    keys = ckpt["shard_keys"]  # {role: the name its tensors have in the folder}
     weights = get_model_state_dict(model)
-    tensors = {key: weights, "optimizer": get_optimizer_state_dict(model, optimizer)}
-    if ema_model is not None and key == "train_model":
-        tensors["model"] = get_model_state_dict(ema_model)
+    tensors = {keys[role]: weights, keys["optimizer"]: get_optimizer_state_dict(model, optimizer)}
+    average = weights
+    if ema_model is not None and "average" in keys and role != "average":
+        average = tensors[keys["average"]] = get_model_state_dict(ema_model)
     # a single process (a resume without torchrun) reads every part itself
-    read_shards(tensors, path, alone=not dist.is_initialized())
+    read_shards(tensors, ckpt["sharded"], alone=not dist.is_initialized())
     set_model_state_dict(model, weights)
-    set_optimizer_state_dict(model, optimizer, tensors["optimizer"])
+    set_optimizer_state_dict(model, optimizer, tensors[keys["optimizer"]])
     if ema_model is not None:
-        set_model_state_dict(ema_model, tensors["model"] if key == "train_model" else weights)
+        set_model_state_dict(ema_model, average)
 
 
 def save_checkpoint(state, path):
@@ -336,8 +339,9 @@ def write_json(obj, path):
 def load_checkpoint(path, map_location="cpu", weights=True):
     """
     A checkpoint written by train.py, loaded with weights_only=True so that it cannot run code. A sharded one (a
-    folder, written with fsdp) gives the same dict with "model" read whole into this process (the optimizer's state
-    is left on disk), or, with weights=False, no tensors at all; "sharded" then names the folder, for load_sharded.
+    folder, written with fsdp) gives the same dict with the kept weights ("average" if there is one, else
+    "weights") read whole into this process (the optimizer's state is left on disk), or, with weights=False, no
+    tensors at all; "sharded" then names the folder and "shard_keys" its tensors, for load_sharded.
     A missing, corrupt or newer-format checkpoint raises ConfigError with a one-line message.
     """
     path = Path(path)
@@ -351,7 +355,8 @@ def load_checkpoint(path, map_location="cpu", weights=True):
         ckpt = read_checkpoint(path / STATE_FILE, map_location, fallback="")
         ckpt["sharded"] = path
         if weights:
-            ckpt["model"] = sharded_weights(path, ckpt["model_config"])
+            role = "average" if "average" in ckpt["shard_keys"] else "weights"
+            ckpt[role] = sharded_weights(path, ckpt["model_config"], ckpt["shard_keys"][role])
         return ckpt
     if not path.is_file():
         raise ConfigError(f"no checkpoint at {path}; train one first, or point --out_dir at the run's folder")
@@ -385,12 +390,31 @@ def read_checkpoint(path, map_location, fallback):
     version = ckpt.get("format_version") if isinstance(ckpt, dict) else None
     if not isinstance(version, int):
         raise ConfigError(f"{path} is not a nanoformer checkpoint (it has no format_version)")
-    # older formats still load: keys added since (train_model, in 2) are read only where present; "muon" needs no
-    # new format: an AdamW run's checkpoint is as before, and a Muon run's has its own key beside "optimizer"
+    # "muon" needs no new format: an AdamW run's checkpoint is as before, and a Muon run's has its own key
     if version > FORMAT_VERSION:
         raise ConfigError(
             f"{path} has checkpoint format {version}, newer than this code's {FORMAT_VERSION}; update nanoformer"
         )
+    return upgrade(ckpt)
+
+
+def upgrade(ckpt):
+    """
+    A checkpoint of any format as format 3, whose weights are named by role. Formats 1 and 2 kept the weights to use
+    as "model": the average where format 2's "train_model" held the trained weights, else the weights themselves.
+    A sharded checkpoint's state.pt gains "shard_keys": {role: the name its tensors have in the folder}.
+    """
+    if "sharded_keys" in ckpt:
+        keys = {role: role for role in ckpt["sharded_keys"]}
+        if ckpt["format_version"] < 3:
+            keys = {"weights": "model", "optimizer": "optimizer"}
+            if "train_model" in ckpt["sharded_keys"]:
+                keys.update(weights="train_model", average="model")
+        ckpt["shard_keys"] = keys
+    if ckpt["format_version"] < 3 and "train_model" in ckpt:
+        ckpt["weights"], ckpt["average"] = ckpt.pop("train_model"), ckpt.pop("model")
+    elif ckpt["format_version"] < 3 and "model" in ckpt:
+        ckpt["weights"] = ckpt.pop("model")
     return ckpt
 
 
@@ -427,7 +451,7 @@ def nanogpt_checkpoint(ckpt, path):
     gpt2 = model.config.vocab_size in (GPT2_META["vocab_size"], 50304)
     return {
         "format_version": FORMAT_VERSION,
-        "model": model.state_dict(),
+        "weights": model.state_dict(),
         "model_config": asdict(model.config),
         "train_config": {},
         "meta": GPT2_META if gpt2 else None,
@@ -460,14 +484,14 @@ def is_checkpoint(path):
     return path.is_file() or (path / STATE_FILE).is_file()
 
 
-def sharded_weights(path, model_config):
-    """The "model" weights of sharded checkpoint folder path, read whole into this process: a state dict."""
+def sharded_weights(path, model_config, key):
+    """The weights stored as key in sharded checkpoint folder path, read whole into this process: a state dict."""
     # built without drawing any initial values (the meta device), then given memory for the checkpoint to fill
     with torch.device("meta"):
         model = build_model(ModelConfig.from_dict(model_config))
     weights = model.to_empty(device="cpu").state_dict()
     # this process reads every rank's part itself, whether or not it is one of several
-    read_shards({"model": weights}, path, alone=True)
+    read_shards({key: weights}, path, alone=True)
     return weights
 
 
@@ -497,7 +521,7 @@ def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False
         # Hugging Face weights come without a dataset: the folder's tokenizer.json, else GPT-2's BPE (GPT2_META) for
         # GPT-2; read first, so that a folder without its tokenizer fails before the slow load
         meta = pretrained_meta(folder)
-        model = GPT.from_pretrained(folder)
+        model = from_pretrained(folder)
     # eval: dropout off, so the same seed gives the same text
     model.eval().to(device)
     if compile:
@@ -516,5 +540,10 @@ def model_from_checkpoint(ckpt, **overrides):
     """
     # the architecture from the saved settings, then its weights: load_state_dict is strict, so a mismatch raises
     model = build_model(ModelConfig.from_dict({**ckpt["model_config"], **overrides}))
-    model.load_state_dict(ckpt["model"])
+    model.load_state_dict(kept_weights(ckpt))
     return model.eval()
+
+
+def kept_weights(ckpt):
+    """The weights to evaluate, sample or start a new run from: the average if the checkpoint has one."""
+    return ckpt["average"] if "average" in ckpt else ckpt["weights"]

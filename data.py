@@ -1,17 +1,22 @@
 """
-What a batch is for each architecture: a GPT's shifted windows, a masked LM's corrupted windows (BERT's 80/10/10),
-an encoder-decoder's padded (source, target) pairs; the special ids each needs (Objective); and the seeds that
-make a micro-batch depend on its seed alone. train.py draws its training and evaluation batches here, eval.py its
-masked windows and pairs.
+The data side of training. What a batch is for each architecture: a GPT's shifted windows, a masked LM's corrupted
+windows (BERT's 80/10/10), an encoder-decoder's padded (source, target) pairs; the special ids each needs
+(Objective); the seeds that make a micro-batch depend on its seed alone. Then the dataset a run reads (prepared
+first if missing, by one rank while the others wait), its splits, and the stream of training batches, built one
+step ahead on a background thread. train.py draws its batches here, eval.py its masked windows and pairs.
 """
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+import prepare_data
 from config import ConfigError
 from model import IGNORE_INDEX
+from parallel import log, raise_if_any_failed
+from tokens import check_prepared, dataset_dir, is_prepared, load_pairs, load_tokens
 
 
 @dataclass(frozen=True)
@@ -120,3 +125,133 @@ def count_targets(targets):
 def count_tokens(inputs, objective):
     """Input tokens of a batch, padding left out: what tokens/s counts."""
     return sum(x.numel() if objective.pad_id is None else int((x != objective.pad_id).sum()) for x in inputs)
+
+
+# -----------------------------------------------------------------------------
+# The dataset of a run, and its stream of training batches
+
+
+def prepared_dataset(name, data_dir, options):
+    """The folder of dataset `name`, prepared first if missing or out of date; ConfigError says why it cannot be."""
+    try:
+        folder = dataset_dir(name, data_dir)
+        if name not in prepare_data.DATASETS:  # a folder of the user's own: say what is wrong with it, if anything
+            if options:
+                raise ValueError(f"data_options need one of the datasets {', '.join(prepare_data.DATASETS)}")
+            if not folder.is_dir():
+                raise ValueError(f"not one of {', '.join(prepare_data.DATASETS)}, nor a folder in {folder.parent}")
+            check_prepared(folder)
+        # prepare() keeps outputs that are up to date for these options: with none, an intact folder is enough
+        elif options or not is_prepared(folder):
+            log(f"dataset {name}: preparing it in {folder.parent} unless up to date")
+            folder = prepare_data.prepare(name, data_dir, **options)
+    # bad options, a missing input, a failed download, a full disk: all reported as one line
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"dataset {name}: {e}") from None
+    return folder
+
+
+def find_dataset(cfg, rt):
+    """The dataset's folder, prepared first if missing: by rank 0, then by each node's first rank, then by the rest."""
+    folder = None
+    # three turns, so that one process downloads and tokenizes while the others wait: rank 0 first, then the first
+    # rank of every other machine (its data_dir may be a local disk), then everyone else, who find it done
+    for my_turn in (rt.rank == 0, rt.rank != 0 and rt.local_rank == 0, rt.local_rank != 0):
+        error = None
+        if my_turn:
+            try:
+                folder = prepared_dataset(cfg.dataset, cfg.data_dir, cfg.data_options)
+            except ConfigError as e:
+                error = str(e)
+        raise_if_any_failed(error, rt.world_size)  # also makes the others wait until the files exist
+    return folder
+
+
+def load_splits(folder, meta, block_size):
+    """train and val data: token memmaps (LM), or (Pairs, indices of the pairs that fit block_size) (seq2seq)."""
+    splits = {}
+    for split in ("train", "val"):
+        if meta["kind"] == "lm":
+            # a memmap: the file stays on disk, and each batch reads only the windows it draws
+            splits[split] = load_tokens(folder / f"{split}.bin")
+            if len(splits[split]) <= block_size:  # a GPT's window is block_size + 1 tokens (inputs and targets)
+                raise ConfigError(
+                    f"{folder.name}'s {split} split has {len(splits[split]):,} tokens, too few for "
+                    f"block_size={block_size}: use block_size <= {len(splits[split]) - 1}, or a "
+                    f"dataset with a longer {split} split"
+                )
+            continue
+        # seq2seq: pairs.index is (n + 1, 2), the offsets of each pair's source and target in two flat arrays
+        pairs = load_pairs(folder, split)
+        lengths = np.diff(pairs.index, axis=0)  # (n, 2): source and target length of each pair
+        # the decoder reads bos + target and predicts target + eos: target + 1 positions
+        fits = np.flatnonzero((lengths[:, 0] <= block_size) & (lengths[:, 1] + 1 <= block_size))
+        if not len(fits):
+            raise ConfigError(f"no {split} pair of {folder.name} fits block_size={block_size}; raise block_size")
+        if len(fits) < len(pairs):
+            log(
+                f"note: {len(pairs) - len(fits):,} of {len(pairs):,} {split} pairs do not fit block_size={block_size}; "
+                "they are left out"
+            )
+        splits[split] = (pairs, fits)
+    return splits
+
+
+def model_inputs(inputs, targets, device):
+    """
+    A batch on device: (inputs tuple, targets). Pinned host memory (see TrainBatches) lets the copy overlap with GPU
+    work. Sequence-to-sequence batches (src, tgt) vary in length from batch to batch: their lengths are marked
+    dynamic, so torch.compile builds one graph for all of them instead of recompiling for each new length.
+    """
+    moved = [x.to(device, non_blocking=x.is_pinned()) for x in (*inputs, targets)]
+    # (src (B, S), tgt_in (B, T)): dimension 1 is the length, which varies by batch
+    if len(inputs) == 2:
+        for x in moved:
+            torch._dynamo.maybe_mark_dynamic(x, 1)
+    return tuple(moved[:-1]), moved[-1]
+
+
+class TrainBatches:
+    """
+    The training micro-batches of this rank, one step ahead: while the device runs a step, a background thread
+    builds the next step's batches (pinned in memory on CUDA) and counts their targets and tokens, so a small
+    model's step does not wait for Python. Each micro-batch depends only on its seed, drawn in order from
+    `generator` for the micro-batches of all ranks: the stream is the same on any number of ranks.
+    """
+
+    def __init__(self, data, objective, cfg, generator, rt, per_rank):
+        self.data, self.objective, self.cfg, self.pin = data, objective, cfg, rt.device.type == "cuda"
+        self.generator, self.rank, self.per_rank, self.world_size = generator, rt.rank, per_rank, rt.world_size
+        # one worker: the next step's batches are built in order while this step runs, never further ahead
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.advance()
+
+    def advance(self):
+        """Start building the next step's batches."""
+        self.resume_state = self.generator.get_state()  # what a checkpoint stores: the pending step is not taken
+        # every rank draws all ranks' seeds, so the generator moves alike everywhere; each keeps its own slice
+        seeds = micro_seeds(self.generator, self.per_rank * self.world_size)
+        mine = seeds[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
+        self.pending = self.pool.submit(self.build, mine)
+
+    def build(self, seeds):
+        """(micro-batches, real targets, input tokens) for these seeds; runs on the background thread."""
+        cfg, objective = self.cfg, self.objective
+        batches = [
+            # a fresh generator per micro-batch: its contents depend on its seed alone
+            get_batch(self.data, objective, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(s))
+            for s in seeds
+        ]
+        # pinned (page-locked) memory lets the copy to the GPU run asynchronously (non_blocking)
+        if self.pin:
+            batches = [(tuple(x.pin_memory() for x in inputs), targets.pin_memory()) for inputs, targets in batches]
+        # counted here on the CPU, so the training loop never waits for a count on the GPU
+        n_targets = sum(count_targets(targets) for _, targets in batches)
+        return batches, n_targets, sum(count_tokens(inputs, objective) for inputs, _ in batches)
+
+    def peek(self):
+        """(micro-batches, real targets, input tokens) of the next step, without taking it."""
+        return self.pending.result()
+
+    def close(self):
+        self.pool.shutdown(cancel_futures=True)

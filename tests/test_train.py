@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import data
 import devices
-import prepare_data
+import tasks
 import tokens
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint, move_into_place, save_checkpoint
@@ -412,7 +412,7 @@ def test_loss_falls_from_uniform(tmp_path, data_root, arch, extra):
 
 def test_seq2seq_learns_and_its_exact_match_agrees_with_the_task_solver(tmp_path, data_root):
     """Sorting short strings: the loss falls from uniform, and the logged accuracy equals one computed here by
-    decoding the checkpoint greedily, one source at a time, and grading with prepare_data.solve."""
+    decoding the checkpoint greedily, one source at a time, and grading with tasks.solve."""
     cfg = tiny(
         data_root,
         tmp_path,
@@ -443,7 +443,7 @@ def test_seq2seq_learns_and_its_exact_match_agrees_with_the_task_solver(tmp_path
     for i in range(100):
         src_text = tokenizer.decode(pairs[i][0])
         out = model.generate(torch.tensor([tokenizer.encode(src_text)]), 8, bos, eos)[0].tolist()
-        correct += eos in out and tokenizer.decode(out[: out.index(eos)]) == prepare_data.solve("sort", src_text)
+        correct += eos in out and tokenizer.decode(out[: out.index(eos)]) == tasks.solve("sort", src_text)
     assert 20 <= correct < 100  # partly trained: right and wrong answers to tell apart
     # padded batches there, single sources here: a near-tie could flip one answer
     assert last["accuracy"] == pytest.approx(correct / 100, abs=0.011)

@@ -1,0 +1,294 @@
+"""
+How a training run is spread over processes and devices: this process's place (Runtime: rank, device, dtype), the
+process group and the few collectives train.py needs, and parallelize(), which applies activation checkpointing,
+then FSDP2 or DDP, then torch.compile, in that order, and returns the model under the names of its uses (Models).
+"""
+
+import contextlib
+import copy
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from config import ConfigError
+from devices import autocast, resolve_device, resolve_dtype
+from model import Block, build_model
+
+
+def log(message):
+    """Print on rank 0 only (torchrun sets RANK); flushed so piped logs stay current."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, flush=True)
+
+
+def first_line(error):
+    """The first line of an error's message, at most 300 characters, for a one-line report."""
+    return (str(error).strip().splitlines() or [""])[0][:300]
+
+
+# -----------------------------------------------------------------------------
+# Processes
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process runs: its rank among world_size processes (torchrun sets them), its device and dtype."""
+
+    rank: int = 0
+    local_rank: int = 0  # rank within this machine: which GPU is ours
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32  # what forward passes compute in; float32 means no mixed precision
+    fsdp: bool = False  # the model is sharded over the ranks with FSDP (else whole on each rank, under DDP)
+
+    def autocast(self):
+        """Mixed precision for a forward pass: autocast to dtype, except under FSDP, whose own policy casts."""
+        return autocast(self.device, torch.float32 if self.fsdp else self.dtype)
+
+
+def make_runtime(cfg):
+    """The Runtime of this process: ranks from torchrun's variables, device and dtype from cfg."""
+    # torchrun sets RANK, LOCAL_RANK and WORLD_SIZE in each process; a plain `python train.py` is rank 0 of 1
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(cfg.device, local_rank)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.fsdp and dtype == torch.float16:
+        raise ConfigError(
+            "fsdp=True computes in bfloat16 or float32, not float16 (whose gradient scaler FSDP runs lack); use "
+            "--dtype=bfloat16, or DDP (fsdp=False) on GPUs without bfloat16"
+        )
+    # one process has nothing to shard over: it trains the whole model, as without fsdp (setup says so)
+    return Runtime(rank, local_rank, world_size, device, dtype, fsdp=cfg.fsdp and world_size > 1)
+
+
+def split_accumulation(steps, world_size):
+    """
+    Micro-batches per rank: the global gradient_accumulation_steps shared out over the ranks. Fewer steps than
+    ranks (e.g. the quick start's 1 on 2 ranks) give each rank one micro-batch, as nanoGPT users expect.
+    """
+    if steps < world_size:
+        return 1
+    if steps % world_size:
+        raise ConfigError(
+            f"gradient_accumulation_steps={steps} does not divide among {world_size} ranks; "
+            f"make it a multiple of {world_size}"
+        )
+    return steps // world_size
+
+
+def init_distributed(cfg, rt, stack):
+    """Join the torchrun job (a no-op in one process); returns the host-side gloo group, or None."""
+    if rt.world_size == 1:
+        return None
+    if rt.device.type == "cuda":
+        # NCCL uses the current GPU: each rank's must be its own before the group forms
+        torch.cuda.set_device(rt.device)
+    backend = cfg.backend if cfg.backend != "auto" else "nccl" if rt.device.type == "cuda" else "gloo"
+    # the timeout turns a dead or stuck rank into an error on the others instead of a hang, in both groups
+    timeout = timedelta(seconds=cfg.dist_timeout)
+    dist.init_process_group(backend, timeout=timeout)
+    stack.callback(dist.destroy_process_group)
+    # target counts and stop votes are host numbers: summing them over gloo never waits for the GPU
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def all_reduce(values, rt):
+    """Sum numbers and 0-d tensors over the ranks in one collective; returns a tensor on rt.device."""
+    dtype = torch.float32 if rt.device.type == "mps" else torch.float64  # float64 keeps token counts exact
+    tensor = torch.stack([torch.as_tensor(v, device=rt.device).to(dtype) for v in values])
+    if rt.world_size > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def raise_if_any_failed(error, world_size):
+    """
+    Every rank passes its one-line error (or None); if any rank failed, all raise the first rank's error at once,
+    instead of the others waiting in their next collective until dist_timeout.
+    """
+    errors = [error]
+    if world_size > 1:
+        errors = [None] * world_size
+        # every rank receives every rank's message (a string or None)
+        dist.all_gather_object(errors, error)
+    # the lowest failing rank's message: every rank raises the same one
+    failed = next((e for e in errors if e), None)
+    if failed:
+        raise ConfigError(failed)
+
+
+# -----------------------------------------------------------------------------
+# The model over the ranks
+
+
+@dataclass
+class Models:
+    """
+    The model under the name of each use. All but the average share raw's parameters.
+
+        raw      the plain model: what the optimizers update, what is saved, counted and measured (under FSDP
+                 its weights are sharded in place, each rank holding its shards)
+        step     what a training step calls: raw, under DDP and/or compiled
+        ddp      the DDP module inside step (gradient_sync turns its all-reduce off until the last micro-batch);
+                 None without DDP
+        average  with ema_decay: the moving average of raw's weights (sharded alike), never trained; else None
+        eval     what evaluation calls: the average if there is one, else raw compiled as step is; never DDP,
+                 since ranks may evaluate different numbers of batches
+    """
+
+    raw: nn.Module
+    step: nn.Module
+    ddp: DDP | None = None
+    average: nn.Module | None = None
+    eval: nn.Module | None = None
+
+    @property
+    def kept(self):
+        """What is saved as best.pt, decoded for accuracy and sampled: the average if there is one, else raw."""
+        return self.raw if self.average is None else self.average
+
+
+def parallelize(model, cfg, rt, example):
+    """
+    Models for training `model` (on the CPU, or on the meta device under FSDP) on this process's ranks, made in
+    this order, as torchtitan's parallelize does:
+      1. activation checkpointing, if cfg says so: each block recomputed in the backward;
+      2. FSDP2 (fsdp under torchrun): each block, then the root, sharded over the ranks; or DDP (torchrun without
+         fsdp), which also gives every rank rank 0's initial weights; or neither, in one process;
+      3. torch.compile (cfg.compile; None: on CUDA only), tried on example, (inputs, targets) on rt.device.
+         DDP is compiled, not wrapped around a compiled model: then its graph is split at the gradient buckets,
+         so each bucket's all-reduce starts while the backward of the layers before it still runs;
+      4. with ema_decay, the weight average: a copy, sharded alike.
+    Call it before the optimizers are built: FSDP replaces the parameters with sharded ones.
+    """
+    model.set_activation_checkpointing(cfg.activation_checkpointing)
+    ddp = None
+    if rt.fsdp:
+        shard_model(model, rt, cfg.seed)
+    else:
+        model.to(rt.device)
+        if rt.world_size > 1:
+            ddp = DDP(model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
+    step, eval_model = ddp or model, model
+    if cfg.compile or cfg.compile is None and rt.device.type == "cuda":
+        step = compile_model(step, example, rt, cfg.label_smoothing)
+        if isinstance(step, CompiledModel):
+            # with DDP, the compiled model is DDP's: evaluation, outside DDP, compiles the plain model apart
+            eval_model = CompiledModel(model) if ddp else step
+    average = average_model(model, rt, cfg.seed) if cfg.ema_decay else None
+    return Models(model, step, ddp, average, eval=eval_model if average is None else average)
+
+
+def shard_model(model, rt, seed):
+    """
+    FSDP2 over the ranks: each Block sharded as a unit, then the root (embeddings, head, final norm), so that a
+    block's weights are gathered just before its forward and backward and freed after. Each rank keeps its shard of
+    every weight, gradient and (built afterwards) optimizer state. A model built on the meta device gets memory for
+    its shards only and is initialised with seed on every rank: the same weights as an unsharded model built after
+    torch.manual_seed(seed). With rt.dtype other than float32 (bfloat16 on CUDA), a mixed-precision policy replaces
+    autocast: weights gathered in rt.dtype for the forward and backward, gradients reduced in float32, the sharded
+    weights and AdamW's state kept in float32.
+    """
+    mesh = init_device_mesh(rt.device.type, (rt.world_size,))
+    policy = MixedPrecisionPolicy()  # float32: no casts
+    if rt.dtype != torch.float32:
+        policy = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32)
+    for block in [m for m in model.modules() if isinstance(m, Block)]:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if next(model.parameters()).is_meta:
+        model.to_empty(device=rt.device)
+        # every rank draws the same values on the CPU (each keeps its part); the per-rank generators of dropout
+        # are left as they were (torch.manual_seed would also reset every GPU's)
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            model.init_weights()
+    return model
+
+
+def average_model(model, rt, seed):
+    """A copy of model for the weight average (sharded alike under FSDP): never trained, always in eval mode."""
+    if not rt.fsdp:
+        return copy.deepcopy(model).eval().requires_grad_(False)
+    with torch.device("meta"):
+        average = build_model(model.config)
+    average = shard_model(average, rt, seed)
+    # each rank copies its own shards: sharded state dicts load into a model sharded alike
+    average.load_state_dict(model.state_dict())
+    return average.eval().requires_grad_(False)
+
+
+def gradient_sync(models, enabled):
+    """
+    A context for one micro-batch's backward. enabled False: its gradients only add up on this rank, no
+    communication (DDP's no_sync; FSDP keeps them unsharded); True (the last micro-batch of a step): the summed
+    gradients are averaged over the ranks (DDP all-reduces, FSDP reduce-scatters: each rank keeps its shard).
+    """
+    if models.ddp is not None and not enabled:
+        return models.ddp.no_sync()
+    if isinstance(models.raw, FSDPModule):
+        models.raw.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()
+
+
+# -----------------------------------------------------------------------------
+# Compilation
+
+
+class CompiledModel(nn.Module):
+    """
+    torch.compile(module), falling back to the eager module with one warning if a compilation fails, whenever it
+    happens: at the first call or at a later recompilation (evaluation mode, say). A backward graph is compiled at
+    its first use, in loss.backward(): train.compute_gradients redoes such a step eagerly after calling fall_back.
+    """
+
+    def __init__(self, module):
+        super().__init__()
+        # the eager module is kept for the fallback; both share the same parameters
+        self.module, self.compiled, self.failed = module, torch.compile(module), False
+
+    def forward(self, *args, **kwargs):
+        if not self.failed:
+            try:
+                return self.compiled(*args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as e:  # what compilation raises, not the model's errors
+                self.fall_back(e)
+        return self.module(*args, **kwargs)
+
+    def fall_back(self, error):
+        self.failed = True
+        log(f"warning: torch.compile failed ({type(error).__name__}: {first_line(error)}); going on without it")
+
+
+def compile_model(model, example, rt, label_smoothing=0.0):
+    """
+    CompiledModel(model), tried on one forward and backward pass of example ((inputs, targets) on rt.device; the
+    backward is compiled at its first call); if that fails, one warning and the eager model. Running out of memory
+    is no compile failure: it is raised.
+    """
+    compiled = CompiledModel(model)
+    inputs, targets = example
+    try:
+        # the trial leaves every random generator as it was, so compiling does not change the run
+        with torch.random.fork_rng(devices=[rt.device.index] if rt.device.type == "cuda" else []):
+            with rt.autocast():
+                # the training step's exact call, so that training reuses this graph instead of compiling another
+                _, loss = compiled(
+                    *inputs, targets, label_smoothing=label_smoothing, reduction="sum", return_logits=False
+                )
+            loss.backward()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # a missing C compiler, an unsupported operator, ...: all mean eager mode
+        compiled.fall_back(e)
+    # the trial's gradients must not add to the first real step's
+    model.zero_grad(set_to_none=True)
+    return model if compiled.failed else compiled

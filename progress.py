@@ -1,0 +1,238 @@
+"""
+What a run reports while it trains: a progress line every log_interval steps (loss, learning rate, gradient norm,
+ms/iter, tokens/s, MFU on known GPUs, time left), TensorBoard (and W&B) scalars, and at the end each rank's memory.
+Step losses stay on the device until a progress line or an evaluation reads them back.
+"""
+
+import contextlib
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from config import ConfigError
+from parallel import log
+
+
+@dataclass
+class Step:
+    """One optimizer step's results: device tensors (loss, grad_norm, skipped) and host numbers."""
+
+    loss: torch.Tensor  # this rank's share of the step's mean loss
+    grad_norm: torch.Tensor
+    skipped: torch.Tensor  # 1.0 if the gradient was not finite and the weights were left as they were
+    lr: float
+    tokens: int  # input tokens on all ranks
+    flops: float  # of this rank's matmuls (counted only where MFU is reported)
+
+
+@dataclass
+class Window:
+    """The training steps since the last progress line: their wall time (evaluations left out), tokens, FLOPs."""
+
+    start: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    tokens: int = 0
+    flops: float = 0.0
+
+    def add(self, step):
+        self.steps, self.tokens, self.flops = self.steps + 1, self.tokens + step.tokens, self.flops + step.flops
+
+
+class Progress:
+    """
+    The progress of a run: each step's results go in with add(), which prints the progress line every log_interval
+    steps; `losses` collects {iteration: train loss} of the steps read back so far. Evaluations run inside
+    paused(), so that ms/iter and tokens/s time the training steps only.
+    """
+
+    def __init__(self, cfg, rt, scalars, peak_flops):
+        self.max_iters, self.log_interval, self.scalars = cfg.max_iters, cfg.log_interval, scalars
+        self.peak_flops = peak_flops  # of this GPU, for MFU; None on CPUs and unknown GPUs
+        self.pending, self.window, self.losses = StepLosses(rt), Window(), {}
+
+    def add(self, iter_num, step):
+        """Step number iter_num (a Step) is done; on a log_interval, read the losses back and print the line."""
+        self.pending.add(iter_num, step.loss, step.skipped)
+        self.window.add(step)
+        if iter_num % self.log_interval == 0:
+            self.read()  # waits for the device: the window's time is real
+            self.log_line(iter_num, step, self.pending.take_unreported())
+            self.window = Window()
+
+    def read(self):
+        """Read the pending steps' losses back into `losses`; FloatingPointError at a non-finite one."""
+        self.losses.update(self.pending.read())
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave what runs inside (an evaluation, a save) out of the training time of the progress line."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.window.start += time.perf_counter() - began
+
+    def finish(self):
+        """At the end of a run: the last losses read back, and steps skipped since the last line said."""
+        self.read()
+        if skipped := self.pending.take_unreported():
+            log(f"{skipped} step(s) skipped since the last progress line: gradient not finite")
+
+    def log_line(self, iter_num, step, skipped):
+        """The progress line of iteration iter_num and its TensorBoard scalars; the losses have just been read."""
+        window, loss = self.window, self.losses[iter_num]
+        seconds = time.perf_counter() - window.start
+        # tokens per second of training time: evaluations are left out of window.start
+        norm, speed = step.grad_norm.item(), window.tokens / seconds
+        values = {"train/loss": loss, "train/lr": step.lr, "train/grad_norm": norm, "perf/tokens_per_sec": speed}
+        line = (
+            f"iter {iter_num}/{self.max_iters} | loss {loss:.4f} | lr {step.lr:.2e} | grad norm {norm:.3f} | "
+            f"{1000 * seconds / window.steps:.1f} ms/iter | {speed:,.0f} tok/s"
+        )
+        if self.peak_flops:
+            # MFU: the fraction of this GPU's peak FLOP/s that the model's matmuls used
+            values["perf/mfu"] = window.flops / seconds / self.peak_flops
+            line += f" | mfu {values['perf/mfu']:.1%}"
+        if skipped:
+            line += f" | {skipped} step(s) skipped: gradient not finite, weights left as they were"
+        log(f"{line} | eta {format_eta((self.max_iters - iter_num) * seconds / window.steps)}")
+        self.scalars.add(iter_num, values)
+
+
+class StepLosses:
+    """
+    The losses of the latest steps, kept on the device and read back at log lines and evaluations only: reading a
+    number from a GPU waits for all the work queued before it, so a read every step would leave the GPU idle.
+    """
+
+    def __init__(self, rt):
+        self.world_size = rt.world_size
+        self.pending = []  # (iteration, this rank's share of the step's mean loss)
+        self.skipped = torch.zeros((), device=rt.device)  # steps with a non-finite gradient since the last read
+        self.unreported = 0  # skipped steps read back but not yet reported
+
+    def add(self, iteration, loss, skipped):
+        self.pending.append((iteration, loss))
+        self.skipped += skipped
+
+    def read(self):
+        """
+        {iteration: mean loss over all ranks} of the steps since the last read; FloatingPointError at the first
+        non-finite loss. The count of skipped steps waits in `unreported` for take_unreported.
+        """
+        if not self.pending:
+            return {}
+        # one stacked tensor: one all-reduce and one device-to-host copy for all the pending steps
+        losses = torch.stack([loss for _, loss in self.pending])
+        if self.world_size > 1:
+            dist.all_reduce(losses)
+        # the skipped count rides in the same copy, so reading it costs no second wait
+        *losses, skipped = torch.cat([losses.float(), self.skipped[None]]).tolist()
+        iterations = [iteration for iteration, _ in self.pending]
+        self.pending, self.skipped = [], torch.zeros_like(self.skipped)
+        self.unreported += int(skipped)
+        for iteration, loss in zip(iterations, losses):
+            if not math.isfinite(loss):
+                raise FloatingPointError(
+                    f"loss is {loss} at iteration {iteration}; stopped at iteration "
+                    f"{iterations[-1]} with nothing saved since, so the last checkpoint is "
+                    "untouched. Lower learning_rate or raise warmup_iters"
+                )
+        return dict(zip(iterations, losses))
+
+    def take_unreported(self):
+        """How many steps were skipped since the last call."""
+        count, self.unreported = self.unreported, 0
+        return count
+
+
+def format_eta(seconds):
+    """seconds as '1h05m' or '4m09s': the time left, on the progress line."""
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+class Scalars:
+    """TensorBoard (and W&B) scalars; inert on ranks other than 0 and when both are off."""
+
+    def __init__(self, cfg, active):
+        self.tensorboard = self.wandb = None
+        if active and cfg.tensorboard:
+            try:
+                # imported only when asked for: TensorBoard and W&B are optional dependencies
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("tensorboard=True needs: pip install tensorboard (or --tensorboard=false)") from None
+            self.tensorboard = SummaryWriter(cfg.out_dir)
+        if active and cfg.wandb_log:
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("wandb_log=True needs: pip install wandb (or --wandb_log=false)") from None
+            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
+
+    def add(self, step, values):
+        if self.tensorboard:
+            for name, value in values.items():
+                self.tensorboard.add_scalar(name, value, step)
+        if self.wandb:
+            self.wandb.log(values, step=step)
+
+    def close(self):
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def memory_use(model, optimizers, device):
+    """
+    This rank's memory in MiB: {"weights", "gradients" (one per trained weight), "optimizer" (its state), "peak"}.
+    Under FSDP, the rank's shards only. peak: the most CUDA memory allocated, or on a CPU the process's peak
+    resident set (the Python interpreter and the libraries included).
+    """
+    mib = 2**20
+
+    def size(tensors):
+        # a DTensor's local part: what this rank holds
+        return sum(
+            t.numel() * t.element_size() for t in (x.to_local() if isinstance(x, DTensor) else x for x in tensors)
+        )
+
+    params = list(model.parameters())
+    states = [v for opt in optimizers.values() for state in opt.state.values() for v in state.values()]
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:  # ru_maxrss counts KiB on Linux, bytes on macOS (resource: Unix only, imported where needed)
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {
+        "weights": size(params) / mib,
+        "gradients": size(p for p in params if p.requires_grad) / mib,
+        "optimizer": size(v for v in states if torch.is_tensor(v)) / mib,
+        "peak": peak / mib,
+    }
+
+
+def log_memory(model, optimizers, rt):
+    """
+    One line per rank (rank 0 prints them all): weights, gradients, optimizer state and peak memory of model (the
+    plain model) and optimizers ({name: optimizer}). Call it on every rank.
+    """
+    uses = [memory_use(model, optimizers, rt.device)]
+    if rt.world_size > 1:
+        uses = [None] * rt.world_size
+        dist.all_gather_object(uses, uses[0])
+    where = "CUDA allocated" if rt.device.type == "cuda" else "process resident set"
+    for rank, use in enumerate(uses):
+        log(
+            f"memory rank {rank}: weights {use['weights']:.1f} MiB, gradients {use['gradients']:.1f} MiB, "
+            f"optimizer state {use['optimizer']:.1f} MiB, peak {use['peak']:.1f} MiB ({where})"
+        )

@@ -1,0 +1,245 @@
+"""
+How a training run starts, and how a resumed run gets its state back. Four ways to start, each a function of
+(settings, the dataset's meta) returning a Start; start_run() picks one by init_from:
+
+    from_scratch      init_from='scratch': new weights, the model settings from the config
+    resume            init_from='resume': out_dir/ckpt.pt, to go on exactly where the run stopped
+    from_checkpoint   init_from=FILE (or a sharded FOLDER): another run's weights, ours or nanoGPT's, start a new run
+    from_pretrained   init_from=a Hugging Face folder or hub id (GPT-2, Llama, Mistral), to fine-tune
+
+Weights from a checkpoint or Hugging Face decide the model's settings: the Start's settings carry them. Once the
+model is on its devices and the optimizers exist, restore() puts a resume's state back, in one place.
+"""
+
+import contextlib
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+import hf
+import tokens
+from checkpoint import (
+    is_checkpoint,
+    load_checkpoint,
+    load_sharded,
+    model_from_checkpoint,
+    nanogpt_meta,
+    set_rng_state,
+)
+from config import ConfigError
+from data import Objective, make_objective
+from model import ModelConfig, build_model
+from parallel import first_line, log
+
+# ModelConfig fields a TrainConfig sets directly; the vocabulary and padding id come from the dataset
+MODEL_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name not in ("vocab_size", "pad_token_id"))
+
+UNAVERAGED_NOTE = "note: training goes on from the un-averaged weights; their average is dropped (ema_decay=0)"
+
+
+@dataclass
+class Start:
+    """Where a run starts: what each way of starting returns."""
+
+    cfg: object  # the run's TrainConfig, with the model settings of the weights it starts from
+    model: nn.Module  # in training mode, on the CPU, or on the meta device (lazy) for FSDP to fill
+    objective: Objective
+    meta: dict  # the tokenizer's meta that the run's checkpoints store (an encoder's includes its [MASK] id)
+    ckpt: dict | None = None  # resume: the checkpoint it goes on from (a sharded one without its tensors)
+
+
+def start_run(cfg, meta, lazy=False):
+    """
+    The Start of cfg.init_from, to train on a dataset with this meta. lazy: a model whose weights come later (from
+    scratch, or from a sharded checkpoint) is built on the meta device, without memory or values: FSDP then
+    allocates and fills each rank's shards.
+    """
+    if cfg.init_from == "scratch":
+        return from_scratch(cfg, meta, lazy)
+    if cfg.init_from == "resume":
+        return resume(cfg, meta, lazy)
+    if is_checkpoint(cfg.init_from):
+        return from_checkpoint(cfg, meta)
+    return from_pretrained(cfg, meta)
+
+
+def from_scratch(cfg, meta, lazy):
+    """New weights, drawn from the generator torch.manual_seed set."""
+    # the meta may gain a [MASK] id (an encoder's), which the checkpoints then store
+    objective, vocab_size, meta = make_objective(cfg.arch, meta, cfg.mask_prob)
+    with torch.device("meta") if lazy else contextlib.nullcontext():
+        model = build_model(cfg.model_config(vocab_size, objective.pad_id))
+    return Start(cfg, model, objective, meta)
+
+
+def resume(cfg, meta, lazy):
+    """
+    out_dir/ckpt.pt: its settings and trained weights (eval_only: the weights it evaluates, the average if it has
+    one); a sharded checkpoint's weights are read by restore(), each rank its shards.
+    """
+    path = Path(cfg.out_dir) / "ckpt.pt"
+    ckpt = load_checkpoint(path, weights=False)
+    if ckpt.get("nanogpt"):
+        raise ConfigError(
+            f"{path} was written by nanoGPT: start a new run from it with --init_from={path} and another "
+            "--out_dir (its optimizer state is not carried over)"
+        )
+    # the weights were trained on another tokenizer's ids: on this data they would read nonsense
+    if ckpt["meta"]["tokenizer"] != meta["tokenizer"]:
+        raise ConfigError(f"{path} was trained with another tokenizer than dataset={cfg.dataset}'s")
+    # resuming a finished run would train nothing and only save it again
+    if ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
+        raise ConfigError(
+            f"{path} is at iteration {ckpt['iter_num']}, which max_iters={cfg.max_iters} has reached: nothing to "
+            "train. To train further, pass a larger --max_iters (and --lr_decay_iters, where the cosine schedule ends)"
+        )
+    # the optimizers' states must fit the optimizers; checkpoints from before optimizer existed are AdamW's
+    saved_optimizer = ckpt["train_config"].get("optimizer", "adamw")
+    if saved_optimizer != cfg.optimizer:
+        raise ConfigError(
+            f"{path} was trained with optimizer={saved_optimizer!r}: resume it with --optimizer={saved_optimizer}"
+        )
+    # the checkpoint's settings completed with today's defaults: a checkpoint older than a setting lacks it
+    config = ModelConfig.from_dict(ckpt["model_config"])
+    # settings the user gave (not left at their defaults) that the checkpoint overrides; None resolved first
+    defaults, given, saved = {f.name: f.default for f in fields(cfg)}, asdict(cfg.model_config(1)), asdict(config)
+    changed = [f"{k}={saved[k]!r}" for k in MODEL_KEYS if getattr(cfg, k) != defaults[k] and given[k] != saved[k]]
+    if changed:
+        log(f"note: resuming with the checkpoint's model settings: {', '.join(changed)}")
+    # the checkpoint's settings win: its weights fit only the architecture they were trained in
+    cfg = with_model_settings(cfg, config)
+    averaged = "average" in (ckpt["shard_keys"] if "sharded" in ckpt else ckpt)
+    if averaged and not cfg.ema_decay and not cfg.eval_only:
+        log(UNAVERAGED_NOTE)
+    # a resumed run keeps the checkpoint's meta, which already has an encoder's [MASK] id
+    objective = make_objective(cfg.arch, meta, cfg.mask_prob)[0]
+    with torch.device("meta") if lazy and "sharded" in ckpt else contextlib.nullcontext():
+        model = build_model(config)
+    if "sharded" not in ckpt:
+        model.load_state_dict(ckpt["average" if averaged and cfg.eval_only else "weights"])
+    return Start(cfg, model.train(), objective, ckpt["meta"], ckpt)
+
+
+def from_checkpoint(cfg, meta):
+    """
+    A new run from a checkpoint file (another run's best.pt or ckpt.pt: its weights, the average if it kept one)
+    or nanoGPT's. It must have been trained on the same tokenizer; nanoGPT's character-level models, whose
+    characters this project does not read (they are in a pickle), take the dataset's, which must be as many.
+    """
+    path = Path(cfg.init_from).expanduser()
+    ckpt = load_checkpoint(path)
+    saved_meta = ckpt["meta"] or nanogpt_meta(ckpt, path, meta, "train it on a character-level dataset")
+    if saved_meta["tokenizer"] != meta["tokenizer"]:
+        raise ConfigError(f"{path} was trained with another tokenizer than dataset={cfg.dataset}'s")
+    # its architecture and weights; dropout is the new run's (0 to evaluate, 0.1 to fine-tune on little data)
+    model = model_from_checkpoint(ckpt, dropout=cfg.dropout).train()
+    cfg = with_model_settings(cfg, model.config)
+    # the objective from the dataset, the meta to save from the checkpoint (an encoder's holds its [MASK] id)
+    return Start(cfg, model, make_objective(cfg.arch, meta, cfg.mask_prob)[0], saved_meta)
+
+
+def from_pretrained(cfg, meta):
+    """
+    Hugging Face weights (a hub id or a local folder) to fine-tune: GPT-2 on GPT-2 BPE data, or any model (Llama,
+    Mistral, GPT-2) on data prepared with its folder's tokenizer.json. Their size decides the model settings.
+    """
+    name, folder = cfg.init_from, Path(cfg.init_from).expanduser()
+    # a hub id is refused before any download where no pretrained model could fit: char-level ids, another arch
+    if not folder.is_dir() and (cfg.arch != "gpt" or meta["tokenizer"]["type"] == "char"):
+        raise ConfigError(
+            f"init_from={name} needs arch='gpt' and data in the model's token ids: a GPT-2 BPE dataset "
+            "(e.g. dataset='shakespeare') for GPT-2, else one prepared with its tokenizer.json (--tokenizer)"
+        )
+    try:
+        if not folder.is_dir():
+            # a hub id: its config.json and tokenizer.json come down with the weights (or from the local cache)
+            folder = hf.download_from_hub(name)
+        # the ids the model was trained on, read before the slow load: its tokenizer.json, or GPT-2's BPE
+        accepted = [tokens.pretrained_meta(folder)["tokenizer"]]
+        gpt2 = tokens.model_config(folder).get("model_type") == "gpt2"
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"init_from={name}: {first_line(e)}") from None
+    if gpt2:
+        # GPT-2 reads GPT-2 BPE however the data was prepared: with tiktoken, or with its own tokenizer.json
+        accepted.append(tokens.GPT2_META["tokenizer"])
+    # the weights only fit a causal LM on the token ids they were trained on
+    if gpt2 and (cfg.arch != "gpt" or meta["tokenizer"] not in accepted):
+        raise ConfigError(f"init_from={name} needs arch='gpt' and a GPT-2 BPE dataset (e.g. dataset='shakespeare')")
+    if cfg.arch != "gpt":
+        raise ConfigError(f"init_from={name} holds a causal LM: it needs arch='gpt', not arch={cfg.arch!r}")
+    if meta["tokenizer"] not in accepted:
+        raise ConfigError(
+            f"init_from={name} needs a dataset prepared with its tokenizer.json, which {meta.get('name')} was not; "
+            f"prepare one with --tokenizer={folder}, e.g. --dataset=shakespeare "
+            f"--data_options=\"{{'tokenizer': '{folder}'}}\""
+        )
+    try:
+        model = hf.from_pretrained(folder, dropout=cfg.dropout, block_size=cfg.block_size)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"init_from={name}: {first_line(e)}") from None
+    objective, _, meta = make_objective(cfg.arch, meta, cfg.mask_prob)
+    return Start(with_model_settings(cfg, model.config), model, objective, meta)
+
+
+def with_model_settings(cfg, config):
+    """cfg with the model settings of config (a ModelConfig): those of the weights the run starts from."""
+    return replace(cfg, **{k: getattr(config, k) for k in MODEL_KEYS})
+
+
+def restore(ckpt, models, optimizers, scaler, generator, cfg, rt):
+    """
+    Put a resumed run's state back, in this order: the optimizers' state (Adam's moments, Muon's momentum), the
+    loss scale, the data stream's position (generator), the weight average, a sharded checkpoint's weights (with
+    AdamW's state and the average, each rank reading what its shards need), and last each rank's random
+    generators, so that nothing after draws from them before training does. models: parallel.Models.
+    """
+    sharded = "sharded" in ckpt
+    if not sharded and rt.fsdp:
+        # a checkpoint file from a run without FSDP: whole tensors, of which each rank keeps its shards
+        load_whole_optimizer_state(models.raw, optimizers["adamw"], ckpt["optimizer"])
+    elif not sharded:
+        optimizers["adamw"].load_state_dict(ckpt["optimizer"])
+    if "muon" in optimizers:
+        optimizers["muon"].load_state_dict(ckpt["muon"])
+    if scaler.is_enabled() and ckpt["scaler"]:
+        scaler.load_state_dict(ckpt["scaler"])
+    generator.set_state(ckpt["sampler"]["generator"])
+    # a checkpoint without an average gives the run a fresh one: the copy parallelize made of the weights
+    if models.average is not None and "average" in ckpt and rt.fsdp:
+        set_model_state_dict(models.average, ckpt["average"], options=StateDictOptions(full_state_dict=True))
+    elif models.average is not None and "average" in ckpt:
+        models.average.load_state_dict(ckpt["average"])
+    if sharded:
+        # eval_only evaluates what best.pt would hold: the average, if there is one
+        role = "average" if cfg.eval_only and "average" in ckpt["shard_keys"] else "weights"
+        load_sharded(ckpt, models.raw, optimizer=optimizers["adamw"], ema_model=models.average, role=role)
+    # each rank's own generators (dropout) back as they were, in rank order, if the rank count is unchanged
+    if len(ckpt["rng"]) == rt.world_size:
+        set_rng_state(ckpt["rng"][rt.rank])
+    else:
+        log(
+            f"note: the checkpoint has RNG states for {len(ckpt['rng'])} rank(s), not {rt.world_size}; "
+            "dropout restarts from the seed"
+        )
+
+
+def load_whole_optimizer_state(model, optimizer, state):
+    """
+    AdamW's state_dict() from a run without FSDP (ckpt.pt as a file) into optimizer over the FSDP-sharded model:
+    its parameters renumbered as names, each rank then keeping its shards.
+    """
+    # the names in the order of the optimizer's own numbering (the same in both runs: configure_optimizers's)
+    names = [name for group in get_optimizer_state_dict(model, optimizer)["param_groups"] for name in group["params"]]
+    by_name = {
+        "state": {names[i]: value for i, value in state["state"].items()},
+        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]],
+    }
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
