@@ -30,8 +30,8 @@ import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
 from config import parse_config
+from generate import generate
 from prepare_data import bpe_batches, prepare, shakespeare_file
-from sample import sampling_speed
 from tokens import data_root, load_meta, tiktoken_encoding
 
 # train.py runs with cwd=ROOT, so relative config paths work from any directory
@@ -182,6 +182,29 @@ def bench_memory(cfg, work):
     header = ["measure (peak: " + peak + ")"]
     header += [f"{config} {'FSDP' if fsdp else 'DDP'} median (min-max)" for config, fsdp in columns]
     return header, rows
+
+
+def sampling_speed(model, prompt, num_samples, max_new_tokens, *, use_cache, batched, repeats):
+    """
+    Tokens generated per second, one measurement per repeat: num_samples continuations of prompt (a list of ids)
+    by max_new_tokens tokens each (no early stop), either in one batch or one sample after another.
+    """
+    device = next(model.parameters()).device
+    # batched: one call of num_samples rows; else num_samples calls of one row
+    batches = [num_samples] if batched else [1] * num_samples
+    rates = []
+    for repeat in range(repeats):
+        # seeded per repeat: the timings are reproducible, and each repeat draws other tokens
+        generator = torch.Generator(device).manual_seed(repeat)
+        begin = time.perf_counter()
+        for size in batches:
+            idx = torch.tensor([prompt] * size, dtype=torch.long, device=device)
+            generate(model, idx, max_new_tokens, generator=generator, use_cache=use_cache)
+        # CUDA runs asynchronously: wait for the last kernel before reading the clock
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rates.append(num_samples * max_new_tokens / (time.perf_counter() - begin))
+    return rates
 
 
 def bench_sampling(cfg, out_dir):

@@ -26,9 +26,9 @@ from checkpoint import load_model
 from config import parse_config
 from data import Objective, mask_tokens, seq2seq_batch
 from devices import DTYPES, autocast, resolve_device, resolve_dtype
+from generate import decoded_pairs, start_ids
 from model import IGNORE_INDEX
-from prepare_data import MIRROR_ENV
-from tokens import dataset_dir, load_meta, load_pairs, load_tokens, token_byte_lengths
+from tokens import MIRROR_ENV, dataset_dir, load_meta, load_pairs, load_tokens, token_byte_lengths
 
 # "auto" is seq2seq for an encoder-decoder and lm for the others; hellaswag is asked for by name
 TASKS = ("auto", "lm", "seq2seq", "hellaswag")
@@ -202,18 +202,6 @@ def lm_tokens(cfg, meta, tokenizer):
     return load_tokens(folder / f"{split}.bin"), f"{folder.name} {split}"
 
 
-def start_tokens(tokenizer, meta):
-    """
-    The ids put before a text file's own, so that its first token is scored too, as lm-evaluation-harness scores a
-    document: a tokenizer.json's template prefix (Llama's bos), else end-of-text (GPT-2), else bos; none for a
-    character vocabulary, whose first character is then context only.
-    """
-    special = meta["special_tokens"]
-    if prefix := tokenizer.template_prefix():
-        return prefix
-    return [special["eot"]] if "eot" in special else [special["bos"]] if "bos" in special else []
-
-
 def evaluate_lm(model, tokenizer, meta, cfg, progress):
     """GPT: loss, perplexity and bits per byte of the text; encoder: its masked loss. A dict of results."""
     tokens, data = lm_tokens(cfg, meta, tokenizer)
@@ -241,8 +229,8 @@ def evaluate_lm(model, tokenizer, meta, cfg, progress):
             "mask_prob": cfg.mask_prob,
             "masked_loss": counts["nats"] / counts["masked_tokens"],
         }
-    if cfg.input:
-        tokens = np.concatenate([np.asarray(start_tokens(tokenizer, meta), dtype=np.int64), tokens])
+    if cfg.input:  # after where a document starts, so that the file's first token is scored too
+        tokens = np.concatenate([np.asarray(start_ids(tokenizer, meta), dtype=np.int64), tokens])
     # a GPT needs one token to predict from and one to predict
     if len(tokens) < 2:
         raise ValueError(f"{data} has {len(tokens)} token(s): at least 2 are needed, to predict one from the other")
@@ -277,11 +265,6 @@ def evaluate_lm(model, tokenizer, meta, cfg, progress):
 # Sequence to sequence: exact match and token accuracy
 
 
-def until_eos(ids, eos_id):
-    """ids up to and including the first eos_id (all of them if there is none)."""
-    return ids[: ids.index(eos_id) + 1] if eos_id in ids else ids
-
-
 def seq2seq_scores(model, pairs, rows, objective, *, block_size, beam_size, length_penalty, batch_size, progress):
     """
     Decode the sources of pairs `rows` (greedily, or by beam search) and compare with the references, target + eos.
@@ -291,28 +274,24 @@ def seq2seq_scores(model, pairs, rows, objective, *, block_size, beam_size, leng
     """
     device = next(model.parameters()).device
     scores = dict.fromkeys(("exact", "correct_tokens", "reference_tokens", "nats", "targets"), 0)
-    with tqdm(total=len(rows), unit="pair", file=sys.stderr, disable=not progress) as bar:
-        for i in range(0, len(rows), batch_size):
-            src, tgt_in, targets = seq2seq_batch(pairs, rows[i : i + batch_size], objective)
-            _, loss = model(src.to(device), tgt_in.to(device), targets.to(device), reduction="sum", return_logits=False)
-            scores["nats"] += loss.item()
-            scores["targets"] += int((targets != IGNORE_INDEX).sum())
-            # (B, L) ids without bos, each row ending at its eos, padded after it
-            outputs = model.generate(
-                src.to(device),
-                block_size,
-                objective.bos_id,
-                objective.eos_id,
-                beam_size=beam_size,
-                length_penalty=length_penalty,
-            ).tolist()
-            for output, reference in zip(outputs, targets.tolist()):
-                reference = [t for t in reference if t != IGNORE_INDEX]  # the target, then eos
-                output = until_eos(output, objective.eos_id)
-                scores["exact"] += output == reference
-                scores["correct_tokens"] += sum(o == r for o, r in zip(output, reference))
-                scores["reference_tokens"] += len(reference)
-            bar.update(len(targets))
+    batches = [seq2seq_batch(pairs, rows[i : i + batch_size], objective) for i in range(0, len(rows), batch_size)]
+    for src, tgt_in, targets in batches:
+        _, loss = model(src.to(device), tgt_in.to(device), targets.to(device), reduction="sum", return_logits=False)
+        scores["nats"] += loss.item()
+        scores["targets"] += int((targets != IGNORE_INDEX).sum())
+    outputs = decoded_pairs(
+        model,
+        batches,
+        objective.bos_id,
+        objective.eos_id,
+        max_len=block_size,
+        beam_size=beam_size,
+        length_penalty=length_penalty,
+    )
+    for output, reference in tqdm(outputs, total=len(rows), unit="pair", file=sys.stderr, disable=not progress):
+        scores["exact"] += output == reference
+        scores["correct_tokens"] += sum(o == r for o, r in zip(output, reference))
+        scores["reference_tokens"] += len(reference)
     return {"pairs": len(rows), **scores}
 
 

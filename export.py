@@ -1,5 +1,6 @@
 """
-Export a GPT checkpoint of train.py as a Hugging Face model folder, the reverse of GPT.from_pretrained:
+Export a GPT checkpoint of train.py as a Hugging Face model folder, the reverse of hf.from_pretrained: the command
+line of hf.py, which converts the weights and config.json, while this file adds the tokenizer and writes the folder.
 
     python export.py --out_dir=out-shakespeare --checkpoint=best.pt --dest=hf-shakespeare
 
@@ -11,7 +12,7 @@ Two layouts, picked by pos_encoding:
     learned -> GPT2LMHeadModel: LayerNorm, GELU (exact or tanh), every head reads its own keys, tied head.
     rope    -> LlamaForCausalLM: RMSNorm, SwiGLU, grouped-query attention, tied or untied head, biases or not.
 Options that neither computes (post-norm, qk_norm, a soft-cap, a window...) are a one-line error naming each.
-This file writes JSON and safetensors itself: transformers is not needed to export, only to load.
+JSON and safetensors are written here: transformers is not needed to export, only to load.
 """
 
 import functools
@@ -23,12 +24,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import tokenizers
-import torch
 from safetensors.torch import save_file
 
 from checkpoint import load_checkpoint, model_from_checkpoint, move_into_place
 from config import parse_config
-from model import ModelConfig, gpt2_names
+from hf import hf_layout, to_hf
+from model import ModelConfig
 from tokens import TOKENIZER_JSON, tiktoken_encoding
 
 WEIGHTS = "model.safetensors"
@@ -45,12 +46,6 @@ EXPORT_FILES = (
 MARKER = "nanoformer"  # config.json's key holding our own settings; it marks a folder as an export of this script
 GPT2_ENCODINGS = ("gpt2", "r50k_base")  # tiktoken's names for GPT-2's BPE (the same ids)
 END_OF_TEXT = "<|endoftext|>"
-# the two layouts in ModelConfig terms, for the message that refuses a model fitting neither
-LAYOUTS = (
-    "Exported are GPT-2's layout (pos_encoding='learned', norm='layernorm', activation 'gelu' or 'gelu_tanh', "
-    "n_kv_head=n_head, tie_embeddings=True) and Llama's (pos_encoding='rope', norm='rmsnorm', activation='swiglu', "
-    "any n_kv_head, tied or not), both pre-norm without qk_norm, logit_softcap or window_size"
-)
 
 
 @dataclass
@@ -62,153 +57,6 @@ class ExportConfig:
     def __post_init__(self):
         if not self.dest:
             raise ValueError("--dest is required: the folder to write the Hugging Face model to, e.g. --dest=hf-model")
-
-
-# -----------------------------------------------------------------------------
-# Which layout, if any, computes the model
-
-
-def hf_layout(config):
-    """
-    "gpt2" or "llama": the Hugging Face layout that computes exactly what a model of this ModelConfig does.
-    ValueError naming every option that stops it, in one line: each needs retraining, so all are named at once.
-    Options that change nothing in a GPT's forward (dropout, zero_init_proj, share_embeddings, pad_token_id,
-    n_encoder_layer) export as they are.
-    """
-    c = config
-    if c.arch != "gpt":  # nothing else matters then
-        raise ValueError(
-            f"cannot export arch={c.arch!r}: only a decoder-only GPT is a causal LM (GPT2LMHeadModel, LlamaForCausalLM)"
-        )
-    # the positions pick the layout; the rest of the model must then be that layout's
-    layout = {"learned": "gpt2", "rope": "llama"}.get(c.pos_encoding)
-    checks = [  # (option, refused, why)
-        ("norm_position", c.norm_position != "pre", "GPT-2 and Llama both normalise inside the residual branch"),
-        ("pos_encoding", layout is None, "GPT-2 learns its positions and Llama rotates q and k"),
-        ("qk_norm", c.qk_norm, "neither GPT-2 nor Llama normalises queries and keys"),
-        ("logit_softcap", c.logit_softcap > 0, "neither GPT-2 nor Llama caps its logits"),
-        ("window_size", c.window_size > 0, "GPT-2 and Llama attend to every earlier position"),
-    ]
-    if layout == "gpt2":
-        checks += [
-            ("norm", c.norm != "layernorm", "the GPT-2 layout that learned positions pick has LayerNorm"),
-            (
-                "activation",
-                c.activation not in ("gelu", "gelu_tanh"),
-                "the GPT-2 layout that learned positions pick has GELU",
-            ),
-            (
-                "n_kv_head",
-                c.n_kv_head != c.n_head,
-                f"GPT-2 has no grouped-query attention: n_kv_head must be n_head={c.n_head}",
-            ),
-            ("tie_embeddings", not c.tie_embeddings, "GPT-2's head is its token embedding"),
-        ]
-    elif layout == "llama":
-        checks += [
-            ("norm", c.norm != "rmsnorm", "the Llama layout that rotary positions pick has RMSNorm"),
-            ("activation", c.activation != "swiglu", "the Llama layout that rotary positions pick has SwiGLU"),
-        ]
-    refused = [f"{name}={getattr(c, name)!r}: {why}" for name, stops, why in checks if stops]
-    if refused:
-        raise ValueError(f"cannot export {'; '.join(refused)}. {LAYOUTS}")
-    return layout
-
-
-# -----------------------------------------------------------------------------
-# config.json and the weights, in each layout
-
-
-def gpt2_config(c):
-    """config.json's GPT-2 settings for ModelConfig c (see GPT2Config)."""
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": c.vocab_size,  # the model's (50304 when padded), not the tokenizer's: the logits keep their size
-        "n_positions": c.block_size,
-        "n_ctx": c.block_size,  # what llama.cpp's converter reads; transformers reads n_positions
-        "n_embd": c.n_embd,
-        "n_layer": c.n_layer,
-        "n_head": c.n_head,
-        "n_inner": c.d_ff,
-        # our "gelu" is the exact erf GELU, transformers' "gelu"; "gelu_new" is GPT-2's tanh approximation
-        "activation_function": {"gelu": "gelu", "gelu_tanh": "gelu_new"}[c.activation],
-        "layer_norm_epsilon": c.norm_eps,
-        # GPT-2 drops out where we do: the embeddings, the attention probabilities, each residual branch
-        "embd_pdrop": c.dropout,
-        "attn_pdrop": c.dropout,
-        "resid_pdrop": c.dropout,
-        "tie_word_embeddings": True,
-    }
-
-
-def llama_config(c):
-    """config.json's Llama settings for ModelConfig c (see LlamaConfig), as load_llama reads them back."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.n_embd,
-        "intermediate_size": c.d_ff,
-        "num_hidden_layers": c.n_layer,
-        "num_attention_heads": c.n_head,
-        "num_key_value_heads": c.n_kv_head,
-        "head_dim": c.n_embd // c.n_head,
-        "hidden_act": "silu",
-        "max_position_embeddings": c.block_size,
-        "rms_norm_eps": c.norm_eps,
-        # rope_theta at the top level for transformers 4 and llama.cpp, rope_parameters for transformers 5
-        "rope_theta": c.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-        # one bias flag covers all our Linears: the attention's four and the MLP's three
-        "attention_bias": c.bias,
-        "mlp_bias": c.bias,
-        "attention_dropout": c.dropout,  # Llama has no other dropout; it changes nothing at inference
-        "tie_word_embeddings": c.tie_embeddings,
-    }
-
-
-def owned(t):
-    """A float32, contiguous copy of t: safetensors refuses views sharing memory (split q, k, v; the tied head)."""
-    return t.detach().to(torch.float32).clone(memory_format=torch.contiguous_format)
-
-
-def gpt2_weights(c, state):
-    """Our state dict as GPT2LMHeadModel's tensors (the tied head left out, as save_pretrained does)."""
-    hf = {}
-    for theirs, ours in gpt2_names(c.n_layer, bias=True).items():
-        if ours in state:
-            tensor = state[ours]
-        else:  # GPT-2 always has biases: a bias=False model's are zero, which adds nothing
-            tensor = torch.zeros(state[ours.removesuffix("bias") + "weight"].size(0))
-        if theirs.endswith(".weight") and any(conv in theirs for conv in ("c_attn", "c_proj", "c_fc")):
-            tensor = tensor.t()  # HF's Conv1D stores (in, out), nn.Linear (out, in)
-        hf[f"transformer.{theirs}"] = tensor
-    return {name: owned(t) for name, t in hf.items()}
-
-
-def llama_weights(c, state):
-    """Our state dict as LlamaForCausalLM's tensors (a tied head left out, as save_pretrained does)."""
-    hf = {"model.embed_tokens.weight": state["body.wte.weight"], "model.norm.weight": state["body.norm.weight"]}
-    if not c.tie_embeddings:
-        hf["lm_head.weight"] = state["lm_head.weight"]
-    kv_dim = c.n_kv_head * (c.n_embd // c.n_head)
-    for i in range(c.n_layer):
-        hf_layer, ours = f"model.layers.{i}", f"body.blocks.{i}"
-        hf[f"{hf_layer}.input_layernorm.weight"] = state[f"{ours}.norm1.weight"]
-        hf[f"{hf_layer}.post_attention_layernorm.weight"] = state[f"{ours}.norm2.weight"]
-        for p in ("weight", "bias") if c.bias else ("weight",):
-            # qkv's rows are [W_q (H*D); W_k; W_v (n_kv_head*D each)], head h at rows h*D:(h+1)*D in both layouts,
-            # and both rotate the channel pairs (i, i + D/2) (transformers' rotate_half): no row moves
-            q, k, v = state[f"{ours}.attn.qkv.{p}"].split([c.n_embd, kv_dim, kv_dim])
-            hf[f"{hf_layer}.self_attn.q_proj.{p}"] = q
-            hf[f"{hf_layer}.self_attn.k_proj.{p}"] = k
-            hf[f"{hf_layer}.self_attn.v_proj.{p}"] = v
-            hf[f"{hf_layer}.self_attn.o_proj.{p}"] = state[f"{ours}.attn.proj.{p}"]
-            hf[f"{hf_layer}.mlp.gate_proj.{p}"] = state[f"{ours}.mlp.fc.{p}"]  # SwiGLU's gate, under the SiLU
-            hf[f"{hf_layer}.mlp.up_proj.{p}"] = state[f"{ours}.mlp.up.{p}"]
-            hf[f"{hf_layer}.mlp.down_proj.{p}"] = state[f"{ours}.mlp.proj.{p}"]
-    return {name: owned(t) for name, t in hf.items()}
 
 
 # -----------------------------------------------------------------------------
@@ -327,12 +175,10 @@ def hf_files(model, meta):
     """
     (tensors, files, note) of the Hugging Face folder for model (a GPT) and its dataset's meta: the weights by
     their Hugging Face names, the other files' text by name, and tokenizer_files' note (or None).
-    ValueError from hf_layout for a model neither layout computes.
+    ValueError from hf.hf_layout for a model neither layout computes.
     """
     c = model.config
-    layout = hf_layout(c)
-    state = model.state_dict()
-    tensors = gpt2_weights(c, state) if layout == "gpt2" else llama_weights(c, state)
+    _, tensors, config = to_hf(model)
     special = meta["special_tokens"]
     # GPT-2's BPE has one end-of-text token, which is also where a text starts; a tokenizer.json names bos and eos
     eot = special.get("eot")
@@ -346,7 +192,6 @@ def hf_files(model, meta):
     if meta["tokenizer"].get("type") == "huggingface":
         meta = {**meta, "tokenizer": {"type": "huggingface", "file": TOKENIZER_JSON}}  # its text is the file
     ours = {MARKER: {"model_config": asdict(c), "meta": meta}}
-    config = gpt2_config(c) if layout == "gpt2" else llama_config(c)
     # the weights' dtype, under transformers 5's name and transformers 4's
     config = {**config, **ids, "dtype": "float32", "torch_dtype": "float32", "use_cache": True, **ours}
     files["config.json"] = json.dumps(config, indent=2)

@@ -1,17 +1,17 @@
 """
-The Transformer family in one file, read top to bottom:
-config, norms and positions, attention, MLP, block, the shared body, the three models
-(GPT, Encoder, EncoderDecoder), sampling and beam search, loading Hugging Face weights (GPT-2, Llama, Mistral).
+The Transformer, read top to bottom: the config, norms and positions, attention (its mask and KV cache), the MLP
+and the block, the Stack of blocks every model is built on, what the models share (initialisation, the head and the
+loss, parameter and FLOP counts, optimizer groups), then the three models: GPT (decoder-only), Encoder (BERT-style
+masked LM) and EncoderDecoder (the 2017 paper's). Generating from them is in generate.py; Hugging Face and nanoGPT
+weights in hf.py.
 
 Shape letters used in comments:
     B batch, T target (query) length, S source (key) length, H heads, D head dim,
     C channels (n_embd), V vocabulary, K beams. Keys and values have n_kv_head heads (H unless grouped-query).
 """
 
-import json
 import math
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -21,12 +21,6 @@ from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100  # targets with this value add nothing to the loss (padding, unmasked MLM positions)
 
-# float32 logits the loss computes at a time (see TransformerModel.head_and_loss). On CPUs glibc serves allocations
-# below its 32 MiB mmap threshold from a heap it reuses, instead of mapping and zeroing fresh pages every step (with
-# GPT-2's vocabulary those page faults took a third of a CPU step); GPUs get larger chunks, so that the head's
-# matmuls stay large enough to be fast while the float32 copy of the logits stays bounded.
-LOSS_CHUNK_BYTES = 16 * 2**20
-ACCELERATOR_LOSS_CHUNK_BYTES = 2**30
 
 ARCHS = ("gpt", "encoder", "encoder_decoder")
 CHOICES = {
@@ -225,22 +219,30 @@ class KVCache:
 
 class Attention(nn.Module):
     """
-    Multi-head scaled dot-product attention for all three uses. Self-attention is cross-attention whose
-    context is the input itself: called as attn(x) it attends over x (causally if built with causal=True);
-    called as attn(x, context) the queries come from x and the keys and values from the context.
+    Multi-head scaled dot-product attention for all three uses, in two steps: project, then attend.
+    Self-attention (attn(x)) projects queries, keys and values from x, causally if built with causal=True;
+    cross-attention (built with cross=True, called as attn(x, context)) projects queries from x and keys and values
+    from the context, the encoder's output. Both then attend alike.
     Grouped-query attention (n_kv_head < n_head) gives keys and values fewer heads, each one read by a group of
     n_head / n_kv_head consecutive query heads: fewer weights, and a KV cache smaller by that factor.
     """
 
-    def __init__(self, config, causal):
+    def __init__(self, config, causal=False, cross=False):
         super().__init__()
         self.n_head, self.n_kv_head, self.causal, self.dropout = config.n_head, config.n_kv_head, causal, config.dropout
-        self.window = config.window_size  # self-attention only: cross-attention reads the whole context
+        self.cross = cross
+        self.window = 0 if cross else config.window_size  # cross-attention reads the whole context
         self.head_dim = config.n_embd // config.n_head  # D
-        kv_dim = config.n_kv_head * self.head_dim  # C when n_kv_head == n_head
-        # one Linear with rows W_q (C), W_k and W_v (kv_dim each) stacked, so the parameter names stay GPT-2's
-        self.qkv = nn.Linear(config.n_embd, config.n_embd + 2 * kv_dim, bias=config.bias)
-        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.kv_dim = config.n_kv_head * self.head_dim  # C when n_kv_head == n_head
+        C = config.n_embd
+        if cross:  # queries and keys come from two sequences: a Linear for each
+            self.q = nn.Linear(C, C, bias=config.bias)
+            self.kv = nn.Linear(C, 2 * self.kv_dim, bias=config.bias)  # rows W_k, W_v
+            # checkpoints from before these two existed hold them stacked as qkv: split on load
+            self.register_load_state_dict_pre_hook(split_stacked_qkv)
+        else:  # rows W_q (C), W_k and W_v (kv_dim each) stacked in one Linear: one matmul, and GPT-2's c_attn
+            self.qkv = nn.Linear(C, C + 2 * self.kv_dim, bias=config.bias)
+        self.proj = nn.Linear(C, C, bias=config.bias)
         self.proj.residual = True  # scaled (or zeroed) at init, see TransformerModel.init_weights
         # qk_norm: RMSNorm over each head's D channels, one gain per channel shared by the heads, which keeps the
         # scores q . k bounded however large the projections grow
@@ -250,75 +252,94 @@ class Attention(nn.Module):
         else:  # no parameters: the state_dict is the same as before the option existed
             self.q_norm = self.k_norm = nn.Identity()
 
+    def forward(self, x, context=None, key_mask=None, rope=None, cache=None, need_weights=False):
+        """
+        x: (B, T, C). context: (B, S, C) for cross-attention, else None. key_mask: (B, S) bool, True at real keys.
+        rope: (cos, sin) tables for the new positions (self-attention). cache: a KVCache or None.
+        Returns (y (B, T, C), attention probabilities (B, H, T, S) if need_weights else None).
+        """
+        if self.cross:
+            q, k, v = self.project_cross(x, context, cache)
+        else:
+            q, k, v = self.project_self(x, rope, cache)
+        y, weights = self.attend(q, k, v, key_mask, need_weights)  # (B, H, T, D)
+        # Merge heads: put the H heads' D channels side by side again, then mix them with the output projection
+        B, T, C = x.shape
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, H * D) = (B, T, C)
+        return self.proj(y), weights
+
     def split_heads(self, t):
         """(B, L, n * D) -> (B, n, L, D): each of the n heads (query or key/value) gets its own D channels."""
         B, L, _ = t.shape
         return t.view(B, L, -1, self.head_dim).transpose(1, 2)
 
-    def forward(self, x, context=None, key_mask=None, rope=None, cache=None, need_weights=False):
+    def project_self(self, x, rope, cache):
         """
-        x: (B, T, C). context: (B, S, C) or None. key_mask: (B, S) bool, True at real keys.
-        rope: (cos, sin) tables for the new positions. cache: a KVCache or None.
-        Returns (y (B, T, C), attention probabilities (B, H, T, S) if need_weights else None).
+        Self-attention's q (B, H, T, D) and k, v (B, n_kv_head, S, D) from x (B, T, C) in one matmul; S is T, or with
+        a cache the cached positions and these T.
         """
-        B, T, C = x.shape
-        D = self.head_dim
-        kv_dim = self.n_kv_head * D  # C without grouped-query attention
-
-        # Project: queries from x, keys and values from the context (x itself for self-attention).
-        # qk_norm normalises each head's q and k over D before anything else (rotary positions, caching).
-        if context is None:
-            q, k, v = map(self.split_heads, self.qkv(x).split([C, kv_dim, kv_dim], dim=2))  # from one matmul
-            q, k = self.q_norm(q), self.k_norm(k)  # q (B, H, T, D); k, v (B, n_kv_head, T, D)
-        else:  # the same stacked weights split in two: W_q applied to x, W_k and W_v to the context
-            w, b = self.qkv.weight, self.qkv.bias
-            q = self.q_norm(self.split_heads(F.linear(x, w[:C], None if b is None else b[:C])))  # (B, H, T, D)
-            if cache is not None and cache.k is not None:
-                k, v = cache.k, cache.v  # the context was projected (and normalised) at the first decoding step
-            else:
-                kv = F.linear(context, w[C:], None if b is None else b[C:])  # (B, S, 2 * kv_dim)
-                k, v = map(self.split_heads, kv.split(kv_dim, dim=2))  # (B, n_kv_head, S, D) each
-                k = self.k_norm(k)
-                if cache is not None:
-                    cache.k, cache.v = k, v  # the context is the same at every step: project it once
-
-        # Rotary positions turn q and k of self-attention only: a cross-attention's queries and keys lie in
-        # different sequences. Keys are turned before caching, so a cached key keeps its own position.
-        if context is None and rope is not None:
+        C = x.size(-1)
+        q, k, v = map(self.split_heads, self.qkv(x).split([C, self.kv_dim, self.kv_dim], dim=2))
+        # qk_norm normalises each head's q and k over D before anything else (rotary positions, caching)
+        q, k = self.q_norm(q), self.k_norm(k)
+        # keys are turned before caching, so that a cached key keeps its own position
+        if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:  # the new positions join the earlier ones, and the queries attend over all of them
+            k, v = cache.append(k, v)  # (B, n_kv_head, cached + T, D)
+        return q, k, v
 
-        # KV cache: the new positions join the earlier ones, and the queries attend over all of them
-        if context is None and cache is not None:
-            k, v = cache.append(k, v)  # (B, n_kv_head, S, D), S = cached + T
-        S = k.size(2)
+    def project_cross(self, x, context, cache):
+        """
+        Cross-attention's q (B, H, T, D) from x (B, T, C), k and v (B, n_kv_head, S, D) from the context (B, S, C).
+        No rotary positions: queries and keys lie in different sequences. With a cache the context, the same at
+        every decoding step, is projected at the first step only.
+        """
+        q = self.q_norm(self.split_heads(self.q(x)))
+        if cache is not None and cache.k is not None:
+            return q, cache.k, cache.v  # projected (and normalised) at the first step
+        k, v = map(self.split_heads, self.kv(context).split(self.kv_dim, dim=2))
+        k = self.k_norm(k)
+        if cache is not None:
+            cache.k, cache.v = k, v
+        return q, k, v
 
+    def attend(self, q, k, v, key_mask, need_weights):
+        """
+        softmax(q k^T / sqrt(D)) v over the keys attention_mask allows: q (B, H, T, D), k and v (B, n_kv_head, S, D).
+        Returns (y (B, H, T, D), probabilities (B, H, T, S) if need_weights else None).
+        """
+        T, S = q.size(2), k.size(2)
         # Grouped-query attention: query head h reads key/value head h // (n_head / n_kv_head). The shared heads are
-        # repeated only for the product; the cache above keeps n_kv_head of them.
+        # repeated only for the product; a cache keeps n_kv_head of them.
         if self.n_kv_head != self.n_head:
             k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))  # (B, H, S, D) each
-
-        # Mask and scaled dot product: softmax(q k^T / sqrt(D)) v over the keys the mask allows
         dropout = self.dropout if self.training else 0.0
-        window = self.window if context is None else 0
-        weights = None
-        if self.causal and S == T and key_mask is None and not window and not need_weights:
+        if self.causal and S == T and key_mask is None and not self.window and not need_weights:
             # nothing cached and no padding: SDPA's own (upper-left) triangle is right and allows the flash kernel
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # (B, H, T, D)
-        else:
-            # (B|1, 1, T, S); a window needs an explicit mask, which rules out the flash kernel on GPUs
-            mask = attention_mask(T, S, causal=self.causal, key_mask=key_mask, window=window, device=x.device)
-            if need_weights:  # the same computation spelled out, so the probabilities can be returned
-                scores = (q @ k.transpose(-2, -1)) / math.sqrt(D)  # (B, H, T, S)
-                if mask is not None:
-                    scores = scores.masked_fill(mask.logical_not(), float("-inf"))
-                weights = scores.softmax(dim=-1)
-                y = F.dropout(weights, dropout, self.training) @ v  # (B, H, T, D)
-            else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)  # (B, H, T, D)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True), None
+        # (B|1, 1, T, S); a window needs an explicit mask, which rules out the flash kernel on GPUs
+        mask = attention_mask(T, S, causal=self.causal, key_mask=key_mask, window=self.window, device=q.device)
+        if not need_weights:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout), None
+        # the same computation spelled out, so that the probabilities can be returned
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, T, S)
+        if mask is not None:
+            scores = scores.masked_fill(mask.logical_not(), float("-inf"))
+        weights = scores.softmax(dim=-1)
+        return F.dropout(weights, dropout, self.training) @ v, weights
 
-        # Merge heads: put the H heads' D channels side by side again, then mix them with the output projection
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, H * D) = (B, T, C)
-        return self.proj(y), weights
+
+def split_stacked_qkv(module, state_dict, prefix, *args):
+    """
+    load_state_dict pre-hook of a cross-attention: checkpoints from before it had its own q and kv Linears hold
+    them stacked as one qkv Linear, rows [W_q; W_k; W_v] as in self-attention; those load as q and kv.
+    """
+    for p in ("weight", "bias"):
+        stacked = state_dict.pop(f"{prefix}qkv.{p}", None)
+        if stacked is not None:
+            sizes = [module.q.out_features, module.kv.out_features]
+            state_dict[f"{prefix}q.{p}"], state_dict[f"{prefix}kv.{p}"] = stacked.split(sizes)
 
 
 # -----------------------------------------------------------------------------
@@ -396,7 +417,7 @@ class Block(nn.Module):
         self.pre_norm = config.norm_position == "pre"
         self.norm1, self.attn = make_norm(config), Attention(config, causal=causal)
         if cross:
-            self.norm_cross, self.cross_attn = make_norm(config), Attention(config, causal=False)
+            self.norm_cross, self.cross_attn = make_norm(config), Attention(config, cross=True)
         self.norm2, self.mlp = make_norm(config), MLP(config)
         self.drop = nn.Dropout(config.dropout)
 
@@ -517,6 +538,13 @@ class Stack(nn.Module):
 # -----------------------------------------------------------------------------
 # Shared model machinery: init, head and loss, counting, optimizer
 
+# float32 logits the loss computes at a time (see TransformerModel.head_and_loss). On CPUs glibc serves allocations
+# below its 32 MiB mmap threshold from a heap it reuses, instead of mapping and zeroing fresh pages every step (with
+# GPT-2's vocabulary those page faults took a third of a CPU step); GPUs get larger chunks, so that the head's
+# matmuls stay large enough to be fast while the float32 copy of the logits stays bounded.
+LOSS_CHUNK_BYTES = 16 * 2**20
+ACCELERATOR_LOSS_CHUNK_BYTES = 2**30
+
 
 def default_inits_discarded():
     """
@@ -630,12 +658,9 @@ class TransformerModel(nn.Module):
             loss = loss / (targets != IGNORE_INDEX).sum()  # NaN when every target is ignored, as F.cross_entropy
         return (torch.cat(chunks).view(*targets.shape, -1) if return_logits else None), loss
 
-    def num_params(self, non_embedding=False):
-        """Parameters, each shared tensor counted once. non_embedding: leave out position embeddings."""
-        n = sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
-        if non_embedding:
-            n -= sum(m.wpe.weight.numel() for m in self.modules() if isinstance(m, Stack) and hasattr(m, "wpe"))
-        return n
+    def num_params(self):
+        """Parameters, each shared tensor counted once (parameters() yields a tied weight once)."""
+        return sum(p.numel() for p in self.parameters())
 
     def training_flops(self, *inputs):
         """
@@ -680,7 +705,7 @@ class TransformerModel(nn.Module):
         return self
 
     def block_matrices(self):
-        """The 2-D weights inside the blocks (attention qkv and proj, cross-attention, MLP fc/up/proj): Muon's."""
+        """The 2-D weights inside the blocks (attention qkv/proj, cross-attention q/kv/proj, MLP fc/up/proj): Muon's."""
         return [p for m in self.modules() if isinstance(m, Block) for p in m.parameters() if p.dim() == 2]
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, optimizer="adamw", muon_lr=0.02):
@@ -754,87 +779,6 @@ class GPT(TransformerModel):
     def attention_maps(self, idx):
         """Attention probabilities of every layer for one forward pass: a list of {"self": (B, H, T, T)}."""
         return self.body(idx, need_weights=True)[1]
-
-    @torch.no_grad()
-    def generate_stream(
-        self,
-        idx,
-        max_new_tokens,
-        temperature=1.0,
-        top_k=None,
-        top_p=None,
-        *,
-        stop_token=None,
-        generator=None,
-        use_cache=True,
-        context_keep=None,
-        vocab_size=None,
-    ):
-        """
-        Yield the next (B, 1) tokens one step at a time after the prompt idx (B, T).
-        Once the sequence outgrows block_size, the context window restarts from its last `context_keep`
-        tokens (default block_size // 2) and fills up again. Position embeddings depend on where a token
-        sits in the window, so the cache is rebuilt at each restart: one prefill every block_size - context_keep
-        tokens instead of one per token. context_keep=block_size is nanoGPT's crop-every-step, exact but as slow
-        as no cache. Without the cache the same windows are recomputed from scratch, giving the same tokens.
-        Rows that produced stop_token keep producing it; the stream ends when all rows have.
-        vocab_size: draw only ids below it, for a tokenizer smaller than the (padded) embedding, e.g. 50257 of 50304.
-        """
-        check_sampling_args(temperature, top_k, top_p)
-        if idx.size(1) == 0:
-            raise ValueError("the prompt is empty: start from at least one token, e.g. the end-of-text id")
-        block = self.config.block_size
-        keep = block // 2 if context_keep is None else context_keep
-        if not 1 <= keep <= block:
-            raise ValueError(f"context_keep must be in [1, block_size={block}], got {keep}")
-        start = max(0, idx.size(1) - block)  # first token of the context window
-        cache, done = None, torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # done: (B,)
-        for _ in range(max_new_tokens):
-            if idx.size(1) - start > block:  # window full: slide it, the cached positions are stale
-                start, cache = idx.size(1) - keep, None
-            if use_cache and cache is not None:  # the cache holds the window up to the last token: feed just that
-                x, _ = self.body(idx[:, -1:], cache=cache)
-            else:  # a new window: prefill the cache with all of it (or, uncached, recompute it every step)
-                cache = self.new_cache() if use_cache else None
-                x, _ = self.body(idx[:, start:], cache=cache)
-            # only the last position predicts the next token; ids past vocab_size are cut off before sampling
-            logits = self.head(x[:, -1])[:, :vocab_size]  # (B, V)
-            token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-            if stop_token is not None:  # a stopped row repeats stop_token while the others go on
-                token = token.masked_fill(done[:, None], stop_token)
-                done = done | (token[:, 0] == stop_token)
-            idx = torch.cat([idx, token], dim=1)  # (B, T + 1)
-            yield token  # (B, 1)
-            if done.all():
-                return
-
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, **kwargs):
-        """
-        Continue the prompts idx (B, T) by up to max_new_tokens tokens; returns (B, T + new).
-        temperature 0 is greedy; top_k keeps the k likeliest tokens, top_p the smallest set holding p of the
-        probability. Further options (stop_token, generator, use_cache, context_keep, vocab_size): see generate_stream.
-        """
-        new = self.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, **kwargs)
-        return torch.cat([idx, *new], dim=1)
-
-    @classmethod
-    def from_pretrained(cls, name_or_path, **overrides):
-        """
-        Weights in the Hugging Face layout, from a local directory (as save_pretrained writes it) or, when online, a
-        hub id such as "gpt2". The directory holds config.json and model.safetensors, or pytorch_model.bin, or
-        either sharded (model-00001-of-00003.safetensors ... with model.safetensors.index.json). config.json's
-        model_type picks the mapping; the ModelConfig follows from config.json:
-            "gpt2": learned positions, LayerNorm, GELU (tanh), biases, the head tied to the embedding.
-            "llama": rotary positions (rope_theta), RMSNorm (rms_norm_eps), SwiGLU of width intermediate_size,
-                grouped-query attention (num_key_value_heads), biases if attention_bias and mlp_bias, the head tied
-                if tie_word_embeddings. A scaled rope (rope_scaling, or a rope_type other than "default"), another
-                hidden_act than silu or a head_dim other than hidden_size / num_attention_heads is a ValueError.
-            "mistral": as llama, with sliding_window as window_size.
-        block_size is the trained positions (n_positions, max_position_embeddings); it may be overridden shorter,
-        not longer (the rotary tables are block_size long; the KV cache grows with the positions decoded).
-        overrides: ModelConfig fields to change, e.g. dropout=0.1 or block_size=256 for fine-tuning.
-        """
-        return load_pretrained(cls, name_or_path, overrides)
 
 
 class Encoder(TransformerModel):
@@ -915,126 +859,6 @@ class EncoderDecoder(TransformerModel):
         dec_maps = self.decoder(tgt, context=memory, context_mask=src_mask, need_weights=True)[1]
         return {"encoder": enc_maps, "decoder": dec_maps}
 
-    @torch.no_grad()
-    def generate(
-        self,
-        src,
-        max_new_tokens,
-        bos_id,
-        eos_id,
-        *,
-        beam_size=1,
-        length_penalty=0.6,
-        temperature=0.0,
-        top_k=None,
-        top_p=None,
-        generator=None,
-    ):
-        """
-        Translate src (B, S) into (B, L) target ids: each row ends with eos_id (unless it ran out of steps) and is
-        padded after it with pad_token_id (eos_id when the model has none). BOS is not included.
-        beam_size 1 decodes greedily (temperature 0) or samples; beam_size > 1 runs beam_search.
-        The encoder runs once; each layer projects its cross-attention keys and values once.
-        """
-        if beam_size > 1:
-            return self.beam_search(
-                src, max_new_tokens, bos_id, eos_id, beam_size=beam_size, length_penalty=length_penalty
-            )
-        check_sampling_args(temperature, top_k, top_p)
-        memory, src_mask = self.encode(src)
-        cache = self.new_cache()
-        token = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)  # (B, 1)
-        done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)  # (B,)
-        out = []
-        for _ in range(max_new_tokens):
-            # the cache holds the earlier target positions: only the newest token goes through the decoder
-            logits = self.decode(token, memory, src_mask, cache=cache)[:, -1]  # (B, V)
-            token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-            token = token.masked_fill(done[:, None], self._fill(eos_id))  # rows past their eos get padding
-            out.append(token)
-            done = done | (token[:, 0] == eos_id)
-            if done.all():
-                break
-        return torch.cat(out, dim=1)
-
-    def _fill(self, eos_id):
-        # what follows eos in a returned row: the padding id, or eos again in a model without one
-        return eos_id if self.config.pad_token_id is None else self.config.pad_token_id
-
-    @torch.no_grad()
-    def beam_search(self, src, max_new_tokens, bos_id, eos_id, beam_size=4, length_penalty=0.6):
-        """
-        Keep the beam_size best partial translations per source. Each step ranks the 2 * beam_size best extensions:
-        those ending at eos_id finish if ranked among the first beam_size, the best beam_size others stay live
-        (as in fairseq and Hugging Face). Hypotheses are compared by log-probability / ((5 + length) / 6) **
-        length_penalty (Wu et al. 2016; 0.6 in the 2017 paper). A source is done once no live beam can beat its best
-        finished hypothesis; if the steps run out first, its live beams compete with the finished ones.
-        Returns (B, L) as generate does.
-        """
-        B, K = src.size(0), beam_size
-        memory, src_mask = self.encode(src)
-        memory = memory.repeat_interleave(K, dim=0)  # (B*K, S, C): row b*K + j is beam j of source b
-        src_mask = None if src_mask is None else src_mask.repeat_interleave(K, dim=0)
-        cache = self.new_cache()
-        seqs = torch.full((B * K, 1), bos_id, dtype=torch.long, device=src.device)  # (B*K, 1 + step): BOS, tokens
-        scores = torch.full((B, K), float("-inf"), device=src.device)  # summed log-probabilities of the live beams
-        scores[:, 0] = 0.0  # all beams start identical: expand only the first
-        finished = [[] for _ in range(B)]  # (normalised score, token list) per source
-        done = [False] * B
-
-        def penalty(length):
-            return ((5 + length) / 6) ** length_penalty
-
-        for step in range(max_new_tokens):
-            # log-probabilities in float32 whatever the model's dtype, so that long sums do not lose precision
-            logits = self.decode(seqs[:, -1:], memory, src_mask, cache=cache)[:, -1]  # (B*K, V)
-            logprobs = logits.float().log_softmax(dim=-1)
-            V = logprobs.size(-1)
-            # every extension of every beam of a source in one row: index beam * V + token
-            candidates = (scores.view(B * K, 1) + logprobs).view(B, K * V)
-            top_scores, top_index = candidates.topk(2 * K, dim=1)  # at most K of them end at eos: K are left to go on
-            # choose on the host: the rules below (finish or go on, done or not) differ per source
-            rows, tokens, new_scores = [], [], []
-            for b in range(B):
-                chosen = []  # (score, row of the parent beam in seqs, next token) of the beams that go on
-                for rank, (score, index) in enumerate(zip(top_scores[b].tolist(), top_index[b].tolist())):
-                    beam, token = divmod(index, V)
-                    if done[b] or len(chosen) == K or score == float("-inf"):
-                        break
-                    if token != eos_id:
-                        chosen.append((score, b * K + beam, token))
-                    elif rank < K:  # an ending ranked below the beam is not among the K best hypotheses
-                        finished[b].append((score / penalty(step + 1), seqs[b * K + beam, 1:].tolist() + [eos_id]))
-                chosen += [(float("-inf"), b * K, eos_id)] * (K - len(chosen))  # a finished source: dead beams
-                # Log-probabilities only fall as a hypothesis grows, so a live beam's best possible ending is its score
-                # now over the largest penalty of the lengths it can still end at, step + 2 to max_new_tokens.
-                best_live = max(score for score, _, _ in chosen) / max(penalty(step + 2), penalty(max_new_tokens))
-                done[b] = any(hyp[0] >= best_live for hyp in finished[b])
-                new_scores += [score for score, _, _ in chosen]
-                rows += [row for _, row, _ in chosen]
-                tokens += [token for _, _, token in chosen]
-            if all(done):
-                break
-            # the K chosen beams of every source take over their parents' histories and caches
-            rows = torch.tensor(rows, device=src.device)  # (B*K,)
-            for self_cache, _ in cache:
-                self_cache.reorder(rows)  # cross-attention keys are the same for every beam of a source
-            seqs = torch.cat([seqs[rows], torch.tensor(tokens, device=src.device)[:, None]], dim=1)
-            scores = torch.tensor(new_scores, device=src.device).view(B, K)
-
-        results = []
-        for b in range(B):
-            if not done[b]:  # ran out of steps: the live beams compete with the finished ones
-                length = seqs.size(1) - 1
-                live = [(s / penalty(length), seqs[b * K + j, 1:].tolist()) for j, s in enumerate(scores[b].tolist())]
-                finished[b] += [hyp for hyp in live if hyp[0] > float("-inf")]
-            results.append(max(finished[b], key=lambda hyp: hyp[0])[1])
-        # right-pad the shorter translations, as generate does
-        out = torch.full((B, max(map(len, results))), self._fill(eos_id), dtype=torch.long, device=src.device)
-        for b, tokens in enumerate(results):
-            out[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        return out
-
 
 MODELS = {"gpt": GPT, "encoder": Encoder, "encoder_decoder": EncoderDecoder}
 
@@ -1042,370 +866,3 @@ MODELS = {"gpt": GPT, "encoder": Encoder, "encoder_decoder": EncoderDecoder}
 def build_model(config):
     """The model class that config.arch names, freshly initialised."""
     return MODELS[config.arch](config)
-
-
-# -----------------------------------------------------------------------------
-# Sampling
-
-
-def check_sampling_args(temperature, top_k, top_p):
-    """Raise a ValueError naming the first of temperature, top_k, top_p that is out of range."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k <= 0:
-        raise ValueError(f"top_k must be a positive integer or None, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-
-
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """Pick one token per row of logits (B, V): argmax at temperature 0, else sample the filtered softmax. (B, 1)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.size(-1):
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1): the k-th largest logit of each row
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # drop a token when the likelier ones before it already hold top_p; the first one always stays
-        drop = probs.cumsum(dim=-1) - probs >= top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))  # back in vocabulary order
-    probs = logits.softmax(dim=-1)  # filtered tokens get probability 0
-    return torch.multinomial(probs, num_samples=1, generator=generator)
-
-
-# -----------------------------------------------------------------------------
-# Pretrained weights from Hugging Face: GPT-2, Llama, Mistral
-
-
-def load_pretrained(cls, name_or_path, overrides):
-    """A `cls` (GPT) holding the Hugging Face weights in name_or_path, loaded as its config.json's model_type says."""
-    path = Path(name_or_path)
-    if not path.is_dir():
-        path = download_from_hub(str(name_or_path))
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json: pass a directory written by transformers' save_pretrained")
-    hf = json.loads((path / "config.json").read_text())
-    model_type = hf.get("model_type")
-    if model_type not in PRETRAINED_LOADERS:
-        raise ValueError(
-            f"{path} holds a model_type={model_type!r} model; from_pretrained loads {', '.join(PRETRAINED_LOADERS)}"
-        )
-    return PRETRAINED_LOADERS[model_type](cls, path, hf, overrides)
-
-
-def load_gpt2(cls, path, hf, overrides):
-    """A `cls` (GPT) holding the GPT-2 weights in path, whose config.json is hf; see GPT.from_pretrained."""
-    # OpenAI's GPT-2 uses tanh GELU ("gelu_new"); exact GELU is "gelu" (export.py writes it for activation="gelu")
-    activations = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
-    activation = activations.get(hf.get("activation_function", "gelu_new"))
-    if activation is None:
-        raise ValueError(
-            f"{path}: activation_function={hf['activation_function']!r} is not implemented; "
-            f"GPT-2 here runs {', '.join(activations)}"
-        )
-    # GPT-2's architecture in our terms, sized by its config.json; the caller may override any field
-    config = ModelConfig(
-        **{
-            "arch": "gpt",
-            "vocab_size": hf["vocab_size"],
-            "block_size": hf["n_positions"],
-            "n_layer": hf["n_layer"],
-            "n_head": hf["n_head"],
-            "n_embd": hf["n_embd"],
-            "d_ff": hf.get("n_inner") or 4 * hf["n_embd"],
-            "bias": True,
-            "pos_encoding": "learned",
-            "norm_position": "pre",
-            "norm": "layernorm",
-            "activation": activation,
-            "tie_embeddings": True,
-            "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
-            **overrides,
-        }
-    )
-    check_block_size(config, hf["n_positions"], path)
-    hf_state = read_state_dict(path)
-    # GPT2LMHeadModel prefixes "transformer."; a bare GPT2Model does not. The attention-mask buffers are not weights.
-    hf_state = {
-        k.removeprefix("transformer."): v
-        for k, v in hf_state.items()
-        if not k.endswith((".attn.bias", ".attn.masked_bias"))
-    }
-    names = gpt2_names(config.n_layer, bias=True)
-    hf_state.pop("lm_head.weight", None)  # tied to wte
-    # name by name, both ways: a checkpoint of another architecture fails here, not with a shape error later
-    check_names(path, "GPT-2", expected=names, found=hf_state)
-
-    state = {}
-    for hf_name, ours in names.items():
-        tensor = hf_state[hf_name]
-        if hf_name.endswith(".weight") and any(c in hf_name for c in ("c_attn", "c_proj", "c_fc")):
-            tensor = tensor.t()  # HF's Conv1D stores (in, out); nn.Linear wants (out, in)
-        if hf_name == "wpe.weight":
-            tensor = tensor[: config.block_size]  # fine-tuning with a shorter context keeps the first positions
-        state[ours] = tensor
-    state["lm_head.weight"] = state["body.wte.weight"]  # the tied head is a state_dict key of its own
-    return load_checked(cls(config), state, path)
-
-
-def gpt2_names(n_layer, bias):
-    """
-    GPT-2's parameter names, as GPT2LMHeadModel and nanoGPT write them (without their "transformer." prefix) -> ours.
-    The stacked c_attn maps onto qkv as it is: both hold q, k, v in that order. bias False: nanoGPT's bias=False.
-    """
-    names = {"wte.weight": "body.wte.weight", "wpe.weight": "body.wpe.weight", "ln_f.weight": "body.norm.weight"}
-    if bias:
-        names["ln_f.bias"] = "body.norm.bias"
-    for i in range(n_layer):
-        for theirs, ours in [
-            ("ln_1", "norm1"),
-            ("attn.c_attn", "attn.qkv"),
-            ("attn.c_proj", "attn.proj"),
-            ("ln_2", "norm2"),
-            ("mlp.c_fc", "mlp.fc"),
-            ("mlp.c_proj", "mlp.proj"),
-        ]:
-            for p in ("weight", "bias") if bias else ("weight",):
-                names[f"h.{i}.{theirs}.{p}"] = f"body.blocks.{i}.{ours}.{p}"
-    return names
-
-
-def load_nanogpt(checkpoint, path):
-    """
-    A GPT holding the weights of a checkpoint dict written by nanoGPT's train.py (karpathy/nanoGPT), path naming it
-    in errors. Its model_args give the sizes; its model is GPT-2's (pre-norm LayerNorm, learned positions, tied
-    head) with exact GELU and nn.Linear weights (not GPT-2's transposed Conv1D), biases as model_args says. A
-    compiled run's keys carry "_orig_mod.".
-    """
-    args = checkpoint["model_args"]
-    config = ModelConfig(
-        arch="gpt",
-        vocab_size=args["vocab_size"],
-        block_size=args["block_size"],
-        n_layer=args["n_layer"],
-        n_head=args["n_head"],
-        n_embd=args["n_embd"],
-        dropout=args.get("dropout", 0.0),
-        bias=args.get("bias", True),
-        pos_encoding="learned",
-        norm_position="pre",
-        norm="layernorm",
-        activation="gelu",
-        tie_embeddings=True,
-    )
-    # the causal-mask buffers of nanoGPT on PyTorch < 2 (".attn.bias", not c_attn's) are not weights
-    state = {
-        k.removeprefix("_orig_mod.").removeprefix("transformer."): v
-        for k, v in checkpoint["model"].items()
-        if not k.endswith(".attn.bias")
-    }
-    state.pop("lm_head.weight", None)  # tied to wte
-    names = gpt2_names(config.n_layer, config.bias)
-    check_names(path, "nanoGPT", expected=names, found=state, source="model_args")
-    ours = {names[k]: v for k, v in state.items()}
-    ours["lm_head.weight"] = ours["body.wte.weight"]  # the tied head is a state_dict key of its own
-    return load_checked(GPT(config), ours, path)
-
-
-def load_llama(cls, path, hf, overrides):
-    """A `cls` (GPT) holding the Llama or Mistral weights in path, whose config.json is hf; see GPT.from_pretrained."""
-    # What our model cannot compute is refused here, before any weights are read. Optional keys default as in
-    # transformers' LlamaConfig and MistralConfig.
-    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    absent = [key for key in (*sizes, "max_position_embeddings") if hf.get(key) is None]
-    if absent:
-        raise ValueError(f"{path / 'config.json'} has no {', '.join(absent)}: is it a {hf['model_type']} config?")
-    C, H = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # two names of x * sigmoid(x)
-        raise ValueError(f"{path}: hidden_act={hf['hidden_act']!r} is not implemented; SwiGLU here gates with 'silu'")
-    if hf.get("head_dim") not in (None, C // H) or C % H:
-        raise ValueError(
-            f"{path}: head_dim={hf.get('head_dim')} with hidden_size={C} and num_attention_heads={H} is not "
-            f"supported; our attention's head dim is always hidden_size / num_attention_heads"
-        )
-    bias = hf.get("attention_bias", False)
-    if hf.get("mlp_bias", False) != bias:
-        raise ValueError(
-            f"{path}: attention_bias={bias} but mlp_bias={hf.get('mlp_bias', False)}; one bias flag covers all our "
-            f"Linears, so both must be equal"
-        )
-    tied = hf.get("tie_word_embeddings", False)
-    # Mistral is Llama plus a sliding window; transformers' MistralConfig defaults it to 4096, None turns it off
-    window = (hf.get("sliding_window", 4096) or 0) if hf["model_type"] == "mistral" else 0
-    config = ModelConfig(
-        **{
-            "arch": "gpt",
-            "vocab_size": hf["vocab_size"],
-            "block_size": hf["max_position_embeddings"],
-            "n_layer": hf["num_hidden_layers"],
-            "n_head": H,
-            "n_kv_head": hf.get("num_key_value_heads") or H,
-            "n_embd": C,
-            "d_ff": hf["intermediate_size"],
-            "bias": bias,
-            "pos_encoding": "rope",
-            "rope_theta": float(llama_rope_theta(hf, path)),
-            "norm_position": "pre",
-            "norm": "rmsnorm",
-            "norm_eps": hf.get("rms_norm_eps", 1e-6),
-            "activation": "swiglu",
-            "tie_embeddings": tied,
-            "window_size": window,
-            **overrides,
-        }
-    )
-    check_block_size(config, hf["max_position_embeddings"], path)
-    hf_state = read_state_dict(path)
-    # LlamaForCausalLM prefixes the body with "model."; a bare LlamaModel does not. rotary_emb.inv_freq (saved by
-    # transformers before 4.31) is the rotary table, not a weight.
-    hf_state = {k.removeprefix("model."): v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}
-    if config.tie_embeddings:
-        hf_state.pop("lm_head.weight", None)  # the head is embed_tokens; save_pretrained leaves it out
-
-    # Our name -> the Hugging Face tensors it is made of, stacked along dim 0 (the output rows) when more than one.
-    # qkv: q_proj (H*D rows), k_proj and v_proj (n_kv_head*D rows each) give the rows [W_q; W_k; W_v] that Attention
-    # splits as [C, kv_dim, kv_dim]. Head h is rows h*D:(h+1)*D in both layouts, and both rotate the channel pairs
-    # (i, i + D/2) (transformers' rotate_half), so no row needs permuting. Norms are RMSNorm gains, without bias.
-    sources = {"body.wte.weight": ["embed_tokens.weight"], "body.norm.weight": ["norm.weight"]}
-    if not config.tie_embeddings:
-        sources["lm_head.weight"] = ["lm_head.weight"]
-    for i in range(config.n_layer):
-        hf_layer, ours = f"layers.{i}", f"body.blocks.{i}"
-        sources[f"{ours}.norm1.weight"] = [f"{hf_layer}.input_layernorm.weight"]
-        sources[f"{ours}.norm2.weight"] = [f"{hf_layer}.post_attention_layernorm.weight"]
-        for our_linear, hf_linears in [
-            ("attn.qkv", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
-            ("attn.proj", ["self_attn.o_proj"]),
-            ("mlp.fc", ["mlp.gate_proj"]),  # SwiGLU's gate, the one under the SiLU
-            ("mlp.up", ["mlp.up_proj"]),
-            ("mlp.proj", ["mlp.down_proj"]),
-        ]:
-            for p in ("weight", "bias") if config.bias else ("weight",):
-                sources[f"{ours}.{our_linear}.{p}"] = [f"{hf_layer}.{name}.{p}" for name in hf_linears]
-    check_names(path, "Llama", expected=[name for names in sources.values() for name in names], found=hf_state)
-
-    # (a lone tensor is taken as it is: a copy of every weight would double the memory a large model needs)
-    state = {
-        ours: torch.cat([hf_state[n] for n in names]) if len(names) > 1 else hf_state[names[0]]
-        for ours, names in sources.items()
-    }
-    if config.tie_embeddings:
-        state["lm_head.weight"] = state["body.wte.weight"]  # the tied head is a state_dict key of its own
-    return load_checked(cls(config), state, path)
-
-
-def llama_rope_theta(hf, path):
-    """The rotary base of a Llama config.json; ValueError for a scaled rope (linear, dynamic, yarn, llama3...)."""
-    # transformers < 5 writes rope_theta at the top level, beside rope_scaling (null unless scaled, its kind under
-    # "type" or "rope_type"); transformers 5 writes both into rope_parameters: {"rope_type": "default", "rope_theta"}
-    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(
-            f"{path}: rope_type={rope_type!r} ({', '.join(f'{k}={v}' for k, v in rope.items())}) is not implemented; "
-            f"only unscaled rotary positions (rope_type 'default') are"
-        )
-    return rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-
-
-# config.json's model_type -> the loader that maps its weights onto ours
-PRETRAINED_LOADERS = {"gpt2": load_gpt2, "llama": load_llama, "mistral": load_llama}
-
-
-def check_block_size(config, positions, path):
-    """ValueError when the (overridden) block_size is longer than the positions the checkpoint was trained with."""
-    if config.block_size > positions:
-        raise ValueError(
-            f"block_size={config.block_size} is longer than the {positions} positions "
-            f"{path} was trained with; use block_size <= {positions}"
-        )
-
-
-def check_names(path, kind, expected, found, source="config.json"):
-    """ValueError naming the first few missing and unexpected tensors, unless `found` has just the `expected` ones."""
-    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"{path} does not hold {kind} weights that match its {source}: missing {missing[:5]} "
-            f"({len(missing)} in all), unexpected {unexpected[:5]} ({len(unexpected)} in all)"
-        )
-
-
-def load_checked(model, state, path):
-    """model holding the tensors of state (our names), all checked first so that a mismatch loads nothing."""
-    expected = model.state_dict()
-    # the names differ only when the overrides change the architecture, e.g. pos_encoding or qk_norm
-    differ = sorted(set(expected) ^ set(state))
-    if differ:
-        raise ValueError(
-            f"the overrides change which weights the model has ({', '.join(differ[:3])}), so {path} does not fit it; "
-            f"override only fields that keep the weights, such as dropout or block_size"
-        )
-    wrong = [
-        f"{k} is {tuple(v.shape)} where the model has {tuple(expected[k].shape)}"
-        for k, v in state.items()
-        if v.shape != expected[k].shape
-    ]
-    if wrong:
-        raise ValueError(f"{path}: {len(wrong)} tensors do not have the shapes config.json implies, e.g. {wrong[0]}")
-    model.load_state_dict(state, strict=True)
-    return model
-
-
-# Where save_pretrained puts the weights, tried in this order: one file, or an index whose "weight_map" names the
-# shard holding each tensor (a model larger than max_shard_size)
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-
-
-def read_state_dict(path):
-    """The tensors of a Hugging Face model directory, from the first of WEIGHT_FILES that it has."""
-    name = next((name for name in WEIGHT_FILES if (path / name).is_file()), None)
-    if name is None:
-        raise FileNotFoundError(f"{path} has no weights: none of {', '.join(WEIGHT_FILES)} is there")
-    shards = [name]
-    if name.endswith(".index.json"):
-        weight_map = json.loads((path / name).read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{path / name} has no weight_map: it is not an index written by save_pretrained")
-        shards = sorted(set(weight_map.values()))
-        absent = [shard for shard in shards if not (path / shard).is_file()]
-        if absent:
-            raise FileNotFoundError(f"{path} lacks {len(absent)} of the shards {name} names, e.g. {absent[0]}")
-    state = {}
-    for shard in shards:
-        if shard.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            state.update(load_file(str(path / shard)))
-        else:
-            state.update(torch.load(path / shard, map_location="cpu", weights_only=True))
-    return state
-
-
-def download_from_hub(name):
-    """Download config.json and the safetensors weights of a hub id; FileNotFoundError saying what to pass offline."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        patterns = [
-            "config.json",
-            "tokenizer.json",
-            "model.safetensors",
-            "model.safetensors.index.json",
-            "model-*.safetensors",
-        ]
-        return Path(snapshot_download(name, allow_patterns=patterns))
-    except Exception as e:
-        raise FileNotFoundError(
-            f"could not load {name!r}: it is not a local directory and the Hugging Face hub is unreachable "
-            f"({type(e).__name__}). Pass a directory holding config.json and model.safetensors "
-            f"(e.g. one saved by transformers' save_pretrained)"
-        ) from None

@@ -11,7 +11,6 @@ a GPT continues the prompt, an encoder-decoder translates it, an encoder fills i
 
 import math
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +19,8 @@ import torch
 from checkpoint import load_model
 from config import parse_config
 from devices import DTYPES, autocast, resolve_device, resolve_dtype
-from model import check_sampling_args
-from prepare_data import solve
+from generate import check_sampling_args, generate_stream, start_ids, translate, until_stop
+from tasks import solve
 
 MASK = "[MASK]"  # what the encoder's prompt writes where a token is to be filled in
 MAX_TICK_LABELS = 32  # token labels per axis of a heat map; more would overlap
@@ -108,7 +107,8 @@ def sample_gpt(model, prompt, cfg, stop_token, generator, vocab_size):
     # (num_samples, T): the same prompt in every row; the rows diverge as they sample
     idx = torch.tensor([prompt] * cfg.num_samples, dtype=torch.long, device=device)
     # a generator: nothing runs until the caller iterates, then one forward pass per step
-    return model.generate_stream(
+    return generate_stream(
+        model,
         idx,
         cfg.max_new_tokens,
         cfg.temperature,
@@ -119,11 +119,6 @@ def sample_gpt(model, prompt, cfg, stop_token, generator, vocab_size):
         use_cache=cfg.use_cache,
         vocab_size=vocab_size,
     )
-
-
-def until_stop(ids, stop_token):
-    """ids up to (not including) the first stop_token."""
-    return ids[: ids.index(stop_token)] if stop_token in ids else ids
 
 
 def print_stream(steps, shown, tokenizer, stop_token, out):
@@ -148,22 +143,6 @@ def print_stream(steps, shown, tokenizer, stop_token, out):
             printed = text
     # whatever was held back, then the final newline
     print(tokenizer.decode(ids)[len(printed) :], file=out)
-
-
-def translate(model, src, cfg, meta):
-    """Output ids (without BOS and EOS) for the source ids src: greedy, or beam search when cfg.beam_size > 1."""
-    special = meta["special_tokens"]
-    device = next(model.parameters()).device
-    out = model.generate(
-        torch.tensor([src], dtype=torch.long, device=device),
-        min(cfg.max_new_tokens, model.config.block_size),
-        special["bos"],
-        special["eos"],
-        beam_size=cfg.beam_size,
-        length_penalty=cfg.length_penalty,
-    )
-    # out: (1, L) for the one source, without bos; eos and the padding after it are cut off
-    return until_stop(out[0].tolist(), special["eos"])
 
 
 def encode_masked(text, tokenizer, mask_id):
@@ -255,20 +234,15 @@ def attention_panels(model, tokenizer, src, tgt=None):
     return panels
 
 
-def start_ids(tokenizer, meta, text):
+def prompt_start(tokenizer, meta, text):
     """
     The ids that go before the prompt's own and are never printed: those a tokenizer.json's template puts before
-    every text (Llama's bos); with no prompt, where a document starts.
+    every text (Llama's bos); with no prompt, where a document starts (start_ids), or a newline for char data.
     """
-    head = tokenizer.template_prefix()
-    if text or head:
+    if text:
+        return tokenizer.template_prefix()
+    if head := start_ids(tokenizer, meta):
         return head
-    special = meta["special_tokens"]
-    # after GPT-2's end-of-text; at a tokenizer.json's bos (config.json's bos_token_id); after a newline for char data
-    if "eot" in special:
-        return [special["eot"]]
-    if "bos" in special:
-        return [special["bos"]]
     if meta["tokenizer"]["type"] == "char":
         return tokenizer.encode("\n")
     raise ValueError(
@@ -282,7 +256,7 @@ def show_samples(model, tokenizer, meta, text, cfg, out):
     special = meta["special_tokens"]
     # GPT-2's end-of-text, or a tokenizer.json's eos; None for char-level data, which has no such token
     stop = special.get("eot", special.get("eos"))
-    head = start_ids(tokenizer, meta, text)
+    head = prompt_start(tokenizer, meta, text)
     # only the prompt the user gave is printed, never the start tokens before it
     shown = crop_prompt(tokenizer.encode(text), model.config.block_size, len(head)) if text else []
     prompt = head + shown
@@ -318,13 +292,24 @@ def show_translation(model, tokenizer, meta, text, cfg, out):
     if len(src) > block:  # cropping would change the question, so refuse
         raise ValueError(f"the source has {len(src)} tokens, more than the model's block_size={block}")
     expected = solve(meta["task"], text) if meta.get("task") else None  # first: it rejects sources the task cannot take
-    output = translate(model, src, cfg, meta)
+    special = meta["special_tokens"]
+    out = translate(
+        model,
+        torch.tensor([src], dtype=torch.long, device=next(model.parameters()).device),
+        min(cfg.max_new_tokens, block),
+        special["bos"],
+        special["eos"],
+        beam_size=cfg.beam_size,
+        length_penalty=cfg.length_penalty,
+    )
+    # (1, L) for the one source, without bos; eos and the padding after it are cut off
+    output = until_stop(out[0].tolist(), special["eos"])
     answer = tokenizer.decode(output)
     print(answer, file=out)
     if expected is not None:
         print("correct" if answer == expected else f"wrong: expected {expected!r}", file=out)
     # the decoder's input as it was during generation: bos, then the output, within block_size
-    return src, [meta["special_tokens"]["bos"], *output][:block]
+    return src, [special["bos"], *output][:block]
 
 
 def show_fills(model, tokenizer, meta, text, cfg, out):
@@ -394,29 +379,6 @@ def main(cfg, out=None):
         if cfg.attention:
             plot_attention(attention_panels(model, tokenizer, *inputs), cfg.attention)
             print(f"attention maps written to {cfg.attention}", file=sys.stderr)
-
-
-def sampling_speed(model, prompt, num_samples, max_new_tokens, *, use_cache, batched, repeats):
-    """
-    Tokens generated per second, one measurement per repeat: num_samples continuations of prompt (a list of ids)
-    by max_new_tokens tokens each (no early stop), either in one batch or one sample after another.
-    """
-    device = next(model.parameters()).device
-    # batched: one call of num_samples rows; else num_samples calls of one row
-    batches = [num_samples] if batched else [1] * num_samples
-    rates = []
-    for repeat in range(repeats):
-        # seeded per repeat: the timings are reproducible, and each repeat draws other tokens
-        generator = torch.Generator(device).manual_seed(repeat)
-        begin = time.perf_counter()
-        for size in batches:
-            idx = torch.tensor([prompt] * size, dtype=torch.long, device=device)
-            model.generate(idx, max_new_tokens, generator=generator, use_cache=use_cache)
-        # CUDA runs asynchronously: wait for the last kernel before reading the clock
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        rates.append(num_samples * max_new_tokens / (time.perf_counter() - begin))
-    return rates
 
 
 def cli(argv):

@@ -1,4 +1,4 @@
-"""Invariants of model.py on tiny models: each test checks one property that a bug would break."""
+"""Invariants of model.py, generate.py and hf.py on tiny models: each test checks one property a bug would break."""
 
 import itertools
 import json
@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from devices import peak_flops
+from generate import beam_search, generate, sample_next, translate
+from hf import from_pretrained
 from model import (
     ARCHS,
     GPT,
@@ -23,7 +25,6 @@ from model import (
     ModelConfig,
     build_model,
     rope_tables,
-    sample_next,
 )
 
 POS = ("learned", "sinusoidal", "rope")
@@ -181,7 +182,7 @@ def test_cached_and_uncached_generation_agree_past_block_size(pos):
     model = build_model(tiny(pos_encoding=pos)).eval()
     prompt = tokens(3, 5)
     runs = [
-        model.generate(prompt, 40, temperature=1.0, top_k=10, generator=torch.Generator().manual_seed(7), use_cache=c)
+        generate(model, prompt, 40, temperature=1.0, top_k=10, generator=torch.Generator().manual_seed(7), use_cache=c)
         for c in (True, False)
     ]
     assert runs[0].shape == (3, 45)
@@ -197,16 +198,16 @@ def test_context_keep_block_size_is_crop_every_step():
         logits = model(expected[:, -16:])[0][:, -1]
         expected = torch.cat([expected, logits.argmax(-1, keepdim=True)], dim=1)
     for use_cache in (True, False):
-        got = model.generate(idx, 30, temperature=0, context_keep=16, use_cache=use_cache)
+        got = generate(model, idx, 30, temperature=0, context_keep=16, use_cache=use_cache)
         assert torch.equal(got, expected)
 
 
 def test_generation_stops_at_stop_token():
     model = build_model(tiny()).eval()
     prompt = tokens(2, 3)
-    full = model.generate(prompt, 20, temperature=0)  # the reference: the same decoding without a stop token
+    full = generate(model, prompt, 20, temperature=0)  # the reference: the same decoding without a stop token
     stop = full[0, 3].item()
-    out = model.generate(prompt, 20, temperature=0, stop_token=stop)
+    out = generate(model, prompt, 20, temperature=0, stop_token=stop)
     cuts = []
     for row in range(2):  # each row follows the reference up to its first stop token, then holds it
         new = full[row, 3:].tolist()
@@ -217,13 +218,19 @@ def test_generation_stops_at_stop_token():
     assert out.size(1) == 3 + max(cuts)  # decoding ends once every row has stopped
 
 
+def stacked_qkv(attn):
+    """The rows [W_q; W_k; W_v] of an attention and their biases, in float64: its qkv, or a cross-attention's q, kv."""
+    linears = (attn.q, attn.kv) if attn.cross else (attn.qkv,)
+    return torch.cat([m.weight for m in linears]).double(), torch.cat([m.bias for m in linears]).double()
+
+
 def reference_attention(attn, x, allowed, context=None):
     """
     float64 loop over heads and queries: softmax over the keys that allowed(batch, query, key) lets through,
     weighted sum of their values. Keys and values come from the context, or from x without one.
     """
     C, H = x.size(-1), attn.n_head
-    w, b = attn.qkv.weight.double(), attn.qkv.bias.double()
+    w, b = stacked_qkv(attn)
     kv_in = x if context is None else context
     q = x.double() @ w[:C].T + b[:C]
     k = kv_in.double() @ w[C : 2 * C].T + b[C : 2 * C]
@@ -247,10 +254,11 @@ def test_attention_against_float64_loop():
     x, context = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
     key_mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
     causal, bidirectional = Attention(config, causal=True).eval(), Attention(config, causal=False).eval()
+    cross = Attention(config, cross=True).eval()
     cases = [
         (causal, None, None, lambda b, t, s: s <= t),
         (bidirectional, None, key_mask[:, :5], lambda b, t, s: key_mask[b, s].item()),
-        (bidirectional, context, key_mask, lambda b, t, s: key_mask[b, s].item()),
+        (cross, context, key_mask, lambda b, t, s: key_mask[b, s].item()),
     ]
     for attn, ctx, km, allowed in cases:
         expected = reference_attention(attn, x, allowed, context=ctx).float()
@@ -343,16 +351,16 @@ def test_parity_with_hugging_face_gpt2(tmp_path):
     x = torch.randint(0, 97, (2, 20))
     for safe in (True, False):  # model.safetensors and pytorch_model.bin
         hf.save_pretrained(tmp_path / str(safe), safe_serialization=safe)
-        ours = GPT.from_pretrained(tmp_path / str(safe)).eval()
+        ours = from_pretrained(tmp_path / str(safe)).eval()
         torch.testing.assert_close(ours(x)[0], hf(x).logits, atol=1e-4, rtol=1e-4)
     hf_tokens = hf.generate(x[:, :5], max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert torch.equal(ours.generate(x[:, :5], 12, temperature=0), hf_tokens)
+    assert torch.equal(generate(ours, x[:, :5], 12, temperature=0), hf_tokens)
 
 
 def test_from_pretrained_offline_names_what_to_pass(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match="local directory"):
-        GPT.from_pretrained("no-such-model-here")
+        from_pretrained("no-such-model-here")
 
 
 def test_gpt2_small_parameter_count():
@@ -463,8 +471,8 @@ def test_optimizer_groups():
     assert "weight decay" in summary
 
 
-# the 2-D weights inside the blocks, by name: attention (self and cross) qkv and proj, MLP fc, up and proj
-BLOCK_MATRIX = re.compile(r"(body|encoder|decoder)\.blocks\.\d+\.(attn|cross_attn|mlp)\.(qkv|proj|fc|up)\.weight")
+# the 2-D weights inside the blocks, by name: attention qkv and proj, cross-attention q, kv and proj, MLP fc, up, proj
+BLOCK_MATRIX = re.compile(r"(body|encoder|decoder)\.blocks\.\d+\.(attn|cross_attn|mlp)\.(qkv|q|kv|proj|fc|up)\.weight")
 
 
 @pytest.mark.parametrize("arch", ["gpt", "encoder", "encoder_decoder"])
@@ -502,14 +510,14 @@ def test_sampling_filters():
         ({"top_p": 1.5}, "top_p"),
     ):
         with pytest.raises(ValueError, match=name):
-            model.generate(tokens(1, 2), 1, **bad)
+            generate(model, tokens(1, 2), 1, **bad)
 
 
 def test_beam_size_one_equals_greedy():
     model = build_model(tiny(arch="encoder_decoder", pad_token_id=PAD)).eval()
     src = tokens(3, 8)
-    greedy = model.generate(src, 10, BOS, EOS)
-    assert torch.equal(model.beam_search(src, 10, BOS, EOS, beam_size=1), greedy)
+    greedy = translate(model, src, 10, BOS, EOS)
+    assert torch.equal(beam_search(model, src, 10, BOS, EOS, beam_size=1), greedy)
 
 
 class TableDecoder(EncoderDecoder):
@@ -533,8 +541,8 @@ class TableDecoder(EncoderDecoder):
 def test_beam_search_finds_the_likelier_sequence():
     model = TableDecoder(tiny(arch="encoder_decoder")).eval()
     src = tokens(1, 4)
-    assert model.generate(src, 5, BOS, EOS).tolist() == [[3, 5, EOS]]  # greedy: 0.5 * 0.3 * 1.0 = 0.15
-    assert model.beam_search(src, 5, BOS, EOS, beam_size=2).tolist() == [[4, EOS]]  # 0.4 * 0.9 = 0.36
+    assert translate(model, src, 5, BOS, EOS).tolist() == [[3, 5, EOS]]  # greedy: 0.5 * 0.3 * 1.0 = 0.15
+    assert beam_search(model, src, 5, BOS, EOS, beam_size=2).tolist() == [[4, EOS]]  # 0.4 * 0.9 = 0.36
 
 
 class ShortEndingDecoder(TableDecoder):
@@ -554,8 +562,8 @@ class ShortEndingDecoder(TableDecoder):
 def test_beam_search_does_not_end_with_hypotheses_ranked_below_the_beam():
     model = ShortEndingDecoder(tiny(arch="encoder_decoder")).eval()
     src = tokens(1, 4)
-    assert model.generate(src, 5, BOS, EOS).tolist() == [[3, 5, EOS]]  # greedy: 0.5 * 0.6 * 0.99 = 0.297
-    assert model.beam_search(src, 5, BOS, EOS, beam_size=2).tolist() == [[3, 5, EOS]]
+    assert translate(model, src, 5, BOS, EOS).tolist() == [[3, 5, EOS]]  # greedy: 0.5 * 0.6 * 0.99 = 0.297
+    assert beam_search(model, src, 5, BOS, EOS, beam_size=2).tolist() == [[3, 5, EOS]]
 
 
 class DroppedEndingDecoder(TableDecoder):
@@ -571,7 +579,7 @@ class DroppedEndingDecoder(TableDecoder):
 def test_beam_search_drops_endings_ranked_below_the_beam():
     """Fairseq's and Hugging Face's rule: an ending must rank among the beam_size best to finish."""
     model = DroppedEndingDecoder(tiny(arch="encoder_decoder")).eval()
-    got = model.beam_search(tokens(1, 4), 5, BOS, EOS, beam_size=2, length_penalty=0.0)
+    got = beam_search(model, tokens(1, 4), 5, BOS, EOS, beam_size=2, length_penalty=0.0)
     assert got.tolist() == [[3, EOS]]  # p=0.095, the likeliest ending that ranked inside the beam
 
 
@@ -600,7 +608,7 @@ class ShortLiveBeamDecoder(TableDecoder):
 )
 def test_beam_search_goes_on_while_a_live_beam_can_still_win(decoder, length_penalty, max_new_tokens, best):
     model = decoder(tiny(arch="encoder_decoder")).eval()
-    got = model.beam_search(tokens(1, 4), max_new_tokens, BOS, EOS, beam_size=2, length_penalty=length_penalty)
+    got = beam_search(model, tokens(1, 4), max_new_tokens, BOS, EOS, beam_size=2, length_penalty=length_penalty)
     assert got.tolist() == [best]
 
 
@@ -630,7 +638,7 @@ def test_wide_beam_search_returns_the_best_of_all_sequences(seed, length_penalty
     by_length = [[[*w, EOS] for w in itertools.product(words, repeat=n - 1)] for n in range(1, L + 1)]
     by_length.append([list(w) for w in itertools.product(words, repeat=L)])  # ran out of steps before eos
     width = vocab * len(words) ** (L - 1)
-    got = model.beam_search(src, L, BOS, EOS, beam_size=width, length_penalty=length_penalty)
+    got = beam_search(model, src, L, BOS, EOS, beam_size=width, length_penalty=length_penalty)
     for b in range(2):
         scores = {}
         for hyps in by_length:
@@ -686,9 +694,9 @@ def test_generation_draws_only_below_vocab_size():
     model = build_model(tiny()).eval()
     with torch.no_grad():
         model.lm_head.weight[20:] += 5.0  # make the ids a tokenizer could not decode the likeliest ones
-    out = model.generate(tokens(4, 3), 30, temperature=1.0, generator=torch.Generator().manual_seed(0), vocab_size=20)
+    out = generate(model, tokens(4, 3), 30, temperature=1.0, generator=torch.Generator().manual_seed(0), vocab_size=20)
     assert out[:, 3:].max() < 20
-    assert model.generate(tokens(4, 3), 5, temperature=1.0)[:, 3:].max() >= 20  # without the limit they dominate
+    assert generate(model, tokens(4, 3), 5, temperature=1.0)[:, 3:].max() >= 20  # without the limit they dominate
 
 
 class LongBeamDecoder(TableDecoder):
@@ -704,12 +712,12 @@ class LongBeamDecoder(TableDecoder):
 def test_beam_search_out_of_steps_keeps_better_live_beams():
     model = LongBeamDecoder(tiny(arch="encoder_decoder")).eval()
     # finished "eos": log 0.1 = -2.30; live "3 3 3 3": log(0.85 * 0.98^3) = -0.22, better even after normalising
-    assert model.beam_search(tokens(1, 4), 4, BOS, EOS, beam_size=2).tolist() == [[3, 3, 3, 3]]
+    assert beam_search(model, tokens(1, 4), 4, BOS, EOS, beam_size=2).tolist() == [[3, 3, 3, 3]]
 
 
 def test_generate_rejects_an_empty_prompt():
     with pytest.raises(ValueError, match="prompt is empty"):
-        build_model(tiny()).generate(torch.zeros(1, 0, dtype=torch.long), 3)
+        generate(build_model(tiny()), torch.zeros(1, 0, dtype=torch.long), 3)
 
 
 def test_from_pretrained_rejects_a_longer_block_size(tmp_path):
@@ -717,9 +725,9 @@ def test_from_pretrained_rejects_a_longer_block_size(tmp_path):
 
     hf_config = transformers.GPT2Config(vocab_size=50, n_positions=8, n_embd=16, n_layer=1, n_head=2)
     transformers.GPT2LMHeadModel(hf_config).save_pretrained(tmp_path)
-    assert GPT.from_pretrained(tmp_path, block_size=4).config.block_size == 4
+    assert from_pretrained(tmp_path, block_size=4).config.block_size == 4
     with pytest.raises(ValueError, match="block_size=16 is longer than the 8 positions"):
-        GPT.from_pretrained(tmp_path, block_size=16)
+        from_pretrained(tmp_path, block_size=16)
 
 
 # -----------------------------------------------------------------------------
@@ -764,12 +772,17 @@ def mha_state_from_gqa(state, config):
     """
     C, H, G = config.n_embd, config.n_head, config.n_kv_head
     D, group = C // H, H // G
+
+    def repeat(w):  # key/value rows -> one copy per query head
+        return torch.cat([w[(h // group) * D : (h // group + 1) * D] for h in range(H)])
+
     out = {}
     for name, t in state.items():
         if name.endswith(("qkv.weight", "qkv.bias")):
             q, k, v = t.split([C, G * D, G * D])
-            k, v = (torch.cat([w[(h // group) * D : (h // group + 1) * D] for h in range(H)]) for w in (k, v))
-            t = torch.cat([q, k, v])
+            t = torch.cat([q, repeat(k), repeat(v)])
+        elif name.endswith(("kv.weight", "kv.bias")):  # a cross-attention's keys and values
+            t = torch.cat([repeat(w) for w in t.split([G * D, G * D])])
         out[name] = t
     return out
 
@@ -811,7 +824,7 @@ def test_kv_cache_and_generation_with_each_option(options):
     steps += [model.head(model.body(x[:, t : t + 1], cache=cache)[0]) for t in range(5, 16)]
     torch.testing.assert_close(torch.cat(steps, dim=1), model(x)[0], atol=1e-5, rtol=1e-5)
     runs = [
-        model.generate(x[:, :5], 30, temperature=1.0, generator=torch.Generator().manual_seed(7), use_cache=c)
+        generate(model, x[:, :5], 30, temperature=1.0, generator=torch.Generator().manual_seed(7), use_cache=c)
         for c in (True, False)
     ]
     assert torch.equal(runs[0], runs[1])
@@ -821,19 +834,20 @@ def test_kv_cache_and_generation_with_each_option(options):
     expected = torch.full((2, 1), BOS)
     for _ in range(12):  # the reference: the whole target recomputed at every step, nothing cached
         expected = torch.cat([expected, seq2seq(src, expected)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
-    got = seq2seq.generate(src, 12, bos_id=BOS, eos_id=-1)  # an eos that never comes: all 12 steps
+    got = translate(seq2seq, src, 12, bos_id=BOS, eos_id=-1)  # an eos that never comes: all 12 steps
     assert torch.equal(got, expected[:, 1:])
 
 
-def reference_attention_options(attn, x, allowed, context=None, rope_theta=None):
+def reference_attention_options(attn, x, allowed, context=None, rope_theta=None, qkv=None):
     """
     float64 loop like reference_attention, with the options spelled out: q and k of each head divided by their
     root mean square over D and multiplied by the norms' gains, then (self-attention with rope_theta) turned by
-    the rotary angles; query head h reads key/value head h // (n_head / n_kv_head).
+    the rotary angles; query head h reads key/value head h // (n_head / n_kv_head). qkv: (weight, bias) of the rows
+    [W_q; W_k; W_v] to read instead of the attention's own.
     """
     C, H, G = x.size(-1), attn.n_head, attn.n_kv_head
     D = C // H
-    w, b = attn.qkv.weight.double(), attn.qkv.bias.double()
+    w, b = stacked_qkv(attn) if qkv is None else (t.double() for t in qkv)
     kv_in = x if context is None else context
     q = (x.double() @ w[:C].T + b[:C]).unflatten(-1, (H, D))  # (B, T, H, D)
     k = (kv_in.double() @ w[C : C + G * D].T + b[C : C + G * D]).unflatten(-1, (G, D))
@@ -868,24 +882,55 @@ def test_qk_norm_and_grouped_query_attention_against_float64_loop():
     """Norm before rotary: with unequal gains per channel the other order gives other scores."""
     torch.manual_seed(0)
     config = tiny(n_head=4, n_kv_head=2, qk_norm=True, pos_encoding="rope")
-    causal, bidirectional = Attention(config, causal=True).eval(), Attention(config, causal=False).eval()
-    for attn in (causal, bidirectional):
+    causal, cross = Attention(config, causal=True).eval(), Attention(config, cross=True).eval()
+    for attn in (causal, cross):
         with torch.no_grad():  # gains of 1 would hide a norm applied in the wrong place
             attn.q_norm.weight.uniform_(0.5, 2.0)
             attn.k_norm.weight.uniform_(0.5, 2.0)
-            attn.qkv.weight.mul_(20)  # large projections: without the norm, the scores would be far larger
+            for linear in (attn.q, attn.kv) if attn.cross else (attn.qkv,):
+                linear.weight.mul_(20)  # large projections: without the norm, the scores would be far larger
     x, context = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
     key_mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
     rope = rope_tables(5, 8, config.rope_theta)
     cases = [
         (causal, None, None, rope, lambda b, t, s: s <= t),
-        (bidirectional, context, key_mask, None, lambda b, t, s: key_mask[b, s].item()),
+        (cross, context, key_mask, None, lambda b, t, s: key_mask[b, s].item()),
     ]
     for attn, ctx, km, tables, allowed in cases:
         theta = None if tables is None else config.rope_theta
         expected = reference_attention_options(attn, x, allowed, context=ctx, rope_theta=theta).float()
         for need_weights in (False, True):
             got = attn(x, ctx, key_mask=km, rope=tables, need_weights=need_weights)[0]
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_stacked_cross_attention_of_an_older_checkpoint_loads_as_its_q_and_kv():
+    """
+    Checkpoints from before cross-attention had its own q and kv Linears hold both stacked as cross_attn.qkv, rows
+    [W_q; W_k; W_v]: W_q applied to the decoder's stream, W_k and W_v to the encoder's output. Such a state dict
+    loads strictly, and each cross-attention then computes what those stacked rows compute (the float64 loop).
+    """
+    torch.manual_seed(0)
+    config = tiny(arch="encoder_decoder", n_head=4, n_kv_head=2, qk_norm=True, pad_token_id=PAD)
+    old = perturbed(build_model(config)).state_dict()
+    g = torch.Generator().manual_seed(1)
+    for i in range(config.n_layer):  # the old layout: one stacked Linear of C + 2 * n_kv_head * D rows
+        prefix = f"decoder.blocks.{i}.cross_attn"
+        for p in ("weight", "bias"):
+            del old[f"{prefix}.q.{p}"], old[f"{prefix}.kv.{p}"]
+        old[f"{prefix}.qkv.weight"] = 0.3 * torch.randn(32 + 2 * 16, 32, generator=g)
+        old[f"{prefix}.qkv.bias"] = 0.3 * torch.randn(32 + 2 * 16, generator=g)
+    model = build_model(config).eval()
+    model.load_state_dict(old)  # strict: every stacked tensor found its place, nothing is left out
+    x, context = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    key_mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    for i, block in enumerate(model.decoder.blocks):
+        stacked = old[f"decoder.blocks.{i}.cross_attn.qkv.weight"], old[f"decoder.blocks.{i}.cross_attn.qkv.bias"]
+        expected = reference_attention_options(
+            block.cross_attn, x, lambda b, t, s: key_mask[b, s].item(), context=context, qkv=stacked
+        ).float()
+        for need_weights in (False, True):
+            got = block.cross_attn(x, context, key_mask=key_mask, need_weights=need_weights)[0]
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -994,7 +1039,7 @@ def test_sampling_reads_the_capped_logits():
     expected = prompt
     for _ in range(10):
         expected = torch.cat([expected, sample_next(model(expected)[0][:, -1], 1.0, generator=g)], dim=1)
-    assert torch.equal(model.generate(prompt, 10, 1.0, generator=torch.Generator().manual_seed(3)), expected)
+    assert torch.equal(generate(model, prompt, 10, 1.0, generator=torch.Generator().manual_seed(3)), expected)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -1112,8 +1157,8 @@ def assert_same_logits_and_greedy_tokens(ours, hf, x, prompt_len=5, new_tokens=1
         prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
     )
     assert hf_tokens.shape == (x.size(0), prompt_len + new_tokens)
-    assert torch.equal(ours.generate(prompt, new_tokens, temperature=0), hf_tokens)
-    assert torch.equal(ours.generate(prompt, new_tokens, temperature=0, use_cache=False), hf_tokens)
+    assert torch.equal(generate(ours, prompt, new_tokens, temperature=0), hf_tokens)
+    assert torch.equal(generate(ours, prompt, new_tokens, temperature=0, use_cache=False), hf_tokens)
 
 
 LLAMA_CASES = {  # config changes, file layout, config.json as transformers 4 wrote it
@@ -1142,7 +1187,7 @@ def test_parity_with_hugging_face_llama(tmp_path, case):
     save_hf(hf, tmp_path, layout)
     if transformers4:
         to_transformers4_layout(tmp_path)
-    ours = GPT.from_pretrained(tmp_path).eval()
+    ours = from_pretrained(tmp_path).eval()
     c = hf.config
     assert (ours.config.n_kv_head, ours.config.d_ff, ours.config.bias) == (
         c.num_key_value_heads,
@@ -1161,12 +1206,12 @@ def test_parity_with_hugging_face_mistral_sliding_window(tmp_path):
     config = transformers.MistralConfig(**{**TINY_LLAMA, "num_key_value_heads": 2, "sliding_window": 4})
     hf = with_large_weights(transformers.MistralForCausalLM(config))
     hf.save_pretrained(tmp_path)
-    ours = GPT.from_pretrained(tmp_path).eval()
+    ours = from_pretrained(tmp_path).eval()
     assert ours.config.window_size == 4
     x = hf_ids(2, 24)  # 24 positions, 20 of them past the window's first fill
     assert_same_logits_and_greedy_tokens(ours, hf, x, new_tokens=16)
     # the window shows in these logits: without it they are far off, so the check above would catch a lost window
-    unwindowed = GPT.from_pretrained(tmp_path, window_size=0).eval()
+    unwindowed = from_pretrained(tmp_path, window_size=0).eval()
     with torch.no_grad():
         assert (unwindowed(x)[0] - hf(x).logits).abs().max() > 0.1
 
@@ -1201,7 +1246,7 @@ def test_llama_configs_our_model_cannot_compute_are_one_line_errors(tmp_path, co
     config = getattr(transformers, config_class)
     (config(**TINY_LLAMA, **changes) if config_class == "LlamaConfig" else config()).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=re.escape(error)) as e:
-        GPT.from_pretrained(tmp_path)
+        from_pretrained(tmp_path)
     assert "\n" not in str(e.value)
 
 
@@ -1213,7 +1258,7 @@ def test_old_llama_rope_scaling_is_a_one_line_error(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "rope_scaling": {"type": "dynamic", "factor": 2.0}}))
     with pytest.raises(ValueError, match="rope_type='dynamic' .* is not implemented") as e:
-        GPT.from_pretrained(tmp_path)
+        from_pretrained(tmp_path)
     assert "\n" not in str(e.value)
 
 
@@ -1222,7 +1267,7 @@ def test_llama_folders_that_do_not_fit_are_one_line_errors(tmp_path):
 
     def fails(error_type, match, folder, **overrides):
         with pytest.raises(error_type, match=match) as e:
-            GPT.from_pretrained(folder, **overrides)
+            from_pretrained(folder, **overrides)
         assert "\n" not in str(e.value)
 
     def folder(name, layout="safetensors", **config_changes):
@@ -1249,7 +1294,7 @@ def test_llama_folders_that_do_not_fit_are_one_line_errors(tmp_path):
     fine = folder("fine")
     fails(ValueError, "overrides change which weights the model has", fine, qk_norm=True)
     fails(ValueError, "block_size=65 is longer than the 64 positions", fine, block_size=65)
-    assert GPT.from_pretrained(fine, block_size=16).config.block_size == 16
+    assert from_pretrained(fine, block_size=16).config.block_size == 16
 
 
 @pytest.mark.parametrize("layout", ["sharded safetensors", "bin", "sharded bin"])
@@ -1263,7 +1308,7 @@ def test_gpt2_weights_from_bin_and_sharded_files(tmp_path, layout):
     save_hf(hf, tmp_path, layout)
     x = hf_ids(2, 20) % 97
     with torch.no_grad():
-        assert (GPT.from_pretrained(tmp_path)(x)[0] - hf(x).logits).abs().max() < 1e-4
+        assert (from_pretrained(tmp_path)(x)[0] - hf(x).logits).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,0 +1,552 @@
+"""
+Hugging Face and nanoGPT weights, both ways: a GPT from a Hugging Face folder or hub id (GPT-2, Llama, Mistral) or
+from a nanoGPT checkpoint, and a GPT as the tensors and config.json of a Hugging Face folder (GPT-2 or Llama layout).
+
+    model = from_pretrained("gpt2")                        # a hub id, or a folder written by save_pretrained
+    model = from_pretrained("/models/TinyLlama-1.1B", block_size=512, dropout=0.1)
+    layout, tensors, config = to_hf(model)                 # what export.py writes as a folder
+
+Each family has one name map, used to load and to export, so that the two cannot drift apart: gpt2_names (GPT-2's
+and nanoGPT's names -> ours) and llama_names (our names -> the Llama tensors each is made of). export.py is the
+command line that writes a folder; this file reads none but config.json and the weights.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+from model import GPT, ModelConfig
+
+# -----------------------------------------------------------------------------
+# A Hugging Face folder: from the hub, its weights
+
+
+def download_from_hub(name):
+    """Download config.json and the safetensors weights of a hub id; FileNotFoundError saying what to pass offline."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = [
+            "config.json",
+            "tokenizer.json",
+            "model.safetensors",
+            "model.safetensors.index.json",
+            "model-*.safetensors",
+        ]
+        return Path(snapshot_download(name, allow_patterns=patterns))
+    except Exception as e:
+        raise FileNotFoundError(
+            f"could not load {name!r}: it is not a local directory and the Hugging Face hub is unreachable "
+            f"({type(e).__name__}). Pass a directory holding config.json and model.safetensors "
+            f"(e.g. one saved by transformers' save_pretrained)"
+        ) from None
+
+
+# Where save_pretrained puts the weights, tried in this order: one file, or an index whose "weight_map" names the
+# shard holding each tensor (a model larger than max_shard_size)
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def read_state_dict(path):
+    """The tensors of a Hugging Face model directory, from the first of WEIGHT_FILES that it has."""
+    name = next((name for name in WEIGHT_FILES if (path / name).is_file()), None)
+    if name is None:
+        raise FileNotFoundError(f"{path} has no weights: none of {', '.join(WEIGHT_FILES)} is there")
+    shards = [name]
+    if name.endswith(".index.json"):
+        weight_map = json.loads((path / name).read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{path / name} has no weight_map: it is not an index written by save_pretrained")
+        shards = sorted(set(weight_map.values()))
+        absent = [shard for shard in shards if not (path / shard).is_file()]
+        if absent:
+            raise FileNotFoundError(f"{path} lacks {len(absent)} of the shards {name} names, e.g. {absent[0]}")
+    state = {}
+    for shard in shards:
+        if shard.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state.update(load_file(str(path / shard)))
+        else:
+            state.update(torch.load(path / shard, map_location="cpu", weights_only=True))
+    return state
+
+
+# -----------------------------------------------------------------------------
+# Loading: a GPT from Hugging Face weights
+
+
+def from_pretrained(name_or_path, **overrides):
+    """
+    A GPT holding weights in the Hugging Face layout, from a local directory (as save_pretrained writes it) or, when
+    online, a hub id such as "gpt2". The directory holds config.json and model.safetensors, or pytorch_model.bin, or
+    either sharded (model-00001-of-00003.safetensors ... with model.safetensors.index.json). config.json's
+    model_type picks the mapping; the ModelConfig follows from config.json:
+        "gpt2": learned positions, LayerNorm, GELU (tanh), biases, the head tied to the embedding.
+        "llama": rotary positions (rope_theta), RMSNorm (rms_norm_eps), SwiGLU of width intermediate_size,
+            grouped-query attention (num_key_value_heads), biases if attention_bias and mlp_bias, the head tied
+            if tie_word_embeddings. A scaled rope (rope_scaling, or a rope_type other than "default"), another
+            hidden_act than silu or a head_dim other than hidden_size / num_attention_heads is a ValueError.
+        "mistral": as llama, with sliding_window as window_size.
+    block_size is the trained positions (n_positions, max_position_embeddings); it may be overridden shorter,
+    not longer (the rotary tables are block_size long; the KV cache grows with the positions decoded).
+    overrides: ModelConfig fields to change, e.g. dropout=0.1 or block_size=256 for fine-tuning.
+    """
+    path = Path(name_or_path)
+    if not path.is_dir():
+        path = download_from_hub(str(name_or_path))
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: pass a directory written by transformers' save_pretrained")
+    hf = json.loads((path / "config.json").read_text())
+    model_type = hf.get("model_type")
+    if model_type not in PRETRAINED_LOADERS:
+        raise ValueError(
+            f"{path} holds a model_type={model_type!r} model; from_pretrained loads {', '.join(PRETRAINED_LOADERS)}"
+        )
+    return PRETRAINED_LOADERS[model_type](path, hf, overrides)
+
+
+def check_block_size(config, positions, path):
+    """ValueError when the (overridden) block_size is longer than the positions the checkpoint was trained with."""
+    if config.block_size > positions:
+        raise ValueError(
+            f"block_size={config.block_size} is longer than the {positions} positions "
+            f"{path} was trained with; use block_size <= {positions}"
+        )
+
+
+def check_names(path, kind, expected, found, source="config.json"):
+    """ValueError naming the first few missing and unexpected tensors, unless `found` has just the `expected` ones."""
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{path} does not hold {kind} weights that match its {source}: missing {missing[:5]} "
+            f"({len(missing)} in all), unexpected {unexpected[:5]} ({len(unexpected)} in all)"
+        )
+
+
+def load_checked(model, state, path):
+    """model holding the tensors of state (our names), all checked first so that a mismatch loads nothing."""
+    expected = model.state_dict()
+    # the names differ only when the overrides change the architecture, e.g. pos_encoding or qk_norm
+    differ = sorted(set(expected) ^ set(state))
+    if differ:
+        raise ValueError(
+            f"the overrides change which weights the model has ({', '.join(differ[:3])}), so {path} does not fit it; "
+            f"override only fields that keep the weights, such as dropout or block_size"
+        )
+    wrong = [
+        f"{k} is {tuple(v.shape)} where the model has {tuple(expected[k].shape)}"
+        for k, v in state.items()
+        if v.shape != expected[k].shape
+    ]
+    if wrong:
+        raise ValueError(f"{path}: {len(wrong)} tensors do not have the shapes config.json implies, e.g. {wrong[0]}")
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def owned(t):
+    """A float32, contiguous copy of t: safetensors refuses views sharing memory (split q, k, v; the tied head)."""
+    return t.detach().to(torch.float32).clone(memory_format=torch.contiguous_format)
+
+
+# -----------------------------------------------------------------------------
+# GPT-2 (and nanoGPT, whose names are GPT-2's)
+
+
+def gpt2_names(n_layer, bias):
+    """
+    GPT-2's parameter names, as GPT2LMHeadModel and nanoGPT write them (without their "transformer." prefix) -> ours.
+    The stacked c_attn maps onto qkv as it is: both hold q, k, v in that order. bias False: nanoGPT's bias=False.
+    """
+    names = {"wte.weight": "body.wte.weight", "wpe.weight": "body.wpe.weight", "ln_f.weight": "body.norm.weight"}
+    if bias:
+        names["ln_f.bias"] = "body.norm.bias"
+    for i in range(n_layer):
+        for theirs, ours in [
+            ("ln_1", "norm1"),
+            ("attn.c_attn", "attn.qkv"),
+            ("attn.c_proj", "attn.proj"),
+            ("ln_2", "norm2"),
+            ("mlp.c_fc", "mlp.fc"),
+            ("mlp.c_proj", "mlp.proj"),
+        ]:
+            for p in ("weight", "bias") if bias else ("weight",):
+                names[f"h.{i}.{theirs}.{p}"] = f"body.blocks.{i}.{ours}.{p}"
+    return names
+
+
+def conv1d_weight(hf_name):
+    """Whether GPT-2 stores tensor hf_name as a Conv1D weight: (in, out), the transpose of nn.Linear's (out, in)."""
+    return hf_name.endswith(".weight") and any(conv in hf_name for conv in ("c_attn", "c_proj", "c_fc"))
+
+
+def gpt2_model_config(hf, path, overrides):
+    """The ModelConfig of GPT-2's config.json hf (in folder path), with the caller's overrides of any field."""
+    # OpenAI's GPT-2 uses tanh GELU ("gelu_new"); exact GELU is "gelu" (gpt2_config writes it for activation="gelu")
+    activations = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+    activation = activations.get(hf.get("activation_function", "gelu_new"))
+    if activation is None:
+        raise ValueError(
+            f"{path}: activation_function={hf['activation_function']!r} is not implemented; "
+            f"GPT-2 here runs {', '.join(activations)}"
+        )
+    config = ModelConfig(
+        **{
+            "arch": "gpt",
+            "vocab_size": hf["vocab_size"],
+            "block_size": hf["n_positions"],
+            "n_layer": hf["n_layer"],
+            "n_head": hf["n_head"],
+            "n_embd": hf["n_embd"],
+            "d_ff": hf.get("n_inner") or 4 * hf["n_embd"],
+            "bias": True,
+            "pos_encoding": "learned",
+            "norm_position": "pre",
+            "norm": "layernorm",
+            "activation": activation,
+            "tie_embeddings": True,
+            "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+            **overrides,
+        }
+    )
+    check_block_size(config, hf["n_positions"], path)
+    return config
+
+
+def gpt2_config(c):
+    """config.json's GPT-2 settings for ModelConfig c (see GPT2Config), as gpt2_model_config reads them back."""
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": c.vocab_size,  # the model's (50304 when padded), not the tokenizer's: the logits keep their size
+        "n_positions": c.block_size,
+        "n_ctx": c.block_size,  # what llama.cpp's converter reads; transformers reads n_positions
+        "n_embd": c.n_embd,
+        "n_layer": c.n_layer,
+        "n_head": c.n_head,
+        "n_inner": c.d_ff,
+        # our "gelu" is the exact erf GELU, transformers' "gelu"; "gelu_new" is GPT-2's tanh approximation
+        "activation_function": {"gelu": "gelu", "gelu_tanh": "gelu_new"}[c.activation],
+        "layer_norm_epsilon": c.norm_eps,
+        # GPT-2 drops out where we do: the embeddings, the attention probabilities, each residual branch
+        "embd_pdrop": c.dropout,
+        "attn_pdrop": c.dropout,
+        "resid_pdrop": c.dropout,
+        "tie_word_embeddings": True,
+    }
+
+
+def load_gpt2(path, hf, overrides):
+    """A GPT holding the GPT-2 weights in path, whose config.json is hf; see from_pretrained."""
+    config = gpt2_model_config(hf, path, overrides)
+    hf_state = read_state_dict(path)
+    # GPT2LMHeadModel prefixes "transformer."; a bare GPT2Model does not. The attention-mask buffers are not weights.
+    hf_state = {
+        k.removeprefix("transformer."): v
+        for k, v in hf_state.items()
+        if not k.endswith((".attn.bias", ".attn.masked_bias"))
+    }
+    names = gpt2_names(config.n_layer, bias=True)
+    hf_state.pop("lm_head.weight", None)  # tied to wte
+    # name by name, both ways: a checkpoint of another architecture fails here, not with a shape error later
+    check_names(path, "GPT-2", expected=names, found=hf_state)
+
+    state = {}
+    for hf_name, ours in names.items():
+        tensor = hf_state[hf_name]
+        if conv1d_weight(hf_name):
+            tensor = tensor.t()
+        if hf_name == "wpe.weight":
+            tensor = tensor[: config.block_size]  # fine-tuning with a shorter context keeps the first positions
+        state[ours] = tensor
+    state["lm_head.weight"] = state["body.wte.weight"]  # the tied head is a state_dict key of its own
+    return load_checked(GPT(config), state, path)
+
+
+def gpt2_weights(c, state):
+    """Our state dict (of ModelConfig c) as GPT2LMHeadModel's tensors (the tied head left out, as save_pretrained)."""
+    hf = {}
+    for theirs, ours in gpt2_names(c.n_layer, bias=True).items():
+        if ours in state:
+            tensor = state[ours]
+        else:  # GPT-2 always has biases: a bias=False model's are zero, which adds nothing
+            tensor = torch.zeros(state[ours.removesuffix("bias") + "weight"].size(0))
+        if conv1d_weight(theirs):
+            tensor = tensor.t()
+        hf[f"transformer.{theirs}"] = tensor
+    return {name: owned(t) for name, t in hf.items()}
+
+
+def load_nanogpt(checkpoint, path):
+    """
+    A GPT holding the weights of a checkpoint dict written by nanoGPT's train.py (karpathy/nanoGPT), path naming it
+    in errors. Its model_args give the sizes; its model is GPT-2's (pre-norm LayerNorm, learned positions, tied
+    head) with exact GELU and nn.Linear weights (not GPT-2's transposed Conv1D), biases as model_args says. A
+    compiled run's keys carry "_orig_mod.".
+    """
+    args = checkpoint["model_args"]
+    config = ModelConfig(
+        arch="gpt",
+        vocab_size=args["vocab_size"],
+        block_size=args["block_size"],
+        n_layer=args["n_layer"],
+        n_head=args["n_head"],
+        n_embd=args["n_embd"],
+        dropout=args.get("dropout", 0.0),
+        bias=args.get("bias", True),
+        pos_encoding="learned",
+        norm_position="pre",
+        norm="layernorm",
+        activation="gelu",
+        tie_embeddings=True,
+    )
+    # the causal-mask buffers of nanoGPT on PyTorch < 2 (".attn.bias", not c_attn's) are not weights
+    state = {
+        k.removeprefix("_orig_mod.").removeprefix("transformer."): v
+        for k, v in checkpoint["model"].items()
+        if not k.endswith(".attn.bias")
+    }
+    state.pop("lm_head.weight", None)  # tied to wte
+    names = gpt2_names(config.n_layer, config.bias)
+    check_names(path, "nanoGPT", expected=names, found=state, source="model_args")
+    ours = {names[k]: v for k, v in state.items()}
+    ours["lm_head.weight"] = ours["body.wte.weight"]  # the tied head is a state_dict key of its own
+    return load_checked(GPT(config), ours, path)
+
+
+# -----------------------------------------------------------------------------
+# Llama and Mistral
+
+
+def llama_names(config):
+    """
+    Our names -> the Llama tensors each is made of, as (name in LlamaModel, rows), stacked along dim 0 (the output
+    rows) when more than one. qkv: q_proj (H*D rows), k_proj and v_proj (n_kv_head*D rows each) give the rows
+    [W_q; W_k; W_v] of Attention.qkv. Head h is rows h*D:(h+1)*D in both layouts, and both rotate the channel pairs
+    (i, i + D/2) (transformers' rotate_half), so no row needs permuting. Norms are RMSNorm gains, without bias.
+    LlamaForCausalLM puts its body under "model."; lm_head, listed only when untied, is outside it.
+    """
+    C, V, d_ff = config.n_embd, config.vocab_size, config.d_ff
+    kv = config.n_kv_head * (C // config.n_head)
+    names = {"body.wte.weight": [("embed_tokens.weight", V)], "body.norm.weight": [("norm.weight", C)]}
+    if not config.tie_embeddings:
+        names["lm_head.weight"] = [("lm_head.weight", V)]
+    for i in range(config.n_layer):
+        hf_layer, ours = f"layers.{i}", f"body.blocks.{i}"
+        names[f"{ours}.norm1.weight"] = [(f"{hf_layer}.input_layernorm.weight", C)]
+        names[f"{ours}.norm2.weight"] = [(f"{hf_layer}.post_attention_layernorm.weight", C)]
+        for our_linear, hf_linears in [
+            ("attn.qkv", [("self_attn.q_proj", C), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)]),
+            ("attn.proj", [("self_attn.o_proj", C)]),
+            ("mlp.fc", [("mlp.gate_proj", d_ff)]),  # SwiGLU's gate, the one under the SiLU
+            ("mlp.up", [("mlp.up_proj", d_ff)]),
+            ("mlp.proj", [("mlp.down_proj", C)]),
+        ]:
+            for p in ("weight", "bias") if config.bias else ("weight",):
+                names[f"{ours}.{our_linear}.{p}"] = [(f"{hf_layer}.{name}.{p}", rows) for name, rows in hf_linears]
+    return names
+
+
+def llama_rope_theta(hf, path):
+    """The rotary base of a Llama config.json; ValueError for a scaled rope (linear, dynamic, yarn, llama3...)."""
+    # transformers < 5 writes rope_theta at the top level, beside rope_scaling (null unless scaled, its kind under
+    # "type" or "rope_type"); transformers 5 writes both into rope_parameters: {"rope_type": "default", "rope_theta"}
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(
+            f"{path}: rope_type={rope_type!r} ({', '.join(f'{k}={v}' for k, v in rope.items())}) is not implemented; "
+            f"only unscaled rotary positions (rope_type 'default') are"
+        )
+    return rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+
+
+def llama_model_config(hf, path, overrides):
+    """The ModelConfig of a Llama or Mistral config.json hf (in folder path), with the caller's overrides."""
+    # What our model cannot compute is refused here, before any weights are read. Optional keys default as in
+    # transformers' LlamaConfig and MistralConfig.
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    absent = [key for key in (*sizes, "max_position_embeddings") if hf.get(key) is None]
+    if absent:
+        raise ValueError(f"{path / 'config.json'} has no {', '.join(absent)}: is it a {hf['model_type']} config?")
+    C, H = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # two names of x * sigmoid(x)
+        raise ValueError(f"{path}: hidden_act={hf['hidden_act']!r} is not implemented; SwiGLU here gates with 'silu'")
+    if hf.get("head_dim") not in (None, C // H) or C % H:
+        raise ValueError(
+            f"{path}: head_dim={hf.get('head_dim')} with hidden_size={C} and num_attention_heads={H} is not "
+            f"supported; our attention's head dim is always hidden_size / num_attention_heads"
+        )
+    bias = hf.get("attention_bias", False)
+    if hf.get("mlp_bias", False) != bias:
+        raise ValueError(
+            f"{path}: attention_bias={bias} but mlp_bias={hf.get('mlp_bias', False)}; one bias flag covers all our "
+            f"Linears, so both must be equal"
+        )
+    # Mistral is Llama plus a sliding window; transformers' MistralConfig defaults it to 4096, None turns it off
+    window = (hf.get("sliding_window", 4096) or 0) if hf["model_type"] == "mistral" else 0
+    config = ModelConfig(
+        **{
+            "arch": "gpt",
+            "vocab_size": hf["vocab_size"],
+            "block_size": hf["max_position_embeddings"],
+            "n_layer": hf["num_hidden_layers"],
+            "n_head": H,
+            "n_kv_head": hf.get("num_key_value_heads") or H,
+            "n_embd": C,
+            "d_ff": hf["intermediate_size"],
+            "bias": bias,
+            "pos_encoding": "rope",
+            "rope_theta": float(llama_rope_theta(hf, path)),
+            "norm_position": "pre",
+            "norm": "rmsnorm",
+            "norm_eps": hf.get("rms_norm_eps", 1e-6),
+            "activation": "swiglu",
+            "tie_embeddings": hf.get("tie_word_embeddings", False),
+            "window_size": window,
+            **overrides,
+        }
+    )
+    check_block_size(config, hf["max_position_embeddings"], path)
+    return config
+
+
+def llama_config(c):
+    """config.json's Llama settings for ModelConfig c (see LlamaConfig), as llama_model_config reads them back."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.n_embd,
+        "intermediate_size": c.d_ff,
+        "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head,
+        "num_key_value_heads": c.n_kv_head,
+        "head_dim": c.n_embd // c.n_head,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.block_size,
+        "rms_norm_eps": c.norm_eps,
+        # rope_theta at the top level for transformers 4 and llama.cpp, rope_parameters for transformers 5
+        "rope_theta": c.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        # one bias flag covers all our Linears: the attention's four and the MLP's three
+        "attention_bias": c.bias,
+        "mlp_bias": c.bias,
+        "attention_dropout": c.dropout,  # Llama has no other dropout; it changes nothing at inference
+        "tie_word_embeddings": c.tie_embeddings,
+    }
+
+
+def load_llama(path, hf, overrides):
+    """A GPT holding the Llama or Mistral weights in path, whose config.json is hf; see from_pretrained."""
+    config = llama_model_config(hf, path, overrides)
+    hf_state = read_state_dict(path)
+    # LlamaForCausalLM prefixes the body with "model."; a bare LlamaModel does not. rotary_emb.inv_freq (saved by
+    # transformers before 4.31) is the rotary table, not a weight.
+    hf_state = {k.removeprefix("model."): v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.tie_embeddings:
+        hf_state.pop("lm_head.weight", None)  # the head is embed_tokens; save_pretrained leaves it out
+    names = llama_names(config)
+    check_names(path, "Llama", expected=[name for parts in names.values() for name, _ in parts], found=hf_state)
+    # (a lone tensor is taken as it is: a copy of every weight would double the memory a large model needs)
+    state = {
+        ours: torch.cat([hf_state[name] for name, _ in parts]) if len(parts) > 1 else hf_state[parts[0][0]]
+        for ours, parts in names.items()
+    }
+    if config.tie_embeddings:
+        state["lm_head.weight"] = state["body.wte.weight"]  # the tied head is a state_dict key of its own
+    return load_checked(GPT(config), state, path)
+
+
+def llama_weights(c, state):
+    """Our state dict (of ModelConfig c) as LlamaForCausalLM's tensors (a tied head left out, as save_pretrained)."""
+    hf = {}
+    for ours, parts in llama_names(c).items():
+        # qkv is cut back into q_proj, k_proj and v_proj; every other tensor is one part, itself
+        for (name, _), tensor in zip(parts, state[ours].split([rows for _, rows in parts])):
+            hf[name if name == "lm_head.weight" else f"model.{name}"] = tensor
+    return {name: owned(t) for name, t in hf.items()}
+
+
+# config.json's model_type -> the loader that maps its weights onto ours
+PRETRAINED_LOADERS = {"gpt2": load_gpt2, "llama": load_llama, "mistral": load_llama}
+
+
+# -----------------------------------------------------------------------------
+# Exporting: which layout, if any, computes a model
+
+# the two layouts in ModelConfig terms, for the message that refuses a model fitting neither
+LAYOUTS = (
+    "Exported are GPT-2's layout (pos_encoding='learned', norm='layernorm', activation 'gelu' or 'gelu_tanh', "
+    "n_kv_head=n_head, tie_embeddings=True) and Llama's (pos_encoding='rope', norm='rmsnorm', activation='swiglu', "
+    "any n_kv_head, tied or not), both pre-norm without qk_norm, logit_softcap or window_size"
+)
+
+
+def hf_layout(config):
+    """
+    "gpt2" or "llama": the Hugging Face layout that computes exactly what a model of this ModelConfig does.
+    ValueError naming every option that stops it, in one line: each needs retraining, so all are named at once.
+    Options that change nothing in a GPT's forward (dropout, zero_init_proj, share_embeddings, pad_token_id,
+    n_encoder_layer) export as they are.
+    """
+    c = config
+    if c.arch != "gpt":  # nothing else matters then
+        raise ValueError(
+            f"cannot export arch={c.arch!r}: only a decoder-only GPT is a causal LM (GPT2LMHeadModel, LlamaForCausalLM)"
+        )
+    # the positions pick the layout; the rest of the model must then be that layout's
+    layout = {"learned": "gpt2", "rope": "llama"}.get(c.pos_encoding)
+    checks = [  # (option, refused, why)
+        ("norm_position", c.norm_position != "pre", "GPT-2 and Llama both normalise inside the residual branch"),
+        ("pos_encoding", layout is None, "GPT-2 learns its positions and Llama rotates q and k"),
+        ("qk_norm", c.qk_norm, "neither GPT-2 nor Llama normalises queries and keys"),
+        ("logit_softcap", c.logit_softcap > 0, "neither GPT-2 nor Llama caps its logits"),
+        ("window_size", c.window_size > 0, "GPT-2 and Llama attend to every earlier position"),
+    ]
+    if layout == "gpt2":
+        checks += [
+            ("norm", c.norm != "layernorm", "the GPT-2 layout that learned positions pick has LayerNorm"),
+            (
+                "activation",
+                c.activation not in ("gelu", "gelu_tanh"),
+                "the GPT-2 layout that learned positions pick has GELU",
+            ),
+            (
+                "n_kv_head",
+                c.n_kv_head != c.n_head,
+                f"GPT-2 has no grouped-query attention: n_kv_head must be n_head={c.n_head}",
+            ),
+            ("tie_embeddings", not c.tie_embeddings, "GPT-2's head is its token embedding"),
+        ]
+    elif layout == "llama":
+        checks += [
+            ("norm", c.norm != "rmsnorm", "the Llama layout that rotary positions pick has RMSNorm"),
+            ("activation", c.activation != "swiglu", "the Llama layout that rotary positions pick has SwiGLU"),
+        ]
+    refused = [f"{name}={getattr(c, name)!r}: {why}" for name, stops, why in checks if stops]
+    if refused:
+        raise ValueError(f"cannot export {'; '.join(refused)}. {LAYOUTS}")
+    return layout
+
+
+def to_hf(model):
+    """
+    (layout, tensors, config) of model (a GPT) in the Hugging Face layout that computes it, "gpt2" or "llama"
+    (hf_layout's ValueError if neither does): its weights by their Hugging Face names, float32 and contiguous, and
+    config.json's architecture settings. from_pretrained reads them back to the same model.
+    """
+    c = model.config
+    layout = hf_layout(c)
+    state = model.state_dict()
+    if layout == "gpt2":
+        return layout, gpt2_weights(c, state), gpt2_config(c)
+    return layout, llama_weights(c, state), llama_config(c)
