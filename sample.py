@@ -293,7 +293,7 @@ def show_translation(model, tokenizer, meta, text, cfg, out):
         raise ValueError(f"the source has {len(src)} tokens, more than the model's block_size={block}")
     expected = solve(meta["task"], text) if meta.get("task") else None  # first: it rejects sources the task cannot take
     special = meta["special_tokens"]
-    out = translate(
+    ids = translate(
         model,
         torch.tensor([src], dtype=torch.long, device=next(model.parameters()).device),
         min(cfg.max_new_tokens, block),
@@ -303,7 +303,7 @@ def show_translation(model, tokenizer, meta, text, cfg, out):
         length_penalty=cfg.length_penalty,
     )
     # (1, L) for the one source, without bos; eos and the padding after it are cut off
-    output = until_stop(out[0].tolist(), special["eos"])
+    output = until_stop(ids[0].tolist(), special["eos"])
     answer = tokenizer.decode(output)
     print(answer, file=out)
     if expected is not None:

@@ -1,11 +1,14 @@
-"""bench.py's BPE part: tokenization throughput, measured on the same pieces and batches prepare() encodes."""
+"""bench.py: BPE throughput on the pieces and batches prepare() encodes, sampling speed's counting, the tables."""
 
+import itertools
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from bench import bpe_throughput
+import bench
+from bench import bpe_throughput, sampling_speed
+from model import ModelConfig, build_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,8 +56,6 @@ def test_bench_refuses_an_unknown_part(tmp_path):
 
 def test_a_given_checkpoint_gets_its_own_sampling_table(monkeypatch, capsys):
     """--out_dir with several configs: the sampling rows are that checkpoint's, never under a config's column."""
-    import bench
-
     monkeypatch.setattr(bench, "bench_training", lambda cfg, work: [("training tokens/s", ["100 (1-2)", "200 (1-2)"])])
     monkeypatch.setattr(bench, "bench_sampling", lambda cfg, folder: [(f"sampling from {folder}", "999 (9-9)")])
     cfg = bench.BenchConfig(config="configs/shakespeare.py,configs/gpt2.py", parts="train,sample", out_dir="ckpts")
@@ -67,3 +68,23 @@ def test_a_given_checkpoint_gets_its_own_sampling_table(monkeypatch, capsys):
         ["measure", "ckpts median (min-max)"],
         ["sampling from ckpts", "999 (9-9)"],
     ]
+
+
+def test_sampling_speed_generates_what_it_counts(monkeypatch):
+    # a GPT of the sampling tests' size: the speed is counted the same whatever its weights
+    model = build_model(ModelConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32)).eval()
+    calls, generate = [], bench.generate
+
+    def spy(model, idx, max_new_tokens, **options):
+        calls.append((idx.size(0), max_new_tokens, options["use_cache"]))
+        return generate(model, idx, max_new_tokens, **options)
+
+    monkeypatch.setattr(bench, "generate", spy)
+    for use_cache, batched in itertools.product((True, False), repeat=2):
+        calls.clear()
+        rates = sampling_speed(
+            model, [0], num_samples=3, max_new_tokens=4, use_cache=use_cache, batched=batched, repeats=2
+        )
+        assert len(rates) == 2 and all(r > 0 for r in rates)
+        # per repeat: one batch of 3, or 3 batches of 1
+        assert calls == ([(3, 4, use_cache)] if batched else [(1, 4, use_cache)] * 3) * 2

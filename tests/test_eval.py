@@ -17,7 +17,8 @@ import tokens
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint
 from data import Objective, mask_tokens
-from model import GPT
+from generate import beam_search
+from hf import from_pretrained
 
 # train.py's settings for a real checkpoint in a second or two: 2 layers, 32 wide, 32 positions
 TINY = dict(
@@ -256,7 +257,7 @@ def test_cli_on_a_split_and_on_a_file(gpt_dir, shakespeare_char_dir, capsys, tmp
 
 def test_hugging_face_weights_score_every_byte_of_a_file(llama_dir, capsys, tmp_path):
     """A Llama folder with a byte-level tokenizer.json: bos goes first, so every token and byte of the text counts."""
-    model = GPT.from_pretrained(llama_dir).eval()
+    model = from_pretrained(llama_dir).eval()
     tokenizer = tokens.Tokenizer.from_meta(tokens.pretrained_meta(llama_dir))
     text = MULTILINGUAL * 3
     (tmp_path / "text.txt").write_text(text, encoding="utf-8")
@@ -390,7 +391,7 @@ def reference_seq2seq(model, pairs, special, block_size, beam_size):
         nats += [-logp[i, t].item() for i, t in enumerate(reference)]
         targets += len(reference)
         if beam_size > 1:
-            output = model.beam_search(src, block_size, bos, eos, beam_size=beam_size)[0].tolist()
+            output = beam_search(model, src, block_size, bos, eos, beam_size=beam_size)[0].tolist()
         else:
             output = [bos]
             while len(output) <= block_size and output[-1] != eos:

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import export
+import hf
 from checkpoint import save_checkpoint, weights_state
+from generate import generate
 from model import GPT, ModelConfig, build_model
 from tokens import GPT2_META, Tokenizer, huggingface_tokenizer, tiktoken_encoding
 from train import TrainConfig
@@ -63,7 +65,7 @@ def assert_same_greedy_tokens(model, hf, prompt, new_tokens=8):
         prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
     )
     assert expected.shape == (prompt.size(0), prompt.size(1) + new_tokens)  # no early stop on an eos
-    assert torch.equal(model.generate(prompt, new_tokens, temperature=0), expected)
+    assert torch.equal(generate(model, prompt, new_tokens, temperature=0), expected)
 
 
 # -----------------------------------------------------------------------------
@@ -109,11 +111,11 @@ def test_exact_gelu_is_not_gpt2s_tanh_gelu(tmp_path):
 
 @pytest.mark.parametrize("case", CASES)
 def test_an_export_loads_back_with_from_pretrained(tmp_path, case):
-    """The way back: GPT.from_pretrained reads either layout's folder (GELU flavour included) to the same logits."""
+    """The way back: hf.from_pretrained reads either layout's folder (GELU flavour included) to the same logits."""
     torch.manual_seed(0)
     model = with_large_weights(GPT(tiny(**CASES[case])))
     export.export(model, CHAR_META, tmp_path / "hf")
-    back = GPT.from_pretrained(tmp_path / "hf").eval()
+    back = hf.from_pretrained(tmp_path / "hf").eval()
     assert back.config.activation == model.config.activation
     x = random_ids(2, 32)
     torch.testing.assert_close(back(x)[0], model(x)[0], atol=1e-5, rtol=1e-5)
@@ -204,7 +206,7 @@ def test_refusal_names_the_option_and_writes_nothing(tmp_path, changes, option):
 def test_every_option_in_the_way_is_named_at_once():
     """The quick start's model (ReLU, two key/value heads, learned positions): retraining must change both."""
     with pytest.raises(ValueError) as err:
-        export.hf_layout(tiny(activation="relu", n_kv_head=2))
+        hf.hf_layout(tiny(activation="relu", n_kv_head=2))
     assert str(err.value).startswith("cannot export activation='relu': ") and "; n_kv_head=2: " in str(err.value)
 
 

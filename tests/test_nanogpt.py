@@ -14,6 +14,7 @@ import sample
 import tokens
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint, weights_state
+from generate import generate
 from model import ModelConfig, build_model
 
 # nanoGPT's GPT-2 layout, per block: its module names -> ours
@@ -161,7 +162,7 @@ def test_sample_reads_a_char_level_nanogpt_checkpoint_with_the_dataset_named(
     assert sample.cli([*args, "--dataset=shakespeare_char"]) == 0
     tokenizer = tokens.Tokenizer.from_meta(tokens.load_meta(shakespeare_char_dir))
     prompt = torch.tensor([tokenizer.encode("ROMEO:")])
-    expected = tokenizer.decode(model.generate(prompt, 20, temperature=0.0)[0].tolist())
+    expected = tokenizer.decode(generate(model, prompt, 20, temperature=0.0)[0].tolist())
     assert capsys.readouterr().out.strip() == expected.strip()
 
 
