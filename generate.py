@@ -8,6 +8,8 @@ these decide what it reads next, and they work on any model of model.py without 
     out = generate(model, idx, 100, temperature=0.8, top_k=200)        # GPT: (B, T + 100)
     for token in generate_stream(model, idx, 100, stop_token=eot): ...   # GPT: (B, 1) a step, as it comes
     out = translate(model, src, 64, bos_id, eos_id, beam_size=4)        # encoder-decoder: (B, L)
+
+Shape letters as in model.py (B batch, T length, V vocabulary, K beams...).
 """
 
 import torch

@@ -268,11 +268,6 @@ class Attention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, H * D) = (B, T, C)
         return self.proj(y), weights
 
-    def split_heads(self, t):
-        """(B, L, n * D) -> (B, n, L, D): each of the n heads (query or key/value) gets its own D channels."""
-        B, L, _ = t.shape
-        return t.view(B, L, -1, self.head_dim).transpose(1, 2)
-
     def project_self(self, x, rope, cache):
         """
         Self-attention's q (B, H, T, D) and k, v (B, n_kv_head, S, D) from x (B, T, C) in one matmul; S is T, or with
@@ -303,6 +298,11 @@ class Attention(nn.Module):
         if cache is not None:
             cache.k, cache.v = k, v
         return q, k, v
+
+    def split_heads(self, t):
+        """(B, L, n * D) -> (B, n, L, D): each of the n heads (query or key/value) gets its own D channels."""
+        B, L, _ = t.shape
+        return t.view(B, L, -1, self.head_dim).transpose(1, 2)
 
     def attend(self, q, k, v, key_mask, need_weights):
         """
@@ -421,14 +421,6 @@ class Block(nn.Module):
         self.norm2, self.mlp = make_norm(config), MLP(config)
         self.drop = nn.Dropout(config.dropout)
 
-    def branch_input(self, x, norm):
-        """What a sublayer reads: norm(x) in a pre-norm block, x itself in a post-norm one."""
-        return norm(x) if self.pre_norm else x
-
-    def add(self, x, out, norm):
-        """The residual add of a sublayer's output. pre: x + out, GPT-2 style. post: norm(x + out), the 2017 paper."""
-        return x + self.drop(out) if self.pre_norm else norm(x + self.drop(out))
-
     def forward(self, x, *, key_mask=None, rope=None, context=None, context_mask=None, cache=None, need_weights=False):
         """
         x: (B, T, C). key_mask: (B, T) bool, True at real positions. rope: (cos, sin) tables or None.
@@ -455,6 +447,14 @@ class Block(nn.Module):
         h = self.branch_input(x, self.norm2)
         x = self.add(x, self.mlp(h), self.norm2)
         return x, maps
+
+    def branch_input(self, x, norm):
+        """What a sublayer reads: norm(x) in a pre-norm block, x itself in a post-norm one."""
+        return norm(x) if self.pre_norm else x
+
+    def add(self, x, out, norm):
+        """The residual add of a sublayer's output. pre: x + out, GPT-2 style. post: norm(x + out), the 2017 paper."""
+        return x + self.drop(out) if self.pre_norm else norm(x + self.drop(out))
 
 
 # -----------------------------------------------------------------------------
@@ -615,18 +615,6 @@ class TransformerModel(nn.Module):
         """(B, T) bool, True at real tokens; None when the model has no pad_token_id."""
         return None if self.config.pad_token_id is None else idx != self.config.pad_token_id
 
-    def head(self, x):
-        """Hidden states (..., C) -> logits (..., V). Encoder adds BERT's transform before the projection."""
-        return self.softcap(self.lm_head(x))
-
-    def softcap(self, logits):
-        """
-        cap * tanh(logits / cap) with config.logit_softcap as the cap (Gemma 2): every logit stays within (-cap, cap)
-        in training, evaluation and sampling alike. The logits unchanged when the cap is 0.
-        """
-        cap = self.config.logit_softcap
-        return cap * torch.tanh(logits / cap) if cap else logits
-
     def head_and_loss(self, x, targets, label_smoothing, reduction, return_logits):
         """
         The head over x (B, T, C) and, given targets (B, T), the cross-entropy in float32, computed a chunk of
@@ -657,6 +645,18 @@ class TransformerModel(nn.Module):
         if reduction == "mean":
             loss = loss / (targets != IGNORE_INDEX).sum()  # NaN when every target is ignored, as F.cross_entropy
         return (torch.cat(chunks).view(*targets.shape, -1) if return_logits else None), loss
+
+    def head(self, x):
+        """Hidden states (..., C) -> logits (..., V). Encoder adds BERT's transform before the projection."""
+        return self.softcap(self.lm_head(x))
+
+    def softcap(self, logits):
+        """
+        cap * tanh(logits / cap) with config.logit_softcap as the cap (Gemma 2): every logit stays within (-cap, cap)
+        in training, evaluation and sampling alike. The logits unchanged when the cap is 0.
+        """
+        cap = self.config.logit_softcap
+        return cap * torch.tanh(logits / cap) if cap else logits
 
     def num_params(self):
         """Parameters, each shared tensor counted once (parameters() yields a tied weight once)."""

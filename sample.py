@@ -1,6 +1,7 @@
 """
 Generate from a checkpoint of train.py, or from GPT-2's weights, for every architecture:
-a GPT continues the prompt, an encoder-decoder translates it, an encoder fills in its [MASK]s.
+a GPT continues the prompt, an encoder-decoder translates it, an encoder fills in its [MASK]s. The decoding itself
+is generate.py's; this file reads the prompt, prints what comes out and draws the attention maps.
 
     python sample.py --out_dir=out-shakespeare --start "ROMEO:" --num_samples=3 --temperature=0.8
     python sample.py --init_from=gpt2 --start "The meaning of life is" --top_p=0.9
@@ -79,6 +80,58 @@ def read_prompt(start):
         raise ValueError(f"prompt file {path} is not UTF-8 text") from None
 
 
+# -----------------------------------------------------------------------------
+# GPT: continue the prompt
+
+
+def show_samples(model, tokenizer, meta, text, cfg, out):
+    """GPT: print cfg.num_samples continuations of text, streamed or all at the end. Returns the prompt ids."""
+    special = meta["special_tokens"]
+    # GPT-2's end-of-text, or a tokenizer.json's eos; None for char-level data, which has no such token
+    stop = special.get("eot", special.get("eos"))
+    head = prompt_start(tokenizer, meta, text)
+    # only the prompt the user gave is printed, never the start tokens before it
+    shown = crop_prompt(tokenizer.encode(text), model.config.block_size, len(head)) if text else []
+    prompt = head + shown
+    # a seeded generator of our own, on the model's device: the same seed gives the same text, and the
+    # global RNG is left alone
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(cfg.seed)
+    steps = sample_gpt(model, prompt, cfg, stop, generator, tokenizer.vocab_size)
+    # by default only one sample to a terminal streams: piped output gets whole samples
+    stream = cfg.stream if cfg.stream is not None else cfg.num_samples == 1 and out.isatty()
+    if stream:
+        print_stream(steps, shown, tokenizer, stop, out)
+        return prompt
+    # each step is (num_samples, 1): column 0 holds every row's next token
+    rows = [[] for _ in range(cfg.num_samples)]
+    for step in steps:
+        for row, token in zip(rows, step[:, 0].tolist()):
+            row.append(token)
+    for i, row in enumerate(rows):
+        if i:
+            print("-" * 15, file=out)
+        # rows that stopped early repeat the stop token; cut it off
+        print(tokenizer.decode(shown + until_stop(row, stop)), file=out)
+    return prompt
+
+
+def prompt_start(tokenizer, meta, text):
+    """
+    The ids that go before the prompt's own and are never printed: those a tokenizer.json's template puts before
+    every text (Llama's bos); with no prompt, where a document starts (start_ids), or a newline for char data.
+    """
+    if text:
+        return tokenizer.template_prefix()
+    if head := start_ids(tokenizer, meta):
+        return head
+    if meta["tokenizer"]["type"] == "char":
+        return tokenizer.encode("\n")
+    raise ValueError(
+        "this model's tokenizer has no bos token to start from (its config.json has no bos_token_id); "
+        'give a prompt with --start, e.g. --start "Once upon a time"'
+    )
+
+
 def crop_prompt(ids, block_size, reserved=0):
     """
     The last block_size - reserved ids of the prompt (reserved: ids that go before it, such as bos), with a notice
@@ -145,141 +198,8 @@ def print_stream(steps, shown, tokenizer, stop_token, out):
     print(tokenizer.decode(ids)[len(printed) :], file=out)
 
 
-def encode_masked(text, tokenizer, mask_id):
-    """(ids, positions of the masks) for text holding [MASK]s; each piece between them is encoded on its own."""
-    pieces = text.split(MASK)
-    if len(pieces) == 1:
-        raise ValueError(f'an encoder fills in masks: put {MASK} in --start, e.g. --start "To be or {MASK} to be"')
-    # positions: where each mask id lands in ids
-    ids, positions = tokenizer.encode(pieces[0]), []
-    for piece in pieces[1:]:
-        positions.append(len(ids))
-        ids += [mask_id, *tokenizer.encode(piece)]
-    return ids, positions
-
-
-def fill_mask(model, ids, positions, k, exclude):
-    """
-    The k likeliest (token id, probability) pairs at each masked position of ids.
-    exclude: token ids never proposed (special tokens, and ids the tokenizer cannot decode).
-    """
-    idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
-    # model(idx) is (logits, loss); .float(): probabilities in full precision under autocast
-    logits = model(idx)[0][0, positions].float()  # (masks, V)
-    # -inf: softmax gives them probability 0, so topk never proposes them
-    logits[:, exclude] = float("-inf")
-    probs, tokens = logits.softmax(dim=-1).topk(k, dim=-1)
-    return [list(zip(t.tolist(), p.tolist())) for t, p in zip(tokens, probs)]
-
-
-def token_ticks(labels):
-    """
-    (positions, texts) of an axis's tick labels: every token, or on an axis of more than MAX_TICK_LABELS tokens
-    every k-th token with its position in front, so that at most MAX_TICK_LABELS show.
-    """
-    # step 1 (every token) whenever the axis is short enough
-    step = math.ceil(len(labels) / MAX_TICK_LABELS)
-    positions = range(0, len(labels), step)
-    return positions, [labels[i] if step == 1 else f"{i}: {labels[i]}" for i in positions]
-
-
-def plot_attention(panels, path):
-    """
-    Save a grid of attention heat maps, each with its colour bar, to path: one row per panel, one column per head.
-    panels: (title, weights (H, Tq, Tk), query labels, key labels) each.
-    """
-    try:
-        from matplotlib.figure import Figure  # no pyplot: no window, no global figure state
-    except ImportError:
-        raise ImportError("--attention needs matplotlib: pip install matplotlib") from None
-    # axes: (len(panels), heads), one heat map of (Tq, Tk) each
-    heads = panels[0][1].size(0)
-    fig = Figure(figsize=(2.4 * heads, 2.4 * len(panels)), layout="constrained")
-    axes = fig.subplots(len(panels), heads, squeeze=False)
-    for row, (title, weights, queries, keys) in zip(axes, panels):
-        for h, ax in enumerate(row):
-            # each map on its own scale: over many keys even a clear pattern is far from probability 1
-            image = ax.imshow(weights[h].float().cpu().numpy(), cmap="viridis", vmin=0.0)
-            fig.colorbar(image, ax=ax).ax.tick_params(labelsize=5)
-            ax.set_title(f"{title}, head {h}", fontsize=8)
-            ax.set_xticks(*token_ticks(keys), fontsize=5, rotation=90)
-            ax.set_yticks(*token_ticks(queries), fontsize=5)
-    fig.savefig(path, dpi=100)
-
-
-def token_labels(ids, tokenizer):
-    """One tick label per id: the token's text escaped (repr without its quotes), so newlines show."""
-    return [repr(tokenizer.decode([i]))[1:-1] for i in ids]
-
-
-def attention_panels(model, tokenizer, src, tgt=None):
-    """The panels plot_attention draws: every layer's self-attention over src, and for an encoder-decoder
-    the decoder's self-attention over tgt and its cross-attention from tgt to src."""
-    device = next(model.parameters()).device
-    src_t = torch.tensor([src], dtype=torch.long, device=device)
-    src_labels = token_labels(src, tokenizer)
-    if tgt is None:
-        # GPT or encoder: one {"self": (1, H, T, T)} per layer; [0] drops the batch of one
-        maps = model.attention_maps(src_t)
-        return [(f"layer {i}", m["self"][0], src_labels, src_labels) for i, m in enumerate(maps)]
-    # encoder-decoder: the decoder layers add cross-attention, (1, H, T_tgt, T_src)
-    maps = model.attention_maps(src_t, torch.tensor([tgt], dtype=torch.long, device=device))
-    tgt_labels = token_labels(tgt, tokenizer)
-    panels = [(f"encoder {i}", m["self"][0], src_labels, src_labels) for i, m in enumerate(maps["encoder"])]
-    for i, m in enumerate(maps["decoder"]):
-        panels += [
-            (f"decoder {i} self", m["self"][0], tgt_labels, tgt_labels),
-            (f"decoder {i} cross", m["cross"][0], tgt_labels, src_labels),
-        ]
-    return panels
-
-
-def prompt_start(tokenizer, meta, text):
-    """
-    The ids that go before the prompt's own and are never printed: those a tokenizer.json's template puts before
-    every text (Llama's bos); with no prompt, where a document starts (start_ids), or a newline for char data.
-    """
-    if text:
-        return tokenizer.template_prefix()
-    if head := start_ids(tokenizer, meta):
-        return head
-    if meta["tokenizer"]["type"] == "char":
-        return tokenizer.encode("\n")
-    raise ValueError(
-        "this model's tokenizer has no bos token to start from (its config.json has no bos_token_id); "
-        'give a prompt with --start, e.g. --start "Once upon a time"'
-    )
-
-
-def show_samples(model, tokenizer, meta, text, cfg, out):
-    """GPT: print cfg.num_samples continuations of text, streamed or all at the end. Returns the prompt ids."""
-    special = meta["special_tokens"]
-    # GPT-2's end-of-text, or a tokenizer.json's eos; None for char-level data, which has no such token
-    stop = special.get("eot", special.get("eos"))
-    head = prompt_start(tokenizer, meta, text)
-    # only the prompt the user gave is printed, never the start tokens before it
-    shown = crop_prompt(tokenizer.encode(text), model.config.block_size, len(head)) if text else []
-    prompt = head + shown
-    # a seeded generator of our own, on the model's device: the same seed gives the same text, and the
-    # global RNG is left alone
-    generator = torch.Generator(next(model.parameters()).device).manual_seed(cfg.seed)
-    steps = sample_gpt(model, prompt, cfg, stop, generator, tokenizer.vocab_size)
-    # by default only one sample to a terminal streams: piped output gets whole samples
-    stream = cfg.stream if cfg.stream is not None else cfg.num_samples == 1 and out.isatty()
-    if stream:
-        print_stream(steps, shown, tokenizer, stop, out)
-        return prompt
-    # each step is (num_samples, 1): column 0 holds every row's next token
-    rows = [[] for _ in range(cfg.num_samples)]
-    for step in steps:
-        for row, token in zip(rows, step[:, 0].tolist()):
-            row.append(token)
-    for i, row in enumerate(rows):
-        if i:
-            print("-" * 15, file=out)
-        # rows that stopped early repeat the stop token; cut it off
-        print(tokenizer.decode(shown + until_stop(row, stop)), file=out)
-    return prompt
+# -----------------------------------------------------------------------------
+# Encoder-decoder: translate the prompt
 
 
 def show_translation(model, tokenizer, meta, text, cfg, out):
@@ -312,6 +232,10 @@ def show_translation(model, tokenizer, meta, text, cfg, out):
     return src, [special["bos"], *output][:block]
 
 
+# -----------------------------------------------------------------------------
+# Encoder: fill in the [MASK]s
+
+
 def show_fills(model, tokenizer, meta, text, cfg, out):
     """Encoder: print text with each [MASK] filled by its likeliest token, then the candidates per mask.
     Returns the ids with the masks, for the attention maps."""
@@ -333,6 +257,103 @@ def show_fills(model, tokenizer, meta, text, cfg, out):
     for n, candidates in enumerate(fills, 1):
         print(f"{MASK} {n}: " + "  ".join(f"{tokenizer.decode([t])!r} {p:.3f}" for t, p in candidates), file=out)
     return ids
+
+
+def encode_masked(text, tokenizer, mask_id):
+    """(ids, positions of the masks) for text holding [MASK]s; each piece between them is encoded on its own."""
+    pieces = text.split(MASK)
+    if len(pieces) == 1:
+        raise ValueError(f'an encoder fills in masks: put {MASK} in --start, e.g. --start "To be or {MASK} to be"')
+    # positions: where each mask id lands in ids
+    ids, positions = tokenizer.encode(pieces[0]), []
+    for piece in pieces[1:]:
+        positions.append(len(ids))
+        ids += [mask_id, *tokenizer.encode(piece)]
+    return ids, positions
+
+
+def fill_mask(model, ids, positions, k, exclude):
+    """
+    The k likeliest (token id, probability) pairs at each masked position of ids.
+    exclude: token ids never proposed (special tokens, and ids the tokenizer cannot decode).
+    """
+    idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    # model(idx) is (logits, loss); .float(): probabilities in full precision under autocast
+    logits = model(idx)[0][0, positions].float()  # (masks, V)
+    # -inf: softmax gives them probability 0, so topk never proposes them
+    logits[:, exclude] = float("-inf")
+    probs, tokens = logits.softmax(dim=-1).topk(k, dim=-1)
+    return [list(zip(t.tolist(), p.tolist())) for t, p in zip(tokens, probs)]
+
+
+# -----------------------------------------------------------------------------
+# Attention maps
+
+
+def attention_panels(model, tokenizer, src, tgt=None):
+    """The panels plot_attention draws: every layer's self-attention over src, and for an encoder-decoder
+    the decoder's self-attention over tgt and its cross-attention from tgt to src."""
+    device = next(model.parameters()).device
+    src_t = torch.tensor([src], dtype=torch.long, device=device)
+    src_labels = token_labels(src, tokenizer)
+    if tgt is None:
+        # GPT or encoder: one {"self": (1, H, T, T)} per layer; [0] drops the batch of one
+        maps = model.attention_maps(src_t)
+        return [(f"layer {i}", m["self"][0], src_labels, src_labels) for i, m in enumerate(maps)]
+    # encoder-decoder: the decoder layers add cross-attention, (1, H, T_tgt, T_src)
+    maps = model.attention_maps(src_t, torch.tensor([tgt], dtype=torch.long, device=device))
+    tgt_labels = token_labels(tgt, tokenizer)
+    panels = [(f"encoder {i}", m["self"][0], src_labels, src_labels) for i, m in enumerate(maps["encoder"])]
+    for i, m in enumerate(maps["decoder"]):
+        panels += [
+            (f"decoder {i} self", m["self"][0], tgt_labels, tgt_labels),
+            (f"decoder {i} cross", m["cross"][0], tgt_labels, src_labels),
+        ]
+    return panels
+
+
+def token_labels(ids, tokenizer):
+    """One tick label per id: the token's text escaped (repr without its quotes), so newlines show."""
+    return [repr(tokenizer.decode([i]))[1:-1] for i in ids]
+
+
+def plot_attention(panels, path):
+    """
+    Save a grid of attention heat maps, each with its colour bar, to path: one row per panel, one column per head.
+    panels: (title, weights (H, Tq, Tk), query labels, key labels) each.
+    """
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no window, no global figure state
+    except ImportError:
+        raise ImportError("--attention needs matplotlib: pip install matplotlib") from None
+    # axes: (len(panels), heads), one heat map of (Tq, Tk) each
+    heads = panels[0][1].size(0)
+    fig = Figure(figsize=(2.4 * heads, 2.4 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), heads, squeeze=False)
+    for row, (title, weights, queries, keys) in zip(axes, panels):
+        for h, ax in enumerate(row):
+            # each map on its own scale: over many keys even a clear pattern is far from probability 1
+            image = ax.imshow(weights[h].float().cpu().numpy(), cmap="viridis", vmin=0.0)
+            fig.colorbar(image, ax=ax).ax.tick_params(labelsize=5)
+            ax.set_title(f"{title}, head {h}", fontsize=8)
+            ax.set_xticks(*token_ticks(keys), fontsize=5, rotation=90)
+            ax.set_yticks(*token_ticks(queries), fontsize=5)
+    fig.savefig(path, dpi=100)
+
+
+def token_ticks(labels):
+    """
+    (positions, texts) of an axis's tick labels: every token, or on an axis of more than MAX_TICK_LABELS tokens
+    every k-th token with its position in front, so that at most MAX_TICK_LABELS show.
+    """
+    # step 1 (every token) whenever the axis is short enough
+    step = math.ceil(len(labels) / MAX_TICK_LABELS)
+    positions = range(0, len(labels), step)
+    return positions, [labels[i] if step == 1 else f"{i}: {labels[i]}" for i in positions]
+
+
+# -----------------------------------------------------------------------------
+# The command line
 
 
 def check_beam_options(cfg, arch):
