@@ -152,11 +152,6 @@ def load_checked(model, state, path):
     return model
 
 
-def owned(t):
-    """A float32, contiguous copy of t: safetensors refuses views sharing memory (split q, k, v; the tied head)."""
-    return t.detach().to(torch.float32).clone(memory_format=torch.contiguous_format)
-
-
 # -----------------------------------------------------------------------------
 # GPT-2 (and nanoGPT, whose names are GPT-2's)
 
@@ -536,6 +531,11 @@ def hf_layout(config):
     if refused:
         raise ValueError(f"cannot export {'; '.join(refused)}. {LAYOUTS}")
     return layout
+
+
+def owned(t):
+    """A float32, contiguous copy of t: safetensors refuses views sharing memory (split q, k, v; the tied head)."""
+    return t.detach().to(torch.float32).clone(memory_format=torch.contiguous_format)
 
 
 def to_hf(model):
