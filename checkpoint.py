@@ -352,7 +352,7 @@ def load_checkpoint(path, map_location="cpu", weights=True):
     if path.is_dir():
         if not (path / STATE_FILE).is_file():
             raise ConfigError(f"{path} is a folder but not a sharded checkpoint: it has no {STATE_FILE}")
-        ckpt = read_checkpoint(path / STATE_FILE, map_location, fallback="")
+        ckpt = upgrade(read_checkpoint(path / STATE_FILE, map_location, fallback=""), folder=True)
         ckpt["sharded"] = path
         if weights:
             role = "average" if "average" in ckpt["shard_keys"] else "weights"
@@ -366,7 +366,7 @@ def load_checkpoint(path, map_location="cpu", weights=True):
         fallback = "; best.pt beside it still holds the best weights (sample.py --checkpoint=best.pt)"
     elif path.name != "ckpt.pt" and path.with_name("ckpt.pt").exists():
         fallback = "; ckpt.pt beside it may still be usable"
-    return read_checkpoint(path, map_location, fallback)
+    return upgrade(read_checkpoint(path, map_location, fallback))
 
 
 def read_checkpoint(path, map_location, fallback):
@@ -395,22 +395,22 @@ def read_checkpoint(path, map_location, fallback):
         raise ConfigError(
             f"{path} has checkpoint format {version}, newer than this code's {FORMAT_VERSION}; update nanoformer"
         )
-    return upgrade(ckpt)
+    return ckpt
 
 
-def upgrade(ckpt):
+def upgrade(ckpt, folder=False):
     """
     A checkpoint of any format as format 3, whose weights are named by role. Formats 1 and 2 kept the weights to use
     as "model": the average where format 2's "train_model" held the trained weights, else the weights themselves.
-    A sharded checkpoint's state.pt gains "shard_keys": {role: the name its tensors have in the folder}.
+    folder: ckpt is a sharded checkpoint's state.pt, which gains "shard_keys": {role: the name its tensors have in
+    the folder}.
     """
-    if "sharded_keys" in ckpt:
-        keys = {role: role for role in ckpt["sharded_keys"]}
-        if ckpt["format_version"] < 3:
-            keys = {"weights": "model", "optimizer": "optimizer"}
-            if "train_model" in ckpt["sharded_keys"]:
-                keys.update(weights="train_model", average="model")
-        ckpt["shard_keys"] = keys
+    if folder and ckpt["format_version"] >= 3:
+        ckpt["shard_keys"] = {role: role for role in ckpt["sharded_keys"]}
+    elif folder:
+        ckpt["shard_keys"] = {"weights": "model", "optimizer": "optimizer"}
+        if "train_model" in ckpt.get("sharded_keys", ()):
+            ckpt["shard_keys"].update(weights="train_model", average="model")
     if ckpt["format_version"] < 3 and "train_model" in ckpt:
         ckpt["weights"], ckpt["average"] = ckpt.pop("train_model"), ckpt.pop("model")
     elif ckpt["format_version"] < 3 and "model" in ckpt:

@@ -228,8 +228,8 @@ def log_memory(model, optimizers, rt):
     """
     uses = [memory_use(model, optimizers, rt.device)]
     if rt.world_size > 1:
-        uses = [None] * rt.world_size
-        dist.all_gather_object(uses, uses[0])
+        mine, uses = uses[0], [None] * rt.world_size
+        dist.all_gather_object(uses, mine)
     where = "CUDA allocated" if rt.device.type == "cuda" else "process resident set"
     for rank, use in enumerate(uses):
         log(

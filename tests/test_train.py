@@ -24,25 +24,27 @@ import torch.nn.functional as F
 
 import data
 import devices
+import parallel
+import progress
+import start
 import tasks
 import tokens
 import train
-from checkpoint import load_checkpoint, model_from_checkpoint, move_into_place, save_checkpoint
+from checkpoint import kept_weights, load_checkpoint, model_from_checkpoint, move_into_place, save_checkpoint
 from config import ConfigError, parse_config
 from data import Objective, mask_tokens, seq2seq_batch
 from model import IGNORE_INDEX, Block, ModelConfig, build_model
+from parallel import Models, Runtime, split_accumulation
+from start import MODEL_KEYS, start_run
 from train import (
-    MODEL_KEYS,
-    Runtime,
     TrainConfig,
     accumulate_gradients,
     cli,
+    compute_gradients,
     get_lr,
-    init_model,
     main,
-    split_accumulation,
-    train_step,
     update_ema,
+    update_weights,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,8 +110,21 @@ def tiny(data_root, out_dir, **overrides):
     return TrainConfig(**{**settings, **overrides})
 
 
-def ckpt_weights(path, key="model"):
+def ckpt_weights(path, key="weights"):
     return torch.load(path, map_location="cpu", weights_only=True)[key]
+
+
+def one_step(model, optimizers, scaler, batches, rt, *, n_targets, lrs, grad_clip, step_model=None):
+    """
+    What train_step does with these micro-batches: each optimizer at its learning rate, the gradients of the step
+    (with step_model, e.g. a compiled model, in the forward), the update. Returns (mean loss, grad norm, skipped).
+    """
+    for name, optimizer in optimizers.items():
+        for group in optimizer.param_groups:
+            group["lr"] = lrs[name]
+    models = Models(raw=model, step=model if step_model is None else step_model)
+    loss = compute_gradients(models, optimizers, batches, n_targets, scaler, rt)
+    return (loss / n_targets, *update_weights(model, optimizers, scaler, grad_clip))
 
 
 # -----------------------------------------------------------------------------
@@ -338,7 +353,8 @@ def test_loss_is_the_mean_over_all_targets_of_the_step():
     n = int((targets != IGNORE_INDEX).sum())
     assert n == 35
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    total = accumulate_gradients(model, [((x[:3],), targets[:3]), ((x[3:],), targets[3:])], n, scaler, Runtime())
+    micro_batches = [((x[:3],), targets[:3]), ((x[3:],), targets[3:])]
+    total = accumulate_gradients(Models(model, model), micro_batches, n, scaler, Runtime())
     ours = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     logits, _ = model(x)
@@ -366,7 +382,7 @@ def test_val_bpb_is_the_val_loss_in_bits_per_byte_of_its_targets(data_root, shak
     """
     cfg = tiny(data_root, "unused", eval_iters=3, batch_size=2)
     meta = tokens.load_meta(shakespeare_char_dir)
-    splits = train.load_splits(shakespeare_char_dir, meta, cfg.block_size)
+    splits = data.load_splits(shakespeare_char_dir, meta, cfg.block_size)
     objective, vocab_size, _ = data.make_objective("gpt", meta, cfg.mask_prob)
     torch.manual_seed(0)
     model = build_model(cfg.model_config(vocab_size))
@@ -506,7 +522,7 @@ def test_exact_resume(tmp_path, data_root, extra):
     second = main(tiny(data_root, tmp_path / "b", **{**common, "init_from": "resume"}))
     assert sorted(second["losses"]) == [4, 5, 6]
     assert {**first["losses"], **second["losses"]} == straight["losses"]
-    for key in ("model", "train_model") if "ema_decay" in extra else ("model",):
+    for key in ("weights", "average") if "ema_decay" in extra else ("weights",):
         a, b = ckpt_weights(tmp_path / "a" / "ckpt.pt", key), ckpt_weights(tmp_path / "b" / "ckpt.pt", key)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -533,16 +549,17 @@ def test_update_ema_is_the_weighted_average_of_past_weights():
 def test_ema_is_what_is_evaluated_saved_and_resumed(tmp_path, data_root):
     trained = main(tiny(data_root, tmp_path, max_iters=6, ema_decay=0.5))
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    assert not torch.equal(ckpt["model"]["lm_head.weight"], ckpt["train_model"]["lm_head.weight"])
+    assert not torch.equal(ckpt["average"]["lm_head.weight"], ckpt["weights"]["lm_head.weight"])
     best = torch.load(tmp_path / "best.pt", weights_only=True)
-    assert all(torch.equal(best["model"][k], ckpt["model"][k]) for k in best["model"])  # the average, not the raw
-    for ema_decay in (0.5, 0.0):  # eval_only evaluates the checkpoint's "model", the average, either way
+    assert "weights" not in best  # the average, not the raw weights
+    assert all(torch.equal(best["average"][k], ckpt["average"][k]) for k in best["average"])
+    for ema_decay in (0.5, 0.0):  # eval_only evaluates the checkpoint's average either way
         evaluated = main(tiny(data_root, tmp_path, init_from="resume", eval_only=True, ema_decay=ema_decay))
         assert evaluated["evals"][0]["val"] == pytest.approx(trained["evals"][-1]["val"], rel=1e-6)
     # training on without the average starts from the optimizer's own weights
-    cfg = tiny(data_root, tmp_path, init_from="resume")
-    _, model, *_ = init_model(cfg, tokens.load_meta(Path(data_root) / "shakespeare_char"))
-    assert all(torch.equal(v, ckpt["train_model"][k]) for k, v in model.state_dict().items())
+    cfg = tiny(data_root, tmp_path, init_from="resume", max_iters=7)
+    model = start_run(cfg, tokens.load_meta(Path(data_root) / "shakespeare_char")).model
+    assert all(torch.equal(v, ckpt["weights"][k]) for k, v in model.state_dict().items())
 
 
 def test_checkpoints_load_safely_and_describe_the_run(tmp_path, data_root):
@@ -550,7 +567,7 @@ def test_checkpoints_load_safely_and_describe_the_run(tmp_path, data_root):
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # plain torch: no code can run
     assert {
         "format_version",
-        "model",
+        "weights",
         "model_config",
         "train_config",
         "meta",
@@ -561,7 +578,7 @@ def test_checkpoints_load_safely_and_describe_the_run(tmp_path, data_root):
         "rng",
         "sampler",
     } <= ckpt.keys()
-    assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["weights"])
     assert ckpt["iter_num"] == 6 and ckpt["train_config"]["arch"] == "encoder"
     # masked LM adds a [MASK] id after the characters, recorded so a tokenizer can be rebuilt from the checkpoint
     assert ckpt["meta"]["special_tokens"]["mask"] == 65 and ckpt["model_config"]["vocab_size"] == 66
@@ -716,7 +733,7 @@ def test_cuda_amp_fused_adamw_and_compile(tmp_path, data_root, capsys, dtype):
     assert "AdamW (fused)" in out and "torch.compile failed" not in out
     assert result["evals"][-1]["val"] < result["evals"][0]["val"] - 0.5
     ckpt = load_checkpoint(tmp_path / "ckpt.pt")
-    assert not any(k.startswith("_orig_mod.") for k in ckpt["model"])
+    assert not any(k.startswith("_orig_mod.") for k in ckpt["weights"])
     assert (ckpt["scaler"].get("scale", 0) > 0) == (dtype == "float16")  # the GradScaler runs for float16 only
 
 
@@ -729,11 +746,11 @@ def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
     model = build_model(cfg.model_config(vocab_size=65)).to(device)
     optimizers, _ = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda")  # fused: skips on the device
     scaler = torch.amp.GradScaler("cuda", enabled=False)
-    data = tokens.load_tokens(Path(data_root) / "shakespeare_char" / "train.bin")
+    train_tokens = tokens.load_tokens(Path(data_root) / "shakespeare_char" / "train.bin")
     objective = Objective("gpt", data_vocab=65)
     rt = Runtime(device=device, dtype=torch.bfloat16)
-    stream = train.TrainBatches(data, objective, cfg, torch.Generator().manual_seed(0), rt, per_rank=2)
-    losses = train.StepLosses(rt)
+    stream = data.TrainBatches(train_tokens, objective, cfg, torch.Generator().manual_seed(0), rt, per_rank=2)
+    losses = progress.StepLosses(rt)
     try:
         for iteration in range(4):  # the first step creates the optimizer's state: not checked
             micro_batches, n_targets, _ = stream.peek()
@@ -741,7 +758,7 @@ def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error" if iteration else "default")
             try:
-                loss, _, skipped = train_step(
+                loss, _, skipped = one_step(
                     model,
                     optimizers,
                     scaler,
@@ -859,7 +876,7 @@ def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, data_root,
     assert [ddp_losses[i] for i in range(1, 5)] == pytest.approx(single_losses, rel=tolerance)
     ddp_val = tensorboard_scalars(tmp_path / "ddp", "eval/val")
     assert [ddp_val[0], ddp_val[4]] == pytest.approx([e["val"] for e in single["evals"]], rel=tolerance)
-    for key in ("model", "train_model"):
+    for key in ("weights", "average"):
         a, b = ckpt_weights(tmp_path / "single" / "ckpt.pt", key), ckpt_weights(tmp_path / "ddp" / "ckpt.pt", key)
         assert a.keys() == b.keys()  # no "module." prefix
         for k in a:
@@ -1001,18 +1018,19 @@ def test_fsdp_matches_one_process_with_the_same_global_batch(tmp_path, data_root
         assert [evals[i] for i in (0, 10, 20)] == pytest.approx([e[name] for e in single["evals"]], rel=1e-5)
     # best.pt: one file, gathered on rank 0, the same weights (the average, with ema_decay) with the same keys
     ours, theirs = load_checkpoint(tmp_path / "fsdp" / "best.pt"), load_checkpoint(tmp_path / "single" / "best.pt")
-    assert ours["model"].keys() == theirs["model"].keys() and "optimizer" not in ours
+    ours, theirs = kept_weights(ours), kept_weights(theirs)
+    assert ours.keys() == theirs.keys()
     # Adam divides by the gradient's running size: where that is tiny, last-bit differences in the reductions
     # grow to ~3e-6 after 20 steps of lr 3e-3
-    for k in theirs["model"]:
-        torch.testing.assert_close(ours["model"][k], theirs["model"][k], rtol=1e-3, atol=1e-5)
+    for k in theirs:
+        torch.testing.assert_close(ours[k], theirs[k], rtol=1e-3, atol=1e-5)
     # ckpt.pt: a folder of both ranks' shards, read whole into one process
     folder = tmp_path / "fsdp" / "ckpt.pt"
     assert folder.is_dir() and {p.name for p in folder.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
     whole, plain = load_checkpoint(folder), load_checkpoint(tmp_path / "single" / "ckpt.pt")
-    assert whole["iter_num"] == 20 and whole["model"].keys() == plain["model"].keys()
-    for k in plain["model"]:
-        torch.testing.assert_close(whole["model"][k], plain["model"][k], rtol=1e-3, atol=1e-5)
+    assert whole["iter_num"] == 20 and kept_weights(whole).keys() == kept_weights(plain).keys()
+    for k in kept_weights(plain):
+        torch.testing.assert_close(kept_weights(whole)[k], kept_weights(plain)[k], rtol=1e-3, atol=1e-5)
 
 
 def killing_train(folder):
@@ -1204,8 +1222,8 @@ def test_a_damaged_sharded_checkpoint_is_one_line(tmp_path):
     state = {"format_version": 2, "model_config": dataclasses.asdict(model.config), "iter_num": 3, "meta": None}
     save_checkpoint(state, folder / "state.pt")
     whole = load_checkpoint(folder)
-    assert whole["iter_num"] == 3 and whole["model"].keys() == model.state_dict().keys()
-    assert all(torch.equal(whole["model"][k], v) for k, v in model.state_dict().items())
+    assert whole["iter_num"] == 3 and whole["weights"].keys() == model.state_dict().keys()  # format 2, upgraded
+    assert all(torch.equal(whole["weights"][k], v) for k, v in model.state_dict().items())
     (folder / "__0_0.distcp").unlink()
     with pytest.raises(ConfigError, match=r"ckpt.pt is not a readable sharded checkpoint: FileNotFoundError"):
         load_checkpoint(folder)
@@ -1381,7 +1399,7 @@ def test_a_step_with_a_non_finite_gradient_changes_nothing(fused):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     x, y = torch.randint(0, 20, (2, 8)), torch.randint(0, 20, (2, 8))
 
-    loss, norm, skipped = train_step(model, {"adamw": optimizer}, scaler, [((x,), y)], Runtime(), **step)
+    loss, norm, skipped = one_step(model, {"adamw": optimizer}, scaler, [((x,), y)], Runtime(), **step)
     ref_loss = F.cross_entropy(reference(x)[0].flatten(0, 1), y.flatten())
     ref_loss.backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
@@ -1394,7 +1412,7 @@ def test_a_step_with_a_non_finite_gradient_changes_nothing(fused):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state_before = {k: v.clone() for k, v in optimizer.state[model.lm_head.weight].items()}
     poison_gradient(model, at_call=1)
-    loss, norm, skipped = train_step(model, {"adamw": optimizer}, scaler, [((x,), y)], Runtime(), **step)
+    loss, norm, skipped = one_step(model, {"adamw": optimizer}, scaler, [((x,), y)], Runtime(), **step)
     assert skipped.item() == 1 and not math.isfinite(norm.item()) and math.isfinite(loss.item())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     state_after = optimizer.state[model.lm_head.weight]
@@ -1411,7 +1429,7 @@ def test_a_muon_step_is_muon_and_adamw_by_hand_and_skips_a_non_finite_gradient()
     optimizers, _ = model.configure_optimizers(0.1, 1.0, (0.9, 0.95), "cpu", optimizer="muon", muon_lr=1.0)
     step = {"n_targets": 16, "lrs": {"adamw": 1e-3, "muon": 0.02}, "grad_clip": 1.0}
     # the split by name, independently of configure_optimizers
-    hidden = re.compile(r"(encoder|decoder)\.blocks\.\d+\.(attn|cross_attn|mlp)\.(qkv|proj|fc)\.weight")
+    hidden = re.compile(r"(encoder|decoder)\.blocks\.\d+\.(attn|cross_attn|mlp)\.(qkv|q|kv|proj|fc)\.weight")
     named = list(reference.named_parameters())
     muon_ref = torch.optim.Muon(
         [p for n, p in named if hidden.fullmatch(n)], lr=0.02, weight_decay=0.1, adjust_lr_fn="original"
@@ -1431,7 +1449,7 @@ def test_a_muon_step_is_muon_and_adamw_by_hand_and_skips_a_non_finite_gradient()
     src, tgt, y = (torch.randint(0, 20, (2, 8)) for _ in range(3))
 
     for _ in range(2):  # the second step uses the momentum and moments of the first
-        loss, norm, skipped = train_step(model, optimizers, scaler, [((src, tgt), y)], Runtime(), **step)
+        loss, norm, skipped = one_step(model, optimizers, scaler, [((src, tgt), y)], Runtime(), **step)
         ref_loss = F.cross_entropy(reference(src, tgt)[0].flatten(0, 1), y.flatten())
         ref_loss.backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)  # over all parameters
@@ -1447,7 +1465,7 @@ def test_a_muon_step_is_muon_and_adamw_by_hand_and_skips_a_non_finite_gradient()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     states_before = [copy.deepcopy(opt.state_dict()) for opt in optimizers.values()]
     poison_gradient(model, at_call=1)
-    loss, norm, skipped = train_step(model, optimizers, scaler, [((src, tgt), y)], Runtime(), **step)
+    loss, norm, skipped = one_step(model, optimizers, scaler, [((src, tgt), y)], Runtime(), **step)
     assert skipped.item() == 1 and not math.isfinite(norm.item())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     for opt, state_before in zip(optimizers.values(), states_before):
@@ -1464,8 +1482,8 @@ def test_resuming_with_another_optimizer_is_a_one_line_error(tmp_path, data_root
 
 
 def test_an_infinite_gradient_mid_run_is_skipped_said_and_never_saved(tmp_path, data_root, monkeypatch, capsys):
-    real_build = train.build_model
-    monkeypatch.setattr(train, "build_model", lambda config: poison_gradient(real_build(config), at_call=3))
+    real_build = start.build_model
+    monkeypatch.setattr(start, "build_model", lambda config: poison_gradient(real_build(config), at_call=3))
     result = main(tiny(data_root, tmp_path, max_iters=6, eval_interval=3, log_interval=1))
     out = capsys.readouterr().out
     assert re.search(r"iter 3/6 .*1 step\(s\) skipped: gradient not finite", out)
@@ -1476,8 +1494,8 @@ def test_an_infinite_gradient_mid_run_is_skipped_said_and_never_saved(tmp_path, 
 
 
 def test_a_skipped_step_after_the_last_progress_line_is_still_reported(tmp_path, data_root, monkeypatch, capsys):
-    real_build = train.build_model
-    monkeypatch.setattr(train, "build_model", lambda config: poison_gradient(real_build(config), at_call=2))
+    real_build = start.build_model
+    monkeypatch.setattr(start, "build_model", lambda config: poison_gradient(real_build(config), at_call=2))
     main(tiny(data_root, tmp_path, max_iters=4, eval_interval=3, log_interval=5))  # evaluations read the losses
     assert "1 step(s) skipped since the last progress line: gradient not finite" in capsys.readouterr().out
 
@@ -1592,7 +1610,7 @@ def test_a_failed_backward_recompilation_redoes_the_step_eagerly():
     model, reference = build_model(config), build_model(config)
     reference.load_state_dict(model.state_dict())
     backend = aot_autograd(fw_compiler=lambda gm, inputs: make_boxed_func(gm), bw_compiler=backward_compiler)
-    compiled = train.CompiledModel.__new__(train.CompiledModel)
+    compiled = parallel.CompiledModel.__new__(parallel.CompiledModel)
     torch.nn.Module.__init__(compiled)
     compiled.module, compiled.failed = model, False
     compiled.compiled = torch.compile(model, backend=backend, dynamic=False)  # a new length recompiles
@@ -1602,7 +1620,8 @@ def test_a_failed_backward_recompilation_redoes_the_step_eagerly():
         x, y = torch.randint(0, 20, (2, length)), torch.randint(0, 20, (2, length))
         for model_, optimizer in zip((compiled, reference), optimizers):
             step = {"n_targets": 2 * length, "lrs": {"adamw": 0.01}, "grad_clip": 0}
-            train_step(model_, {"adamw": optimizer}, scaler, [((x,), y)], Runtime(), **step)
+            raw = model if model_ is compiled else model_
+            one_step(raw, {"adamw": optimizer}, scaler, [((x,), y)], Runtime(), step_model=model_, **step)
     assert compiled.failed and len(backward_graphs) == 2
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(mine, theirs)
@@ -1610,9 +1629,9 @@ def test_a_failed_backward_recompilation_redoes_the_step_eagerly():
 
 DDP_GRAPHS = """
 import sys, torch
-import train
+import parallel, train
 graphs, counts = [], []
-real_compile, real_compile_model = torch.compile, train.compile_model
+real_compile, real_compile_model = torch.compile, parallel.compile_model
 def backend(gm, example_inputs):
     graphs.append(gm)
     return gm.forward
@@ -1621,7 +1640,7 @@ def compile_model(*args, **kwargs):
     counts.append(len(graphs))  # the graphs of the first forward and backward, inside DDP
     return compiled
 torch.compile = lambda module: real_compile(module, backend=backend)
-train.compile_model = compile_model
+parallel.compile_model = compile_model
 sys.exit(train.cli(sys.argv[1:]) or print("graphs", counts[0]))
 """
 
