@@ -24,6 +24,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import warnings
 from dataclasses import asdict
@@ -353,6 +354,12 @@ def load_checkpoint(path, map_location="cpu", weights=True):
         if not (path / STATE_FILE).is_file():
             raise ConfigError(f"{path} is a folder but not a sharded checkpoint: it has no {STATE_FILE}")
         ckpt = upgrade(read_checkpoint(path / STATE_FILE, map_location, fallback=""), folder=True)
+        if ckpt["format_version"] < 3 and ckpt["model_config"].get("arch") == "encoder_decoder":
+            raise ConfigError(
+                f"{path} is a sharded encoder-decoder checkpoint of format {ckpt['format_version']}, from before "
+                "cross-attention had its own q and kv weights; this code cannot reshard it: resume or sample it "
+                "with nanoformer from before checkpoint format 3"
+            )
         ckpt["sharded"] = path
         if weights:
             role = "average" if "average" in ckpt["shard_keys"] else "weights"
@@ -415,7 +422,54 @@ def upgrade(ckpt, folder=False):
         ckpt["weights"], ckpt["average"] = ckpt.pop("train_model"), ckpt.pop("model")
     elif ckpt["format_version"] < 3 and "model" in ckpt:
         ckpt["weights"] = ckpt.pop("model")
+    for role in ("weights", "average"):
+        if ckpt["format_version"] < 3 and role in ckpt:
+            ckpt[role] = split_cross_attention(ckpt[role], ckpt["model_config"]["n_embd"])
     return ckpt
+
+
+# before format 3, cross-attention's q and kv Linears were one, rows [W_q; W_k; W_v], as self-attention's qkv
+STACKED_CROSS = re.compile(r"(.*\.cross_attn)\.qkv\.(weight|bias)")
+SPLIT_CROSS = re.compile(r"(.*\.cross_attn)\.(q|kv)\.(weight|bias)")
+
+
+def split_cross_attention(weights, n_embd):
+    """A state dict from before format 3 with each stacked cross_attn.qkv as its q (the first n_embd rows) and kv."""
+    split = {}
+    for name, tensor in weights.items():
+        if stacked := STACKED_CROSS.fullmatch(name):
+            prefix, kind = stacked.groups()
+            split[f"{prefix}.q.{kind}"], split[f"{prefix}.kv.{kind}"] = tensor[:n_embd], tensor[n_embd:]
+        else:
+            split[name] = tensor
+    return split
+
+
+def split_cross_attention_state(state, model, optimizer):
+    """
+    An optimizer's state_dict from before format 3, renumbered for optimizer (the same groups over model's
+    parameters, in which each stacked cross_attn.qkv is now a q and a kv), each stacked moment cut into q's rows and
+    kv's. The identity for models without cross-attention.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    new_state, groups, index = {}, [], 0
+    for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+        new_names = [names[id(p)] for p in group["params"]]
+        # the names as they were then, in the saved order: q took the place of the stacked qkv, kv none
+        old_names = dict.fromkeys(SPLIT_CROSS.sub(r"\1.qkv.\3", n) for n in new_names)
+        position = dict(zip(old_names, saved["params"]))
+        for name in new_names:
+            moments = state["state"].get(position[SPLIT_CROSS.sub(r"\1.qkv.\3", name)])
+            if moments is not None and (cross := SPLIT_CROSS.fullmatch(name)):
+                rows = model.get_submodule(cross[1]).q.out_features
+                part = slice(None, rows) if cross[2] == "q" else slice(rows, None)
+                # own tensors, the step count too: a shared one would be counted up twice per step
+                moments = {k: (v[part] if v.dim() else v).clone() for k, v in moments.items()}
+            if moments is not None:
+                new_state[index] = moments
+            index += 1
+        groups.append({**saved, "params": list(range(index - len(new_names), index))})
+    return {"state": new_state, "param_groups": groups}
 
 
 def read_shards(tensors, path, alone):

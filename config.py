@@ -18,7 +18,7 @@ import textwrap
 import tokenize
 import types
 import typing
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 
 # the words a bool option may take, matched after lowercasing: --compile=False, --eval_only 1
@@ -30,7 +30,19 @@ class ConfigError(ValueError):
 
 
 def field_docs(cls):
-    """The comment after each field of dataclass cls, by field name: what --help prints."""
+    """
+    The comment after each field of dataclass cls, by field name: what --help prints. Fields it inherits from
+    dataclass bases (TrainConfig's model settings) have the comments written in their base.
+    """
+    docs = {}
+    for base in reversed(cls.__mro__):
+        if is_dataclass(base):
+            docs.update(own_field_docs(base))
+    return docs
+
+
+def own_field_docs(cls):
+    """The comments of the fields defined in the body of dataclass cls itself."""
     # dedented: a class defined inside a function or a test comes back indented, which ast cannot parse
     source = textwrap.dedent(inspect.getsource(cls))
     # comments are not in the ast, so they are read from the token stream: {line number: text without the '#'}

@@ -238,8 +238,6 @@ class Attention(nn.Module):
         if cross:  # queries and keys come from two sequences: a Linear for each
             self.q = nn.Linear(C, C, bias=config.bias)
             self.kv = nn.Linear(C, 2 * self.kv_dim, bias=config.bias)  # rows W_k, W_v
-            # checkpoints from before these two existed hold them stacked as qkv: split on load
-            self.register_load_state_dict_pre_hook(split_stacked_qkv)
         else:  # rows W_q (C), W_k and W_v (kv_dim each) stacked in one Linear: one matmul, and GPT-2's c_attn
             self.qkv = nn.Linear(C, C + 2 * self.kv_dim, bias=config.bias)
         self.proj = nn.Linear(C, C, bias=config.bias)
@@ -328,18 +326,6 @@ class Attention(nn.Module):
             scores = scores.masked_fill(mask.logical_not(), float("-inf"))
         weights = scores.softmax(dim=-1)
         return F.dropout(weights, dropout, self.training) @ v, weights
-
-
-def split_stacked_qkv(module, state_dict, prefix, *args):
-    """
-    load_state_dict pre-hook of a cross-attention: checkpoints from before it had its own q and kv Linears hold
-    them stacked as one qkv Linear, rows [W_q; W_k; W_v] as in self-attention; those load as q and kv.
-    """
-    for p in ("weight", "bias"):
-        stacked = state_dict.pop(f"{prefix}qkv.{p}", None)
-        if stacked is not None:
-            sizes = [module.q.out_features, module.kv.out_features]
-            state_dict[f"{prefix}q.{p}"], state_dict[f"{prefix}kv.{p}"] = stacked.split(sizes)
 
 
 # -----------------------------------------------------------------------------

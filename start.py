@@ -33,6 +33,7 @@ from checkpoint import (
     model_from_checkpoint,
     nanogpt_meta,
     set_rng_state,
+    split_cross_attention_state,
 )
 from config import ConfigError
 from data import Objective, make_objective
@@ -204,11 +205,12 @@ def restore(ckpt, models, optimizers, scaler, generator, cfg, rt):
     sharded = "sharded" in ckpt
     if not sharded and rt.fsdp:
         # a checkpoint file from a run without FSDP: whole tensors, of which each rank keeps its shards
-        load_whole_optimizer_state(models.raw, optimizers["adamw"], ckpt["optimizer"])
+        state = saved_optimizer_state(ckpt, "optimizer", models.raw, optimizers["adamw"])
+        load_whole_optimizer_state(models.raw, optimizers["adamw"], state)
     elif not sharded:
-        optimizers["adamw"].load_state_dict(ckpt["optimizer"])
+        optimizers["adamw"].load_state_dict(saved_optimizer_state(ckpt, "optimizer", models.raw, optimizers["adamw"]))
     if "muon" in optimizers:
-        optimizers["muon"].load_state_dict(ckpt["muon"])
+        optimizers["muon"].load_state_dict(saved_optimizer_state(ckpt, "muon", models.raw, optimizers["muon"]))
     if scaler.is_enabled() and ckpt["scaler"]:
         scaler.load_state_dict(ckpt["scaler"])
     generator.set_state(ckpt["sampler"]["generator"])
@@ -229,6 +231,13 @@ def restore(ckpt, models, optimizers, scaler, generator, cfg, rt):
             f"note: the checkpoint has RNG states for {len(ckpt['rng'])} rank(s), not {rt.world_size}; "
             "dropout restarts from the seed"
         )
+
+
+def saved_optimizer_state(ckpt, key, model, optimizer):
+    """The state_dict of an optimizer saved under key in a checkpoint file, for optimizer over model's parameters."""
+    if ckpt["format_version"] < 3:  # cross-attention's stacked moments, split as its weights were (upgrade)
+        return split_cross_attention_state(ckpt[key], model, optimizer)
+    return ckpt[key]
 
 
 def load_whole_optimizer_state(model, optimizer, state):

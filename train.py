@@ -55,6 +55,7 @@ from data import (
     seq2seq_batch,
 )
 from devices import DTYPES, keep_freed_memory, peak_flops
+from generate import decoded_pairs
 from model import IGNORE_INDEX, ModelConfig, build_model
 from parallel import (
     CompiledModel,
@@ -422,16 +423,12 @@ def exact_match(model, pairs, rows, objective, cfg, rt):
     exactly, over all ranks.
     """
     model.eval()
-    # rank r decodes every world_size-th pair
-    mine, correct = rows[rt.rank :: rt.world_size], 0
-    for start in range(0, len(mine), cfg.batch_size):
-        src, _, targets = seq2seq_batch(pairs, mine[start : start + cfg.batch_size], objective)
-        with rt.autocast():
-            # (B, L) ids without bos, each row ending at its eos, padded after it
-            out = model.generate(src.to(rt.device), cfg.block_size, objective.bos_id, objective.eos_id).tolist()
-        for hyp, ref in zip(out, targets.tolist()):
-            ref = [t for t in ref if t != IGNORE_INDEX]  # the target and its eos: nothing may follow before eos
-            correct += hyp[: len(ref)] == ref
+    mine = rows[rt.rank :: rt.world_size]  # rank r decodes every world_size-th pair
+    starts = range(0, len(mine), cfg.batch_size)
+    batches = (seq2seq_batch(pairs, mine[i : i + cfg.batch_size], objective) for i in starts)
+    with rt.autocast():
+        decoded = decoded_pairs(model, batches, objective.bos_id, objective.eos_id, max_len=cfg.block_size)
+        correct = sum(output == reference for output, reference in decoded)
     correct, total = all_reduce([correct, len(mine)], rt).tolist()
     return correct / max(total, 1)
 
@@ -599,8 +596,54 @@ class Run:
 
 def setup(cfg, rt, stack):
     """
-    Everything before the first step, in stages: processes and checks, data, the model from wherever it starts,
-    spread over the ranks, its optimizers, a resume's state, then the outputs. Returns a Run.
+    Everything before the first step, in stages: the processes, the data, where the model starts (start.py), the
+    model spread over the ranks (parallel.py) with its optimizers and a resume's state, the outputs. Returns a Run.
+    """
+    per_rank, host_group, is_writer = join_processes(cfg, rt, stack)
+
+    folder = find_dataset(cfg, rt)
+    data_meta = tokens.load_meta(folder)
+    begin = start_run(cfg, data_meta, lazy=rt.fsdp)
+    cfg = begin.cfg  # a checkpoint or pretrained weights decide the model settings
+    splits = load_splits(folder, data_meta, cfg.block_size)
+
+    # a batch for compile's trial, drawn with a throwaway generator so that the training stream is untouched
+    example = get_batch(splits["train"], begin.objective, cfg.batch_size, cfg.block_size, torch.Generator())
+    models = parallelize(begin.model, cfg, rt, model_inputs(*example, rt.device))
+    optimizers, summary = make_optimizers(models.raw, cfg, rt)
+    # float16 only: its small gradients would underflow to 0 without a loss scale; bfloat16 has float32's range
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    generator = torch.Generator().manual_seed(cfg.seed)  # the training data stream: the same on every rank
+    if begin.ckpt is not None:
+        restore(begin.ckpt, models, optimizers, scaler, generator, cfg, rt)
+
+    batches = TrainBatches(splits["train"], begin.objective, cfg, generator, rt, per_rank)
+    stack.callback(batches.close)
+    describe_run(cfg, rt, folder.name, models.raw, per_rank, summary)
+    return Run(
+        cfg,
+        rt,
+        models,
+        optimizers,
+        scaler,
+        begin.objective,
+        batches,
+        splits,
+        byte_lengths=tokens.token_byte_lengths(data_meta) if cfg.arch == "gpt" else None,
+        meta=begin.meta,
+        progress=open_outputs(cfg, rt, is_writer, models.raw.config, begin.meta, stack),
+        stop=stack.enter_context(StopRequest()),
+        host_group=host_group,
+        start_iter=0 if begin.ckpt is None else begin.ckpt["iter_num"],
+        best_val_loss=math.inf if begin.ckpt is None else begin.ckpt["best_val_loss"],
+        resumed=begin.ckpt is not None,
+    )
+
+
+def join_processes(cfg, rt, stack):
+    """
+    The first stage: join the torchrun job, seed, set up the device and check out_dir, before any data or model.
+    Returns (micro-batches per rank, the host-side gloo group or None, whether this rank writes files).
     """
     # checked before any process group or data: a bad setting fails at once
     per_rank = split_accumulation(cfg.gradient_accumulation_steps, rt.world_size)
@@ -614,59 +657,36 @@ def setup(cfg, rt, stack):
     # an unwritable out_dir is found now, not at the first save hours later; rank 0 alone writes, eval_only never
     is_writer = rt.rank == 0 and not cfg.eval_only
     raise_if_any_failed(out_dir_problem(cfg.out_dir) if is_writer else None, rt.world_size)
+    return per_rank, host_group, is_writer
 
-    folder = find_dataset(cfg, rt)
-    data_meta = tokens.load_meta(folder)
-    begin = start_run(cfg, data_meta, lazy=rt.fsdp)
-    cfg = begin.cfg  # a checkpoint or pretrained weights decide the model settings
-    splits = load_splits(folder, data_meta, cfg.block_size)
-    # a batch for compile's trial, drawn with a throwaway generator so that the training stream is untouched
-    example = model_inputs(
-        *get_batch(splits["train"], begin.objective, cfg.batch_size, cfg.block_size, torch.Generator()), rt.device
-    )
-    models = parallelize(begin.model, cfg, rt, example)
-    # AdamW (and Muon for the blocks' matrices), built on the parallelized (sharded, on device) parameters
-    optimizers, summary = models.raw.configure_optimizers(
-        cfg.weight_decay,
-        cfg.learning_rate,
-        (cfg.beta1, cfg.beta2),
-        rt.device.type,
-        optimizer=cfg.optimizer,
-        muon_lr=cfg.muon_lr,
-    )
-    # float16 only: its small gradients would underflow to 0 without a loss scale; bfloat16 has float32's range
-    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    generator = torch.Generator().manual_seed(cfg.seed)  # the training data stream: the same on every rank
-    if begin.ckpt is not None:
-        restore(begin.ckpt, models, optimizers, scaler, generator, cfg, rt)
-    batches = TrainBatches(splits["train"], begin.objective, cfg, generator, rt, per_rank)
-    stack.callback(batches.close)
-    describe_run(cfg, rt, folder.name, models.raw, per_rank, summary)
 
+def make_optimizers(model, cfg, rt):
+    """
+    ({name: optimizer}, a one-line summary) over model's parallelized (sharded, on device) parameters: AdamW, and
+    with optimizer='muon' Muon for the blocks' matrices; weight decay on matrices and embeddings only.
+    """
+    betas = (cfg.beta1, cfg.beta2)
+    return model.configure_optimizers(
+        cfg.weight_decay, cfg.learning_rate, betas, rt.device.type, optimizer=cfg.optimizer, muon_lr=cfg.muon_lr
+    )
+
+
+def open_outputs(cfg, rt, is_writer, model_config, meta, stack):
+    """
+    The last stage: config.json beside the checkpoints and TensorBoard (on the writing rank), and the Progress that
+    reports to them, closed with the run.
+    """
     scalars = Scalars(cfg, is_writer)
     stack.callback(scalars.close)
     if is_writer:
-        write_run_config(cfg, models.raw.config, begin.meta, rt)
+        out_dir = Path(cfg.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # the run's settings in readable JSON beside the checkpoints, for people and tools without torch
+        run_config = {"train_config": asdict(cfg), "model_config": asdict(model_config), "meta": meta}
+        write_json({**run_config, "world_size": rt.world_size}, out_dir / "config.json")
     # this GPU's peak bf16 FLOP/s, for MFU; None where unknown
     peak = peak_flops(torch.cuda.get_device_name(rt.device)) if rt.device.type == "cuda" else None
-    return Run(
-        cfg,
-        rt,
-        models,
-        optimizers,
-        scaler,
-        begin.objective,
-        batches,
-        splits,
-        byte_lengths=tokens.token_byte_lengths(data_meta) if cfg.arch == "gpt" else None,
-        meta=begin.meta,
-        progress=Progress(cfg, rt, scalars, peak),
-        stop=stack.enter_context(StopRequest()),
-        host_group=host_group,
-        start_iter=0 if begin.ckpt is None else begin.ckpt["iter_num"],
-        best_val_loss=math.inf if begin.ckpt is None else begin.ckpt["best_val_loss"],
-        resumed=begin.ckpt is not None,
-    )
+    return Progress(cfg, rt, scalars, peak)
 
 
 def describe_run(cfg, rt, dataset, model, per_rank, optimizer_summary):
@@ -691,14 +711,6 @@ def describe_run(cfg, rt, dataset, model, per_rank, optimizer_summary):
             "note: torch.optim.Muon orthogonalises in bfloat16, which CPUs without native bfloat16 emulate slowly; "
             "optimizer='adamw' is the faster choice here"
         )
-
-
-def write_run_config(cfg, model_config, meta, rt):
-    """out_dir/config.json: the run's settings in readable JSON beside the checkpoints, for people and tools."""
-    out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    run_config = {"train_config": asdict(cfg), "model_config": asdict(model_config), "meta": meta}
-    write_json({**run_config, "world_size": rt.world_size}, out_dir / "config.json")
 
 
 def out_dir_problem(out_dir):

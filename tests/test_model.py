@@ -4,12 +4,13 @@ import itertools
 import json
 import math
 import re
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from checkpoint import upgrade
 from devices import peak_flops
 from generate import beam_search, generate, sample_next, translate
 from hf import from_pretrained
@@ -921,7 +922,9 @@ def test_a_stacked_cross_attention_of_an_older_checkpoint_loads_as_its_q_and_kv(
         old[f"{prefix}.qkv.weight"] = 0.3 * torch.randn(32 + 2 * 16, 32, generator=g)
         old[f"{prefix}.qkv.bias"] = 0.3 * torch.randn(32 + 2 * 16, generator=g)
     model = build_model(config).eval()
-    model.load_state_dict(old)  # strict: every stacked tensor found its place, nothing is left out
+    # what a format-2 checkpoint file held; upgrade splits the stacked rows, and a strict load finds every tensor
+    upgraded = upgrade({"format_version": 2, "model": old, "model_config": asdict(config)})
+    model.load_state_dict(upgraded["weights"])
     x, context = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
     key_mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
     for i, block in enumerate(model.decoder.blocks):

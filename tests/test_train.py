@@ -33,6 +33,7 @@ import train
 from checkpoint import kept_weights, load_checkpoint, model_from_checkpoint, move_into_place, save_checkpoint
 from config import ConfigError, parse_config
 from data import Objective, mask_tokens, seq2seq_batch
+from generate import translate
 from model import IGNORE_INDEX, Block, ModelConfig, build_model
 from parallel import Models, Runtime, split_accumulation
 from start import MODEL_KEYS, start_run
@@ -458,7 +459,7 @@ def test_seq2seq_learns_and_its_exact_match_agrees_with_the_task_solver(tmp_path
     correct = 0
     for i in range(100):
         src_text = tokenizer.decode(pairs[i][0])
-        out = model.generate(torch.tensor([tokenizer.encode(src_text)]), 8, bos, eos)[0].tolist()
+        out = translate(model, torch.tensor([tokenizer.encode(src_text)]), 8, bos, eos)[0].tolist()
         correct += eos in out and tokenizer.decode(out[: out.index(eos)]) == tasks.solve("sort", src_text)
     assert 20 <= correct < 100  # partly trained: right and wrong answers to tell apart
     # padded batches there, single sources here: a near-tie could flip one answer
@@ -524,6 +525,66 @@ def test_exact_resume(tmp_path, data_root, extra):
     assert {**first["losses"], **second["losses"]} == straight["losses"]
     for key in ("weights", "average") if "ema_decay" in extra else ("weights",):
         a, b = ckpt_weights(tmp_path / "a" / "ckpt.pt", key), ckpt_weights(tmp_path / "b" / "ckpt.pt", key)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def as_format_2(ckpt, model, optimizer):
+    """
+    A format-3 ckpt.pt of an encoder-decoder with a weight average as format 2 wrote it, built here apart from
+    checkpoint.py: "model" the average and "train_model" the weights, each cross-attention's q and kv stacked as one
+    qkv (rows [W_q; W_k; W_v]), in the weights and in AdamW's moments, which are numbered over the stacked
+    parameters. model and optimizer: built as the run built them, for the order of the saved numbering.
+    """
+
+    def stacked(weights):
+        out = {}
+        for name, tensor in weights.items():
+            if ".cross_attn.q." in name:
+                out[name.replace(".q.", ".qkv.")] = torch.cat([tensor, weights[name.replace(".q.", ".kv.")]])
+            elif ".cross_attn.kv." not in name:
+                out[name] = tensor
+        return out
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]  # the saved numbering
+    saved, state, groups = ckpt["optimizer"], {}, []
+    for group in saved["param_groups"]:
+        ids = []
+        for i in group["params"]:
+            if ".cross_attn.kv." in order[i]:
+                continue  # stacked into q's place
+            moments = saved["state"][i]
+            if ".cross_attn.q." in order[i]:
+                kv = saved["state"][order.index(order[i].replace(".q.", ".kv."))]
+                moments = {k: torch.cat([v, kv[k]]) if v.dim() else v for k, v in moments.items()}
+            state[len(state)] = moments
+            ids.append(len(state) - 1)
+        groups.append({**group, "params": ids})
+    old = {k: v for k, v in ckpt.items() if k not in ("weights", "average", "optimizer")}
+    old.update(format_version=2, model=stacked(ckpt["average"]), train_model=stacked(ckpt["weights"]))
+    return {**old, "optimizer": {"state": state, "param_groups": groups}}
+
+
+def test_a_format_2_encoder_decoder_checkpoint_resumes_exactly(tmp_path, data_root):
+    """
+    Format 2 named the weights "model" (the average) and "train_model", and stacked cross-attention's q and kv as one
+    qkv, in the weights and in AdamW's moments: such a ckpt.pt resumes to the losses and weights of a straight run.
+    """
+    common = dict(arch="encoder_decoder", dataset="reverse", data_options=REVERSE, ema_decay=0.9)
+    common.update(eval_accuracy_examples=4, max_iters=6, eval_interval=2, warmup_iters=2, lr_decay_iters=6)
+    straight = main(tiny(data_root, tmp_path / "a", **common))
+    main(tiny(data_root, tmp_path / "b", **{**common, "max_iters": 3}))
+    path = tmp_path / "b" / "ckpt.pt"
+    ckpt = torch.load(path, weights_only=True)
+    model, cfg = build_model(ModelConfig.from_dict(ckpt["model_config"])), tiny(data_root, tmp_path, **common)
+    optimizers, _ = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), "cpu")
+    old = as_format_2(ckpt, model, optimizers["adamw"])
+    assert len(old["optimizer"]["state"]) < len(ckpt["optimizer"]["state"])  # q and kv were one
+    save_checkpoint(old, path)
+    second = main(tiny(data_root, tmp_path / "b", **{**common, "init_from": "resume"}))
+    assert second["losses"] == {i: straight["losses"][i] for i in (4, 5, 6)}
+    for key in ("weights", "average"):
+        a, b = ckpt_weights(tmp_path / "a" / "ckpt.pt", key), ckpt_weights(path, key)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
