@@ -33,18 +33,22 @@ CHOICES = {
 
 
 @dataclass
-class ModelConfig:
+class ModelSettings:
+    """
+    A model's shape and options: what a user chooses. train.py's TrainConfig takes these fields as its own, with
+    these defaults; ModelConfig adds what the data decides.
+    """
+
     arch: str = "gpt"  # "gpt" decoder-only LM, "encoder" masked LM (BERT-style), "encoder_decoder" (Vaswani et al.)
-    vocab_size: int = 50304  # GPT-2's 50257 rounded up to a multiple of 64 for faster matmuls
-    block_size: int = 1024  # longest sequence the model accepts (source and target alike)
+    block_size: int = 1024  # longest sequence (tokens per LM window, longest source or target of a pair)
     n_layer: int = 12  # blocks in the GPT, the encoder-only model, or the decoder of an encoder-decoder
     n_encoder_layer: int | None = None  # encoder blocks of an encoder-decoder; None: same as n_layer
     n_head: int = 12  # attention heads; n_embd must divide evenly among them
     n_kv_head: int | None = None  # key/value heads, shared by groups of query heads (1: multi-query); None: n_head
     n_embd: int = 768  # channels of the residual stream, C
     d_ff: int | None = None  # hidden width of the MLP; None: 4 * n_embd, for swiglu too (Llama's 8/3 is not applied)
-    dropout: float = 0.0  # on embeddings, attention probabilities and residual branches; 0 for pretraining
-    bias: bool = True  # bias in Linears and LayerNorms, like GPT-2; False is a bit faster and as good
+    dropout: float = 0.0  # on embeddings, attention and residual branches; 0 to pretrain, 0.1+ to fine-tune
+    bias: bool = False  # bias in Linears and norms (GPT-2 has them); without is a bit faster and as good
     pos_encoding: str = "learned"  # "learned" (GPT-2), "sinusoidal" (the 2017 paper), "rope" (rotary)
     norm_position: str = "pre"  # "pre": norm inside each residual branch (GPT-2); "post": after the add (2017 paper)
     norm: str = "layernorm"  # "layernorm" or "rmsnorm"
@@ -54,12 +58,17 @@ class ModelConfig:
     zero_init_proj: bool = False  # projections into the residual stream start at zero instead of GPT-2's scaled init
     tie_embeddings: bool = True  # output projection shares the (target) token embedding matrix
     share_embeddings: bool = False  # encoder_decoder: source and target share one embedding (one joint vocabulary)
-    pad_token_id: int | None = None  # positions holding this token are never attended to; None: no padding
     norm_eps: float = 1e-5  # epsilon of the norms
     rope_theta: float = 10000.0  # rotary base; larger values rotate slower
-    # sliding-window self-attention (Longformer, Mistral): a query sees only keys fewer than window_size positions
-    # away: itself and the window_size - 1 before it when causal, that many either side in an encoder; 0: off
-    window_size: int = 0
+    window_size: int = 0  # sliding window: attend to keys fewer than this many positions away (causal: earlier); 0: off
+
+
+@dataclass
+class ModelConfig(ModelSettings):
+    """ModelSettings and what the data decides, checked, with None settings resolved: all a model is built from."""
+
+    vocab_size: int = 50304  # GPT-2's 50257 rounded up to a multiple of 64 for faster matmuls
+    pad_token_id: int | None = None  # positions holding this token are never attended to; None: no padding
 
     def __post_init__(self):
         for name, choices in CHOICES.items():

@@ -37,11 +37,11 @@ from checkpoint import (
 )
 from config import ConfigError
 from data import Objective, make_objective
-from model import ModelConfig, build_model
+from model import ModelConfig, ModelSettings, build_model
 from parallel import first_line, log
 
-# ModelConfig fields a TrainConfig sets directly; the vocabulary and padding id come from the dataset
-MODEL_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name not in ("vocab_size", "pad_token_id"))
+# the model settings a TrainConfig holds; the vocabulary and padding id come from the dataset
+MODEL_KEYS = tuple(f.name for f in fields(ModelSettings))
 
 UNAVERAGED_NOTE = "note: training goes on from the un-averaged weights; their average is dropped (ema_decay=0)"
 

@@ -56,7 +56,7 @@ from data import (
 )
 from devices import DTYPES, keep_freed_memory, peak_flops
 from generate import decoded_pairs
-from model import IGNORE_INDEX, ModelConfig, build_model
+from model import IGNORE_INDEX, ModelConfig, ModelSettings, build_model
 from parallel import (
     CompiledModel,
     Models,
@@ -76,7 +76,12 @@ from start import MODEL_KEYS, restore, start_run
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(ModelSettings):
+    """
+    Every setting of a run: the model's (ModelSettings in model.py: arch, n_layer, n_embd, block_size, dropout, ...,
+    with their defaults and comments there) and the run's, below. --help lists them all.
+    """
+
     # input and output
     out_dir: str = "out"  # checkpoints (ckpt.pt latest, best.pt best val), config.json and TensorBoard logs
     eval_interval: int = 2000  # evaluate every this many iterations, and after the last one
@@ -95,29 +100,6 @@ class TrainConfig:
     data_options: dict = field(default_factory=dict)  # prepare_data.py options, e.g. {'input': 'pairs.tsv'}
     gradient_accumulation_steps: int = 40  # micro-batches per step over all ranks together: a multiple of the ranks
     batch_size: int = 12  # sequences per micro-batch per rank
-    block_size: int = 1024  # context length: tokens per LM sequence, longest source/target for seq2seq
-    # model (see ModelConfig in model.py)
-    arch: str = "gpt"  # 'gpt' (causal LM), 'encoder' (masked LM), 'encoder_decoder' (sequence to sequence)
-    n_layer: int = 12  # blocks (decoder blocks of an encoder-decoder)
-    n_encoder_layer: int | None = None  # encoder blocks of an encoder-decoder; None: n_layer
-    n_head: int = 12  # attention heads
-    n_kv_head: int | None = None  # key/value heads, shared by groups of query heads (1: multi-query); None: n_head
-    n_embd: int = 768  # width of the residual stream
-    d_ff: int | None = None  # MLP hidden width; None: 4 * n_embd, for swiglu too
-    dropout: float = 0.0  # 0 for pretraining, 0.1+ for fine-tuning and small data
-    bias: bool = False  # bias in Linears and LayerNorms; False is a bit better and faster
-    pos_encoding: str = "learned"  # 'learned', 'sinusoidal' or 'rope'
-    norm_position: str = "pre"  # 'pre' (GPT-2) or 'post' (2017 paper)
-    norm: str = "layernorm"  # 'layernorm' or 'rmsnorm'
-    activation: str = "gelu"  # 'gelu', 'gelu_tanh', 'relu', 'relu2' (ReLU squared) or 'swiglu' (gated SiLU)
-    qk_norm: bool = False  # RMS-normalise each head's queries and keys before rotary and the dot product
-    logit_softcap: float = 0.0  # output logits become cap * tanh(logits / cap), e.g. 30; 0: off
-    zero_init_proj: bool = False  # projections into the residual stream start at zero, not GPT-2's scaled init
-    tie_embeddings: bool = True  # output projection shares the token embedding
-    share_embeddings: bool = False  # encoder_decoder: source and target share one embedding
-    norm_eps: float = 1e-5  # epsilon of the norms
-    rope_theta: float = 10000.0  # rotary base
-    window_size: int = 0  # sliding window: attend to keys fewer than this many positions away (causal: earlier); 0: off
     # objective
     mask_prob: float = 0.15  # encoder: fraction of tokens to predict; 80% shown as [MASK], 10% random, 10% unchanged
     label_smoothing: float = 0.0  # 0.1 in the 2017 paper; evaluation losses are always plain cross-entropy
