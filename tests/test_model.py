@@ -34,7 +34,9 @@ PAD, BOS, EOS = 0, 1, 2
 
 
 def tiny(**overrides):
-    return ModelConfig(**{"vocab_size": V, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32, **overrides})
+    """A 2-layer, 32-wide model, with biases (GPT-2's), so that the references cover them too."""
+    settings = {"vocab_size": V, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32, "bias": True}
+    return ModelConfig(**{**settings, **overrides})
 
 
 def tokens(*shape, seed=0):
@@ -366,7 +368,7 @@ def test_from_pretrained_offline_names_what_to_pass(monkeypatch):
 
 def test_gpt2_small_parameter_count():
     with torch.device("meta"):
-        model = GPT(ModelConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768))
+        model = GPT(ModelConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=True))
     assert model.num_params() == 124_439_808  # the Hugging Face count, lm_head tied to wte
 
 
@@ -384,6 +386,7 @@ def test_transformer_base_parameter_count():
         norm_position="post",
         activation="relu",
         share_embeddings=True,
+        bias=True,
     )
     with torch.device("meta"):
         model = EncoderDecoder(config)
