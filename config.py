@@ -6,7 +6,7 @@ Typed `key = value` configuration for every script: config files read with `ast`
 
 A config file holds only `key = value` lines whose values are literals; later files and options win. A mistake
 (an unknown key, a wrong type, a file that is not a config) raises ConfigError with a one-line message that
-names the file line or option and how to fix it.
+names the file line or option and how to fix it; one_line shortens any error to what such a message quotes.
 """
 
 import ast
@@ -27,6 +27,12 @@ BOOL_WORDS = types.MappingProxyType({"true": True, "false": False, "1": True, "0
 
 class ConfigError(ValueError):
     """A bad setting, config file, command line or input file; the message says what is wrong and how to fix it."""
+
+
+def one_line(error):
+    """The first line of an error's message (at most 300 characters), for one-line error reports."""
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else type(error).__name__
 
 
 def field_docs(cls):

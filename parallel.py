@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from config import ConfigError
+from config import ConfigError, one_line
 from devices import autocast, resolve_device, resolve_dtype
 from model import Block, build_model
 
@@ -26,11 +26,6 @@ def log(message):
     """Print on rank 0 only (torchrun sets RANK); flushed so piped logs stay current."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(message, flush=True)
-
-
-def first_line(error):
-    """The first line of an error's message, at most 300 characters, for a one-line report."""
-    return (str(error).strip().splitlines() or [""])[0][:300]
 
 
 # -----------------------------------------------------------------------------
@@ -265,7 +260,7 @@ class CompiledModel(nn.Module):
 
     def fall_back(self, error):
         self.failed = True
-        log(f"warning: torch.compile failed ({type(error).__name__}: {first_line(error)}); going on without it")
+        log(f"warning: torch.compile failed ({type(error).__name__}: {one_line(error)}); going on without it")
 
 
 def compile_model(model, example, rt, label_smoothing=0.0):

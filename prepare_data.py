@@ -33,6 +33,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from config import one_line
 from tasks import CHARS, MAX_NUMBER, distinct_sources, random_source, solve
 from tokens import (
     DATA_DIR_ENV,
@@ -50,7 +51,6 @@ from tokens import (
     huggingface_tokenizer,
     is_prepared,
     load_meta,
-    one_line,
     tiktoken_encoding,
     tokenizer_json_file,
 )

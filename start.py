@@ -35,10 +35,10 @@ from checkpoint import (
     set_rng_state,
     split_cross_attention_state,
 )
-from config import ConfigError
+from config import ConfigError, one_line
 from data import Objective, make_objective
 from model import ModelConfig, ModelSettings, build_model
-from parallel import first_line, log
+from parallel import log
 
 # the model settings a TrainConfig holds; the vocabulary and padding id come from the dataset
 MODEL_KEYS = tuple(f.name for f in fields(ModelSettings))
@@ -167,7 +167,7 @@ def from_pretrained(cfg, meta):
         accepted = [tokens.pretrained_meta(folder)["tokenizer"]]
         gpt2 = tokens.model_config(folder).get("model_type") == "gpt2"
     except (OSError, ValueError) as e:
-        raise ConfigError(f"init_from={name}: {first_line(e)}") from None
+        raise ConfigError(f"init_from={name}: {one_line(e)}") from None
     if gpt2:
         # GPT-2 reads GPT-2 BPE however the data was prepared: with tiktoken, or with its own tokenizer.json
         accepted.append(tokens.GPT2_META["tokenizer"])
@@ -185,7 +185,7 @@ def from_pretrained(cfg, meta):
     try:
         model = hf.from_pretrained(folder, dropout=cfg.dropout, block_size=cfg.block_size)
     except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(f"init_from={name}: {first_line(e)}") from None
+        raise ConfigError(f"init_from={name}: {one_line(e)}") from None
     objective, _, meta = make_objective(cfg.arch, meta, cfg.mask_prob)
     return Start(with_model_settings(cfg, model.config), model, objective, meta)
 

@@ -23,6 +23,8 @@ import numpy as np
 import tiktoken
 import tokenizers
 
+from config import one_line
+
 # the first 8 bytes of every token file: any other file is refused at once, never read as ids
 MAGIC = b"NFTOKENS"
 # raised when the layout changes, so old code refuses new files instead of misreading them
@@ -60,12 +62,6 @@ class DownloadError(OSError):
 
     An OSError, as any failed I/O is, so every `except OSError` reports it like a missing file.
     """
-
-
-def one_line(err):
-    """The first line of an error's message (at most 200 characters), for one-line error reports."""
-    lines = str(err).strip().splitlines()
-    return lines[0][:200] if lines else type(err).__name__
 
 
 # ----------------------------------------------------------------------------- token files

@@ -42,7 +42,7 @@ from checkpoint import (
     weights_state,
     write_json,
 )
-from config import ConfigError, parse_config
+from config import ConfigError, one_line, parse_config
 from data import (
     Objective,
     TrainBatches,
@@ -62,7 +62,6 @@ from parallel import (
     Models,
     Runtime,
     all_reduce,
-    first_line,
     gradient_sync,
     init_distributed,
     log,
@@ -248,9 +247,7 @@ def compute_gradients(models, optimizers, batches, n_targets, scaler, rt, label_
             raise
         if rt.fsdp:
             # FSDP holds the earlier micro-batches' gradients where zero_grad does not reach: a redo would add them
-            raise ConfigError(
-                f"torch.compile failed in a backward ({first_line(e)}); run with --compile=false"
-            ) from None
+            raise ConfigError(f"torch.compile failed in a backward ({one_line(e)}); run with --compile=false") from None
         models.step.fall_back(e)
     for optimizer in optimizers.values():
         optimizer.zero_grad(set_to_none=True)
@@ -768,7 +765,7 @@ def cli(argv):
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
     except (FloatingPointError, OSError) as e:
-        print(f"train.py: error: {first_line(e)}", file=sys.stderr)
+        print(f"train.py: error: {one_line(e)}", file=sys.stderr)
         return 1
     except torch.OutOfMemoryError:
         print(
