@@ -10,10 +10,10 @@ Train a GPT, a masked-LM encoder or an encoder-decoder: one loop, from a laptop 
 One optimizer step sees batch_size * gradient_accumulation_steps sequences; the accumulation steps are
 shared out over the ranks, so a config means the same optimisation on one device or on eight.
 
-Read in this order: TrainConfig (every setting), train_step (one optimizer step, top to bottom, then the helpers it
-calls in the order it calls them), evaluation and saving, setup (the stages before the first step), main (the loop).
-Beside this file: data.py (batches), start.py (how a run starts or resumes), parallel.py (ranks, FSDP/DDP,
-compile), progress.py (what a run prints and logs), checkpoint.py (what is saved).
+The file reads top to bottom in the order a run goes: TrainConfig (every setting), main (the loop), setup (the
+stages before the first step), train_step (one optimizer step, then the helpers it calls, in that order),
+evaluation and saving, the command line. Beside it: data.py (the batches), start.py (how a run starts or resumes),
+parallel.py (ranks, FSDP or DDP, compile), progress.py (what a run prints and logs), checkpoint.py (what is saved).
 """
 
 import contextlib
@@ -184,7 +184,233 @@ class TrainConfig(ModelSettings):
 
 
 # -----------------------------------------------------------------------------
-# One training step
+# The run: main's loop, and the record setup builds for it
+
+
+@dataclass
+class Run:
+    """What setup() builds for the training loop."""
+
+    cfg: TrainConfig  # with the model settings of the checkpoint or pretrained weights it starts from
+    rt: Runtime
+    models: Models  # the model under the name of each use: see parallel.Models
+    optimizers: dict  # {"adamw": AdamW} or, with optimizer='muon', {"adamw": AdamW, "muon": Muon}
+    scaler: torch.amp.GradScaler
+    objective: Objective
+    batches: TrainBatches  # the training stream
+    splits: dict  # "train" and "val" data, as get_batch reads them
+    byte_lengths: np.ndarray | None  # GPT: the UTF-8 bytes of each token id, for val_bpb; else None
+    meta: dict  # the tokenizer's meta, as checkpoints store it
+    progress: Progress
+    stop: "StopRequest"  # defined with setup's stages below
+    host_group: object  # a gloo group for numbers the host already has; None in one process
+    start_iter: int = 0
+    best_val_loss: float = math.inf
+    resumed: bool = False
+
+
+def main(cfg):
+    """
+    Train (or, with eval_only, evaluate) as cfg says, in one process or under torchrun. Returns a summary:
+    {"losses": {iteration: train loss}, "evals": [{"iter", "train", "val"[, "val_bpb"][, "accuracy"]}], "iter_num",
+    "best_val_loss"}.
+    Raises ConfigError for bad settings or data, FloatingPointError for a non-finite loss and OSError for a failed
+    save.
+    """
+    rt = make_runtime(cfg)
+    with contextlib.ExitStack() as stack:
+        run = setup(cfg, rt, stack)
+        cfg, progress, evals = run.cfg, run.progress, []
+        iter_num, stopping = run.start_iter, False
+        # each pass: evaluate if due, stop if this is the last iteration, else take one step
+        while True:
+            last = iter_num >= cfg.max_iters or stopping
+            if should_evaluate(run, iter_num, last, stopping):
+                with progress.paused():  # progress lines time the training steps only
+                    progress.read()  # a non-finite loss stops the run before any save
+                    evals.append(evaluate_and_save(run, iter_num, last))
+                if cfg.eval_only:
+                    break
+            if last:
+                # the final ckpt.pt, for --init_from=resume to go on from; a run that took no step has nothing new
+                if iter_num > run.start_iter:
+                    progress.finish()
+                    save_training_state(run, iter_num)
+                    log_memory(run.models.raw, run.optimizers, rt)
+                    how = f"stopped by {run.stop.signal or 'a signal to another rank'}" if stopping else "done"
+                    log(
+                        f"{how} at iteration {iter_num}: saved {Path(cfg.out_dir) / 'ckpt.pt'}"
+                        + ("; resume with --init_from=resume" if stopping else "")
+                    )
+                break
+            step = train_step(run, iter_num)
+            if step is None:  # a signal reached some rank: every rank stops here, before this step
+                stopping = True
+                continue
+            # iterations are numbered by the steps done: the step just taken ends iteration iter_num + 1
+            iter_num += 1
+            progress.add(iter_num, step)
+        return {"losses": progress.losses, "evals": evals, "iter_num": iter_num, "best_val_loss": run.best_val_loss}
+
+
+# -----------------------------------------------------------------------------
+# Setup: everything before the first step, in stages
+
+
+def setup(cfg, rt, stack):
+    """
+    Everything before the first step, in stages: the processes, the data, where the model starts (start.py), the
+    model spread over the ranks (parallel.py) with its optimizers and a resume's state, the outputs. Returns a Run.
+    """
+    per_rank, host_group, is_writer = join_processes(cfg, rt, stack)
+
+    folder = find_dataset(cfg, rt)
+    data_meta = tokens.load_meta(folder)
+    begin = start_run(cfg, data_meta, lazy=rt.fsdp)
+    cfg = begin.cfg  # a checkpoint or pretrained weights decide the model settings
+    splits = load_splits(folder, data_meta, cfg.block_size)
+
+    # a batch for compile's trial, drawn with a throwaway generator so that the training stream is untouched
+    example = get_batch(splits["train"], begin.objective, cfg.batch_size, cfg.block_size, torch.Generator())
+    models = parallelize(begin.model, cfg, rt, model_inputs(*example, rt.device))
+    optimizers, summary = make_optimizers(models.raw, cfg, rt)
+    # float16 only: its small gradients would underflow to 0 without a loss scale; bfloat16 has float32's range
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    generator = torch.Generator().manual_seed(cfg.seed)  # the training data stream: the same on every rank
+    if begin.ckpt is not None:
+        restore(begin.ckpt, models, optimizers, scaler, generator, cfg, rt)
+
+    batches = TrainBatches(splits["train"], begin.objective, cfg, generator, rt, per_rank)
+    stack.callback(batches.close)
+    describe_run(cfg, rt, folder.name, models.raw, per_rank, summary)
+    return Run(
+        cfg,
+        rt,
+        models,
+        optimizers,
+        scaler,
+        begin.objective,
+        batches,
+        splits,
+        byte_lengths=tokens.token_byte_lengths(data_meta) if cfg.arch == "gpt" else None,
+        meta=begin.meta,
+        progress=open_outputs(cfg, rt, is_writer, models.raw.config, begin.meta, stack),
+        stop=stack.enter_context(StopRequest()),
+        host_group=host_group,
+        start_iter=0 if begin.ckpt is None else begin.ckpt["iter_num"],
+        best_val_loss=math.inf if begin.ckpt is None else begin.ckpt["best_val_loss"],
+        resumed=begin.ckpt is not None,
+    )
+
+
+def join_processes(cfg, rt, stack):
+    """
+    The first stage: join the torchrun job, seed, set up the device and check out_dir, before any data or model.
+    Returns (micro-batches per rank, the host-side gloo group or None, whether this rank writes files).
+    """
+    # checked before any process group or data: a bad setting fails at once
+    per_rank = split_accumulation(cfg.gradient_accumulation_steps, rt.world_size)
+    host_group = init_distributed(cfg, rt, stack)
+    torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; DDP copies rank 0's initial weights
+    if rt.device.type == "cuda":
+        # TF32 matmuls (Ampere and newer): far faster than float32, and precise enough for training
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    elif rt.device.type == "cpu":
+        keep_freed_memory()
+    # an unwritable out_dir is found now, not at the first save hours later; rank 0 alone writes, eval_only never
+    is_writer = rt.rank == 0 and not cfg.eval_only
+    raise_if_any_failed(out_dir_problem(cfg.out_dir) if is_writer else None, rt.world_size)
+    return per_rank, host_group, is_writer
+
+
+def out_dir_problem(out_dir):
+    """Why out_dir could not be written (None if it can), found before any work is done, creating nothing."""
+    path = Path(out_dir).absolute()
+    # the deepest part of the path that exists: the folder in which the rest would be created
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"out_dir={out_dir} cannot be a folder: {existing} is a file; choose another --out_dir"
+    # write to create entries in it, execute to enter it
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"out_dir={out_dir} cannot be written: {existing} is not writable by this user; choose another --out_dir"
+    return None
+
+
+def make_optimizers(model, cfg, rt):
+    """
+    ({name: optimizer}, a one-line summary) over model's parallelized (sharded, on device) parameters: AdamW, and
+    with optimizer='muon' Muon for the blocks' matrices; weight decay on matrices and embeddings only.
+    """
+    betas = (cfg.beta1, cfg.beta2)
+    return model.configure_optimizers(
+        cfg.weight_decay, cfg.learning_rate, betas, rt.device.type, optimizer=cfg.optimizer, muon_lr=cfg.muon_lr
+    )
+
+
+def describe_run(cfg, rt, dataset, model, per_rank, optimizer_summary):
+    """The lines that open a run's log: what trains on what, the step's shape, the optimizers, and notes."""
+    log(
+        f"{cfg.arch} on {dataset}: {model.num_params():,} parameters, {rt.device} {str(rt.dtype)[6:]}, "
+        f"{rt.world_size} rank(s); {cfg.batch_size * per_rank * rt.world_size} sequences per step "
+        f"({cfg.batch_size} x {per_rank} micro-batches x {rt.world_size} rank(s))"
+    )
+    if per_rank * rt.world_size > cfg.gradient_accumulation_steps:
+        log(
+            f"note: gradient_accumulation_steps={cfg.gradient_accumulation_steps} is fewer than the "
+            f"{rt.world_size} ranks: each rank runs one micro-batch, so a step sees {rt.world_size} x batch_size "
+            "sequences"
+        )
+    if cfg.fsdp and not rt.fsdp:
+        log("note: fsdp=True with one process: nothing to shard over, the model is trained whole")
+    log(optimizer_summary)
+    if cfg.optimizer == "muon" and rt.device.type == "cpu":
+        # measured on the quick start (2 cores, AVX-512 without BF16): 470 ms per step against 30 ms with AdamW
+        log(
+            "note: torch.optim.Muon orthogonalises in bfloat16, which CPUs without native bfloat16 emulate slowly; "
+            "optimizer='adamw' is the faster choice here"
+        )
+
+
+def open_outputs(cfg, rt, is_writer, model_config, meta, stack):
+    """
+    The last stage: config.json beside the checkpoints and TensorBoard (on the writing rank), and the Progress that
+    reports to them, closed with the run.
+    """
+    scalars = Scalars(cfg, is_writer)
+    stack.callback(scalars.close)
+    if is_writer:
+        out_dir = Path(cfg.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # the run's settings in readable JSON beside the checkpoints, for people and tools without torch
+        run_config = {"train_config": asdict(cfg), "model_config": asdict(model_config), "meta": meta}
+        write_json({**run_config, "world_size": rt.world_size}, out_dir / "config.json")
+    # this GPU's peak bf16 FLOP/s, for MFU; None where unknown
+    peak = peak_flops(torch.cuda.get_device_name(rt.device)) if rt.device.type == "cuda" else None
+    return Progress(cfg, rt, scalars, peak)
+
+
+class StopRequest:
+    """SIGINT and SIGTERM set a flag: the loop finishes its step, saves and exits. A second signal acts as usual."""
+
+    def __enter__(self):
+        self.signal = None
+        # the handlers replaced are kept, to be put back after the first signal and at exit
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def handle(self, signum, frame):
+        # the name ('SIGTERM') for the log; the loop checks it before each step
+        self.signal = signal.Signals(signum).name
+        # so that a second Ctrl-C interrupts at once, should the save hang
+        signal.signal(signum, self.previous[signum])
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+# -----------------------------------------------------------------------------
+# One training step, then the helpers it calls, in the order it calls them
 
 
 def train_step(run, iter_num):
@@ -231,6 +457,25 @@ def train_step(run, iter_num):
     flops = sum(models.raw.training_flops(*inputs) for inputs, _ in micro_batches) if run.progress.peak_flops else 0.0
     # this rank's share of the step's mean loss: summed over the ranks, it is the mean
     return Step(loss / n_targets, grad_norm, skipped, lr, n_tokens, flops)
+
+
+def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters, schedule="cosine"):
+    """
+    Learning rate of step it (0-based). 'cosine': linear warmup to learning_rate over warmup_iters steps, cosine
+    decay to min_lr at lr_decay_iters, min_lr after. 'noam' (the 2017 paper): the same warmup, then
+    learning_rate * sqrt(warmup_iters / step); the paper's d_model**-0.5 * warmup_iters**-0.5 is learning_rate here.
+    """
+    # 1-based: the first step (it 0) already gets a nonzero learning rate
+    step = it + 1
+    if schedule == "noam":
+        return learning_rate * min(step / warmup_iters, math.sqrt(warmup_iters / step))
+    if step <= warmup_iters:
+        return learning_rate * step / warmup_iters
+    if it >= lr_decay_iters:
+        return min_lr
+    # 0 -> 1 from the end of warmup to lr_decay_iters; the cosine factor goes 1 -> 0 over it
+    progress = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
 def compute_gradients(models, optimizers, batches, n_targets, scaler, rt, label_smoothing=0.0):
@@ -305,25 +550,6 @@ def update_weights(model, optimizers, scaler, grad_clip):
     return grad_norm, skipped
 
 
-def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters, schedule="cosine"):
-    """
-    Learning rate of step it (0-based). 'cosine': linear warmup to learning_rate over warmup_iters steps, cosine
-    decay to min_lr at lr_decay_iters, min_lr after. 'noam' (the 2017 paper): the same warmup, then
-    learning_rate * sqrt(warmup_iters / step); the paper's d_model**-0.5 * warmup_iters**-0.5 is learning_rate here.
-    """
-    # 1-based: the first step (it 0) already gets a nonzero learning rate
-    step = it + 1
-    if schedule == "noam":
-        return learning_rate * min(step / warmup_iters, math.sqrt(warmup_iters / step))
-    if step <= warmup_iters:
-        return learning_rate * step / warmup_iters
-    if it >= lr_decay_iters:
-        return min_lr
-    # 0 -> 1 from the end of warmup to lr_decay_iters; the cosine factor goes 1 -> 0 over it
-    progress = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
-
-
 def clip_gradients(parameters, max_norm):
     """
     Scale the gradients of parameters (a list) so that their global norm is at most max_norm; returns the norm from
@@ -352,136 +578,12 @@ def update_ema(averages, weights, decay, step):
 # Evaluation and saving
 
 
-@torch.no_grad()
-def evaluate(model, splits, objective, cfg, rt, byte_lengths=None):
-    """
-    Mean cross-entropy per real target over eval_iters batches of each split, the batches shared out over the ranks
-    and the sums added over all of them. Fixed seeds: every evaluation sees the same batches. byte_lengths (the
-    UTF-8 bytes each id stands for, tokens.token_byte_lengths): also "val_bpb", the val loss in bits per byte of
-    the text its targets cover, which compares across tokenizers.
-    """
-    model.eval()
-    losses = {}
-    for i, (split, data) in enumerate(splits.items()):
-        # fixed seeds apart from training's stream: the same batches at every evaluation; rank r takes every
-        # world_size-th of them
-        seeds = micro_seeds(torch.Generator().manual_seed(cfg.seed + 1 + i), cfg.eval_iters)
-        mine = seeds[rt.rank :: rt.world_size]
-        # under FSDP every forward pass is a collective (it gathers the weights): all ranks run as many, a rank
-        # with one batch fewer (eval_iters not a multiple of the ranks) runs one more that is not counted
-        rounds = -(-len(seeds) // rt.world_size) if rt.fsdp else len(mine)
-        total, count, n_bytes = torch.zeros((), device=rt.device), 0, 0
-        for r in range(rounds):
-            counted = r < len(mine)
-            generator = torch.Generator().manual_seed(mine[r] if counted else seeds[0])
-            inputs, targets = get_batch(data, objective, cfg.batch_size, cfg.block_size, generator)
-            # counted on the CPU before the copy, so that no batch waits for the GPU
-            count += count_targets(targets) * counted
-            if byte_lengths is not None and counted:
-                n_bytes += int(byte_lengths[targets[targets != IGNORE_INDEX].numpy()].sum())
-            inputs, targets = model_inputs(inputs, targets, rt.device)
-            with rt.autocast():
-                _, loss = model(*inputs, targets, reduction="sum", return_logits=False)
-            total += loss.float() * counted
-        # sums over the ranks, then one division: the mean over every target, however they were shared out
-        total, count, n_bytes = all_reduce([total, count, n_bytes], rt).tolist()
-        losses[split] = total / max(count, 1)
-        if byte_lengths is not None and split == "val":
-            # nats summed over the targets, in bits, per byte of the text they spell
-            losses["val_bpb"] = total / (math.log(2) * max(n_bytes, 1))
-    if rt.fsdp:
-        # FSDP keeps the root's weights gathered after a forward pass, for the backward that follows in training
-        next(m for m in model.modules() if isinstance(m, FSDPModule)).reshard()
-    return losses
-
-
-@torch.no_grad()
-def exact_match(model, pairs, rows, objective, cfg, rt):
-    """
-    Fraction of the pairs `rows` whose greedy decoding (at most cfg.block_size tokens) equals the reference
-    exactly, over all ranks.
-    """
-    model.eval()
-    mine = rows[rt.rank :: rt.world_size]  # rank r decodes every world_size-th pair
-    starts = range(0, len(mine), cfg.batch_size)
-    batches = (seq2seq_batch(pairs, mine[i : i + cfg.batch_size], objective) for i in starts)
-    with rt.autocast():
-        decoded = decoded_pairs(model, batches, objective.bos_id, objective.eos_id, max_len=cfg.block_size)
-        correct = sum(output == reference for output, reference in decoded)
-    correct, total = all_reduce([correct, len(mine)], rt).tolist()
-    return correct / max(total, 1)
-
-
 def should_evaluate(run, iter_num, last, stopping):
     """At every eval_interval and after the last step; not when a signal stops the run, nor right after a resume."""
     if run.cfg.eval_only:
         return True
     just_resumed = run.resumed and iter_num == run.start_iter  # nothing new to evaluate or save
     return not stopping and not just_resumed and (iter_num % run.cfg.eval_interval == 0 or last)
-
-
-def check_shards_finite(models, rt, iter_num):
-    """Under FSDP, before a save: the error of finite_weights on every rank if any rank's shards hold inf or nan."""
-    shards = [p.to_local() for model in models for p in model.parameters()]
-    if all_reduce([~all_finite(shards)], rt).item():
-        raise nonfinite_weights(iter_num)
-
-
-def whole_weights(model, rt):
-    """model's state dict, whole; under FSDP gathered onto rank 0's CPU (the others get {}): call it on every rank."""
-    if not rt.fsdp:
-        return model.state_dict()
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def save_training_state(run, iter_num):
-    """
-    ckpt.pt: everything a resume needs (every rank takes part: their RNG states are gathered). Under FSDP, a
-    sharded checkpoint (a folder) that every rank writes its part of: no rank ever holds the whole model or optimizer.
-    """
-    state = training_state(
-        run.models.raw,
-        ema_model=run.models.average,
-        cfg=run.cfg,
-        meta=run.meta,
-        iter_num=iter_num,
-        best_val_loss=run.best_val_loss,
-        optimizers=run.optimizers,
-        scaler=run.scaler,
-        sampler_state=run.batches.resume_state,
-        world_size=run.rt.world_size,
-        sharded=run.rt.fsdp,
-    )
-    path = Path(run.cfg.out_dir) / "ckpt.pt"
-    if run.rt.fsdp:
-        check_shards_finite([m for m in (run.models.raw, run.models.average) if m is not None], run.rt, iter_num)
-        tensors = sharded_state(run.models.raw, ema_model=run.models.average, optimizer=run.optimizers["adamw"])
-        save_sharded(tensors, state, path, run.rt.rank)
-    # every rank built the state (gathering the RNG states is a collective); one writes it
-    elif run.rt.rank == 0:
-        save_checkpoint(state, path)
-
-
-def val_accuracy(run):
-    """
-    Exact match of greedy decoding on the first eval_accuracy_examples val pairs, with the kept model. Under FSDP
-    rank 0 decodes them all with the weights gathered: decoding stops at different steps on different ranks,
-    and a sharded model's every forward pass is a collective.
-    """
-    cfg, rt = run.cfg, run.rt
-    pairs, usable = run.splits["val"]
-    rows = usable[: cfg.eval_accuracy_examples]
-    if not rt.fsdp:
-        return exact_match(run.models.kept, pairs, rows, run.objective, cfg, rt)
-    weights, correct = whole_weights(run.models.kept, rt), 0.0
-    if rt.rank == 0:
-        with torch.random.fork_rng(devices=[]):  # its initial values are overwritten: they must not move rank 0's RNG
-            model = build_model(run.models.raw.config)
-        model.load_state_dict(weights)
-        # a Runtime of one process: exact_match then decodes every pair, in autocast where FSDP would cast
-        one = Runtime(device=rt.device, dtype=rt.dtype)
-        correct = exact_match(model.to(rt.device), pairs, rows, run.objective, cfg, one)
-    return all_reduce([correct], rt).item()
 
 
 def evaluate_and_save(run, iter_num, last):
@@ -527,230 +629,132 @@ def evaluate_and_save(run, iter_num, last):
     return {"iter": iter_num, **result}
 
 
-# -----------------------------------------------------------------------------
-# Setup: everything before the first step
-
-
-class StopRequest:
-    """SIGINT and SIGTERM set a flag: the loop finishes its step, saves and exits. A second signal acts as usual."""
-
-    def __enter__(self):
-        self.signal = None
-        # the handlers replaced are kept, to be put back after the first signal and at exit
-        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def handle(self, signum, frame):
-        # the name ('SIGTERM') for the log; the loop checks it before each step
-        self.signal = signal.Signals(signum).name
-        # so that a second Ctrl-C interrupts at once, should the save hang
-        signal.signal(signum, self.previous[signum])
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-@dataclass
-class Run:
-    """What setup() builds for the training loop."""
-
-    cfg: TrainConfig  # with the model settings of the checkpoint or pretrained weights it starts from
-    rt: Runtime
-    models: Models  # the model under the name of each use: see parallel.Models
-    optimizers: dict  # {"adamw": AdamW} or, with optimizer='muon', {"adamw": AdamW, "muon": Muon}
-    scaler: torch.amp.GradScaler
-    objective: Objective
-    batches: TrainBatches  # the training stream
-    splits: dict  # "train" and "val" data, as get_batch reads them
-    byte_lengths: np.ndarray | None  # GPT: the UTF-8 bytes of each token id, for val_bpb; else None
-    meta: dict  # the tokenizer's meta, as checkpoints store it
-    progress: Progress
-    stop: StopRequest
-    host_group: object  # a gloo group for numbers the host already has; None in one process
-    start_iter: int = 0
-    best_val_loss: float = math.inf
-    resumed: bool = False
-
-
-def setup(cfg, rt, stack):
+@torch.no_grad()
+def evaluate(model, splits, objective, cfg, rt, byte_lengths=None):
     """
-    Everything before the first step, in stages: the processes, the data, where the model starts (start.py), the
-    model spread over the ranks (parallel.py) with its optimizers and a resume's state, the outputs. Returns a Run.
+    Mean cross-entropy per real target over eval_iters batches of each split, the batches shared out over the ranks
+    and the sums added over all of them. Fixed seeds: every evaluation sees the same batches. byte_lengths (the
+    UTF-8 bytes each id stands for, tokens.token_byte_lengths): also "val_bpb", the val loss in bits per byte of
+    the text its targets cover, which compares across tokenizers.
     """
-    per_rank, host_group, is_writer = join_processes(cfg, rt, stack)
+    model.eval()
+    losses = {}
+    for i, (split, data) in enumerate(splits.items()):
+        # fixed seeds apart from training's stream: the same batches at every evaluation; rank r takes every
+        # world_size-th of them
+        seeds = micro_seeds(torch.Generator().manual_seed(cfg.seed + 1 + i), cfg.eval_iters)
+        mine = seeds[rt.rank :: rt.world_size]
+        # under FSDP every forward pass is a collective (it gathers the weights): all ranks run as many, a rank
+        # with one batch fewer (eval_iters not a multiple of the ranks) runs one more that is not counted
+        rounds = -(-len(seeds) // rt.world_size) if rt.fsdp else len(mine)
+        total, count, n_bytes = torch.zeros((), device=rt.device), 0, 0
+        for r in range(rounds):
+            counted = r < len(mine)
+            generator = torch.Generator().manual_seed(mine[r] if counted else seeds[0])
+            inputs, targets = get_batch(data, objective, cfg.batch_size, cfg.block_size, generator)
+            # counted on the CPU before the copy, so that no batch waits for the GPU
+            count += count_targets(targets) * counted
+            if byte_lengths is not None and counted:
+                n_bytes += int(byte_lengths[targets[targets != IGNORE_INDEX].numpy()].sum())
+            inputs, targets = model_inputs(inputs, targets, rt.device)
+            with rt.autocast():
+                _, loss = model(*inputs, targets, reduction="sum", return_logits=False)
+            total += loss.float() * counted
+        # sums over the ranks, then one division: the mean over every target, however they were shared out
+        total, count, n_bytes = all_reduce([total, count, n_bytes], rt).tolist()
+        losses[split] = total / max(count, 1)
+        if byte_lengths is not None and split == "val":
+            # nats summed over the targets, in bits, per byte of the text they spell
+            losses["val_bpb"] = total / (math.log(2) * max(n_bytes, 1))
+    if rt.fsdp:
+        # FSDP keeps the root's weights gathered after a forward pass, for the backward that follows in training
+        next(m for m in model.modules() if isinstance(m, FSDPModule)).reshard()
+    return losses
 
-    folder = find_dataset(cfg, rt)
-    data_meta = tokens.load_meta(folder)
-    begin = start_run(cfg, data_meta, lazy=rt.fsdp)
-    cfg = begin.cfg  # a checkpoint or pretrained weights decide the model settings
-    splits = load_splits(folder, data_meta, cfg.block_size)
 
-    # a batch for compile's trial, drawn with a throwaway generator so that the training stream is untouched
-    example = get_batch(splits["train"], begin.objective, cfg.batch_size, cfg.block_size, torch.Generator())
-    models = parallelize(begin.model, cfg, rt, model_inputs(*example, rt.device))
-    optimizers, summary = make_optimizers(models.raw, cfg, rt)
-    # float16 only: its small gradients would underflow to 0 without a loss scale; bfloat16 has float32's range
-    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
-    generator = torch.Generator().manual_seed(cfg.seed)  # the training data stream: the same on every rank
-    if begin.ckpt is not None:
-        restore(begin.ckpt, models, optimizers, scaler, generator, cfg, rt)
+def val_accuracy(run):
+    """
+    Exact match of greedy decoding on the first eval_accuracy_examples val pairs, with the kept model. Under FSDP
+    rank 0 decodes them all with the weights gathered: decoding stops at different steps on different ranks,
+    and a sharded model's every forward pass is a collective.
+    """
+    cfg, rt = run.cfg, run.rt
+    pairs, usable = run.splits["val"]
+    rows = usable[: cfg.eval_accuracy_examples]
+    if not rt.fsdp:
+        return exact_match(run.models.kept, pairs, rows, run.objective, cfg, rt)
+    weights, correct = whole_weights(run.models.kept, rt), 0.0
+    if rt.rank == 0:
+        with torch.random.fork_rng(devices=[]):  # its initial values are overwritten: they must not move rank 0's RNG
+            model = build_model(run.models.raw.config)
+        model.load_state_dict(weights)
+        # a Runtime of one process: exact_match then decodes every pair, in autocast where FSDP would cast
+        one = Runtime(device=rt.device, dtype=rt.dtype)
+        correct = exact_match(model.to(rt.device), pairs, rows, run.objective, cfg, one)
+    return all_reduce([correct], rt).item()
 
-    batches = TrainBatches(splits["train"], begin.objective, cfg, generator, rt, per_rank)
-    stack.callback(batches.close)
-    describe_run(cfg, rt, folder.name, models.raw, per_rank, summary)
-    return Run(
-        cfg,
-        rt,
-        models,
-        optimizers,
-        scaler,
-        begin.objective,
-        batches,
-        splits,
-        byte_lengths=tokens.token_byte_lengths(data_meta) if cfg.arch == "gpt" else None,
-        meta=begin.meta,
-        progress=open_outputs(cfg, rt, is_writer, models.raw.config, begin.meta, stack),
-        stop=stack.enter_context(StopRequest()),
-        host_group=host_group,
-        start_iter=0 if begin.ckpt is None else begin.ckpt["iter_num"],
-        best_val_loss=math.inf if begin.ckpt is None else begin.ckpt["best_val_loss"],
-        resumed=begin.ckpt is not None,
+
+@torch.no_grad()
+def exact_match(model, pairs, rows, objective, cfg, rt):
+    """
+    Fraction of the pairs `rows` whose greedy decoding (at most cfg.block_size tokens) equals the reference
+    exactly, over all ranks.
+    """
+    model.eval()
+    mine = rows[rt.rank :: rt.world_size]  # rank r decodes every world_size-th pair
+    starts = range(0, len(mine), cfg.batch_size)
+    batches = (seq2seq_batch(pairs, mine[i : i + cfg.batch_size], objective) for i in starts)
+    with rt.autocast():
+        decoded = decoded_pairs(model, batches, objective.bos_id, objective.eos_id, max_len=cfg.block_size)
+        correct = sum(output == reference for output, reference in decoded)
+    correct, total = all_reduce([correct, len(mine)], rt).tolist()
+    return correct / max(total, 1)
+
+
+def save_training_state(run, iter_num):
+    """
+    ckpt.pt: everything a resume needs (every rank takes part: their RNG states are gathered). Under FSDP, a
+    sharded checkpoint (a folder) that every rank writes its part of: no rank ever holds the whole model or optimizer.
+    """
+    state = training_state(
+        run.models.raw,
+        ema_model=run.models.average,
+        cfg=run.cfg,
+        meta=run.meta,
+        iter_num=iter_num,
+        best_val_loss=run.best_val_loss,
+        optimizers=run.optimizers,
+        scaler=run.scaler,
+        sampler_state=run.batches.resume_state,
+        world_size=run.rt.world_size,
+        sharded=run.rt.fsdp,
     )
+    path = Path(run.cfg.out_dir) / "ckpt.pt"
+    if run.rt.fsdp:
+        check_shards_finite([m for m in (run.models.raw, run.models.average) if m is not None], run.rt, iter_num)
+        tensors = sharded_state(run.models.raw, ema_model=run.models.average, optimizer=run.optimizers["adamw"])
+        save_sharded(tensors, state, path, run.rt.rank)
+    # every rank built the state (gathering the RNG states is a collective); one writes it
+    elif run.rt.rank == 0:
+        save_checkpoint(state, path)
 
 
-def join_processes(cfg, rt, stack):
-    """
-    The first stage: join the torchrun job, seed, set up the device and check out_dir, before any data or model.
-    Returns (micro-batches per rank, the host-side gloo group or None, whether this rank writes files).
-    """
-    # checked before any process group or data: a bad setting fails at once
-    per_rank = split_accumulation(cfg.gradient_accumulation_steps, rt.world_size)
-    host_group = init_distributed(cfg, rt, stack)
-    torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; DDP copies rank 0's initial weights
-    if rt.device.type == "cuda":
-        # TF32 matmuls (Ampere and newer): far faster than float32, and precise enough for training
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    elif rt.device.type == "cpu":
-        keep_freed_memory()
-    # an unwritable out_dir is found now, not at the first save hours later; rank 0 alone writes, eval_only never
-    is_writer = rt.rank == 0 and not cfg.eval_only
-    raise_if_any_failed(out_dir_problem(cfg.out_dir) if is_writer else None, rt.world_size)
-    return per_rank, host_group, is_writer
+def check_shards_finite(models, rt, iter_num):
+    """Under FSDP, before a save: the error of finite_weights on every rank if any rank's shards hold inf or nan."""
+    shards = [p.to_local() for model in models for p in model.parameters()]
+    if all_reduce([~all_finite(shards)], rt).item():
+        raise nonfinite_weights(iter_num)
 
 
-def make_optimizers(model, cfg, rt):
-    """
-    ({name: optimizer}, a one-line summary) over model's parallelized (sharded, on device) parameters: AdamW, and
-    with optimizer='muon' Muon for the blocks' matrices; weight decay on matrices and embeddings only.
-    """
-    betas = (cfg.beta1, cfg.beta2)
-    return model.configure_optimizers(
-        cfg.weight_decay, cfg.learning_rate, betas, rt.device.type, optimizer=cfg.optimizer, muon_lr=cfg.muon_lr
-    )
-
-
-def open_outputs(cfg, rt, is_writer, model_config, meta, stack):
-    """
-    The last stage: config.json beside the checkpoints and TensorBoard (on the writing rank), and the Progress that
-    reports to them, closed with the run.
-    """
-    scalars = Scalars(cfg, is_writer)
-    stack.callback(scalars.close)
-    if is_writer:
-        out_dir = Path(cfg.out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        # the run's settings in readable JSON beside the checkpoints, for people and tools without torch
-        run_config = {"train_config": asdict(cfg), "model_config": asdict(model_config), "meta": meta}
-        write_json({**run_config, "world_size": rt.world_size}, out_dir / "config.json")
-    # this GPU's peak bf16 FLOP/s, for MFU; None where unknown
-    peak = peak_flops(torch.cuda.get_device_name(rt.device)) if rt.device.type == "cuda" else None
-    return Progress(cfg, rt, scalars, peak)
-
-
-def describe_run(cfg, rt, dataset, model, per_rank, optimizer_summary):
-    """The lines that open a run's log: what trains on what, the step's shape, the optimizers, and notes."""
-    log(
-        f"{cfg.arch} on {dataset}: {model.num_params():,} parameters, {rt.device} {str(rt.dtype)[6:]}, "
-        f"{rt.world_size} rank(s); {cfg.batch_size * per_rank * rt.world_size} sequences per step "
-        f"({cfg.batch_size} x {per_rank} micro-batches x {rt.world_size} rank(s))"
-    )
-    if per_rank * rt.world_size > cfg.gradient_accumulation_steps:
-        log(
-            f"note: gradient_accumulation_steps={cfg.gradient_accumulation_steps} is fewer than the "
-            f"{rt.world_size} ranks: each rank runs one micro-batch, so a step sees {rt.world_size} x batch_size "
-            "sequences"
-        )
-    if cfg.fsdp and not rt.fsdp:
-        log("note: fsdp=True with one process: nothing to shard over, the model is trained whole")
-    log(optimizer_summary)
-    if cfg.optimizer == "muon" and rt.device.type == "cpu":
-        # measured on the quick start (2 cores, AVX-512 without BF16): 470 ms per step against 30 ms with AdamW
-        log(
-            "note: torch.optim.Muon orthogonalises in bfloat16, which CPUs without native bfloat16 emulate slowly; "
-            "optimizer='adamw' is the faster choice here"
-        )
-
-
-def out_dir_problem(out_dir):
-    """Why out_dir could not be written (None if it can), found before any work is done, creating nothing."""
-    path = Path(out_dir).absolute()
-    # the deepest part of the path that exists: the folder in which the rest would be created
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        return f"out_dir={out_dir} cannot be a folder: {existing} is a file; choose another --out_dir"
-    # write to create entries in it, execute to enter it
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"out_dir={out_dir} cannot be written: {existing} is not writable by this user; choose another --out_dir"
-    return None
+def whole_weights(model, rt):
+    """model's state dict, whole; under FSDP gathered onto rank 0's CPU (the others get {}): call it on every rank."""
+    if not rt.fsdp:
+        return model.state_dict()
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 # -----------------------------------------------------------------------------
-# The loop
-
-
-def main(cfg):
-    """
-    Train (or, with eval_only, evaluate) as cfg says, in one process or under torchrun. Returns a summary:
-    {"losses": {iteration: train loss}, "evals": [{"iter", "train", "val"[, "val_bpb"][, "accuracy"]}], "iter_num",
-    "best_val_loss"}.
-    Raises ConfigError for bad settings or data, FloatingPointError for a non-finite loss and OSError for a failed
-    save.
-    """
-    rt = make_runtime(cfg)
-    with contextlib.ExitStack() as stack:
-        run = setup(cfg, rt, stack)
-        cfg, progress, evals = run.cfg, run.progress, []
-        iter_num, stopping = run.start_iter, False
-        # each pass: evaluate if due, stop if this is the last iteration, else take one step
-        while True:
-            last = iter_num >= cfg.max_iters or stopping
-            if should_evaluate(run, iter_num, last, stopping):
-                with progress.paused():  # progress lines time the training steps only
-                    progress.read()  # a non-finite loss stops the run before any save
-                    evals.append(evaluate_and_save(run, iter_num, last))
-                if cfg.eval_only:
-                    break
-            if last:
-                # the final ckpt.pt, for --init_from=resume to go on from; a run that took no step has nothing new
-                if iter_num > run.start_iter:
-                    progress.finish()
-                    save_training_state(run, iter_num)
-                    log_memory(run.models.raw, run.optimizers, rt)
-                    how = f"stopped by {run.stop.signal or 'a signal to another rank'}" if stopping else "done"
-                    log(
-                        f"{how} at iteration {iter_num}: saved {Path(cfg.out_dir) / 'ckpt.pt'}"
-                        + ("; resume with --init_from=resume" if stopping else "")
-                    )
-                break
-            step = train_step(run, iter_num)
-            if step is None:  # a signal reached some rank: every rank stops here, before this step
-                stopping = True
-                continue
-            # iterations are numbered by the steps done: the step just taken ends iteration iter_num + 1
-            iter_num += 1
-            progress.add(iter_num, step)
-        return {"losses": progress.losses, "evals": evals, "iter_num": iter_num, "best_val_loss": run.best_val_loss}
+# Command line
 
 
 def cli(argv):
