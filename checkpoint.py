@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from config import ConfigError
+from config import ConfigError, one_line
 from hf import download_from_hub, from_pretrained, load_nanogpt
 from model import ModelConfig, Stack, build_model
 from tokens import GPT2_META, Tokenizer, dataset_dir, load_meta, pretrained_meta
@@ -222,7 +222,7 @@ def describe(error):
     """An error in a few words: the OS's message for an OSError ('No space left on device'), else type and text."""
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
-    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    return f"{type(error).__name__}: {one_line(error)}" if str(error).strip() else type(error).__name__
 
 
 class KeptError:
@@ -354,16 +354,10 @@ def load_checkpoint(path, map_location="cpu", weights=True):
         if not (path / STATE_FILE).is_file():
             raise ConfigError(f"{path} is a folder but not a sharded checkpoint: it has no {STATE_FILE}")
         ckpt = upgrade(read_checkpoint(path / STATE_FILE, map_location, fallback=""), folder=True)
-        if ckpt["format_version"] < 3 and ckpt["model_config"].get("arch") == "encoder_decoder":
-            raise ConfigError(
-                f"{path} is a sharded encoder-decoder checkpoint of format {ckpt['format_version']}, from before "
-                "cross-attention had its own q and kv weights; this code cannot reshard it: resume or sample it "
-                "with nanoformer from before checkpoint format 3"
-            )
         ckpt["sharded"] = path
         if weights:
             role = "average" if "average" in ckpt["shard_keys"] else "weights"
-            ckpt[role] = sharded_weights(path, ckpt["model_config"], ckpt["shard_keys"][role])
+            ckpt[role] = sharded_weights(ckpt, ckpt["shard_keys"][role])
         return ckpt
     if not path.is_file():
         raise ConfigError(f"no checkpoint at {path}; train one first, or point --out_dir at the run's folder")
@@ -418,10 +412,12 @@ def upgrade(ckpt, folder=False):
         ckpt["shard_keys"] = {"weights": "model", "optimizer": "optimizer"}
         if "train_model" in ckpt.get("sharded_keys", ()):
             ckpt["shard_keys"].update(weights="train_model", average="model")
+    # best.pt held only the weights to use: a run with a weight average saved the average there
+    averaged_best = "optimizer" not in ckpt and (ckpt.get("train_config") or {}).get("ema_decay", 0) > 0
     if ckpt["format_version"] < 3 and "train_model" in ckpt:
         ckpt["weights"], ckpt["average"] = ckpt.pop("train_model"), ckpt.pop("model")
     elif ckpt["format_version"] < 3 and "model" in ckpt:
-        ckpt["weights"] = ckpt.pop("model")
+        ckpt["average" if averaged_best else "weights"] = ckpt.pop("model")
     for role in ("weights", "average"):
         if ckpt["format_version"] < 3 and role in ckpt:
             ckpt[role] = split_cross_attention(ckpt[role], ckpt["model_config"]["n_embd"])
@@ -431,6 +427,20 @@ def upgrade(ckpt, folder=False):
 # before format 3, cross-attention's q and kv Linears were one, rows [W_q; W_k; W_v], as self-attention's qkv
 STACKED_CROSS = re.compile(r"(.*\.cross_attn)\.qkv\.(weight|bias)")
 SPLIT_CROSS = re.compile(r"(.*\.cross_attn)\.(q|kv)\.(weight|bias)")
+
+
+def stack_cross_attention(weights):
+    """Empty tensors shaped as a format-2 state dict of weights (each q and kv as one stacked qkv), for reading one."""
+    stacked = {}
+    for name, tensor in weights.items():
+        if split := SPLIT_CROSS.fullmatch(name):
+            prefix, part, kind = split.groups()
+            if part == "q":
+                rows = tensor.shape[0] + weights[f"{prefix}.kv.{kind}"].shape[0]
+                stacked[f"{prefix}.qkv.{kind}"] = tensor.new_empty(rows, *tensor.shape[1:])
+        else:
+            stacked[name] = tensor
+    return stacked
 
 
 def split_cross_attention(weights, n_embd):
@@ -488,7 +498,7 @@ def read_shards(tensors, path, alone):
         error = next(iter(e.failures.values()))[0]
         raise ConfigError(f"{path} is not a readable sharded checkpoint: {type(error).__name__}: {error}") from None
     except (OSError, RuntimeError, ValueError) as e:  # no .metadata, a part cut short, tensors of other shapes
-        raise ConfigError(f"{path} is not a readable sharded checkpoint: {str(e).strip().splitlines()[0]}") from None
+        raise ConfigError(f"{path} is not a readable sharded checkpoint: {one_line(e)}") from None
 
 
 def nanogpt_checkpoint(ckpt, path):
@@ -538,15 +548,21 @@ def is_checkpoint(path):
     return path.is_file() or (path / STATE_FILE).is_file()
 
 
-def sharded_weights(path, model_config, key):
-    """The weights stored as key in sharded checkpoint folder path, read whole into this process: a state dict."""
+def sharded_weights(ckpt, key):
+    """
+    The weights stored as key in the sharded checkpoint ckpt (its state.pt, upgraded), read whole into this
+    process: a state dict. Format 2 stored cross-attention's q and kv stacked: read so, then split.
+    """
+    config = ModelConfig.from_dict(ckpt["model_config"])
     # built without drawing any initial values (the meta device), then given memory for the checkpoint to fill
     with torch.device("meta"):
-        model = build_model(ModelConfig.from_dict(model_config))
+        model = build_model(config)
     weights = model.to_empty(device="cpu").state_dict()
+    if ckpt["format_version"] < 3:
+        weights = stack_cross_attention(weights)
     # this process reads every rank's part itself, whether or not it is one of several
-    read_shards({key: weights}, path, alone=True)
-    return weights
+    read_shards({key: weights}, ckpt["sharded"], alone=True)
+    return split_cross_attention(weights, config.n_embd) if ckpt["format_version"] < 3 else weights
 
 
 def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False):

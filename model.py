@@ -109,6 +109,10 @@ class ModelConfig(ModelSettings):
         return cls(**d)
 
 
+# the names of the settings a user picks (TrainConfig's model settings); the vocabulary and padding id are the data's
+MODEL_KEYS = tuple(f.name for f in fields(ModelSettings))
+
+
 # -----------------------------------------------------------------------------
 # Norms and positions
 
@@ -732,7 +736,8 @@ class TransformerModel(nn.Module):
                 muon, lr=muon_lr, weight_decay=weight_decay, momentum=0.95, nesterov=True, adjust_lr_fn="original"
             )
             summary = (
-                f"Muon: {len(muon)} block matrices (attention qkv/proj, MLP fc/up/proj) with weight decay "
+                f"Muon: {len(muon)} block matrices (attention qkv/proj, cross-attention q/kv, MLP fc/up/proj) "
+                "with weight decay "
                 f"({sum(p.numel() for p in muon):,} params); {summary} (embeddings, head, norms, biases)"
             )
         return optimizers, summary

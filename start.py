@@ -37,13 +37,8 @@ from checkpoint import (
 )
 from config import ConfigError, one_line
 from data import Objective, make_objective
-from model import ModelConfig, ModelSettings, build_model
+from model import MODEL_KEYS, ModelConfig, build_model
 from parallel import log
-
-# the model settings a TrainConfig holds; the vocabulary and padding id come from the dataset
-MODEL_KEYS = tuple(f.name for f in fields(ModelSettings))
-
-UNAVERAGED_NOTE = "note: training goes on from the un-averaged weights; their average is dropped (ema_decay=0)"
 
 
 @dataclass
@@ -110,6 +105,13 @@ def resume(cfg, meta, lazy):
         )
     # the checkpoint's settings completed with today's defaults: a checkpoint older than a setting lacks it
     config = ModelConfig.from_dict(ckpt["model_config"])
+    if "sharded" in ckpt and ckpt["format_version"] < 3 and config.arch == "encoder_decoder":
+        # its optimizer state is keyed by the stacked cross-attention's names, which no longer exist
+        raise ConfigError(
+            f"{path} is a sharded encoder-decoder checkpoint of format {ckpt['format_version']}, whose optimizer "
+            f"state this code cannot reshard: start a new run from its weights with --init_from={path} and "
+            "another --out_dir (AdamW's moments restart)"
+        )
     # settings the user gave (not left at their defaults) that the checkpoint overrides; None resolved first
     defaults, given, saved = {f.name: f.default for f in fields(cfg)}, asdict(cfg.model_config(1)), asdict(config)
     changed = [f"{k}={saved[k]!r}" for k in MODEL_KEYS if getattr(cfg, k) != defaults[k] and given[k] != saved[k]]
@@ -119,7 +121,7 @@ def resume(cfg, meta, lazy):
     cfg = with_model_settings(cfg, config)
     averaged = "average" in (ckpt["shard_keys"] if "sharded" in ckpt else ckpt)
     if averaged and not cfg.ema_decay and not cfg.eval_only:
-        log(UNAVERAGED_NOTE)
+        log("note: training goes on from the un-averaged weights; their average is dropped (ema_decay=0)")
     # a resumed run keeps the checkpoint's meta, which already has an encoder's [MASK] id
     objective = make_objective(cfg.arch, meta, cfg.mask_prob)[0]
     with torch.device("meta") if lazy and "sharded" in ckpt else contextlib.nullcontext():
@@ -195,7 +197,7 @@ def with_model_settings(cfg, config):
     return replace(cfg, **{k: getattr(config, k) for k in MODEL_KEYS})
 
 
-def restore(ckpt, models, optimizers, scaler, generator, cfg, rt):
+def restore(ckpt, models, *, optimizers, scaler, generator, cfg, rt):
     """
     Put a resumed run's state back, in this order: the optimizers' state (Adam's moments, Muon's momentum), the
     loss scale, the data stream's position (generator), the weight average, a sharded checkpoint's weights (with

@@ -56,7 +56,7 @@ from data import (
 )
 from devices import DTYPES, keep_freed_memory, peak_flops
 from generate import decoded_pairs
-from model import IGNORE_INDEX, ModelConfig, ModelSettings, build_model
+from model import IGNORE_INDEX, MODEL_KEYS, ModelConfig, ModelSettings, build_model
 from parallel import (
     CompiledModel,
     Models,
@@ -71,7 +71,7 @@ from parallel import (
     split_accumulation,
 )
 from progress import Progress, Scalars, Step, log_memory
-from start import MODEL_KEYS, restore, start_run
+from start import restore, start_run
 
 
 @dataclass
@@ -194,6 +194,7 @@ class Run:
     cfg: TrainConfig  # with the model settings of the checkpoint or pretrained weights it starts from
     rt: Runtime
     models: Models  # the model under the name of each use: see parallel.Models
+    ema_pairs: tuple  # with a weight average: (its parameters, the trained ones), for update_ema; else ()
     optimizers: dict  # {"adamw": AdamW} or, with optimizer='muon', {"adamw": AdamW, "muon": Muon}
     scaler: torch.amp.GradScaler
     objective: Objective
@@ -273,25 +274,29 @@ def setup(cfg, rt, stack):
     # a batch for compile's trial, drawn with a throwaway generator so that the training stream is untouched
     example = get_batch(splits["train"], begin.objective, cfg.batch_size, cfg.block_size, torch.Generator())
     models = parallelize(begin.model, cfg, rt, model_inputs(*example, rt.device))
+    if rt.device.type == "cpu":
+        keep_freed_memory()  # for the training steps' buffers, now that the data is prepared and the model built
     optimizers, summary = make_optimizers(models.raw, cfg, rt)
     # float16 only: its small gradients would underflow to 0 without a loss scale; bfloat16 has float32's range
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
     generator = torch.Generator().manual_seed(cfg.seed)  # the training data stream: the same on every rank
     if begin.ckpt is not None:
-        restore(begin.ckpt, models, optimizers, scaler, generator, cfg, rt)
+        restore(begin.ckpt, models, optimizers=optimizers, scaler=scaler, generator=generator, cfg=cfg, rt=rt)
 
     batches = TrainBatches(splits["train"], begin.objective, cfg, generator, rt, per_rank)
     stack.callback(batches.close)
     describe_run(cfg, rt, folder.name, models.raw, per_rank, summary)
     return Run(
-        cfg,
-        rt,
-        models,
-        optimizers,
-        scaler,
-        begin.objective,
-        batches,
-        splits,
+        cfg=cfg,
+        rt=rt,
+        models=models,
+        # the average's parameters and the weights', listed once rather than at every step
+        ema_pairs=() if models.average is None else (list(models.average.parameters()), list(models.raw.parameters())),
+        optimizers=optimizers,
+        scaler=scaler,
+        objective=begin.objective,
+        batches=batches,
+        splits=splits,
         byte_lengths=tokens.token_byte_lengths(data_meta) if cfg.arch == "gpt" else None,
         meta=begin.meta,
         progress=open_outputs(cfg, rt, is_writer, models.raw.config, begin.meta, stack),
@@ -315,8 +320,6 @@ def join_processes(cfg, rt, stack):
     if rt.device.type == "cuda":
         # TF32 matmuls (Ampere and newer): far faster than float32, and precise enough for training
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    elif rt.device.type == "cpu":
-        keep_freed_memory()
     # an unwritable out_dir is found now, not at the first save hours later; rank 0 alone writes, eval_only never
     is_writer = rt.rank == 0 and not cfg.eval_only
     raise_if_any_failed(out_dir_problem(cfg.out_dir) if is_writer else None, rt.world_size)
@@ -446,12 +449,20 @@ def train_step(run, iter_num):
     # Forward and backward: the gradient of the mean loss over the step's targets (at least 1: a step whose
     # batches hold no real target must not divide by zero)
     n_targets = max(n_targets, 1)
-    loss = compute_gradients(models, run.optimizers, micro_batches, n_targets, run.scaler, rt, cfg.label_smoothing)
+    loss = compute_gradients(
+        models,
+        run.optimizers,
+        micro_batches,
+        n_targets=n_targets,
+        scaler=run.scaler,
+        rt=rt,
+        label_smoothing=cfg.label_smoothing,
+    )
 
     # The update: clipped, and skipped where the gradient is not finite; then the average follows the weights
     grad_norm, skipped = update_weights(models.raw, run.optimizers, run.scaler, cfg.grad_clip)
     if models.average is not None:
-        update_ema(list(models.average.parameters()), list(models.raw.parameters()), cfg.ema_decay, iter_num + 1)
+        update_ema(*run.ema_pairs, cfg.ema_decay, iter_num + 1)
 
     # FLOPs for MFU, counted only where a GPU's peak is known
     flops = sum(models.raw.training_flops(*inputs) for inputs, _ in micro_batches) if run.progress.peak_flops else 0.0
@@ -478,7 +489,7 @@ def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters, schedule="co
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
-def compute_gradients(models, optimizers, batches, n_targets, scaler, rt, label_smoothing=0.0):
+def compute_gradients(models, optimizers, batches, *, n_targets, scaler, rt, label_smoothing=0.0):
     """
     accumulate_gradients, with the rare path around it: a recompiled graph's backward is compiled at its first use,
     inside backward(); if that fails, the model goes on in eager mode and the step is done again.

@@ -30,13 +30,20 @@ import start
 import tasks
 import tokens
 import train
-from checkpoint import kept_weights, load_checkpoint, model_from_checkpoint, move_into_place, save_checkpoint
+from checkpoint import (
+    kept_weights,
+    load_checkpoint,
+    model_from_checkpoint,
+    move_into_place,
+    save_checkpoint,
+    upgrade,
+)
 from config import ConfigError, parse_config
 from data import Objective, mask_tokens, seq2seq_batch
 from generate import translate
-from model import IGNORE_INDEX, Block, ModelConfig, build_model
+from model import IGNORE_INDEX, MODEL_KEYS, Block, ModelConfig, build_model
 from parallel import Models, Runtime, split_accumulation
-from start import MODEL_KEYS, start_run
+from start import start_run
 from train import (
     TrainConfig,
     accumulate_gradients,
@@ -124,7 +131,7 @@ def one_step(model, optimizers, scaler, batches, rt, *, n_targets, lrs, grad_cli
         for group in optimizer.param_groups:
             group["lr"] = lrs[name]
     models = Models(raw=model, step=model if step_model is None else step_model)
-    loss = compute_gradients(models, optimizers, batches, n_targets, scaler, rt)
+    loss = compute_gradients(models, optimizers, batches, n_targets=n_targets, scaler=scaler, rt=rt)
     return (loss / n_targets, *update_weights(model, optimizers, scaler, grad_clip))
 
 
@@ -528,6 +535,17 @@ def test_exact_resume(tmp_path, data_root, extra):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def stacked_cross_attention(weights):
+    """weights as format 2 held them: each cross-attention's q and kv as one qkv, rows [W_q; W_k; W_v]."""
+    out = {}
+    for name, tensor in weights.items():
+        if ".cross_attn.q." in name:
+            out[name.replace(".q.", ".qkv.")] = torch.cat([tensor, weights[name.replace(".q.", ".kv.")]])
+        elif ".cross_attn.kv." not in name:
+            out[name] = tensor
+    return out
+
+
 def as_format_2(ckpt, model, optimizer):
     """
     A format-3 ckpt.pt of an encoder-decoder with a weight average as format 2 wrote it, built here apart from
@@ -535,15 +553,6 @@ def as_format_2(ckpt, model, optimizer):
     qkv (rows [W_q; W_k; W_v]), in the weights and in AdamW's moments, which are numbered over the stacked
     parameters. model and optimizer: built as the run built them, for the order of the saved numbering.
     """
-
-    def stacked(weights):
-        out = {}
-        for name, tensor in weights.items():
-            if ".cross_attn.q." in name:
-                out[name.replace(".q.", ".qkv.")] = torch.cat([tensor, weights[name.replace(".q.", ".kv.")]])
-            elif ".cross_attn.kv." not in name:
-                out[name] = tensor
-        return out
 
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]  # the saved numbering
@@ -561,7 +570,8 @@ def as_format_2(ckpt, model, optimizer):
             ids.append(len(state) - 1)
         groups.append({**group, "params": ids})
     old = {k: v for k, v in ckpt.items() if k not in ("weights", "average", "optimizer")}
-    old.update(format_version=2, model=stacked(ckpt["average"]), train_model=stacked(ckpt["weights"]))
+    old.update(format_version=2, model=stacked_cross_attention(ckpt["average"]))
+    old["train_model"] = stacked_cross_attention(ckpt["weights"])
     return {**old, "optimizer": {"state": state, "param_groups": groups}}
 
 
@@ -586,6 +596,40 @@ def test_a_format_2_encoder_decoder_checkpoint_resumes_exactly(tmp_path, data_ro
     for key in ("weights", "average"):
         a, b = ckpt_weights(tmp_path / "a" / "ckpt.pt", key), ckpt_weights(path, key)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_format_2_weights_are_named_by_their_role():
+    """Format 2's "model" was the average beside "train_model", and in best.pt of a run with ema_decay."""
+    config = ModelConfig(arch="encoder_decoder", vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8)
+    w = stacked_cross_attention(build_model(config).state_dict())
+    common = {"format_version": 2, "model_config": dataclasses.asdict(config)}
+    best = upgrade({**common, "model": w, "train_config": {"ema_decay": 0.9}})
+    plain = upgrade({**common, "model": w, "train_config": {"ema_decay": 0.0}})
+    resume = upgrade({**common, "model": w, "train_model": w, "optimizer": {}, "train_config": {"ema_decay": 0.9}})
+    assert "average" in best and "weights" not in best and "weights" in plain and "average" not in plain
+    assert resume.keys() >= {"weights", "average"} and "model" not in resume and "train_model" not in resume
+    assert best["average"].keys() == build_model(config).state_dict().keys()  # q and kv, split
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save's, in this one process
+def test_a_format_2_sharded_encoder_decoder_reads_whole_and_starts_runs_but_does_not_resume(tmp_path, data_root):
+    """Its stacked cross-attention is read and split; its optimizer state cannot be resharded: one line says so."""
+    import torch.distributed.checkpoint as dcp
+
+    seq2seq = dict(arch="encoder_decoder", dataset="reverse", data_options=REVERSE, eval_accuracy_examples=0)
+    main(tiny(data_root, tmp_path / "run", max_iters=2, **seq2seq))
+    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+    folder = tmp_path / "old" / "ckpt.pt"
+    dcp.save({"model": stacked_cross_attention(ckpt["weights"])}, checkpoint_id=folder, no_dist=True)
+    state = {k: v for k, v in ckpt.items() if k not in ("weights", "optimizer")}
+    save_checkpoint({**state, "format_version": 2, "sharded_keys": ["model", "optimizer"]}, folder / "state.pt")
+    whole = load_checkpoint(folder)
+    assert whole["weights"].keys() == ckpt["weights"].keys()
+    assert all(torch.equal(whole["weights"][k], v) for k, v in ckpt["weights"].items())
+    started = main(tiny(data_root, tmp_path / "new", max_iters=1, init_from=str(folder), **seq2seq))
+    assert started["iter_num"] == 1
+    with pytest.raises(ConfigError, match=f"start a new run from its weights with --init_from={folder}"):
+        main(tiny(data_root, tmp_path / "old", max_iters=4, init_from="resume", **seq2seq))
 
 
 def test_update_ema_is_the_weighted_average_of_past_weights():
