@@ -52,29 +52,35 @@ FORMAT_VERSION = 3
 STATE_FILE = "state.pt"  # in a sharded checkpoint's folder: all but the weights and the optimizer's state
 
 
-def rng_state():
-    """Every random generator's state, as types torch.load(weights_only=True) accepts."""
+def rng_state(device):
+    """
+    The state of every random generator this process draws from, as types torch.load(weights_only=True) accepts:
+    Python's, NumPy's, torch's CPU generator and, on a CUDA device, that device's generator (only its own: another
+    machine may see fewer GPUs).
+    """
     # numpy's state holds its 624 Mersenne Twister keys as a uint32 array, which weights_only refuses: kept as a list
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     return {
         "python": random.getstate(),
         "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
         "torch": torch.get_rng_state(),
-        # one state per visible GPU; none on a machine without CUDA
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
     }
 
 
-def set_rng_state(state):
-    """Restore every random generator from what rng_state() returned."""
+def set_rng_state(state, device):
+    """Restore every random generator from what rng_state(device) returned (on a CUDA device: that device's)."""
     random.setstate(state["python"])
     name, keys, *rest = state["numpy"]
     # the keys back as the array numpy expects, in the dtype the list lost
     np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
+    cuda = state["cuda"]
+    if isinstance(cuda, list):  # format 2 and before: one state per GPU the saving rank could see; ours is ours
+        cuda = cuda[device.index] if device.type == "cuda" and device.index < len(cuda) else None
     # a GPU run resumed on a CPU restores the CPU generators only
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def all_finite(tensors):
@@ -124,7 +130,19 @@ def weights_state(weights, model_config, cfg, meta, iter_num, best_val_loss, rol
 
 
 def training_state(
-    model, *, ema_model, cfg, meta, iter_num, best_val_loss, optimizers, scaler, sampler_state, world_size, sharded
+    model,
+    *,
+    ema_model,
+    cfg,
+    meta,
+    iter_num,
+    best_val_loss,
+    optimizers,
+    scaler,
+    sampler_state,
+    device,
+    world_size,
+    sharded,
 ):
     """
     What ckpt.pt holds: weights_state (model's trained weights) plus all a resume needs, with ema_model's weights as
@@ -132,10 +150,10 @@ def training_state(
     sharded: all but the weights and the optimizer's state, which sharded_state gives (a sharded checkpoint).
     """
     # each rank has its own generators (dropout differs per rank): all are gathered, in rank order, for rank 0 to save
-    rng = [rng_state()]
+    rng = [rng_state(device)]
     if world_size > 1:
-        rng = [None] * world_size
-        dist.all_gather_object(rng, rng_state())
+        mine, rng = rng[0], [None] * world_size
+        dist.all_gather_object(rng, mine)
     state = {
         **weights_state(None if sharded else model.state_dict(), model.config, cfg, meta, iter_num, best_val_loss),
         # float16's current loss scale; an empty dict when no scaler is in use

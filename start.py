@@ -227,7 +227,7 @@ def restore(ckpt, models, *, optimizers, scaler, generator, cfg, rt):
         load_sharded(ckpt, models.raw, optimizer=optimizers["adamw"], ema_model=models.average, role=role)
     # each rank's own generators (dropout) back as they were, in rank order, if the rank count is unchanged
     if len(ckpt["rng"]) == rt.world_size:
-        set_rng_state(ckpt["rng"][rt.rank])
+        set_rng_state(ckpt["rng"][rt.rank], rt.device)
     else:
         log(
             f"note: the checkpoint has RNG states for {len(ckpt['rng'])} rank(s), not {rt.world_size}; "

@@ -737,6 +737,7 @@ def save_training_state(run, iter_num):
         optimizers=run.optimizers,
         scaler=run.scaler,
         sampler_state=run.batches.resume_state,
+        device=run.rt.device,
         world_size=run.rt.world_size,
         sharded=run.rt.fsdp,
     )

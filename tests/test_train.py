@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import checkpoint
 import data
 import devices
 import parallel
@@ -630,6 +631,33 @@ def test_a_format_2_sharded_encoder_decoder_reads_whole_and_starts_runs_but_does
     assert started["iter_num"] == 1
     with pytest.raises(ConfigError, match=f"start a new run from its weights with --init_from={folder}"):
         main(tiny(data_root, tmp_path / "old", max_iters=4, init_from="resume", **seq2seq))
+
+
+def test_each_rank_saves_and_restores_its_own_gpus_generator_only(monkeypatch):
+    """
+    Format 2 saved every visible GPU's generator and restored them all: on a machine with fewer visible GPUs that
+    was an IndexError. A rank now keeps its own device's state, and takes its own entry from an old list.
+    """
+    visible, restored = 1, []
+
+    def set_state(state, device):  # what CUDA does for a GPU that is not there
+        if torch.device(device).index >= visible:
+            raise IndexError("CUDA device index out of range")
+        restored.append((torch.device(device).index, state))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: [set_state(s, i) for i, s in enumerate(states)])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: torch.full((4,), torch.device(device).index))
+    saved = checkpoint.rng_state(torch.device("cuda", 1))  # rank 1 of a 2-GPU machine
+    assert torch.equal(saved["cuda"], torch.full((4,), 1))
+    old = {**saved, "cuda": [torch.full((4,), 7), torch.full((4,), 8)]}  # format 2, saved on a 2-GPU machine
+    checkpoint.set_rng_state(old, torch.device("cuda", 0))
+    checkpoint.set_rng_state(saved, torch.device("cuda", 0))  # rank 1's state, resumed as rank 0 of 1
+    checkpoint.set_rng_state(old, torch.device("cuda", 3))  # no entry for this device: its generator is left alone
+    checkpoint.set_rng_state(saved, torch.device("cpu"))  # a GPU run resumed on a CPU
+    assert [(i, s.tolist()) for i, s in restored] == [(0, [7] * 4), (0, [1] * 4)]
 
 
 def test_update_ema_is_the_weighted_average_of_past_weights():
