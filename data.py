@@ -8,15 +8,20 @@ step ahead on a background thread. train.py draws its batches here, eval.py its 
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 import prepare_data
 from config import ConfigError
 from model import IGNORE_INDEX
 from parallel import log, raise_if_any_failed
 from tokens import check_prepared, dataset_dir, is_prepared, load_pairs, load_tokens
+
+# how long the other ranks of a torchrun job wait while one prepares the dataset
+PREPARE_TIMEOUT = timedelta(days=2)
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,9 @@ def prepared_dataset(name, data_dir, options):
 
 def find_dataset(cfg, rt):
     """The dataset's folder, prepared first if missing: by rank 0, then by each node's first rank, then by the rest."""
+    # the others wait over a gloo group of its own, whose timeout outlasts a preparation of hours (OpenWebText):
+    # waiting in the default group would end at dist_timeout, and on GPUs in NCCL's watchdog
+    group = dist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT) if rt.world_size > 1 else None
     folder = None
     # three turns, so that one process downloads and tokenizes while the others wait: rank 0 first, then the first
     # rank of every other machine (its data_dir may be a local disk), then everyone else, who find it done
@@ -163,7 +171,9 @@ def find_dataset(cfg, rt):
                 folder = prepared_dataset(cfg.dataset, cfg.data_dir, cfg.data_options)
             except ConfigError as e:
                 error = str(e)
-        raise_if_any_failed(error, rt.world_size)  # also makes the others wait until the files exist
+        raise_if_any_failed(error, rt.world_size, group)  # also makes the others wait until the files exist
+    if group is not None:
+        dist.destroy_process_group(group)
     return folder
 
 

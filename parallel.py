@@ -104,16 +104,17 @@ def all_reduce(values, rt):
     return tensor
 
 
-def raise_if_any_failed(error, world_size):
+def raise_if_any_failed(error, world_size, group=None):
     """
     Every rank passes its one-line error (or None); if any rank failed, all raise the first rank's error at once,
-    instead of the others waiting in their next collective until dist_timeout.
+    instead of the others waiting in their next collective until dist_timeout. group: the process group to
+    exchange them over (None: the default one).
     """
     errors = [error]
     if world_size > 1:
         errors = [None] * world_size
         # every rank receives every rank's message (a string or None)
-        dist.all_gather_object(errors, error)
+        dist.all_gather_object(errors, error, group=group)
     # the lowest failing rank's message: every rank raises the same one
     failed = next((e for e in errors if e), None)
     if failed:

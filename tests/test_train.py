@@ -1778,6 +1778,40 @@ sys.exit(train.cli(sys.argv[1:]) or print("graphs", counts[0]))
 """
 
 
+SLOW_PREPARE = """
+import sys, time
+import prepare_data, train
+real_prepare = prepare_data.prepare
+def prepare(*args, **kwargs):
+    time.sleep(10)  # twice --dist_timeout, as preparing OpenWebText is to the default 900 s
+    return real_prepare(*args, **kwargs)
+prepare_data.prepare = prepare
+sys.exit(train.cli(sys.argv[1:]))
+"""
+
+
+def test_a_dataset_prepared_inside_torchrun_outlasts_dist_timeout(tmp_path, env):
+    """Rank 1 waits while rank 0 prepares for longer than dist_timeout: the run goes on, it does not time out."""
+    script = tmp_path / "slow_prepare.py"
+    script.write_text(SLOW_PREPARE)
+    args = [f"--{k}={v}" for k, v in TINY.items()] + [
+        "--dataset=shakespeare_char",
+        f"--data_dir={tmp_path / 'data'}",  # not prepared yet
+        "--dist_timeout=5",
+        "--max_iters=1",
+        f"--out_dir={tmp_path / 'out'}",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args],
+        env={**env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "preparing it" in run.stdout and "done at iteration 1" in run.stdout
+
+
 def test_ddp_compiles_one_graph_per_gradient_bucket(tmp_path, data_root, env):
     """DDP's graph split (its all-reduce overlapping the backward) needs DDP compiled, not wrapping a compiled model."""
     script = tmp_path / "count_graphs.py"
