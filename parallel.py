@@ -267,24 +267,33 @@ class CompiledModel(nn.Module):
 def compile_model(model, example, rt, label_smoothing=0.0):
     """
     CompiledModel(model), tried on one forward and backward pass of example ((inputs, targets) on rt.device; the
-    backward is compiled at its first call); if that fails, one warning and the eager model. Running out of memory
-    is no compile failure: it is raised.
+    backward is compiled at its first call); if that fails, one warning and the eager model, on every rank if it
+    failed on any. Running out of memory or a failed collective is no compile failure: it is raised. Under FSDP a
+    backward that fails to compile leaves the ranks' gathers of weights half done: one line, no fallback.
     """
     compiled = CompiledModel(model)
     inputs, targets = example
+    # DDP's no_sync: the trial's backward exchanges nothing, so a rank whose backward fails to compile leaves no
+    # other rank waiting in an all-reduce, and all can agree below
+    no_sync = model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()
     try:
         # the trial leaves every random generator as it was, so compiling does not change the run
-        with torch.random.fork_rng(devices=[rt.device.index] if rt.device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[rt.device.index] if rt.device.type == "cuda" else []), no_sync:
             with rt.autocast():
                 # the training step's exact call, so that training reuses this graph instead of compiling another
                 _, loss = compiled(
                     *inputs, targets, label_smoothing=label_smoothing, reduction="sum", return_logits=False
                 )
             loss.backward()
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, dist.DistError):
         raise
     except Exception as e:  # a missing C compiler, an unsupported operator, ...: all mean eager mode
+        if rt.fsdp:  # a forward's failure falls back inside CompiledModel: this one is a backward's
+            raise ConfigError(f"torch.compile failed in a backward ({one_line(e)}); run with --compile=false") from None
         compiled.fall_back(e)
+    # every rank must run the same graphs, or their collectives would not pair: one rank's failure is everyone's
+    if rt.world_size > 1 and all_reduce([compiled.failed], rt).item() and not compiled.failed:
+        compiled.fall_back(RuntimeError("it failed on another rank"))
     # the trial's gradients must not add to the first real step's
     model.zero_grad(set_to_none=True)
     return model if compiled.failed else compiled

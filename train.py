@@ -499,10 +499,11 @@ def compute_gradients(models, optimizers, batches, *, n_targets, scaler, rt, lab
     except torch.OutOfMemoryError:
         raise
     except Exception as e:
-        if not isinstance(models.step, CompiledModel) or models.step.failed:
+        if not isinstance(models.step, CompiledModel) or models.step.failed or isinstance(e, dist.DistError):
             raise
-        if rt.fsdp:
-            # FSDP holds the earlier micro-batches' gradients where zero_grad does not reach: a redo would add them
+        if rt.world_size > 1:
+            # DDP's reducer is left mid-step, FSDP holds gradients zero_grad does not reach, and a redo on this rank
+            # alone would pair its collectives with the other ranks' next step
             raise ConfigError(f"torch.compile failed in a backward ({one_line(e)}); run with --compile=false") from None
         models.step.fall_back(e)
     for optimizer in optimizers.values():

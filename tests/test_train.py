@@ -1725,8 +1725,8 @@ def test_seq2seq_lengths_compile_once(tmp_path, data_root, monkeypatch):
     assert len(graphs) == 2
 
 
-def test_a_failed_backward_recompilation_redoes_the_step_eagerly():
-    """A backward is compiled at its first use, inside loss.backward(): that failure too ends in eager mode."""
+def second_backward_fails(model):
+    """(model compiled so that its second backward graph, a recompilation's, fails to compile; the graphs made)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -1738,15 +1738,21 @@ def test_a_failed_backward_recompilation_redoes_the_step_eagerly():
             raise RuntimeError("this backward compiler fails on purpose")
         return make_boxed_func(gm)
 
-    torch.manual_seed(0)
-    config = ModelConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=16)
-    model, reference = build_model(config), build_model(config)
-    reference.load_state_dict(model.state_dict())
     backend = aot_autograd(fw_compiler=lambda gm, inputs: make_boxed_func(gm), bw_compiler=backward_compiler)
     compiled = parallel.CompiledModel.__new__(parallel.CompiledModel)
     torch.nn.Module.__init__(compiled)
     compiled.module, compiled.failed = model, False
     compiled.compiled = torch.compile(model, backend=backend, dynamic=False)  # a new length recompiles
+    return compiled, backward_graphs
+
+
+def test_a_failed_backward_recompilation_redoes_the_step_eagerly():
+    """A backward is compiled at its first use, inside loss.backward(): that failure too ends in eager mode."""
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    model, reference = build_model(config), build_model(config)
+    reference.load_state_dict(model.state_dict())
+    compiled, backward_graphs = second_backward_fails(model)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (model, reference)]
     for length in (8, 6):  # the second length's backward cannot be compiled
@@ -1758,6 +1764,23 @@ def test_a_failed_backward_recompilation_redoes_the_step_eagerly():
     assert compiled.failed and len(backward_graphs) == 2
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(mine, theirs)
+
+
+def test_a_failed_backward_recompilation_with_several_ranks_is_one_line():
+    """A redo on one rank alone would pair its collectives with the other ranks' next step: an error instead."""
+    model = build_model(ModelConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    compiled, _ = second_backward_fails(model)
+    models, rt = Models(raw=model, step=compiled), Runtime(world_size=2)  # no collective runs before the failure
+    optimizers = {"adamw": torch.optim.AdamW(model.parameters(), lr=0.01)}
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    for length in (8, 6):
+        x, y = torch.randint(0, 20, (2, length)), torch.randint(0, 20, (2, length))
+        batches, expected = [((x,), y)], contextlib.nullcontext()
+        if length == 6:
+            expected = pytest.raises(ConfigError, match=r"torch.compile failed in a backward \(this backward")
+        with expected:
+            compute_gradients(models, optimizers, batches, n_targets=2 * length, scaler=scaler, rt=rt)
+    assert not compiled.failed  # no rank fell back alone
 
 
 DDP_GRAPHS = """
@@ -1810,6 +1833,64 @@ def test_a_dataset_prepared_inside_torchrun_outlasts_dist_timeout(tmp_path, env)
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "preparing it" in run.stdout and "done at iteration 1" in run.stdout
+
+
+RANK_1_CANNOT_COMPILE = """
+import os, sys, torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+import train
+where = sys.argv.pop(1)  # "forward" or "backward": the graphs rank 1 cannot compile
+def fails(gm, example_inputs):
+    raise RuntimeError("this compiler fails on rank 1 on purpose")
+def works(gm, example_inputs):
+    return make_boxed_func(gm)
+broken = os.environ["RANK"] == "1"
+backend = aot_autograd(
+    fw_compiler=fails if broken and where == "forward" else works,
+    bw_compiler=fails if broken and where == "backward" else works,
+)
+real_compile = torch.compile
+torch.compile = lambda module, **kwargs: real_compile(module, backend=backend)
+sys.exit(train.cli(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_compile_failure_on_one_rank_is_every_ranks(tmp_path, env, where):
+    """
+    DDP on 2 ranks, torch.compile failing on rank 1 only, in the forward or in the backward graph: both ranks go on
+    eagerly (one rank compiled and one not would run different graphs, and a failed backward must not leave the
+    other rank waiting in an all-reduce).
+    """
+    script = tmp_path / "rank_1_cannot_compile.py"
+    script.write_text(RANK_1_CANNOT_COMPILE)
+    args = [f"--{k}={v}" for k, v in TINY.items()] + [
+        "--dataset=shakespeare_char",
+        "--compile=true",
+        "--max_iters=2",
+        "--dist_timeout=60",
+        f"--out_dir={tmp_path / 'out'}",
+    ]
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+            where,
+            *args,
+        ],
+        env={**env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "torch.compile failed (RuntimeError: it failed on another rank); going on without it" in run.stdout
+    assert "done at iteration 2" in run.stdout
 
 
 def test_ddp_compiles_one_graph_per_gradient_bucket(tmp_path, data_root, env):
