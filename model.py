@@ -617,8 +617,10 @@ class TransformerModel(nn.Module):
     def head_and_loss(self, x, targets, label_smoothing, reduction, return_logits):
         """
         The head over x (B, T, C) and, given targets (B, T), the cross-entropy in float32, computed a chunk of
-        positions at a time so that the float32 logits are never whole (LOSS_CHUNK_BYTES). reduction: "mean" over
-        the targets that are not IGNORE_INDEX, or "sum". Returns (logits (B, T, V) or None if not return_logits, loss).
+        positions at a time so that the float32 logits are never whole (LOSS_CHUNK_BYTES). In training each chunk's
+        head and loss run again in the backward instead of keeping its float32 log-probabilities, so that those of
+        at most one chunk are held at a time. reduction: "mean" over the targets that are not IGNORE_INDEX, or
+        "sum". Returns (logits (B, T, V) or None if not return_logits, loss).
         """
         if targets is None:
             return (self.head(x) if return_logits else None), None
@@ -627,35 +629,59 @@ class TransformerModel(nn.Module):
         # positions per chunk: as many as fit their float32 logits (4 bytes each of V) in the budget
         budget = LOSS_CHUNK_BYTES if x.device.type == "cpu" else ACCELERATOR_LOSS_CHUNK_BYTES
         rows = max(1, budget // (4 * self.config.vocab_size))
+        # Autograd would keep every chunk's float32 log-probabilities for the backward: B * T * V * 4 bytes in all
+        # (2.5 GB for gpt2.py). Recomputed chunks keep only their inputs. A single chunk is not recomputed: its
+        # log-probabilities are needed at the start of the backward either way, so that would only cost time.
+        recompute = torch.is_grad_enabled() and targets.numel() > rows
         loss, chunks = torch.zeros((), device=x.device), []
         # batch and time flattened into one axis of B * T positions, cut into chunks of `rows`
         for x_chunk, target_chunk in zip(x.flatten(0, 1).split(rows), targets.flatten().split(rows)):
-            logits = self.head(x_chunk)  # (rows, V), in the model's dtype
+            inputs = (x_chunk, target_chunk, label_smoothing, return_logits)
+            if recompute:
+                # no dropout nor any other randomness in the head: no generator state to save and restore
+                chunk_loss, logits = checkpoint(self.chunk_loss, *inputs, use_reentrant=False, preserve_rng_state=False)
+            else:
+                chunk_loss, logits = self.chunk_loss(*inputs)
             # summed here and divided once at the end, so that chunks of any size weigh the same per target
-            loss = loss + F.cross_entropy(
-                logits.float(),
-                target_chunk,
-                ignore_index=IGNORE_INDEX,
-                label_smoothing=label_smoothing,
-                reduction="sum",
-            )
+            loss = loss + chunk_loss
             if return_logits:
                 chunks.append(logits)
         if reduction == "mean":
             loss = loss / (targets != IGNORE_INDEX).sum()  # NaN when every target is ignored, as F.cross_entropy
         return (torch.cat(chunks).view(*targets.shape, -1) if return_logits else None), loss
 
+    def chunk_loss(self, x, targets, label_smoothing, return_logits):
+        """
+        One chunk of head_and_loss: x (N, C), targets (N,). Returns (the float32 cross-entropy summed over the targets
+        that are not IGNORE_INDEX, the logits (N, V) in the model's dtype if return_logits else None).
+        """
+        projected = self.unembed(x)  # (N, V), in the model's dtype
+        logits = self.softcap(projected).float()
+        loss = F.cross_entropy(
+            logits, targets, ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing, reduction="sum"
+        )
+        return loss, (logits.to(projected.dtype) if return_logits else None)
+
     def head(self, x):
-        """Hidden states (..., C) -> logits (..., V). Encoder adds BERT's transform before the projection."""
-        return self.softcap(self.lm_head(x))
+        """Hidden states (..., C) -> logits (..., V), in the model's dtype."""
+        projected = self.unembed(x)
+        return self.softcap(projected).to(projected.dtype)
+
+    def unembed(self, x):
+        """
+        Hidden states (..., C) -> the output projection's logits (..., V), before any soft-cap. Encoder adds BERT's
+        transform before the projection.
+        """
+        return self.lm_head(x)
 
     def softcap(self, logits):
         """
         cap * tanh(logits / cap) with config.logit_softcap as the cap (Gemma 2): every logit stays within (-cap, cap)
-        in training, evaluation and sampling alike. The logits unchanged when the cap is 0.
+        in training, evaluation and sampling alike. Computed in float32 (the result is float32), so that bfloat16
+        logits are rounded once, not after each of the three operations. The logits unchanged when the cap is 0.
         """
         cap = self.config.logit_softcap
-        return cap * torch.tanh(logits / cap) if cap else logits
+        return cap * torch.tanh(logits.float() / cap) if cap else logits
 
     def num_params(self):
         """Parameters, each shared tensor counted once (parameters() yields a tied weight once)."""
@@ -809,9 +835,9 @@ class Encoder(TransformerModel):
             x, targets, label_smoothing=label_smoothing, reduction=reduction, return_logits=return_logits
         )
 
-    def head(self, x):
-        """BERT's transform, then the projection: (..., C) -> (..., V)."""
-        return self.softcap(self.lm_head(self.transform(x)))
+    def unembed(self, x):
+        """BERT's transform, then the projection: (..., C) -> (..., V), before any soft-cap."""
+        return self.lm_head(self.transform(x))
 
     def attention_maps(self, idx):
         """A list of {"self": (B, H, T, T)}, one per layer."""

@@ -1,5 +1,6 @@
 """Invariants of model.py, generate.py and hf.py on tiny models: each test checks one property a bug would break."""
 
+import copy
 import itertools
 import json
 import math
@@ -77,18 +78,23 @@ def test_shapes_and_overfit_one_batch(arch, pos, norm_position):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_loss_and_gradients_equal_cross_entropy_of_the_full_logits(arch, monkeypatch):
+@pytest.mark.parametrize("logit_softcap", [0.0, 3.0])
+def test_chunked_loss_and_gradients_equal_cross_entropy_of_the_full_logits(arch, logit_softcap, monkeypatch):
+    """Against a float64 copy of the model: its whole (B, T, V) logits, one cross-entropy, one backward."""
     monkeypatch.setattr("model.LOSS_CHUNK_BYTES", 4 * V * 5)  # 5 positions of float32 logits per chunk
     torch.manual_seed(0)
-    model = build_model(tiny(arch=arch, tie_embeddings=arch != "encoder", pad_token_id=PAD))
+    model = build_model(
+        tiny(arch=arch, tie_embeddings=arch != "encoder", pad_token_id=PAD, logit_softcap=logit_softcap)
+    )
+    reference = copy.deepcopy(model).double()
     inputs = (tokens(2, 9, seed=1), tokens(2, 7)) if arch == "encoder_decoder" else (tokens(2, 7),)
     targets = tokens(2, 7, seed=2)
     targets[0, 2:5] = targets[1, 6] = IGNORE_INDEX
     chunk_rows = []
     model.lm_head.register_forward_hook(lambda module, args, out: chunk_rows.append(args[0].shape[:-1].numel()))
     for label_smoothing, reduction in itertools.product((0.0, 0.1), ("mean", "sum")):
-        model.zero_grad()
-        logits = model(*inputs)[0]  # the reference: cross-entropy of the whole (B, T, V) logits
+        reference.zero_grad()
+        logits = reference(*inputs)[0]
         expected = F.cross_entropy(
             logits.flatten(0, 1),
             targets.flatten(),
@@ -97,24 +103,57 @@ def test_chunked_loss_and_gradients_equal_cross_entropy_of_the_full_logits(arch,
             reduction=reduction,
         )
         expected.backward()
-        expected_grads = [p.grad.clone() for p in model.parameters()]
         for return_logits in (True, False):
             model.zero_grad()
             chunk_rows.clear()
             got_logits, loss = model(
                 *inputs, targets, label_smoothing=label_smoothing, reduction=reduction, return_logits=return_logits
             )
-            loss.backward()
             assert chunk_rows == [5, 5, 4]  # the 14 positions in three chunks
+            loss.backward()
+            assert sorted(chunk_rows[3:]) == [4, 5, 5]  # each chunk's head once more, in the backward
             if return_logits:
-                torch.testing.assert_close(got_logits, logits.detach())
+                torch.testing.assert_close(got_logits.double(), logits.detach(), rtol=1e-5, atol=1e-6)
             else:
                 assert got_logits is None
-            torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=0)
-            for p, want in zip(model.parameters(), expected_grads):
-                torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-6, atol=0)
+            for p, want in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(p.grad.double(), want.grad, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="reduction"):
         model(*inputs, targets, reduction="none")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("logit_softcap", [0.0, 3.0])
+def test_training_keeps_one_chunk_of_logits_at_most(arch, logit_softcap, monkeypatch):
+    """
+    The bytes of the (..., V) tensors autograd saves for the backward of a training forward: the whole loss in one
+    chunk keeps its float32 log-probabilities (which shows the hook sees them); cut into six chunks, it keeps at most
+    one chunk's worth.
+    """
+    model = build_model(tiny(arch=arch, pad_token_id=PAD, logit_softcap=logit_softcap))
+    x = tokens(2, 14)
+    inputs = (tokens(2, 9, seed=1), x) if arch == "encoder_decoder" else (x,)
+    targets = tokens(2, 14, seed=2)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def saved_bytes():
+        saved = {}  # by storage, so that views of one buffer count once
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if t.dim() and t.size(-1) == V and storage.data_ptr() not in weights:  # not the head's weight, transposed
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(*inputs, targets, return_logits=False)[1]
+        loss.backward()
+        return sum(saved.values())
+
+    assert saved_bytes() >= 28 * V * 4  # one chunk: all 28 positions' float32 log-probabilities, at least
+    monkeypatch.setattr("model.LOSS_CHUNK_BYTES", 4 * V * 5)  # 5 positions per chunk: 6 chunks
+    assert saved_bytes() <= 5 * V * 4
 
 
 @pytest.mark.parametrize("pos", POS)
@@ -1034,6 +1073,23 @@ def test_logit_softcap(arch, monkeypatch):
     torch.testing.assert_close(
         loss.double(), F.cross_entropy(expected.flatten(0, 1), targets.flatten()), atol=1e-5, rtol=1e-5
     )
+
+
+def test_softcap_in_float32_under_bfloat16_autocast():
+    """The loss caps the head's bfloat16 logits in float32: as the float64 cap of those same logits, not 3 roundings."""
+    cap = 3.0
+    model = build_model(tiny(logit_softcap=cap))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # logits across the cap's whole range
+    projected = []
+    model.lm_head.register_forward_hook(lambda module, args, out: projected.append(out))
+    x, targets = tokens(2, 9), tokens(2, 9, seed=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, targets, return_logits=False)[1]
+    (logits,) = projected
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    expected = F.cross_entropy(cap * torch.tanh(logits.double() / cap), targets.flatten())
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=0)
 
 
 def test_sampling_reads_the_capped_logits():
