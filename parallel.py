@@ -135,6 +135,7 @@ class Models:
         step     what a training step calls: raw, under DDP and/or compiled
         ddp      the DDP module inside step (gradient_sync turns its all-reduce off until the last micro-batch);
                  None without DDP
+        defer_reduce  under FSDP: gradient_sync keeps whole gradients until the last micro-batch (fsdp_defer_reduce)
         average  with ema_decay: the moving average of raw's weights (sharded alike), never trained; else None
         eval     what evaluation calls: the average if there is one, else raw compiled as step is; never DDP,
                  since ranks may evaluate different numbers of batches
@@ -145,6 +146,7 @@ class Models:
     ddp: DDP | None = None
     average: nn.Module | None = None
     eval: nn.Module | None = None
+    defer_reduce: bool = False
 
     @property
     def kept(self):
@@ -180,7 +182,8 @@ def parallelize(model, cfg, rt, example):
             # with DDP, the compiled model is DDP's: evaluation, outside DDP, compiles the plain model apart
             eval_model = CompiledModel(model) if ddp else step
     average = average_model(model, rt, cfg.seed) if cfg.ema_decay else None
-    return Models(model, step, ddp, average, eval=eval_model if average is None else average)
+    eval_model = eval_model if average is None else average
+    return Models(model, step, ddp, average, eval_model, defer_reduce=rt.fsdp and cfg.fsdp_defer_reduce)
 
 
 def shard_model(model, rt, seed):
@@ -224,13 +227,14 @@ def average_model(model, rt, seed):
 
 def gradient_sync(models, enabled):
     """
-    A context for one micro-batch's backward. enabled False: its gradients only add up on this rank, no
-    communication (DDP's no_sync; FSDP keeps them unsharded); True (the last micro-batch of a step): the summed
-    gradients are averaged over the ranks (DDP all-reduces, FSDP reduce-scatters: each rank keeps its shard).
+    A context for one micro-batch's backward; enabled: it is the last of its step. DDP exchanges nothing until then
+    (no_sync: its gradients add up on this rank), then all-reduces the sums. FSDP reduce-scatters every
+    micro-batch's gradients as they come, so that each rank only ever holds its shards; with defer_reduce it keeps
+    them whole until the last one instead (one reduce-scatter a step, 4 more bytes per parameter on every rank).
     """
     if models.ddp is not None and not enabled:
         return models.ddp.no_sync()
-    if isinstance(models.raw, FSDPModule):
+    if isinstance(models.raw, FSDPModule) and models.defer_reduce:
         models.raw.set_requires_gradient_sync(enabled)
     return contextlib.nullcontext()
 

@@ -1153,17 +1153,17 @@ def test_fsdp_matches_one_process_with_the_same_global_batch(tmp_path, data_root
     ours, theirs = load_checkpoint(tmp_path / "fsdp" / "best.pt"), load_checkpoint(tmp_path / "single" / "best.pt")
     ours, theirs = kept_weights(ours), kept_weights(theirs)
     assert ours.keys() == theirs.keys()
-    # Adam divides by the gradient's running size: where that is tiny, last-bit differences in the reductions
-    # grow to ~3e-6 after 20 steps of lr 3e-3
+    # Adam divides by the gradient's running size: where that is tiny, last-bit differences in the reductions (each
+    # micro-batch reduce-scattered, then added up, against one sum) grow to ~1.5e-5 after 20 steps of lr 3e-3
     for k in theirs:
-        torch.testing.assert_close(ours[k], theirs[k], rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(ours[k], theirs[k], rtol=1e-3, atol=3e-5)
     # ckpt.pt: a folder of both ranks' shards, read whole into one process
     folder = tmp_path / "fsdp" / "ckpt.pt"
     assert folder.is_dir() and {p.name for p in folder.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
     whole, plain = load_checkpoint(folder), load_checkpoint(tmp_path / "single" / "ckpt.pt")
     assert whole["iter_num"] == 20 and kept_weights(whole).keys() == kept_weights(plain).keys()
     for k in kept_weights(plain):
-        torch.testing.assert_close(kept_weights(whole)[k], kept_weights(plain)[k], rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(kept_weights(whole)[k], kept_weights(plain)[k], rtol=1e-3, atol=3e-5)
 
 
 def killing_train(folder):
@@ -1891,6 +1891,53 @@ def test_a_compile_failure_on_one_rank_is_every_ranks(tmp_path, env, where):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "torch.compile failed (RuntimeError: it failed on another rank); going on without it" in run.stdout
     assert "done at iteration 2" in run.stdout
+
+
+FSDP_HELD_GRADIENTS = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+import parallel, train
+from model import ModelConfig, build_model
+dist.init_process_group("gloo")
+rt = parallel.Runtime(rank=dist.get_rank(), world_size=2, fsdp=True)
+with torch.device("meta"):
+    model = build_model(ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+parallel.shard_model(model, rt, seed=0)
+models = parallel.Models(raw=model, step=model, defer_reduce=sys.argv[1] == "defer")
+x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rt.rank))
+with parallel.gradient_sync(models, enabled=False):  # a micro-batch before the step's last
+    model(x, x)[1].backward()
+held = 0  # bytes of whole (unsharded) gradients FSDP keeps on this rank until the step's last micro-batch
+for module in model.modules():
+    group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+    for param in group.fsdp_params if group else []:
+        for grad in (getattr(param, "_unsharded_param", None), param.unsharded_accumulated_grad):
+            grad = grad.grad if isinstance(grad, torch.nn.Parameter) else grad
+            held += 0 if grad is None else grad.numel() * grad.element_size()
+whole = sum(p.numel() for p in model.parameters()) * 4
+with open(f"{sys.argv[2]}/rank{rt.rank}.txt", "w") as f:
+    f.write(f"{held} {whole}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_fsdp_accumulation_holds_only_gradient_shards_unless_asked(tmp_path, env, defer):
+    """After a micro-batch that is not the step's last: no whole gradients by default, all of them with defer."""
+    script = tmp_path / "held_gradients.py"
+    script.write_text(FSDP_HELD_GRADIENTS)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+        + ["defer" if defer else "reduce", str(tmp_path)],
+        env={**env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in range(2):
+        held, whole = map(int, (tmp_path / f"rank{rank}.txt").read_text().split())
+        assert held == (whole if defer else 0)
 
 
 def test_ddp_compiles_one_graph_per_gradient_bucket(tmp_path, data_root, env):
