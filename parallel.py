@@ -83,13 +83,11 @@ def init_distributed(cfg, rt, stack):
     """Join the torchrun job (a no-op in one process); returns the host-side gloo group, or None."""
     if rt.world_size == 1:
         return None
-    if rt.device.type == "cuda":
-        # NCCL uses the current GPU: each rank's must be its own before the group forms
-        torch.cuda.set_device(rt.device)
     backend = cfg.backend if cfg.backend != "auto" else "nccl" if rt.device.type == "cuda" else "gloo"
     # the timeout turns a dead or stuck rank into an error on the others instead of a hang, in both groups
     timeout = timedelta(seconds=cfg.dist_timeout)
-    dist.init_process_group(backend, timeout=timeout)
+    # device_id: NCCL binds the group to this rank's GPU at once, instead of guessing it at the first collective
+    dist.init_process_group(backend, timeout=timeout, device_id=rt.device if rt.device.type == "cuda" else None)
     stack.callback(dist.destroy_process_group)
     # target counts and stop votes are host numbers: summing them over gloo never waits for the GPU
     return dist.new_group(backend="gloo", timeout=timeout)
@@ -174,15 +172,21 @@ def parallelize(model, cfg, rt, example):
     else:
         model.to(rt.device)
         if rt.world_size > 1:
-            ddp = DDP(model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
-    step, eval_model = ddp or model, model
-    if cfg.compile or cfg.compile is None and rt.device.type == "cuda":
-        step = compile_model(step, example, rt, cfg.label_smoothing)
-        if isinstance(step, CompiledModel):
-            # with DDP, the compiled model is DDP's: evaluation, outside DDP, compiles the plain model apart
-            eval_model = CompiledModel(model) if ddp else step
+            # no buffer needs broadcasting (the position tables are computed alike everywhere), and gradients that
+            # are views into DDP's buckets save a copy of them
+            device_ids = [rt.device.index] if rt.device.type == "cuda" else None
+            ddp = DDP(model, device_ids=device_ids, broadcast_buffers=False, gradient_as_bucket_view=True)
     average = average_model(model, rt, cfg.seed) if cfg.ema_decay else None
-    eval_model = eval_model if average is None else average
+    step, evaluated = ddp or model, model if average is None else average
+    eval_model = evaluated
+    if cfg.compile or cfg.compile is None and rt.device.type == "cuda":
+        # fixed shapes (LM windows): graphs specialised to them; pairs vary in length: one dynamic graph
+        dynamic = None if cfg.arch == "encoder_decoder" else False
+        step = compile_model(step, example, rt, cfg.label_smoothing, dynamic=dynamic)
+        if isinstance(step, CompiledModel):
+            # evaluation stays outside DDP and measures the average if there is one: compiled apart, unless it is
+            # exactly what a step calls
+            eval_model = step if step.module is evaluated else CompiledModel(evaluated, dynamic)
     return Models(model, step, ddp, average, eval_model, defer_reduce=rt.fsdp and cfg.fsdp_defer_reduce)
 
 
@@ -250,10 +254,10 @@ class CompiledModel(nn.Module):
     its first use, in loss.backward(): train.compute_gradients redoes such a step eagerly after calling fall_back.
     """
 
-    def __init__(self, module):
+    def __init__(self, module, dynamic=None):
         super().__init__()
         # the eager module is kept for the fallback; both share the same parameters
-        self.module, self.compiled, self.failed = module, torch.compile(module), False
+        self.module, self.compiled, self.failed = module, torch.compile(module, dynamic=dynamic), False
 
     def forward(self, *args, **kwargs):
         if not self.failed:
@@ -268,14 +272,14 @@ class CompiledModel(nn.Module):
         log(f"warning: torch.compile failed ({type(error).__name__}: {one_line(error)}); going on without it")
 
 
-def compile_model(model, example, rt, label_smoothing=0.0):
+def compile_model(model, example, rt, label_smoothing=0.0, dynamic=None):
     """
     CompiledModel(model), tried on one forward and backward pass of example ((inputs, targets) on rt.device; the
     backward is compiled at its first call); if that fails, one warning and the eager model, on every rank if it
     failed on any. Running out of memory or a failed collective is no compile failure: it is raised. Under FSDP a
     backward that fails to compile leaves the ranks' gathers of weights half done: one line, no fallback.
     """
-    compiled = CompiledModel(model)
+    compiled = CompiledModel(model, dynamic)
     inputs, targets = example
     # DDP's no_sync: the trial's backward exchanges nothing, so a rank whose backward fails to compile leaves no
     # other rank waiting in an all-reduce, and all can agree below

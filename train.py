@@ -316,11 +316,14 @@ def join_processes(cfg, rt, stack):
     """
     # checked before any process group or data: a bad setting fails at once
     per_rank = split_accumulation(cfg.gradient_accumulation_steps, rt.world_size)
+    if rt.device.type == "cuda":
+        # this rank's GPU is the current one before anything uses CUDA (NCCL, allocations), or a context on GPU 0
+        # would take its memory on every rank
+        torch.cuda.set_device(rt.device)
+        # TF32 matmuls (Ampere and newer): far faster than float32, and precise enough for training
+        torch.set_float32_matmul_precision("high")
     host_group = init_distributed(cfg, rt, stack)
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; DDP copies rank 0's initial weights
-    if rt.device.type == "cuda":
-        # TF32 matmuls (Ampere and newer): far faster than float32, and precise enough for training
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     # an unwritable out_dir is found now, not at the first save hours later; rank 0 alone writes, eval_only never
     is_writer = rt.rank == 0 and not cfg.eval_only
     raise_if_any_failed(out_dir_problem(cfg.out_dir) if is_writer else None, rt.world_size)

@@ -1676,7 +1676,9 @@ def test_a_failed_recompilation_falls_back_to_eager(tmp_path, data_root, monkeyp
     """The first graph compiles, the evaluation's (a recompilation) fails: one warning, then eager numbers."""
     eager = main(tiny(data_root, tmp_path / "eager", max_iters=3, eval_interval=3))
     real_compile, graphs = torch.compile, []
-    monkeypatch.setattr(torch, "compile", lambda module: real_compile(module, backend=counting_backend(graphs, 1)))
+    monkeypatch.setattr(
+        torch, "compile", lambda module, **kwargs: real_compile(module, backend=counting_backend(graphs, 1), **kwargs)
+    )
     compiled = main(tiny(data_root, tmp_path / "compiled", max_iters=3, eval_interval=3, compile=True))
     out = capsys.readouterr().out
     assert out.count("warning: torch.compile failed") == 1 and len(graphs) == 2
@@ -1688,7 +1690,7 @@ def test_out_of_memory_while_compiling_is_reported_as_such(tmp_path, data_root, 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(torch, "compile", lambda module: out_of_memory)
+    monkeypatch.setattr(torch, "compile", lambda module, **kwargs: out_of_memory)
     argv = [f"--{k}={v}" for k, v in TINY.items()] + [
         "--dataset=shakespeare_char",
         f"--data_dir={data_root}",
@@ -1704,8 +1706,13 @@ def test_out_of_memory_while_compiling_is_reported_as_such(tmp_path, data_root, 
 
 def test_seq2seq_lengths_compile_once(tmp_path, data_root, monkeypatch):
     """Batches of many lengths: one training graph and one evaluation graph, not one per length."""
-    real_compile, graphs = torch.compile, []
-    monkeypatch.setattr(torch, "compile", lambda module: real_compile(module, backend=counting_backend(graphs)))
+    real_compile, graphs, dynamic = torch.compile, [], []
+
+    def compile(module, **kwargs):
+        dynamic.append(kwargs["dynamic"])
+        return real_compile(module, backend=counting_backend(graphs), **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile)
     # with label smoothing, which the trial compilation must use too, or training compiles a graph of its own
     main(
         tiny(
@@ -1722,7 +1729,31 @@ def test_seq2seq_lengths_compile_once(tmp_path, data_root, monkeypatch):
             label_smoothing=0.1,
         )
     )
-    assert len(graphs) == 2
+    assert len(graphs) == 2 and dynamic == [None]  # lengths vary: one dynamic graph
+
+
+def test_windows_compile_static_graphs_and_the_average_is_compiled_too(tmp_path, data_root, monkeypatch):
+    """LM windows have one shape: graphs specialised to it (dynamic=False); the evaluated average is compiled."""
+    real_compile, compiled = torch.compile, []
+
+    def compile(module, **kwargs):
+        compiled.append((type(module).__name__, kwargs["dynamic"]))
+        return real_compile(module, backend="eager", **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile)
+    main(tiny(data_root, tmp_path, compile=True, max_iters=2, eval_interval=2, ema_decay=0.9))
+    assert compiled == [("GPT", False), ("GPT", False)]  # the trained model, then its average
+
+
+def test_a_cuda_rank_makes_its_gpu_current_before_anything_else(tmp_path, data_root, monkeypatch):
+    """Even alone (--device=cuda:3): else CUDA's first use would open a context on GPU 0."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda p: calls.append(("matmul precision", p)))
+    rt = Runtime(device=torch.device("cuda", 3))
+    with contextlib.ExitStack() as stack:
+        train.join_processes(tiny(data_root, tmp_path), rt, stack)
+    assert calls == [("set_device", torch.device("cuda", 3)), ("matmul precision", "high")]
 
 
 def second_backward_fails(model):
@@ -1795,7 +1826,7 @@ def compile_model(*args, **kwargs):
     compiled = real_compile_model(*args, **kwargs)
     counts.append(len(graphs))  # the graphs of the first forward and backward, inside DDP
     return compiled
-torch.compile = lambda module: real_compile(module, backend=backend)
+torch.compile = lambda module, **kwargs: real_compile(module, backend=backend, **kwargs)
 parallel.compile_model = compile_model
 sys.exit(train.cli(sys.argv[1:]) or print("graphs", counts[0]))
 """
