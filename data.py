@@ -207,12 +207,45 @@ def load_splits(folder, meta, block_size):
     return splits
 
 
+def gpt_window(inputs, targets):
+    """
+    The (B, T + 1) window a GPT batch's inputs (B, T) and targets (B, T) are two views of, as get_batch and
+    pinned make them (inputs its first T columns, targets its last T); None for any other batch.
+    """
+    window = inputs[0]._base if len(inputs) == 1 else None  # _base: the tensor a view looks into
+    if window is None or targets._base is not window or not window.is_contiguous():
+        return None
+    one_column_on = window.data_ptr() + window.element_size()
+    fits = window.shape == (targets.size(0), targets.size(1) + 1)
+    return (
+        window if fits and inputs[0].data_ptr() == window.data_ptr() and targets.data_ptr() == one_column_on else None
+    )
+
+
+def pinned(inputs, targets):
+    """
+    A batch in page-locked host memory, whose copy to the GPU can then run while the GPU works. A GPT's window is
+    pinned whole, dense, and sliced again: its views would be copied through a pageable temporary, and it is half the
+    bytes of inputs and targets apart.
+    """
+    window = gpt_window(inputs, targets)
+    if window is not None:
+        window = window.pin_memory()
+        return (window[:, :-1],), window[:, 1:]
+    return tuple(x.pin_memory() for x in inputs), targets.pin_memory()
+
+
 def model_inputs(inputs, targets, device):
     """
-    A batch on device: (inputs tuple, targets). Pinned host memory (see TrainBatches) lets the copy overlap with GPU
-    work. Sequence-to-sequence batches (src, tgt) vary in length from batch to batch: their lengths are marked
-    dynamic, so torch.compile builds one graph for all of them instead of recompiling for each new length.
+    A batch on device: (inputs tuple, targets). Pinned host memory (see pinned) lets the copy overlap with GPU
+    work; a GPT's window is copied once and sliced on the device. Sequence-to-sequence batches (src, tgt) vary in
+    length from batch to batch: their lengths are marked dynamic, so torch.compile builds one graph for all of
+    them instead of recompiling for each new length.
     """
+    window = gpt_window(inputs, targets)
+    if window is not None:
+        window = window.to(device, non_blocking=window.is_pinned())
+        return (window[:, :-1],), window[:, 1:]
     moved = [x.to(device, non_blocking=x.is_pinned()) for x in (*inputs, targets)]
     # (src (B, S), tgt_in (B, T)): dimension 1 is the length, which varies by batch
     if len(inputs) == 2:
@@ -254,7 +287,7 @@ class TrainBatches:
         ]
         # pinned (page-locked) memory lets the copy to the GPU run asynchronously (non_blocking)
         if self.pin:
-            batches = [(tuple(x.pin_memory() for x in inputs), targets.pin_memory()) for inputs, targets in batches]
+            batches = [pinned(inputs, targets) for inputs, targets in batches]
         # counted here on the CPU, so the training loop never waits for a count on the GPU
         n_targets = sum(count_targets(targets) for _, targets in batches)
         return batches, n_targets, sum(count_tokens(inputs, objective) for inputs, _ in batches)

@@ -17,10 +17,12 @@ parallel.py (ranks, FSDP or DDP, compile), progress.py (what a run prints and lo
 """
 
 import contextlib
+import functools
 import math
 import os
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -52,6 +54,7 @@ from data import (
     load_splits,
     micro_seeds,
     model_inputs,
+    pinned,
     seq2seq_batch,
 )
 from devices import DTYPES, keep_freed_memory, peak_flops
@@ -645,6 +648,17 @@ def evaluate_and_save(run, iter_num, last):
     return {"iter": iter_num, **result}
 
 
+def eval_batch(data, objective, cfg, byte_lengths, pin, seed):
+    """
+    (inputs, targets, real targets, UTF-8 bytes they stand for) of the evaluation batch of this seed; pinned for the
+    GPU if pin. Counted here, on the CPU, so that no batch waits for the GPU.
+    """
+    inputs, targets = get_batch(data, objective, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(seed))
+    n_bytes = 0 if byte_lengths is None else int(byte_lengths[targets[targets != IGNORE_INDEX].numpy()].sum())
+    n_targets = count_targets(targets)
+    return (*pinned(inputs, targets), n_targets, n_bytes) if pin else (inputs, targets, n_targets, n_bytes)
+
+
 @torch.no_grad()
 def evaluate(model, splits, objective, cfg, rt, byte_lengths=None):
     """
@@ -663,19 +677,18 @@ def evaluate(model, splits, objective, cfg, rt, byte_lengths=None):
         # under FSDP every forward pass is a collective (it gathers the weights): all ranks run as many, a rank
         # with one batch fewer (eval_iters not a multiple of the ranks) runs one more that is not counted
         rounds = -(-len(seeds) // rt.world_size) if rt.fsdp else len(mine)
+        counted = [r < len(mine) for r in range(rounds)]
+        build = functools.partial(eval_batch, data, objective, cfg, byte_lengths, rt.device.type == "cuda")
         total, count, n_bytes = torch.zeros((), device=rt.device), 0, 0
-        for r in range(rounds):
-            counted = r < len(mine)
-            generator = torch.Generator().manual_seed(mine[r] if counted else seeds[0])
-            inputs, targets = get_batch(data, objective, cfg.batch_size, cfg.block_size, generator)
-            # counted on the CPU before the copy, so that no batch waits for the GPU
-            count += count_targets(targets) * counted
-            if byte_lengths is not None and counted:
-                n_bytes += int(byte_lengths[targets[targets != IGNORE_INDEX].numpy()].sum())
-            inputs, targets = model_inputs(inputs, targets, rt.device)
-            with rt.autocast():
-                _, loss = model(*inputs, targets, reduction="sum", return_logits=False)
-            total += loss.float() * counted
+        # the batches are built (and pinned, on CUDA) on a background thread while the device computes
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            batches = pool.map(build, [mine[r] if counted[r] else seeds[0] for r in range(rounds)])
+            for (inputs, targets, batch_targets, batch_bytes), counts in zip(batches, counted):
+                count, n_bytes = count + batch_targets * counts, n_bytes + batch_bytes * counts
+                inputs, targets = model_inputs(inputs, targets, rt.device)
+                with rt.autocast():
+                    _, loss = model(*inputs, targets, reduction="sum", return_logits=False)
+                total += loss.float() * counts
         # sums over the ranks, then one division: the mean over every target, however they were shared out
         total, count, n_bytes = all_reduce([total, count, n_bytes], rt).tolist()
         losses[split] = total / max(count, 1)

@@ -350,6 +350,42 @@ def test_seq2seq_batch_pads_and_shifts():
     assert targets.tolist() == [[8, 9, 10, 11, 2], [8, 9, 2, -100, -100]]
 
 
+@pytest.mark.parametrize("arch", ["gpt", "encoder", "encoder_decoder"])
+def test_batches_reach_the_device_from_dense_pinned_memory(monkeypatch, shakespeare_char_dir, data_root, arch):
+    """
+    Everything pinned is contiguous (a strided view would be copied through a pageable temporary) and copied with
+    non_blocking=True; a GPT's inputs and targets travel as their one (B, T + 1) window. A CPU cannot pin: pinning
+    is recorded and stood in for by a copy.
+    """
+    pinned, copied, real_to = [], [], torch.Tensor.to
+
+    def pin_memory(self):
+        pinned.append(self.is_contiguous())
+        return self.clone()
+
+    def to(self, *args, **kwargs):
+        copied.append((tuple(self.shape), self.is_contiguous(), kwargs.get("non_blocking")))
+        return real_to(self, *args, **kwargs)
+
+    if arch == "encoder_decoder":
+        folder = data.prepared_dataset("reverse", data_root, REVERSE)
+        meta = tokens.load_meta(folder)
+        split = data.load_splits(folder, meta, 16)["train"]
+    else:
+        meta, split = tokens.load_meta(shakespeare_char_dir), tokens.load_tokens(shakespeare_char_dir / "train.bin")
+    objective = data.make_objective(arch, meta, 0.15)[0]
+    inputs, targets = data.get_batch(split, objective, 4, 16, torch.Generator().manual_seed(0))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    moved_inputs, moved_targets = data.model_inputs(*data.pinned(inputs, targets), torch.device("cpu"))
+    assert pinned and all(pinned)
+    assert copied and all(contiguous and non_blocking for _, contiguous, non_blocking in copied)
+    if arch == "gpt":
+        assert pinned == [True] and [shape for shape, _, _ in copied] == [(4, 17)]  # the window, once
+    assert all(torch.equal(a, b) for a, b in zip((*moved_inputs, moved_targets), (*inputs, targets)))
+
+
 def test_loss_is_the_mean_over_all_targets_of_the_step():
     """Two micro-batches with 3 and 32 targets: gradients equal those of one batch's plain mean cross-entropy."""
     torch.manual_seed(0)
