@@ -1481,6 +1481,67 @@ def test_shipped_config_runs_shrunk(config, tmp_path, data_root, tiny_gpt2_dir, 
     assert load_checkpoint(tmp_path / "ckpt.pt")["train_config"]["dataset"] == cfg.dataset
 
 
+def shrunk_model_and_batches(config):
+    """A shipped config's model at SHRINK's size in training mode, and two training batches of random tokens for it."""
+    cfg = parse_config(TrainConfig, [str(config), *SHRINK, "--dropout=0.0"])
+    V, g = 40, torch.Generator().manual_seed(0)
+    model = build_model(cfg.model_config(V, 0 if cfg.arch == "encoder_decoder" else None)).train()
+    if cfg.arch == "encoder_decoder":  # pairs of two different lengths: one dynamic graph must serve both
+        shapes = [((4, 20), (4, 24)), ((4, 13), (4, 9))]
+        batches = [tuple(torch.randint(1, V, s, generator=g) for s in (src, tgt, tgt)) for src, tgt in shapes]
+        return cfg, model, [((src, tgt), targets) for src, tgt, targets in batches]
+    batches = [tuple(torch.randint(1, V, (4, 32), generator=g) for _ in range(2)) for _ in range(2)]
+    return cfg, model, [((x,), y) for x, y in batches]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_every_shipped_config_compiles_to_one_graph_that_never_recompiles(config):
+    """
+    The training call as train.py makes it: no graph break (each would split the compiled step); and after a first
+    train step and evaluation (warm-up), train / evaluate / train again compiles nothing new.
+    """
+    cfg, model, batches = shrunk_model_and_batches(config)
+    call = {"label_smoothing": cfg.label_smoothing, "reduction": "sum", "return_logits": False}
+    inputs, targets = data.model_inputs(*batches[0], torch.device("cpu"))
+    explanation = torch._dynamo.explain(model)(*inputs, targets, **call)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", dynamic=None if cfg.arch == "encoder_decoder" else False)
+
+    def train_then_evaluate(batch):
+        inputs, targets = data.model_inputs(*batch, torch.device("cpu"))
+        compiled.train()
+        compiled(*inputs, targets, **call)[1].backward()
+        with torch.no_grad():
+            compiled.eval()
+            compiled(*inputs, targets, reduction="sum", return_logits=False)
+
+    train_then_evaluate(batches[0])  # warm-up: the training graph and the evaluation graph
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        train_then_evaluate(batches[1])
+        train_then_evaluate(batches[0])
+
+
+def test_gpt2_at_full_size_traces_without_memory():
+    """configs/gpt2.py's model, batch and block, forward and backward under FakeTensorMode: shapes, no allocation."""
+    import resource
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cfg = parse_config(TrainConfig, [str(REPO / "configs" / "gpt2.py")])
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with FakeTensorMode():
+        model = build_model(cfg.model_config(50304))
+        x = torch.randint(0, 50304, (cfg.batch_size, cfg.block_size))
+        _, loss = model(x, x, reduction="sum", return_logits=False)
+        loss.backward()
+    assert loss.shape == () and all(p.grad is not None for p in model.parameters())
+    assert model.num_params() > 120e6  # the real size, traced
+    # a real run of this would take GBs: the weights alone are 0.5 GB, the logits of a batch 2.4 GB
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024
+    assert grown_mib < 200
+
+
 # -----------------------------------------------------------------------------
 # bench.py
 
