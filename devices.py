@@ -65,8 +65,9 @@ def keep_freed_memory():
     mallopt(m_trim_threshold, 1 << 30)  # and up to 1 GiB of freed heap is kept rather than returned
 
 
-# Peak dense bf16 tensor-core FLOP/s (no sparsity) from the vendors' data sheets, keyed by a pattern searched in the
-# name torch.cuda.get_device_name returns. Tried in order: a variant comes before the family name it contains.
+# Peak dense bf16 tensor-core FLOP/s with float32 accumulation (what training runs; no sparsity) from the vendors' data
+# sheets, keyed by a pattern searched in the name torch.cuda.get_device_name returns. Tried in order: a variant comes
+# before the family name it contains.
 PEAK_FLOPS = (
     (r"\bH100 PCIe\b", 756e12),  # "NVIDIA H100 PCIe"
     (r"\b(H100|H200) NVL\b", 835e12),  # "NVIDIA H100 NVL", "NVIDIA H200 NVL"
@@ -81,11 +82,27 @@ PEAK_FLOPS = (
     (r"\bV100S\b", 130e12),  # "Tesla V100S-PCIE-32GB"
     (r"\bV100\b", 125e12),  # "Tesla V100-SXM2-16GB"
     (r"\bT4\b", 65e12),  # "Tesla T4"
-    (r"\bRTX 4090\b", 165e12),  # "NVIDIA GeForce RTX 4090"
+    # GeForce, from NVIDIA's architecture whitepapers (Ada Lovelace, appendix table of the RTX 4090; Ampere GA102,
+    # appendix A, RTX 3090): "Peak BF16 Tensor TFLOPS with FP32 Accumulate" 165.2 and 71 dense. The doubled figures
+    # beside them (330.3, 142) accumulate in FP16; the halved ones (82.6, 35.6) are the TF32 and CUDA-core FP32 rates.
+    (r"\bRTX 4090\b", 165.2e12),  # "NVIDIA GeForce RTX 4090"
     (r"\bRTX 3090\b", 71e12),
 )
 
+# Streaming multiprocessors of the whole GPU, for the GPUs that MIG splits into slices ("NVIDIA H100 80GB HBM3 MIG
+# 1g.10gb"): a slice computes with its own share of them. The "Ng" of a profile's name is only nominal: on an H100 a
+# 1g.10gb slice has 16 of the 132, a 1g.20gb 26, a 7g.80gb all 132; on an A100 a 7g.40gb has 98 of the 108.
+WHOLE_GPU_MULTIPROCESSORS = ((r"\bH100 PCIe\b", 114), (r"\b(H100|H200|GH200)\b", 132), (r"\bA100\b", 108))
 
-def peak_flops(device_name):
-    """Peak dense bf16 FLOP/s of a GPU from its torch.cuda.get_device_name(); None for one not in PEAK_FLOPS."""
-    return next((peak for pattern, peak in PEAK_FLOPS if re.search(pattern, device_name)), None)
+
+def peak_flops(device_name, multiprocessors=None):
+    """
+    Peak dense bf16 FLOP/s of a GPU from its torch.cuda.get_device_name(); None for one not in PEAK_FLOPS.
+    A MIG slice gets the whole GPU's peak times its share of the streaming multiprocessors: multiprocessors is the
+    slice's own count (torch.cuda.get_device_properties(device).multi_processor_count); None without it.
+    """
+    peak = next((peak for pattern, peak in PEAK_FLOPS if re.search(pattern, device_name)), None)
+    if peak is None or not re.search(r"\bMIG\b", device_name):
+        return peak
+    whole = next((count for pattern, count in WHOLE_GPU_MULTIPROCESSORS if re.search(pattern, device_name)), None)
+    return peak * multiprocessors / whole if whole and multiprocessors else None

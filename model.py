@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
+from muon import Muon
+
 IGNORE_INDEX = -100  # targets with this value add nothing to the loss (padding, unmasked MLM positions)
 
 
@@ -321,18 +323,25 @@ class Attention(nn.Module):
         Returns (y (B, H, T, D), probabilities (B, H, T, S) if need_weights else None).
         """
         T, S = q.size(2), k.size(2)
-        # Grouped-query attention: query head h reads key/value head h // (n_head / n_kv_head). The shared heads are
-        # repeated only for the product; a cache keeps n_kv_head of them.
-        if self.n_kv_head != self.n_head:
-            k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))  # (B, H, S, D) each
         dropout = self.dropout if self.training else 0.0
-        if self.causal and S == T and key_mask is None and not self.window and not need_weights:
-            # nothing cached and no padding: SDPA's own (upper-left) triangle is right and allows the flash kernel
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True), None
-        # (B|1, 1, T, S); a window needs an explicit mask, which rules out the flash kernel on GPUs
-        mask = attention_mask(T, S, causal=self.causal, key_mask=key_mask, window=self.window, device=q.device)
+        # nothing cached and no padding: SDPA's own (upper-left) triangle is right and allows the flash kernel
+        is_causal = self.causal and S == T and key_mask is None and not self.window and not need_weights
+        # else (B|1, 1, T, S) or None; a window needs an explicit mask, which rules out the flash kernel on GPUs
+        mask = None
+        if not is_causal:
+            mask = attention_mask(T, S, causal=self.causal, key_mask=key_mask, window=self.window, device=q.device)
+        # Grouped-query attention: query head h reads key/value head h // (n_head / n_kv_head). SDPA reads the shared
+        # heads in place (enable_gqa) in CPU's kernel, masked or not, and on GPUs in the flash kernel (bfloat16, no
+        # mask, D <= 256). GPUs' other kernels do not take grouped heads, so SDPA would fall back to its math kernel,
+        # which holds every (T, S) score: for those, and for the spelled-out product below, the heads are repeated.
+        in_place = q.device.type == "cpu" or (mask is None and q.dtype == torch.bfloat16 and self.head_dim <= 256)
+        if self.n_kv_head != self.n_head and (need_weights or not in_place):
+            k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))  # (B, H, S, D) each
         if not need_weights:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout), None
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, enable_gqa=k.size(1) < q.size(1)
+            )
+            return y, None
         # the same computation spelled out, so that the probabilities can be returned
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, T, S)
         if mask is not None:
@@ -692,29 +701,42 @@ class TransformerModel(nn.Module):
         FLOPs of one forward and backward pass over a batch, from the shapes of the inputs forward() takes: (B, T) idx,
         or (B, S) src and (B, T) tgt. Matmuls only, 2 FLOPs per multiply-add, times 3 for forward and backward (which
         multiplies twice, for the gradients of both operands): each weight on the tokens it multiplies, attention over
-        the real lengths (T * T even when causal). Model FLOPs utilisation: this per second over peak_flops(device).
+        the real lengths: T * T (query, key) pairs even when causal, as the dense kernels compute them, but with a
+        sliding window only the pairs inside it (about T * W). Model FLOPs utilisation: this per second over
+        peak_flops(device).
         """
         c = self.config
         C = c.n_embd
         KV = c.n_kv_head * (C // c.n_head)  # width of the keys and of the values: C unless grouped-query
         mlp = (3 if c.activation == "swiglu" else 2) * C * c.d_ff  # swiglu's gate adds a third C x d_ff matrix
 
-        def stack(B, T, n_layer):
+        def pairs(T, causal):
+            """(query, key) pairs that self-attention over T positions scores."""
+            if not c.window_size:
+                return T * T
+            # keys 1 .. W - 1 positions back from query t: min(t, W - 1) of them, summed over t in closed form
+            reach = min(c.window_size - 1, T)
+            back = reach * (reach - 1) // 2 + (T - reach) * reach
+            # each query's own position, the earlier keys in reach, and when not causal as many later ones
+            return T + (1 if causal else 2) * back
+
+        def stack(B, T, n_layer, causal):
             """Multiply-adds of self-attention blocks over (B, T) tokens."""
             # per token: the q and out projections (C x C each), k and v (C x KV each), the MLP's matrices;
-            # per token and key: one score q . k and one term of the weighted sum of v, C each (every query head)
-            return n_layer * B * T * (2 * C * C + 2 * C * KV + mlp + 2 * T * C)
+            # per (query, key) pair: one score q . k and one term of the weighted sum of v, C each (every query head)
+            return n_layer * B * (T * (2 * C * C + 2 * C * KV + mlp) + 2 * pairs(T, causal) * C)
 
         if c.arch == "encoder_decoder":
             src, tgt = inputs
             (B, S), T = src.shape, tgt.size(1)
             # cross-attention: q and out on the targets, k and v on the source, scores and weighted sum over T * S
             cross = c.n_layer * B * (2 * T * C * C + 2 * S * C * KV + 2 * T * S * C)
-            macs = stack(B, S, c.n_encoder_layer) + stack(B, T, c.n_layer) + cross
+            macs = stack(B, S, c.n_encoder_layer, causal=False) + stack(B, T, c.n_layer, causal=True) + cross
         else:
             (idx,) = inputs
             B, T = idx.shape
-            macs = stack(B, T, c.n_layer) + (B * T * C * C if c.arch == "encoder" else 0)  # BERT's transform
+            macs = stack(B, T, c.n_layer, causal=c.arch == "gpt")
+            macs += B * T * C * C if c.arch == "encoder" else 0  # BERT's transform
         macs += B * T * C * c.vocab_size  # the head, once even when tied to the embedding (a lookup costs nothing)
         return 6.0 * macs  # 2 FLOPs per multiply-add, times 3 for forward and backward
 
@@ -758,7 +780,7 @@ class TransformerModel(nn.Module):
         if muon:
             # Keller Jordan's settings: Nesterov momentum 0.95, the update scaled by sqrt(max(1, rows / cols))
             # ("original"), so that muon_lr ~0.02 suits any width. Decoupled weight decay, as AdamW's
-            optimizers["muon"] = torch.optim.Muon(
+            optimizers["muon"] = Muon(
                 muon, lr=muon_lr, weight_decay=weight_decay, momentum=0.95, nesterov=True, adjust_lr_fn="original"
             )
             summary = (

@@ -469,6 +469,44 @@ def test_training_flops_match_a_flop_counter(arch, overrides, shapes):
 
 
 @pytest.mark.parametrize(
+    "arch,window,shapes",
+    [
+        ("gpt", 3, [(2, 12)]),
+        ("gpt", 16, [(3, 12)]),  # a window longer than the sequence: causal pairs only, T (T + 1) / 2
+        ("encoder", 4, [(2, 12)]),
+        ("encoder", 1, [(2, 7)]),  # each position by itself
+        ("encoder_decoder", 3, [(2, 12), (2, 5)]),  # the encoder both ways, the decoder causal, cross-attention whole
+    ],
+)
+def test_training_flops_count_the_pairs_a_sliding_window_attends(arch, window, shapes):
+    """
+    The flop counter's count (its math kernel scores every (query, key) pair) less 2 * C multiply-adds, times 6, for
+    each pair the window leaves out, counted by a loop over the pairs.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = build_model(tiny(arch=arch, d_ff=48, window_size=window, pad_token_id=PAD))
+    inputs = [tokens(*shape, seed=i) for i, shape in enumerate(shapes)]
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(*inputs, tokens(*shapes[-1], seed=9))[1].backward()
+
+    def left_out(T, causal):
+        """(query, key) pairs of T positions that the dense kernel scores and the window does not allow."""
+        allowed = sum(1 for t in range(T) for s in range(T) if (s <= t or not causal) and abs(t - s) < window)
+        return T * T - allowed
+
+    B, C, L = shapes[0][0], 32, 2
+    if arch == "encoder_decoder":
+        (_, S), (_, T) = shapes
+        unseen = L * (left_out(S, causal=False) + left_out(T, causal=True))
+    else:
+        unseen = L * left_out(shapes[0][1], causal=arch == "gpt")
+    assert unseen > 0
+    assert model.training_flops(*inputs) == counter.get_total_flops() - 6 * B * unseen * 2 * C
+
+
+@pytest.mark.parametrize(
     "name,peak",
     [  # names as torch.cuda.get_device_name returns them
         ("NVIDIA H100 80GB HBM3", 989e12),
@@ -490,7 +528,7 @@ def test_training_flops_match_a_flop_counter(arch, overrides, shapes):
         ("Tesla V100-PCIE-32GB", 112e12),
         ("Tesla V100S-PCIE-32GB", 130e12),
         ("Tesla T4", 65e12),
-        ("NVIDIA GeForce RTX 4090", 165e12),
+        ("NVIDIA GeForce RTX 4090", 165.2e12),
         ("NVIDIA GeForce RTX 3090", 71e12),
         ("NVIDIA GeForce RTX 4080", None),
         ("AMD Instinct MI300X", None),
@@ -499,6 +537,26 @@ def test_training_flops_match_a_flop_counter(arch, overrides, shapes):
 )
 def test_peak_flops_of_real_device_names(name, peak):
     assert peak_flops(name) == peak
+
+
+@pytest.mark.parametrize(
+    "name,multiprocessors,peak",
+    [  # MIG slices as torch.cuda.get_device_name names them, with the SMs nvidia-smi mig -lgip lists for them
+        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", 16, 989e12 * 16 / 132),
+        ("NVIDIA H100 80GB HBM3 MIG 1g.20gb", 26, 989e12 * 26 / 132),
+        ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", 60, 989e12 * 60 / 132),
+        ("NVIDIA H100 80GB HBM3 MIG 7g.80gb", 132, 989e12),
+        ("NVIDIA H200 MIG 1g.18gb", 16, 989e12 * 16 / 132),
+        ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", 14, 312e12 * 14 / 108),
+        ("NVIDIA A100-SXM4-40GB MIG 3g.20gb", 42, 312e12 * 42 / 108),
+        ("NVIDIA A100-SXM4-40GB MIG 7g.40gb", 98, 312e12 * 98 / 108),
+        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", None, None),  # a slice's share unknown: no peak rather than the GPU's
+        ("NVIDIA A30 MIG 1g.6gb", 14, None),
+        ("NVIDIA H100 80GB HBM3", 132, 989e12),  # a whole GPU: its peak, whatever the count
+    ],
+)
+def test_peak_flops_of_mig_slices(name, multiprocessors, peak):
+    assert peak_flops(name, multiprocessors) == (None if peak is None else pytest.approx(peak, rel=1e-12))
 
 
 def test_optimizer_groups():
@@ -855,6 +913,45 @@ def test_kv_cache_holds_only_the_key_value_heads():
             model.decode(tokens(2, 5), *model.encode(tokens(2, 7)), cache=cache)
             assert cache[0][1].k.shape == cache[0][1].v.shape == (2, 1, 7, 8)  # cross-attention: (B, 1, S, D)
         assert cache[0][0].k.shape == cache[0][0].v.shape == (2, 1, 16, 8)  # (B, n_kv_head, block_size, D)
+
+
+def test_grouped_query_attention_hands_sdpa_the_shared_heads(monkeypatch):
+    """
+    On a CPU every SDPA call gets the n_kv_head key/value heads with enable_gqa (no copies): training with padding
+    or a window, the encoder, cross-attention, KV-cached generation. Off the CPU only GPUs' flash kernel takes them
+    (bfloat16, no mask); masked or float32 attention gets repeated heads, as the other kernels need.
+    """
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, **options):
+        calls.append((q.size(1), k.size(1), v.size(1), options["enable_gqa"]))
+        return sdpa(q, k, v, **options)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    x = F.pad(tokens(2, 7), (0, 2), value=PAD)
+    for arch, options in [
+        ("gpt", {}),
+        ("gpt", {"pad_token_id": PAD}),
+        ("gpt", {"window_size": 3}),
+        ("encoder", {"pad_token_id": PAD}),
+        ("encoder_decoder", {"pad_token_id": PAD}),
+    ]:
+        model = build_model(tiny(arch=arch, n_head=4, n_kv_head=2, **options))
+        model(*((x, x) if arch == "encoder_decoder" else (x,)), x)[1].backward()
+        if arch == "gpt":
+            generate(model.eval(), x[:, :3], 4)  # a 3-token prompt, then one position at a time
+        elif arch == "encoder_decoder":
+            translate(model.eval(), x, 4, bos_id=BOS, eos_id=EOS)
+    assert len(calls) > 40 and set(calls) == {(4, 2, 2, True)}
+
+    calls.clear()
+    attn = Attention(tiny(n_head=4, n_kv_head=2), causal=True).to("meta")
+    q, kv = torch.empty(2, 4, 6, 8, device="meta"), torch.empty(2, 2, 6, 8, device="meta")
+    padded = torch.ones(2, 6, dtype=torch.bool, device="meta")
+    attn.attend(q.bfloat16(), kv.bfloat16(), kv.bfloat16(), key_mask=None, need_weights=False)
+    attn.attend(q.bfloat16(), kv.bfloat16(), kv.bfloat16(), key_mask=padded, need_weights=False)
+    attn.attend(q, kv, kv, key_mask=None, need_weights=False)
+    assert calls == [(4, 2, 2, True), (4, 4, 4, False), (4, 4, 4, False)]
 
 
 @pytest.mark.parametrize("options", OPTIONS)
