@@ -30,6 +30,7 @@ import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
 from config import parse_config
+from devices import DTYPES, autocast, resolve_dtype
 from generate import generate
 from prepare_data import bpe_batches, prepare, shakespeare_file
 from tokens import data_root, load_meta, tiktoken_encoding
@@ -50,6 +51,7 @@ class BenchConfig:
     samples: int = 5  # sampling: continuations drawn
     sample_tokens: int = 500  # sampling: tokens per continuation
     repeats: int = 5  # sampling and bpe: timed repeats of each way of sampling or tokenizing
+    dtype: str = "auto"  # sampling: autocast as sample.py's --dtype; "auto": bfloat16 on recent GPUs, else float32
     bpe_input: str = ""  # bpe: UTF-8 text to tokenize; "": tiny Shakespeare ($NANOFORMER_DATA_MIRROR, cache or web)
     bpe_size_mb: float = 10.0  # bpe: the text is repeated to about this many MB
     ranks: int = 2  # memory: torchrun processes, each run with DDP and with FSDP
@@ -60,6 +62,9 @@ class BenchConfig:
         unknown = set(self.parts.split(",")) - {"train", "sample", "bpe", "memory"}
         if unknown:
             raise ValueError(f"parts: unknown {', '.join(sorted(unknown))}; choose from train, sample, bpe, memory")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        resolve_dtype(self.dtype, sampling_device())  # one this machine cannot sample in (float16 on a CPU) fails now
         if min(self.repeats, self.runs, self.memory_iters) < 1 or self.ranks < 2:
             raise ValueError("runs, repeats and memory_iters must be at least 1, and ranks at least 2")
         missing = [c for c in self.configs if not (ROOT / c).is_file()]
@@ -184,10 +189,11 @@ def bench_memory(cfg, work):
     return header, rows
 
 
-def sampling_speed(model, prompt, num_samples, max_new_tokens, *, use_cache, batched, repeats):
+def sampling_speed(model, prompt, num_samples, max_new_tokens, *, use_cache, batched, repeats, dtype):
     """
     Tokens generated per second, one measurement per repeat: num_samples continuations of prompt (a list of ids)
-    by max_new_tokens tokens each (no early stop), either in one batch or one sample after another.
+    by max_new_tokens tokens each (no early stop), either in one batch or one sample after another. Sampled as
+    sample.py samples: without gradients, under autocast to dtype (a no-op for float32).
     """
     device = next(model.parameters()).device
     # batched: one call of num_samples rows; else num_samples calls of one row
@@ -197,9 +203,10 @@ def sampling_speed(model, prompt, num_samples, max_new_tokens, *, use_cache, bat
         # seeded per repeat: the timings are reproducible, and each repeat draws other tokens
         generator = torch.Generator(device).manual_seed(repeat)
         begin = time.perf_counter()
-        for size in batches:
-            idx = torch.tensor([prompt] * size, dtype=torch.long, device=device)
-            generate(model, idx, max_new_tokens, generator=generator, use_cache=use_cache)
+        with torch.no_grad(), autocast(device, dtype):
+            for size in batches:
+                idx = torch.tensor([prompt] * size, dtype=torch.long, device=device)
+                generate(model, idx, max_new_tokens, generator=generator, use_cache=use_cache)
         # CUDA runs asynchronously: wait for the last kernel before reading the clock
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -207,18 +214,25 @@ def sampling_speed(model, prompt, num_samples, max_new_tokens, *, use_cache, bat
     return rates
 
 
+def sampling_device():
+    """Where bench_sampling samples: the first GPU if there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def bench_sampling(cfg, out_dir):
     """Rows (name, value) for sampling speed from out_dir's ckpt.pt: KV cache and batched vs neither."""
     # the latest checkpoint: the speed does not depend on how well the weights are trained
     ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
-    model = model_from_checkpoint(ckpt).to("cuda" if torch.cuda.is_available() else "cpu")
+    device = sampling_device()
+    model = model_from_checkpoint(ckpt).to(device)
+    dtype = resolve_dtype(cfg.dtype, device)  # the precision sample.py would sample in with the same --dtype
     prompt = [0]  # the speed does not depend on the prompt's content
     # the two ends of the scale: cached and batched, against recomputed and one sample at a time
     args = (model, prompt, cfg.samples, cfg.sample_tokens)
     cached, uncached = [], []
     for _ in range(cfg.repeats):  # in turns, so that the machine's drift in speed hits both ways alike
-        cached += sampling_speed(*args, use_cache=True, batched=True, repeats=1)
-        uncached += sampling_speed(*args, use_cache=False, batched=False, repeats=1)
+        cached += sampling_speed(*args, use_cache=True, batched=True, repeats=1, dtype=dtype)
+        uncached += sampling_speed(*args, use_cache=False, batched=False, repeats=1, dtype=dtype)
     what = f"{cfg.samples} x {cfg.sample_tokens} tokens"
     return [
         (f"sampling tokens/s, KV cache, batched ({what})", summary(cached, "{:,.0f}")),

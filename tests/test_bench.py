@@ -6,6 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 import bench
 from bench import bpe_throughput, sampling_speed
 from model import ModelConfig, build_model
@@ -83,8 +86,46 @@ def test_sampling_speed_generates_what_it_counts(monkeypatch):
     for use_cache, batched in itertools.product((True, False), repeat=2):
         calls.clear()
         rates = sampling_speed(
-            model, [0], num_samples=3, max_new_tokens=4, use_cache=use_cache, batched=batched, repeats=2
+            model,
+            [0],
+            num_samples=3,
+            max_new_tokens=4,
+            use_cache=use_cache,
+            batched=batched,
+            repeats=2,
+            dtype=torch.float32,
         )
         assert len(rates) == 2 and all(r > 0 for r in rates)
         # per repeat: one batch of 3, or 3 batches of 1
         assert calls == ([(3, 4, use_cache)] if batched else [(1, 4, use_cache)] * 3) * 2
+
+
+@pytest.mark.parametrize("dtype,autocast_dtype", [("auto", None), ("float32", None), ("bfloat16", torch.bfloat16)])
+def test_sampling_runs_under_sample_py_s_precision(monkeypatch, dtype, autocast_dtype):
+    """
+    bench_sampling generates as sample.py does with the same --dtype: without gradients, under autocast to that dtype
+    (on a CPU "auto" is float32: no autocast), so the speed measured is the speed sample.py gets.
+    """
+    model = build_model(ModelConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32))
+    monkeypatch.setattr(bench, "sampling_device", lambda: torch.device("cpu"))  # the autocast checked is the CPU's
+    monkeypatch.setattr(bench, "load_checkpoint", lambda path: None)
+    monkeypatch.setattr(bench, "model_from_checkpoint", lambda ckpt: model)
+    states, generate = set(), bench.generate
+
+    def spy(model, idx, max_new_tokens, **options):
+        autocast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+        states.add((torch.is_grad_enabled(), autocast))
+        return generate(model, idx, max_new_tokens, **options)
+
+    monkeypatch.setattr(bench, "generate", spy)
+    cfg = bench.BenchConfig(parts="sample", samples=2, sample_tokens=3, repeats=1, dtype=dtype)
+    rows = bench.bench_sampling(cfg, "unused")
+    assert len(rows) == 3 and states == {(False, autocast_dtype)}
+
+
+def test_bench_refuses_a_dtype_it_cannot_sample_in(monkeypatch):
+    monkeypatch.setattr(bench, "sampling_device", lambda: torch.device("cpu"))
+    with pytest.raises(ValueError, match="not one of"):
+        bench.BenchConfig(dtype="float64")
+    with pytest.raises(ValueError, match="float16 needs CUDA"):  # as sample.py refuses it
+        bench.BenchConfig(dtype="float16")
