@@ -626,10 +626,10 @@ class TransformerModel(nn.Module):
     def head_and_loss(self, x, targets, label_smoothing, reduction, return_logits):
         """
         The head over x (B, T, C) and, given targets (B, T), the cross-entropy in float32, computed a chunk of
-        positions at a time so that the float32 logits are never whole (LOSS_CHUNK_BYTES). In training each chunk's
-        head and loss run again in the backward instead of keeping its float32 log-probabilities, so that those of
-        at most one chunk are held at a time. reduction: "mean" over the targets that are not IGNORE_INDEX, or
-        "sum". Returns (logits (B, T, V) or None if not return_logits, loss).
+        positions at a time so that the float32 logits are never whole (LOSS_CHUNK_BYTES). In training every chunk's
+        head and loss but the last run again in the backward instead of keeping their float32 log-probabilities, so
+        that those of one chunk at most are held at a time. reduction: "mean" over the targets that are not
+        IGNORE_INDEX, or "sum". Returns (logits (B, T, V) or None if not return_logits, loss).
         """
         if targets is None:
             return (self.head(x) if return_logits else None), None
@@ -639,14 +639,14 @@ class TransformerModel(nn.Module):
         budget = LOSS_CHUNK_BYTES if x.device.type == "cpu" else ACCELERATOR_LOSS_CHUNK_BYTES
         rows = max(1, budget // (4 * self.config.vocab_size))
         # Autograd would keep every chunk's float32 log-probabilities for the backward: B * T * V * 4 bytes in all
-        # (2.5 GB for gpt2.py). Recomputed chunks keep only their inputs. A single chunk is not recomputed: its
-        # log-probabilities are needed at the start of the backward either way, so that would only cost time.
-        recompute = torch.is_grad_enabled() and targets.numel() > rows
+        # (2.5 GB for gpt2.py). Every chunk but the last runs again in the backward instead, from its inputs. The last
+        # one's are the first the backward needs: recomputing them would cost time and lower no peak.
+        x_chunks, target_chunks = x.flatten(0, 1).split(rows), targets.flatten().split(rows)
         loss, chunks = torch.zeros((), device=x.device), []
         # batch and time flattened into one axis of B * T positions, cut into chunks of `rows`
-        for x_chunk, target_chunk in zip(x.flatten(0, 1).split(rows), targets.flatten().split(rows)):
+        for i, (x_chunk, target_chunk) in enumerate(zip(x_chunks, target_chunks)):
             inputs = (x_chunk, target_chunk, label_smoothing, return_logits)
-            if recompute:
+            if torch.is_grad_enabled() and i < len(x_chunks) - 1:
                 # no dropout nor any other randomness in the head: no generator state to save and restore
                 chunk_loss, logits = checkpoint(self.chunk_loss, *inputs, use_reentrant=False, preserve_rng_state=False)
             else:
