@@ -394,8 +394,11 @@ def open_outputs(cfg, rt, is_writer, model_config, meta, stack):
         # the run's settings in readable JSON beside the checkpoints, for people and tools without torch
         run_config = {"train_config": asdict(cfg), "model_config": asdict(model_config), "meta": meta}
         write_json({**run_config, "world_size": rt.world_size}, out_dir / "config.json")
-    # this GPU's peak bf16 FLOP/s, for MFU; None where unknown
-    peak = peak_flops(torch.cuda.get_device_name(rt.device)) if rt.device.type == "cuda" else None
+    # this GPU's peak bf16 FLOP/s, for MFU (a MIG slice's share of it); None where unknown
+    peak = None
+    if rt.device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(rt.device)
+        peak = peak_flops(torch.cuda.get_device_name(rt.device), gpu.multi_processor_count)
     return Progress(cfg, rt, scalars, peak)
 
 
