@@ -1657,6 +1657,8 @@ def test_a_muon_step_is_muon_and_adamw_by_hand_and_skips_a_non_finite_gradient()
     model, reference = build_model(config), build_model(config)
     reference.load_state_dict(model.state_dict())
     optimizers, _ = model.configure_optimizers(0.1, 1.0, (0.9, 0.95), "cpu", optimizer="muon", muon_lr=1.0)
+    # the reference's dtype: torch.optim.Muon orthogonalises in bfloat16, muon.Muon in float32 on a CPU by default
+    optimizers["muon"].ns_dtype = torch.bfloat16
     step = {"n_targets": 16, "lrs": {"adamw": 1e-3, "muon": 0.02}, "grad_clip": 1.0}
     # the split by name, independently of configure_optimizers
     hidden = re.compile(r"(encoder|decoder)\.blocks\.\d+\.(attn|cross_attn|mlp)\.(qkv|q|kv|proj|fc)\.weight")
