@@ -969,6 +969,19 @@ def torchrun(args, env, timeout=300):
     )
 
 
+def torchrun_script(source, tmp_path, env, *args):
+    """A script of this source run on 2 ranks under torchrun, the repository importable: the finished process."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args],
+        env={**env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 def tensorboard_scalars(folder, tag):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -1945,8 +1958,6 @@ sys.exit(train.cli(sys.argv[1:]))
 
 def test_a_dataset_prepared_inside_torchrun_outlasts_dist_timeout(tmp_path, env):
     """Rank 1 waits while rank 0 prepares for longer than dist_timeout: the run goes on, it does not time out."""
-    script = tmp_path / "slow_prepare.py"
-    script.write_text(SLOW_PREPARE)
     args = [f"--{k}={v}" for k, v in TINY.items()] + [
         "--dataset=shakespeare_char",
         f"--data_dir={tmp_path / 'data'}",  # not prepared yet
@@ -1954,13 +1965,7 @@ def test_a_dataset_prepared_inside_torchrun_outlasts_dist_timeout(tmp_path, env)
         "--max_iters=1",
         f"--out_dir={tmp_path / 'out'}",
     ]
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args],
-        env={**env, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = torchrun_script(SLOW_PREPARE, tmp_path, env, *args)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "preparing it" in run.stdout and "done at iteration 1" in run.stdout
 
@@ -1993,8 +1998,6 @@ def test_a_compile_failure_on_one_rank_is_every_ranks(tmp_path, env, where):
     eagerly (one rank compiled and one not would run different graphs, and a failed backward must not leave the
     other rank waiting in an all-reduce).
     """
-    script = tmp_path / "rank_1_cannot_compile.py"
-    script.write_text(RANK_1_CANNOT_COMPILE)
     args = [f"--{k}={v}" for k, v in TINY.items()] + [
         "--dataset=shakespeare_char",
         "--compile=true",
@@ -2002,22 +2005,7 @@ def test_a_compile_failure_on_one_rank_is_every_ranks(tmp_path, env, where):
         "--dist_timeout=60",
         f"--out_dir={tmp_path / 'out'}",
     ]
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(script),
-            where,
-            *args,
-        ],
-        env={**env, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = torchrun_script(RANK_1_CANNOT_COMPILE, tmp_path, env, where, *args)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "torch.compile failed (RuntimeError: it failed on another rank); going on without it" in run.stdout
     assert "done at iteration 2" in run.stdout
@@ -2054,16 +2042,7 @@ dist.destroy_process_group()
 @pytest.mark.parametrize("defer", [False, True])
 def test_fsdp_accumulation_holds_only_gradient_shards_unless_asked(tmp_path, env, defer):
     """After a micro-batch that is not the step's last: no whole gradients by default, all of them with defer."""
-    script = tmp_path / "held_gradients.py"
-    script.write_text(FSDP_HELD_GRADIENTS)
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-        + ["defer" if defer else "reduce", str(tmp_path)],
-        env={**env, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = torchrun_script(FSDP_HELD_GRADIENTS, tmp_path, env, "defer" if defer else "reduce", str(tmp_path))
     assert run.returncode == 0, run.stderr[-3000:]
     for rank in range(2):
         held, whole = map(int, (tmp_path / f"rank{rank}.txt").read_text().split())
@@ -2072,8 +2051,6 @@ def test_fsdp_accumulation_holds_only_gradient_shards_unless_asked(tmp_path, env
 
 def test_ddp_compiles_one_graph_per_gradient_bucket(tmp_path, data_root, env):
     """DDP's graph split (its all-reduce overlapping the backward) needs DDP compiled, not wrapping a compiled model."""
-    script = tmp_path / "count_graphs.py"
-    script.write_text(DDP_GRAPHS)
     # 6 x 384-wide layers: 42 MB of fp32 weights, two or more of DDP's 25 MB buckets
     args = [f"--{k}={v}" for k, v in TINY.items()] + [
         "--dataset=shakespeare_char",
@@ -2087,13 +2064,7 @@ def test_ddp_compiles_one_graph_per_gradient_bucket(tmp_path, data_root, env):
         "--gradient_accumulation_steps=2",
         f"--out_dir={tmp_path / 'out'}",
     ]
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args],
-        env={**env, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = torchrun_script(DDP_GRAPHS, tmp_path, env, *args)
     assert run.returncode == 0, run.stderr[-3000:]
     assert int(re.search(r"graphs (\d+)", run.stdout)[1]) > 1
 
