@@ -251,6 +251,10 @@ def main(cfg):
             # iterations are numbered by the steps done: the step just taken ends iteration iter_num + 1
             iter_num += 1
             progress.add(iter_num, step)
+        if rt.world_size > 1:
+            # gloo's worker threads release the last collective's Python tensors after it returns, which needs the
+            # GIL; a process group torn down (with the GIL held) before they have would wait for them forever
+            dist.barrier()
         return {"losses": progress.losses, "evals": evals, "iter_num": iter_num, "best_val_loss": run.best_val_loss}
 
 
