@@ -106,7 +106,7 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError("Muon: only 2-D parameters (matrices); give the others to AdamW")
         self.ns_dtype, self.compile = ns_dtype, compile
         # a lazy wrapper: nothing is compiled before its first call. Shapes are fixed, so no dynamic-shape kernels
-        self._compiled_newton_schulz = torch.compile(newton_schulz, dynamic=False)
+        self.compiled_newton_schulz = torch.compile(newton_schulz, dynamic=False)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -125,13 +125,13 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is not None:
                     batches.setdefault((p.shape, p.device, p.dtype), []).append(p)
             for params in batches.values():
-                self._update(params, group, skip, grad_scale)
+                self.update_stack(params, group, skip, grad_scale)
         return loss
 
-    def _update(self, params, group, skip, grad_scale):
+    def update_stack(self, params, group, skip, grad_scale):
         """The step for params, matrices of one shape in group, on stacked (N, rows, cols) copies written back."""
         momentum, lr = group["momentum"], group["lr"]
-        buffers = [self._momentum_buffer(p) for p in params]
+        buffers = [self.momentum_buffer_of(p) for p in params]
         grads = torch.stack([p.grad for p in params])
         if grad_scale is not None:  # a GradScaler's gradients, not unscaled before step()
             grads = grads / grad_scale
@@ -140,7 +140,7 @@ class Muon(torch.optim.Optimizer):
         new_momentum = old_momentum.lerp(grads, 1 - momentum)
         # Nesterov: orthogonalise the next step's average, as it would be if the gradient stayed the same
         update = grads.lerp(new_momentum, momentum) if group["nesterov"] else new_momentum
-        update = self._orthogonalise(update, group)
+        update = self.orthogonalise(update, group)
         # decoupled weight decay at the unscaled lr, then the update at the lr scaled for this shape
         scaled_lr = lr * lr_scale(params[0].shape, group["adjust_lr_fn"])
         new_weights = weights.mul(1 - lr * group["weight_decay"]).add_(update, alpha=-scaled_lr)
@@ -151,20 +151,20 @@ class Muon(torch.optim.Optimizer):
         torch._foreach_copy_(buffers, list(new_momentum.unbind()))
         torch._foreach_copy_(params, list(new_weights.unbind()))
 
-    def _momentum_buffer(self, p):
+    def momentum_buffer_of(self, p):
         """p's momentum, zeros at first (created even for a skipped step, as fused AdamW creates its moments)."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
         return state["momentum_buffer"]
 
-    def _orthogonalise(self, update, group):
+    def orthogonalise(self, update, group):
         """newton_schulz over update (N, rows, cols), in ns_dtype, compiled if asked (eagerly if that fails)."""
         dtype = self.ns_dtype or (torch.bfloat16 if update.is_cuda else torch.float32)
         args = (update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
         if self.compile if self.compile is not None else update.is_cuda:
             try:
-                return self._compiled_newton_schulz(*args)
+                return self.compiled_newton_schulz(*args)
             except torch._dynamo.exc.TorchDynamoException as e:  # what compiling raises (no C compiler, no Triton)
                 self.compile = False
                 warnings.warn(
