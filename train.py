@@ -374,9 +374,9 @@ def describe_run(cfg, rt, dataset, model, per_rank, optimizer_summary):
         log("note: fsdp=True with one process: nothing to shard over, the model is trained whole")
     log(optimizer_summary)
     if cfg.optimizer == "muon" and rt.device.type == "cpu":
-        # measured on the quick start (2 cores): 22-25 ms a step against 15-16 ms with AdamW
+        # measured on the quick start (2 cores, alone): 22 ms a step against about 17 ms with AdamW
         log(
-            "note: Muon orthogonalises in float32 on a CPU: about 1.5x an AdamW step here; optimizer='adamw' is "
+            "note: Muon orthogonalises in float32 on a CPU: about 1.3x an AdamW step here; optimizer='adamw' is "
             "the faster choice on CPUs"
         )
 

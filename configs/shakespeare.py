@@ -10,7 +10,7 @@
 # 160-wide models, zero-initialised projections and torch.compile did not help.
 # Of the modern recipe (issue 12), two changes are free on a CPU and help: AdamW beta1 0.8 and two key/value heads
 # (grouped-query attention). Rotary positions learn more per step but cost 9-12% per step; RMSNorm, QK-norm,
-# ReLU-squared, SwiGLU, an untied head, a soft-cap and Muon cost more than they gain here (Muon: about 1.5x slower
+# ReLU-squared, SwiGLU, an untied head, a soft-cap and Muon cost more than they gain here (Muon: about 1.3x slower
 # per step, orthogonalising in float32).
 out_dir = "out-shakespeare"
 dataset = "shakespeare_char"
