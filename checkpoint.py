@@ -137,6 +137,7 @@ def training_state(
     meta,
     iter_num,
     best_val_loss,
+    train_seconds,
     optimizers,
     scaler,
     sampler_state,
@@ -159,6 +160,8 @@ def training_state(
         # float16's current loss scale; an empty dict when no scaler is in use
         "scaler": scaler.state_dict(),
         "rng": rng,
+        # the training time so far, for a time budget (max_minutes) to go on from
+        "train_seconds": train_seconds,
         # the data stream's generator as it was before the pending step's batches were drawn
         "sampler": {"generator": sampler_state},
     }

@@ -28,6 +28,17 @@ class Step:
     lr: float
     tokens: int  # input tokens on all ranks
     flops: float  # of this rank's matmuls (counted only where MFU is reported)
+    seconds: float  # the run's training time when the step began, agreed by the ranks (Clock)
+
+
+class Clock:
+    """A run's training time in seconds, evaluations included: what max_minutes budgets, carried over a resume."""
+
+    def __init__(self, before):
+        self.before, self.start = before, time.perf_counter()  # before: the seconds of the run this one resumes
+
+    def seconds(self):
+        return self.before + time.perf_counter() - self.start
 
 
 @dataclass
@@ -52,6 +63,7 @@ class Progress:
 
     def __init__(self, cfg, rt, scalars, peak_flops):
         self.max_iters, self.log_interval, self.scalars = cfg.max_iters, cfg.log_interval, scalars
+        self.budget = 60 * cfg.max_minutes or math.inf  # seconds; no budget: the steps alone say when it ends
         self.peak_flops = peak_flops  # of this GPU, for MFU; None on CPUs and unknown GPUs
         self.pending, self.window, self.losses = StepLosses(rt), Window(), {}
 
@@ -100,7 +112,9 @@ class Progress:
             line += f" | mfu {values['perf/mfu']:.1%}"
         if skipped:
             line += f" | {skipped} step(s) skipped: gradient not finite, weights left as they were"
-        log(f"{line} | eta {format_eta((self.max_iters - iter_num) * seconds / window.steps)}")
+        # whichever ends the run first: the steps left at this pace, or the time budget
+        left = min((self.max_iters - iter_num) * seconds / window.steps, self.budget - step.seconds)
+        log(f"{line} | eta {format_eta(max(left, 0.0))}")
         self.scalars.add(iter_num, values)
 
 

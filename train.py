@@ -73,7 +73,7 @@ from parallel import (
     raise_if_any_failed,
     split_accumulation,
 )
-from progress import Progress, Scalars, Step, log_memory
+from progress import Clock, Progress, Scalars, Step, log_memory
 from start import restore, start_run
 
 
@@ -111,6 +111,7 @@ class TrainConfig(ModelSettings):
     learning_rate: float = 6e-4  # peak learning rate (of AdamW)
     muon_lr: float = 0.02  # optimizer='muon': Muon's peak learning rate; the schedule scales it as learning_rate
     max_iters: int = 600000  # optimizer steps in total
+    max_minutes: float = 0.0  # > 0: also stop after this much training time, the schedule following the time used
     weight_decay: float = 1e-1  # on matrices and embeddings only (both optimizers)
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.95  # AdamW beta2
@@ -120,7 +121,7 @@ class TrainConfig(ModelSettings):
     decay_lr: bool = True  # False: constant learning_rate
     lr_schedule: str = "cosine"  # 'cosine': warmup, cosine to min_lr at lr_decay_iters; 'noam': warmup, 1/sqrt(step)
     warmup_iters: int = 2000  # linear warmup steps
-    lr_decay_iters: int = 600000  # cosine reaches min_lr here (usually max_iters)
+    lr_decay_iters: int = 0  # cosine reaches min_lr here; 0: at the end of the run (max_iters, or max_minutes)
     min_lr: float = 6e-5  # cosine floor, usually learning_rate / 10
     # system
     backend: str = "auto"  # DDP backend: 'auto' (nccl on CUDA, gloo otherwise), 'nccl' or 'gloo'
@@ -156,7 +157,15 @@ class TrainConfig(ModelSettings):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         # 0 means something here (no steps, no warmup, no clipping); a negative value never does
-        for name in ("max_iters", "warmup_iters", "lr_decay_iters", "eval_accuracy_examples", "grad_clip", "min_lr"):
+        for name in (
+            "max_iters",
+            "max_minutes",
+            "warmup_iters",
+            "lr_decay_iters",
+            "eval_accuracy_examples",
+            "grad_clip",
+            "min_lr",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.learning_rate <= 0 or self.muon_lr <= 0:
@@ -205,6 +214,7 @@ class Run:
     progress: Progress
     stop: "StopRequest"  # defined with setup's stages below
     host_group: object  # a gloo group for numbers the host already has; None in one process
+    clock: Clock  # the run's training time, which max_minutes budgets
     start_iter: int = 0
     best_val_loss: float = math.inf
     resumed: bool = False
@@ -222,10 +232,10 @@ def main(cfg):
     with contextlib.ExitStack() as stack:
         run = setup(cfg, rt, stack)
         cfg, progress, evals = run.cfg, run.progress, []
-        iter_num, stopping = run.start_iter, False
+        iter_num, stopping, out_of_time = run.start_iter, False, False
         # each pass: evaluate if due, stop if this is the last iteration, else take one step
         while True:
-            last = iter_num >= cfg.max_iters or stopping
+            last = iter_num >= cfg.max_iters or stopping or out_of_time
             if should_evaluate(run, iter_num, last, stopping):
                 with progress.paused():  # progress lines time the training steps only
                     progress.read()  # a non-finite loss stops the run before any save
@@ -251,6 +261,8 @@ def main(cfg):
             # iterations are numbered by the steps done: the step just taken ends iteration iter_num + 1
             iter_num += 1
             progress.add(iter_num, step)
+            # the ranks agreed on the time the step began: they all stop after the same step
+            out_of_time = cfg.max_minutes > 0 and step.seconds >= 60 * cfg.max_minutes
         if rt.world_size > 1:
             # gloo's worker threads release the last collective's Python tensors after it returns, which needs the
             # GIL; a process group torn down (with the GIL held) before they have would wait for them forever
@@ -306,6 +318,8 @@ def setup(cfg, rt, stack):
         progress=open_outputs(cfg, rt, is_writer, models.raw.config, begin.meta, stack),
         stop=stack.enter_context(StopRequest()),
         host_group=host_group,
+        # started last, so that the time budget counts the loop's time: a resume goes on from the time saved
+        clock=Clock(0.0 if begin.ckpt is None else begin.ckpt.get("train_seconds", 0.0)),
         start_iter=0 if begin.ckpt is None else begin.ckpt["iter_num"],
         best_val_loss=math.inf if begin.ckpt is None else begin.ckpt["best_val_loss"],
         resumed=begin.ckpt is not None,
@@ -372,12 +386,35 @@ def describe_run(cfg, rt, dataset, model, per_rank, optimizer_summary):
         )
     if cfg.fsdp and not rt.fsdp:
         log("note: fsdp=True with one process: nothing to shard over, the model is trained whole")
+    if cfg.max_minutes:
+        log(
+            f"a time budget: {cfg.max_minutes:g} minute(s) of training, at most {cfg.max_iters:,} steps; the "
+            "learning rate follows whichever is further along (--max_minutes=0 for a run that repeats exactly)"
+        )
+    log_schedule_notes(cfg)
     log(optimizer_summary)
     if cfg.optimizer == "muon" and rt.device.type == "cpu":
         # measured on the quick start (2 cores, alone): 22 ms a step against about 17 ms with AdamW
         log(
             "note: Muon orthogonalises in float32 on a CPU: about 1.3x an AdamW step here; optimizer='adamw' is "
             "the faster choice on CPUs"
+        )
+
+
+def log_schedule_notes(cfg):
+    """One line for each way the learning-rate schedule does not fit the run's length (a short run's surprises)."""
+    if not cfg.decay_lr or cfg.lr_schedule != "cosine":
+        return
+    if cfg.lr_decay_iters > cfg.max_iters:
+        end = get_lr(cfg.max_iters - 1, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters)
+        log(
+            f"note: lr_decay_iters={cfg.lr_decay_iters:,} is beyond max_iters={cfg.max_iters:,}: the run ends at "
+            f"learning rate {end:.2e}, not min_lr={cfg.min_lr:.2e}; --lr_decay_iters=0 ends the decay with the run"
+        )
+    if cfg.warmup_iters >= min(cfg.max_iters, cfg.lr_decay_iters or cfg.max_iters) > 0:
+        log(
+            f"note: warmup_iters={cfg.warmup_iters:,} fills the whole run of {cfg.max_iters:,} steps: the learning "
+            "rate never decays; lower --warmup_iters"
         )
 
 
@@ -438,19 +475,24 @@ def train_step(run, iter_num):
     # The micro-batches, built while the last step ran, and their real targets and tokens on all ranks: the loss is
     # a mean over every target of the step, so their number is needed before the first backward. Stop votes ride
     # along: every rank must decide alike, or some would wait forever in the next collective.
+    # The training time (max_minutes) rides along too, as the ranks' mean in milliseconds: one number for all.
     micro_batches, n_targets, n_tokens = run.batches.peek()
-    counts = torch.tensor([n_targets, n_tokens, run.stop.signal is not None])
+    counts = torch.tensor([n_targets, n_tokens, run.stop.signal is not None, round(1000 * run.clock.seconds())])
     if rt.world_size > 1:
         dist.all_reduce(counts, group=run.host_group)  # host numbers, over gloo: no wait for the GPU
-    n_targets, n_tokens, stop_votes = counts.tolist()
+    n_targets, n_tokens, stop_votes, milliseconds = counts.tolist()
     if stop_votes:
         return None
     run.batches.advance()  # the next step's batches are built while this one runs
+    seconds = milliseconds / 1000 / rt.world_size
 
-    # The learning rate: the schedule's multiplier scales each optimizer's peak alike, on each of its groups
+    # The learning rate: the schedule's multiplier scales each optimizer's peak alike, on each of its groups. With
+    # a time budget, the schedule follows whichever of the steps and the time is further along.
     lr = cfg.learning_rate
     if cfg.decay_lr:
-        lr = get_lr(iter_num, lr, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters, cfg.lr_schedule)
+        time_used = seconds / (60 * cfg.max_minutes) if cfg.max_minutes else 0.0
+        decay_iters = cfg.lr_decay_iters or cfg.max_iters
+        lr = get_lr(iter_num, lr, cfg.min_lr, cfg.warmup_iters, decay_iters, cfg.lr_schedule, time_used)
     lrs = {"adamw": lr, "muon": cfg.muon_lr * lr / cfg.learning_rate}
     for name, optimizer in run.optimizers.items():
         for group in optimizer.param_groups:
@@ -477,13 +519,14 @@ def train_step(run, iter_num):
     # FLOPs for MFU, counted only where a GPU's peak is known
     flops = sum(models.raw.training_flops(*inputs) for inputs, _ in micro_batches) if run.progress.peak_flops else 0.0
     # this rank's share of the step's mean loss: summed over the ranks, it is the mean
-    return Step(loss / n_targets, grad_norm, skipped, lr, n_tokens, flops)
+    return Step(loss / n_targets, grad_norm, skipped, lr, n_tokens, flops, seconds)
 
 
-def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters, schedule="cosine"):
+def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters, schedule="cosine", time_used=0.0):
     """
     Learning rate of step it (0-based). 'cosine': linear warmup to learning_rate over warmup_iters steps, cosine
-    decay to min_lr at lr_decay_iters, min_lr after. 'noam' (the 2017 paper): the same warmup, then
+    decay to min_lr at lr_decay_iters, min_lr after; time_used, the fraction of a time budget used (max_minutes),
+    moves the cosine on when it is further along than the steps. 'noam' (the 2017 paper): the same warmup, then
     learning_rate * sqrt(warmup_iters / step); the paper's d_model**-0.5 * warmup_iters**-0.5 is learning_rate here.
     """
     # 1-based: the first step (it 0) already gets a nonzero learning rate
@@ -492,10 +535,10 @@ def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters, schedule="co
         return learning_rate * min(step / warmup_iters, math.sqrt(warmup_iters / step))
     if step <= warmup_iters:
         return learning_rate * step / warmup_iters
-    if it >= lr_decay_iters:
+    if it >= lr_decay_iters or time_used >= 1:
         return min_lr
-    # 0 -> 1 from the end of warmup to lr_decay_iters; the cosine factor goes 1 -> 0 over it
-    progress = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    # 0 -> 1 from the end of warmup to lr_decay_iters (or the budget's end); the cosine factor goes 1 -> 0 over it
+    progress = max((it - warmup_iters) / (lr_decay_iters - warmup_iters), time_used)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
@@ -755,6 +798,7 @@ def save_training_state(run, iter_num):
         meta=run.meta,
         iter_num=iter_num,
         best_val_loss=run.best_val_loss,
+        train_seconds=run.clock.seconds(),
         optimizers=run.optimizers,
         scaler=run.scaler,
         sampler_state=run.batches.resume_state,

@@ -16,7 +16,6 @@ bias = False
 
 learning_rate = 6e-4
 max_iters = 600000  # 300B tokens
-lr_decay_iters = 600000
 min_lr = 6e-5
 warmup_iters = 2000
 weight_decay = 0.1

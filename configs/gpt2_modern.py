@@ -30,7 +30,6 @@ optimizer = "muon"  # Muon for the attention and MLP matrices, AdamW for everyth
 muon_lr = 0.02
 learning_rate = 6e-4  # AdamW's share: embeddings, head, norm gains
 max_iters = 10000  # 5B tokens
-lr_decay_iters = 10000
 min_lr = 6e-5
 warmup_iters = 250
 weight_decay = 0.1

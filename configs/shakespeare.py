@@ -32,7 +32,6 @@ activation = "relu"
 
 learning_rate = 5e-3
 max_iters = 3300  # the schedule ends (lr at min_lr) before two minutes on 2 cores
-lr_decay_iters = 3300
 min_lr = 5e-4
 warmup_iters = 50
 beta1 = 0.8  # a shorter momentum: 1.752 against 1.774 after 2,000 steps

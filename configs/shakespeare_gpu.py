@@ -22,7 +22,6 @@ dropout = 0.2
 
 learning_rate = 1e-3  # a small model can take a large step
 max_iters = 5000
-lr_decay_iters = 5000
 min_lr = 1e-4
 beta2 = 0.99  # few tokens per step: a longer second-moment average
 warmup_iters = 100

@@ -20,7 +20,6 @@ dropout = 0.0
 
 learning_rate = 1e-3
 max_iters = 2000
-lr_decay_iters = 2000
 min_lr = 1e-4
 warmup_iters = 100
 beta2 = 0.99

@@ -318,6 +318,56 @@ def test_noam_schedule():
     assert [lr(s - 1) for s in (1, 50, 100, 1000)] == pytest.approx([p * 2.0 / paper[2] for p in paper])
 
 
+def logged_lrs(text):
+    """{iteration: learning rate} from the progress lines of a run with log_interval=1."""
+    found = re.findall(r"^iter (\d+)/\d+ \| loss \S+ \| lr (\S+) \|", text, re.MULTILINE)
+    return {int(it): float(lr) for it, lr in found}
+
+
+def cosine(fraction, peak, floor):
+    """The cosine decay at fraction (0 -> 1) of its length, written out for the tests."""
+    return floor + 0.5 * (1 + math.cos(math.pi * min(fraction, 1.0))) * (peak - floor)
+
+
+def test_max_iters_alone_ends_the_schedule_with_the_run(tmp_path, data_root, capsys):
+    # a config whose schedule is 1,000 steps long, shortened to 8 on the command line only
+    config = tmp_path / "long.py"
+    config.write_text("max_iters = 1000\nwarmup_iters = 2\nlearning_rate = 1e-3\nmin_lr = 1e-4\n")
+    schedule = ("max_iters", "warmup_iters", "lr_decay_iters", "learning_rate", "min_lr")
+    shrink = [f"--{k}={v}" for k, v in TINY.items() if k not in schedule]
+    paths = [f"--data_dir={data_root}", "--dataset=shakespeare_char", f"--out_dir={tmp_path / 'out'}"]
+    cfg = parse_config(TrainConfig, [str(config), *shrink, *paths, "--log_interval=1", "--max_iters=8"])
+    main(cfg)
+    lrs = logged_lrs(capsys.readouterr().out)
+    # iteration it + 1 ran step it: warmup over steps 0-1, then the cosine over steps 2-7 towards min_lr at 8
+    expected = {it + 1: (it + 1) / 2 * 1e-3 if it < 2 else cosine((it - 2) / 6, 1e-3, 1e-4) for it in range(8)}
+    assert lrs == pytest.approx(expected, rel=0.01)  # the line prints 3 digits
+
+
+def test_a_schedule_longer_than_the_run_is_said_in_one_line(tmp_path, data_root, capsys):
+    main(tiny(data_root, tmp_path, max_iters=4, lr_decay_iters=100, warmup_iters=0))
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: lr_decay_iters=100")]
+    assert len(notes) == 1 and "--lr_decay_iters=0" in notes[0]
+
+
+def test_a_time_budget_decays_with_the_time_and_a_resume_goes_on_from_it(tmp_path, data_root, capsys):
+    # 3 s of training, far fewer than the steps allowed: the time ends the run and its schedule
+    cfg = tiny(data_root, tmp_path, max_minutes=0.05, max_iters=10**6, log_interval=1, warmup_iters=0)
+    result = main(cfg)
+    lrs = list(logged_lrs(capsys.readouterr().out).values())
+    assert 10 < result["iter_num"] < 10**6
+    assert lrs[0] > 0.9 * cfg.learning_rate  # the first step starts at about no time used
+    assert lrs[-1] == pytest.approx(cfg.min_lr)  # the last step began once the budget was spent
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    spent = load_checkpoint(tmp_path / "ckpt.pt")["train_seconds"]
+    assert 3.0 <= spent < 30
+    # resumed with twice the budget: the schedule goes on from the time spent, at most halfway down the cosine
+    main(dataclasses.replace(cfg, init_from="resume", max_minutes=0.1))
+    resumed = list(logged_lrs(capsys.readouterr().out).values())
+    assert resumed[0] <= cosine(spent / 6, cfg.learning_rate, cfg.min_lr) * 1.01
+    assert resumed[-1] == pytest.approx(cfg.min_lr)
+
+
 def test_accumulation_steps_are_shared_over_ranks():
     assert split_accumulation(40, 8) == 5
     with pytest.raises(ConfigError, match="make it a multiple of 4"):
