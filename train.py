@@ -37,6 +37,7 @@ import tokens
 from checkpoint import (
     all_finite,
     nonfinite_weights,
+    remove,
     save_checkpoint,
     save_sharded,
     sharded_state,
@@ -92,6 +93,7 @@ class TrainConfig(ModelSettings):
     eval_only: bool = False  # evaluate once (e.g. init_from='resume' or 'gpt2') and exit
     always_save_checkpoint: bool = True  # ckpt.pt at every eval; False: only at the end (best.pt tracks the best)
     init_from: str = "scratch"  # 'scratch', 'resume', 'gpt2'..., a HF folder, or a checkpoint file (ours or nanoGPT's)
+    overwrite: bool = False  # a new run may replace the run already in out_dir (its checkpoints and TensorBoard logs)
     tensorboard: bool = True  # write TensorBoard scalars into out_dir (tensorboard --logdir OUT_DIR)
     wandb_log: bool = False  # also log to Weights & Biases (pip install wandb)
     wandb_project: str = "nanoformer"  # W&B project
@@ -343,12 +345,22 @@ def join_processes(cfg, rt, stack):
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; DDP copies rank 0's initial weights
     # an unwritable out_dir is found now, not at the first save hours later; rank 0 alone writes, eval_only never
     is_writer = rt.rank == 0 and not cfg.eval_only
-    raise_if_any_failed(out_dir_problem(cfg.out_dir) if is_writer else None, rt.world_size)
+    raise_if_any_failed(out_dir_problem(cfg) if is_writer else None, rt.world_size)
     return per_rank, host_group, is_writer
 
 
-def out_dir_problem(out_dir):
-    """Why out_dir could not be written (None if it can), found before any work is done, creating nothing."""
+def out_dir_problem(cfg):
+    """
+    Why cfg.out_dir could not be written (None if it can), found before any work is done, creating nothing: a
+    folder that cannot be, or one holding another run that a new run would overwrite.
+    """
+    out_dir = cfg.out_dir
+    if cfg.init_from != "resume" and not cfg.overwrite and (files := run_files(out_dir)):
+        shown = ", ".join(path.name for path in files[:3]) + (", ..." if len(files) > 3 else "")
+        return (
+            f"out_dir={out_dir} already holds a run ({shown}): go on with it with --init_from=resume, write this "
+            f"run elsewhere with --out_dir=..., or replace it with --overwrite=True"
+        )
     path = Path(out_dir).absolute()
     # the deepest part of the path that exists: the folder in which the rest would be created
     existing = next(p for p in (path, *path.parents) if p.exists())
@@ -423,6 +435,11 @@ def open_outputs(cfg, rt, is_writer, model_config, meta, stack):
     The last stage: config.json beside the checkpoints and TensorBoard (on the writing rank), and the Progress that
     reports to them, closed with the run.
     """
+    if is_writer and cfg.init_from != "resume":
+        # out_dir_problem let a new run in only where there was no run, or with overwrite=True: its files go, so that
+        # neither a best.pt nor the TensorBoard curves of the run it replaces outlive it
+        for path in run_files(cfg.out_dir):
+            remove(path)
     scalars = Scalars(cfg, is_writer)
     stack.callback(scalars.close)
     if is_writer:
@@ -437,6 +454,15 @@ def open_outputs(cfg, rt, is_writer, model_config, meta, stack):
         gpu = torch.cuda.get_device_properties(rt.device)
         peak = peak_flops(torch.cuda.get_device_name(rt.device), gpu.multi_processor_count)
     return Progress(cfg, rt, scalars, peak)
+
+
+def run_files(out_dir):
+    """The files of a run in out_dir, sorted: its checkpoints (a sharded one is a folder) and TensorBoard logs."""
+    folder = Path(out_dir)
+    if not folder.is_dir():
+        return []
+    names = ("ckpt.pt", "best.pt", ".ckpt.pt.old")
+    return sorted(p for p in folder.iterdir() if p.name in names or p.name.startswith("events.out.tfevents."))
 
 
 class StopRequest:

@@ -265,6 +265,26 @@ def test_cli_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys
     assert not out.exists()
 
 
+def test_a_new_run_never_overwrites_a_run_unless_told(tmp_path, capsys, data_root):
+    out = tmp_path / "out"
+    args = [f"--{k}={v}" for k, v in TINY.items()]
+    args += ["--dataset=shakespeare_char", f"--data_dir={data_root}", f"--out_dir={out}", "--eval_interval=2"]
+    assert cli([*args, "--tensorboard=true"]) == 0
+    kept = {name: (out / name).read_bytes() for name in ("best.pt", "ckpt.pt", "config.json")}
+    events = sorted(out.glob("events.out.tfevents.*"))
+    capsys.readouterr()
+    # the quick start's mistake: a second run into the same folder, with another seed
+    assert cli([*args, "--seed=7"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "--init_from=resume" in error and "--overwrite=True" in error
+    assert {name: (out / name).read_bytes() for name in kept} == kept and sorted(out.glob("events.*")) == events
+    # a resume goes on as before; with overwrite the new run replaces the old one's checkpoints and curves
+    assert cli([*args, "--init_from=resume", "--max_iters=6"]) == 0
+    assert cli([*args, "--seed=7", "--overwrite=True"]) == 0
+    assert load_checkpoint(out / "ckpt.pt")["iter_num"] == TINY["max_iters"]
+    assert (out / "best.pt").read_bytes() != kept["best.pt"] and not list(out.glob("events.*"))
+
+
 def test_cli_runs_from_another_directory_and_logs_tensorboard(tmp_path, env):
     """The real entry point: configs/ found from elsewhere, exit 0, checkpoint and TensorBoard events in out_dir."""
     argv = [
