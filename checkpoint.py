@@ -4,7 +4,7 @@ model to sample or evaluate from any source (a checkpoint, nanoGPT's, Hugging Fa
 
     save_checkpoint(training_state(...), out_dir / "ckpt.pt")    # everything a resume needs
     model = model_from_checkpoint(load_checkpoint("out/best.pt"))  # any script: the model, in eval mode
-    model, tokenizer, meta = load_model("resume", out_dir="out", checkpoint="best.pt", dataset="", device="cpu")
+    model, tokenizer, meta = load_model("resume", out_dir="out", checkpoint="", dataset="", device="cpu")
 
 A checkpoint is a dict: format_version, model_config, train_config, meta (the dataset's meta.json, so a tokenizer
 can be rebuilt from the checkpoint alone), iter_num, best_val_loss, and the weights (state dicts of the plain
@@ -381,7 +381,7 @@ def load_checkpoint(path, map_location="cpu", weights=True):
             ckpt[role] = sharded_weights(ckpt, ckpt["shard_keys"][role])
         return ckpt
     if not path.is_file():
-        raise ConfigError(f"no checkpoint at {path}; train one first, or point --out_dir at the run's folder")
+        raise ConfigError(f"no checkpoint at {path}; {missing_checkpoint_hint(path.parent)}")
     fallback = ""  # what may still be usable beside a damaged file
     # ckpt.pt and best.pt are written at different times, so one damaged file often leaves the other usable
     if path.name == "ckpt.pt" and path.with_name("best.pt").is_file():
@@ -389,6 +389,23 @@ def load_checkpoint(path, map_location="cpu", weights=True):
     elif path.name != "ckpt.pt" and path.with_name("ckpt.pt").exists():
         fallback = "; ckpt.pt beside it may still be usable"
     return upgrade(read_checkpoint(path, map_location, fallback))
+
+
+def run_checkpoint(out_dir, name=""):
+    """The checkpoint of the run in out_dir that name picks: "" the best weights (best.pt, else ckpt.pt), or a file."""
+    folder = Path(out_dir).expanduser()
+    if name:
+        return folder / name
+    # best.pt is written at the evaluations that improve, ckpt.pt at the end: mid-run only best.pt may exist
+    return folder / "best.pt" if (folder / "best.pt").is_file() else folder / "ckpt.pt"
+
+
+def missing_checkpoint_hint(folder):
+    """What to do when a checkpoint is not in folder: name the checkpoints that are there, else how to get one."""
+    there = sorted(p.name for p in folder.glob("*.pt")) if folder.is_dir() else []
+    if there:
+        return f"{folder} holds {', '.join(there)}: pick one with --checkpoint={there[0]}"
+    return "train one first (python train.py configs/shakespeare.py), or point --out_dir at the run's folder"
 
 
 def read_checkpoint(path, map_location, fallback):
@@ -594,7 +611,7 @@ def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False
     torch.compile the layer stacks, which generation calls.
     """
     if init_from == "resume" or is_checkpoint(init_from):
-        path = Path(out_dir) / checkpoint if init_from == "resume" else Path(init_from).expanduser()
+        path = run_checkpoint(out_dir, checkpoint) if init_from == "resume" else Path(init_from).expanduser()
         # to the CPU first: a checkpoint saved on a GPU loads on any machine; .to(device) below moves it
         ckpt = load_checkpoint(path, map_location="cpu")
         # nanoGPT's character-level checkpoints take their characters from the dataset named

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from checkpoint import load_model
+from checkpoint import load_model, run_checkpoint
 from config import parse_config
 from data import Objective, mask_tokens, seq2seq_batch
 from devices import DTYPES, autocast, resolve_device, resolve_dtype
@@ -41,7 +41,7 @@ HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/
 class EvalConfig:
     init_from: str = "resume"  # "resume": out_dir's checkpoint; a checkpoint file (ours, nanoGPT's); a HF id or folder
     out_dir: str = "out-shakespeare"  # the folder train.py wrote its checkpoints to
-    checkpoint: str = "best.pt"  # which file of out_dir: "best.pt" (the lowest val loss) or "ckpt.pt" (the latest)
+    checkpoint: str = ""  # which file of out_dir: "" the best weights (best.pt, else ckpt.pt), "ckpt.pt" the latest
     dataset: str = ""  # nanoGPT character-level checkpoints only: the prepared dataset of their characters
     task: str = "auto"  # "lm": loss, perplexity, bits per byte; "seq2seq": exact match; "hellaswag"; "auto": by arch
     split: str | None = None  # "train", "val" or (seq2seq) "test" of the data the model was trained on; None: val
@@ -167,7 +167,9 @@ def dataset_folder(cfg, meta):
     or the default root; refused if its data was prepared with another tokenizer since."""
     if "name" not in meta:
         raise ValueError("these weights come without a dataset: evaluate a text file with --input=FILE")
-    checkpoint = Path(cfg.out_dir) / cfg.checkpoint if cfg.init_from == "resume" else Path(cfg.init_from).expanduser()
+    checkpoint = Path(cfg.init_from).expanduser()
+    if cfg.init_from == "resume":
+        checkpoint = run_checkpoint(cfg.out_dir, cfg.checkpoint)
     data_dir, run = cfg.data_dir, checkpoint.parent / "config.json"
     if data_dir is None and run.is_file():
         # train.py writes its settings beside the checkpoints: the run's data_dir is where its data is
@@ -550,7 +552,7 @@ def main(cfg, out=None):
     )
     task = check_task(cfg, model.config.arch)
     progress = sys.stderr.isatty() if cfg.progress is None else cfg.progress
-    source = cfg.init_from if cfg.init_from != "resume" else str(Path(cfg.out_dir) / cfg.checkpoint)
+    source = cfg.init_from if cfg.init_from != "resume" else str(run_checkpoint(cfg.out_dir, cfg.checkpoint))
     results = {"model": source, "arch": model.config.arch, "task": task}
     # no_grad: nothing is trained; autocast: matmuls in cfg's dtype (every loss is summed in float32 or more)
     with torch.no_grad(), autocast(device, dtype):

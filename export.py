@@ -26,7 +26,7 @@ from pathlib import Path
 import tokenizers
 from safetensors.torch import save_file
 
-from checkpoint import load_checkpoint, model_from_checkpoint, move_into_place
+from checkpoint import load_checkpoint, model_from_checkpoint, move_into_place, run_checkpoint
 from config import parse_config
 from hf import hf_layout, to_hf
 from model import ModelConfig
@@ -51,7 +51,7 @@ END_OF_TEXT = "<|endoftext|>"
 @dataclass
 class ExportConfig:
     out_dir: str = "out-shakespeare"  # the folder train.py wrote its checkpoints to
-    checkpoint: str = "ckpt.pt"  # which file of out_dir: "ckpt.pt" (the latest) or "best.pt" (the lowest val loss)
+    checkpoint: str = ""  # which file of out_dir: "" the best weights (best.pt, else ckpt.pt), "ckpt.pt" the latest
     dest: str = ""  # the folder to write (required): new, empty, or an earlier export, which is replaced
 
     def __post_init__(self):
@@ -262,7 +262,7 @@ def main(cfg, out=None):
     out = sys.stdout if out is None else out  # looked up now, not at import: tests may replace it
     dest = Path(cfg.dest).expanduser()
     check_dest(dest)  # before the slow load: a wrong --dest fails at once
-    path = Path(cfg.out_dir).expanduser() / cfg.checkpoint
+    path = run_checkpoint(cfg.out_dir, cfg.checkpoint)
     ckpt = load_checkpoint(path, map_location="cpu")
     try:
         # the layout is checked on the settings alone, before any model is built

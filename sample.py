@@ -31,7 +31,7 @@ MAX_TICK_LABELS = 32  # token labels per axis of a heat map; more would overlap
 class SampleConfig:
     init_from: str = "resume"  # "resume": out_dir's checkpoint; a checkpoint file (ours, nanoGPT's); a HF id or folder
     out_dir: str = "out-shakespeare"  # the folder train.py wrote its checkpoints to
-    checkpoint: str = "ckpt.pt"  # which file of out_dir: "ckpt.pt" (the latest) or "best.pt" (the lowest val loss)
+    checkpoint: str = ""  # which file of out_dir: "" the best weights (best.pt, else ckpt.pt), "ckpt.pt" the latest
     dataset: str = ""  # nanoGPT character-level checkpoints only: the prepared dataset of their characters
     start: str = ""  # the prompt; "FILE:path" reads a file; "" starts from end-of-text (bos, or a newline)
     num_samples: int = 1  # GPT: continuations drawn, all in one batch

@@ -249,12 +249,29 @@ def test_cached_and_uncached_give_the_same_samples(gpt_dir, capsys, monkeypatch)
     assert used == [True, False]
 
 
-def test_bfloat16_autocast_and_best_checkpoint(gpt_dir, capsys):
-    # train_tiny evaluates only after its last step, so best.pt holds the same weights as ckpt.pt
+def test_bfloat16_autocast(gpt_dir, capsys):
     args = ("--out_dir", gpt_dir, "--start", "ROMEO:", "--max_new_tokens=20", "--temperature=0")
     code, out, _ = cli(capsys, *args, "--dtype=bfloat16", "--device=cpu")
     assert code == 0 and out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 20 + 1
-    assert cli(capsys, *args, "--checkpoint=best.pt")[1] == cli(capsys, *args)[1]
+
+
+def test_the_best_weights_by_default_and_errors_that_name_what_is_there(gpt_dir, capsys, tmp_path):
+    # a run whose best.pt holds other weights than its ckpt.pt: the untrained model's
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(gpt_dir / "ckpt.pt", run / "ckpt.pt")
+    ckpt = checkpoint.load_checkpoint(run / "ckpt.pt")
+    torch.manual_seed(0)
+    untrained = build_model(ModelConfig.from_dict(ckpt["model_config"])).state_dict()
+    checkpoint.save_checkpoint({**ckpt, "weights": untrained, "average": untrained}, run / "best.pt")
+    args = ("--out_dir", run, "--start", "ROMEO:", "--max_new_tokens=30", "--temperature=0")
+    best, latest = cli(capsys, *args, "--checkpoint=best.pt")[1], cli(capsys, *args, "--checkpoint=ckpt.pt")[1]
+    assert best != latest and cli(capsys, *args)[1] == best
+    # mid-run, before the first save of ckpt.pt: the default is best.pt, and asking for ckpt.pt names it
+    (run / "ckpt.pt").unlink()
+    assert cli(capsys, *args)[1] == best
+    code, _, err = cli(capsys, *args, "--checkpoint=ckpt.pt")
+    assert code == 2 and "holds best.pt" in err and "--checkpoint=best.pt" in err and len(err.splitlines()) == 1
 
 
 def test_prompt_from_file(gpt_dir, capsys, tmp_path):
