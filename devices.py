@@ -4,6 +4,7 @@ for this machine, autocast for mixed precision, and the peak FLOP/s of known GPU
 """
 
 import ctypes
+import os
 import re
 
 import torch
@@ -48,6 +49,28 @@ def resolve_dtype(name, device):
 def autocast(device, dtype):
     """Mixed precision for forward passes when dtype is not float32; a no-op otherwise."""
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def pick_threads(requested, local_ranks):
+    """
+    (intra-op threads for this process, why: a line to log or None). requested > 0 wins; then OMP_NUM_THREADS
+    (torchrun sets 1 per rank); else the cores of this machine that other jobs are not using (the 1-minute load
+    average), shared among the local_ranks processes. On a busy machine, threads that wait for a taken core make
+    every op wait for the slowest one: the quick start next to one other job ran 24x slower with 2 threads on 2 cores.
+    """
+    if requested > 0:
+        return requested, None
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"])), None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    busy = min(round(os.getloadavg()[0]), cores - 1) if hasattr(os, "getloadavg") else 0
+    threads = max(1, (cores - busy) // local_ranks)
+    if busy == 0:
+        return threads, None
+    return threads, (
+        f"note: {threads} thread(s) per process: the machine is busy (load {os.getloadavg()[0]:.1f} on {cores} "
+        f"cores); --threads=N overrides, and one job at a time is fastest"
+    )
 
 
 def keep_freed_memory():

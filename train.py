@@ -58,7 +58,7 @@ from data import (
     pinned,
     seq2seq_batch,
 )
-from devices import DTYPES, keep_freed_memory, peak_flops
+from devices import DTYPES, keep_freed_memory, peak_flops, pick_threads
 from generate import decoded_pairs
 from model import IGNORE_INDEX, MODEL_KEYS, ModelConfig, ModelSettings, build_model
 from parallel import (
@@ -134,6 +134,7 @@ class TrainConfig(ModelSettings):
     compile: bool | None = None  # torch.compile the model; None: on for CUDA only
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~25% slower
     seed: int = 1337  # seeds data sampling, initialisation and dropout (dropout differs per rank)
+    threads: int = 0  # CPU threads per process; 0: $OMP_NUM_THREADS, else the cores other jobs leave free
     dist_timeout: int = 900  # seconds a rank waits for the others before the job fails instead of hanging
 
     def __post_init__(self):
@@ -162,6 +163,7 @@ class TrainConfig(ModelSettings):
         for name in (
             "max_iters",
             "max_minutes",
+            "threads",
             "warmup_iters",
             "lr_decay_iters",
             "eval_accuracy_examples",
@@ -335,6 +337,12 @@ def join_processes(cfg, rt, stack):
     """
     # checked before any process group or data: a bad setting fails at once
     per_rank = split_accumulation(cfg.gradient_accumulation_steps, rt.world_size)
+    if rt.device.type == "cpu":
+        # the cores other jobs leave free, shared among this machine's ranks (torchrun sets LOCAL_WORLD_SIZE)
+        threads, note = pick_threads(cfg.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        torch.set_num_threads(threads)
+        if note:
+            log(note)
     if rt.device.type == "cuda":
         # this rank's GPU is the current one before anything uses CUDA (NCCL, allocations), or a context on GPU 0
         # would take its memory on every rank

@@ -17,10 +17,15 @@ def one_thread():
     Tiny models spend their time in per-op overhead, which a second thread only adds to; on cores shared with
     other jobs, two spinning threads per op made the training and sampling tests over ten times slower.
     """
-    threads = torch.get_num_threads()
+    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # what train.main's own choice of threads (devices.pick_threads) reads
     yield
     torch.set_num_threads(threads)
+    if env is None:
+        del os.environ["OMP_NUM_THREADS"]
+    else:
+        os.environ["OMP_NUM_THREADS"] = env
 
 
 @pytest.fixture(scope="session")

@@ -388,6 +388,18 @@ def test_a_time_budget_decays_with_the_time_and_a_resume_goes_on_from_it(tmp_pat
     assert resumed[-1] == pytest.approx(cfg.min_lr)
 
 
+def test_threads_leave_busy_cores_to_other_jobs(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    for load, ranks, expected in [(0.2, 1, 4), (1.4, 1, 3), (3.0, 1, 1), (9.0, 1, 1), (0.0, 2, 2), (2.0, 2, 1)]:
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load), raising=False)
+        threads, note = devices.pick_threads(0, ranks)
+        assert threads == expected and (note is None) == (round(load) == 0)
+    assert devices.pick_threads(3, 1) == (3, None)  # --threads wins
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert devices.pick_threads(0, 1) == (2, None)
+
+
 def test_accumulation_steps_are_shared_over_ranks():
     assert split_accumulation(40, 8) == 5
     with pytest.raises(ConfigError, match="make it a multiple of 4"):
