@@ -35,10 +35,12 @@ from checkpoint import (
     set_rng_state,
     split_cross_attention_state,
 )
-from config import ConfigError, one_line
+from config import ConfigError, one_line, read_config_file
 from data import Objective, make_objective
 from model import MODEL_KEYS, ModelConfig, build_model
 from parallel import log
+
+CONFIGS = Path(__file__).resolve().parent / "configs"  # the shipped configs, to name one that fits a checkpoint
 
 
 @dataclass
@@ -90,7 +92,7 @@ def resume(cfg, meta, lazy):
         )
     # the weights were trained on another tokenizer's ids: on this data they would read nonsense
     if ckpt["meta"]["tokenizer"] != meta["tokenizer"]:
-        raise ConfigError(f"{path} was trained with another tokenizer than dataset={cfg.dataset}'s")
+        raise other_ids(path, ckpt["meta"], meta, cfg)
     # resuming a finished run would train nothing and only save it again
     if ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
         raise ConfigError(
@@ -131,6 +133,35 @@ def resume(cfg, meta, lazy):
     return Start(cfg, model.train(), objective, ckpt["meta"], ckpt)
 
 
+def other_ids(path, saved, meta, cfg):
+    """
+    The error for a checkpoint trained on other token ids than cfg's dataset (meta) holds: what each is, and the
+    dataset (and a shipped config of it) that fits the checkpoint.
+    """
+    fix = "a dataset prepared with its tokenizer"
+    if "name" in saved:
+        fix = f"--dataset={saved['name']}"
+        keys = [f.name for f in fields(cfg)]
+        fits = [p for p in sorted(CONFIGS.glob("*.py")) if ("dataset", saved["name"]) in config_items(p, keys)]
+        fix += f", as configs/{fits[0].name} has it" if fits else ""
+    return ConfigError(
+        f"{path} was trained on {describe_ids(saved)}, but dataset={cfg.dataset} holds {describe_ids(meta)}: "
+        f"the ids would mean other text; use {fix}"
+    )
+
+
+def config_items(path, keys):
+    """The (key, value) assignments of config file path."""
+    return [(key, value) for key, value, _ in read_config_file(str(path), keys)]
+
+
+def describe_ids(meta):
+    """What a meta's token ids are, for a message: 'shakespeare_char (65 characters)'."""
+    spec = meta["tokenizer"]
+    kinds = {"char": "characters", "tiktoken": f"{spec.get('encoding')} BPE ids", "huggingface": "tokenizer.json ids"}
+    return f"{meta.get('name', 'unnamed data')} ({meta['vocab_size']:,} {kinds.get(spec['type'], 'ids')})"
+
+
 def from_checkpoint(cfg, meta):
     """
     A new run from a checkpoint file (another run's best.pt or ckpt.pt: its weights, the average if it kept one)
@@ -141,7 +172,7 @@ def from_checkpoint(cfg, meta):
     ckpt = load_checkpoint(path)
     saved_meta = ckpt["meta"] or nanogpt_meta(ckpt, path, meta, "train it on a character-level dataset")
     if saved_meta["tokenizer"] != meta["tokenizer"]:
-        raise ConfigError(f"{path} was trained with another tokenizer than dataset={cfg.dataset}'s")
+        raise other_ids(path, saved_meta, meta, cfg)
     # its architecture and weights; dropout is the new run's (0 to evaluate, 0.1 to fine-tune on little data)
     model = model_from_checkpoint(ckpt, dropout=cfg.dropout).train()
     cfg = with_model_settings(cfg, model.config)

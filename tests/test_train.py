@@ -285,6 +285,16 @@ def test_a_new_run_never_overwrites_a_run_unless_told(tmp_path, capsys, data_roo
     assert (out / "best.pt").read_bytes() != kept["best.pt"] and not list(out.glob("events.*"))
 
 
+def test_a_checkpoint_of_other_ids_names_what_it_was_trained_on_and_what_fits(tmp_path, data_root, capsys):
+    main(tiny(data_root, tmp_path / "chars", max_iters=1))
+    reverse = ["--dataset=reverse", f"--data_dir={data_root}", f"--data_options={REVERSE}", "--device=cpu"]
+    ckpt = tmp_path / "chars" / "ckpt.pt"
+    assert cli([f"--init_from={ckpt}", *reverse, f"--out_dir={tmp_path / 'new'}", "--arch=encoder_decoder"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert f"{ckpt} was trained on shakespeare_char (65 characters), but dataset=reverse holds reverse (" in error
+    assert error.endswith("use --dataset=shakespeare_char, as configs/shakespeare.py has it")
+
+
 def test_cli_runs_from_another_directory_and_logs_tensorboard(tmp_path, env):
     """The real entry point: configs/ found from elsewhere, exit 0, checkpoint and TensorBoard events in out_dir."""
     argv = [
