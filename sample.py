@@ -100,18 +100,27 @@ def show_samples(model, tokenizer, meta, text, cfg, out):
     # by default only one sample to a terminal streams: piped output gets whole samples
     stream = cfg.stream if cfg.stream is not None else cfg.num_samples == 1 and out.isatty()
     if stream:
-        print_stream(steps, shown, tokenizer, stop, out)
-        return prompt
-    # each step is (num_samples, 1): column 0 holds every row's next token
-    rows = [[] for _ in range(cfg.num_samples)]
-    for step in steps:
-        for row, token in zip(rows, step[:, 0].tolist()):
-            row.append(token)
-    for i, row in enumerate(rows):
-        if i:
-            print("-" * 15, file=out)
+        new = [print_stream(steps, shown, tokenizer, stop, out)]
+    else:
+        # each step is (num_samples, 1): column 0 holds every row's next token
+        rows = [[] for _ in range(cfg.num_samples)]
+        for step in steps:
+            for row, token in zip(rows, step[:, 0].tolist()):
+                row.append(token)
         # rows that stopped early repeat the stop token; cut it off
-        print(tokenizer.decode(shown + until_stop(row, stop)), file=out)
+        new = [until_stop(row, stop) for row in rows]
+        for i, ids in enumerate(new):
+            if i:
+                print("-" * 15, file=out)
+            print(tokenizer.decode(shown + ids), file=out)
+    # a blank line alone would look like a failure: say what happened
+    empty = [str(i + 1) for i, ids in enumerate(new) if not ids]
+    if empty and cfg.max_new_tokens:
+        print(
+            f"note: sample {', '.join(empty)} ended at once: the model's first new token was its end of text "
+            f"(id {stop}); another --seed or a higher --temperature may go further",
+            file=sys.stderr,
+        )
     return prompt
 
 
@@ -176,7 +185,7 @@ def sample_gpt(model, prompt, cfg, stop_token, generator, vocab_size):
 
 def print_stream(steps, shown, tokenizer, stop_token, out):
     """
-    Print one sample as its tokens arrive. shown: the prompt ids to print first.
+    Print one sample as its tokens arrive; returns its new ids. shown: the prompt ids to print first.
     The whole sequence is decoded each step and only the new text printed, and text ending in an
     incomplete UTF-8 character (which BPE splits over several tokens) waits for the next token.
     """
@@ -196,6 +205,7 @@ def print_stream(steps, shown, tokenizer, stop_token, out):
             printed = text
     # whatever was held back, then the final newline
     print(tokenizer.decode(ids)[len(printed) :], file=out)
+    return ids[len(shown) :]
 
 
 # -----------------------------------------------------------------------------
@@ -356,18 +366,29 @@ def token_ticks(labels):
 # The command line
 
 
-def check_beam_options(cfg, arch):
-    """Refuse beam search options for a model that does not search, rather than ignore them silently."""
-    given = [f"--beam_size={cfg.beam_size}"] if cfg.beam_size > 1 else []
-    if cfg.length_penalty != SampleConfig.length_penalty:  # it has a default, so only a changed value is a request
-        given.append(f"--length_penalty={cfg.length_penalty}")
-    if arch == "encoder_decoder" or not given:
-        return
-    if arch == "gpt":
-        instead = "a GPT samples with --temperature, --top_k and --top_p (greedy: --temperature=0)"
-    else:
-        instead = f"an encoder lists the --candidates likeliest tokens for each {MASK}"
-    raise ValueError(f"{' and '.join(given)}: beam search applies to encoder-decoder checkpoints only; {instead}")
+# the options that apply to some architectures only, each with what that architecture does instead
+ARCH_OPTIONS = {
+    "gpt": (
+        ("num_samples", "temperature", "top_k", "top_p", "stream", "use_cache"),
+        "sampling (--temperature, --top_k, --top_p, --num_samples) applies to GPT checkpoints only",
+    ),
+    "encoder_decoder": (("beam_size", "length_penalty"), "beam search applies to encoder-decoder checkpoints only"),
+    "encoder": (("candidates",), "--candidates applies to encoder (masked LM) checkpoints only"),
+}
+INSTEAD = {
+    "gpt": "a GPT samples with --temperature, --top_k and --top_p (greedy: --temperature=0)",
+    "encoder_decoder": "an encoder-decoder decodes greedily, or with --beam_size and --length_penalty",
+    "encoder": f"an encoder lists the --candidates likeliest tokens for each {MASK}",
+}
+
+
+def check_options(cfg, arch):
+    """Refuse options the model's architecture does not use, rather than ignore them silently."""
+    for other, (names, applies) in ARCH_OPTIONS.items():
+        # options have defaults, so only a changed value is a request
+        given = [f"--{n}={getattr(cfg, n)}" for n in names if getattr(cfg, n) != getattr(SampleConfig, n)]
+        if other != arch and given:
+            raise ValueError(f"{' and '.join(given)}: {applies}; {INSTEAD[arch]}")
 
 
 def main(cfg, out=None):
@@ -387,7 +408,7 @@ def main(cfg, out=None):
         compile=cfg.compile,
     )
     # needs the architecture, known only once the model is loaded
-    check_beam_options(cfg, model.config.arch)
+    check_options(cfg, model.config.arch)
     # no_grad: no graph kept while generating; autocast: matmuls in cfg's dtype
     with torch.no_grad(), autocast(device, dtype):
         # each show_* prints its result and returns what attention_panels takes: (src,) or (src, tgt)

@@ -343,6 +343,28 @@ def test_empty_start_begins_at_end_of_text_and_sampling_stops_there(tmp_path, ca
     assert all(re.fullmatch("b(cab)*", text) for text in texts)
 
 
+def test_an_empty_sample_is_said_not_printed_as_a_blank_alone(tmp_path, capsys):
+    model = bigram_model("gpt", 4, {EOT: {C: 0.9}, C: {A: 0.9}, A: {B: 0.9}, B: {EOT: 0.6, C: 0.4}})
+    meta = {
+        "kind": "lm",
+        "tokenizer": {"type": "char", "chars": CHARS},
+        "vocab_size": 4,
+        "special_tokens": {"eot": EOT},
+    }
+    out_dir = save_checkpoint(tmp_path / "bigram", model, meta)
+    args = ("--out_dir", out_dir, "--start", "b", "--max_new_tokens=20")
+    for stream in ("true", "false"):
+        code, out, err = cli(capsys, *args, "--temperature=0", f"--stream={stream}")  # b -> eot at once
+        assert code == 0 and out == "b\n" and err.startswith("note: sample 1 ended at once") and f"id {EOT}" in err
+    code, out, err = cli(capsys, *args, "--num_samples=20", "--temperature=1.0")
+    empty = [str(i + 1) for i, text in enumerate(samples(out)) if text == "b"]
+    assert code == 0 and 0 < len(empty) < 20 and err.startswith(f"note: sample {', '.join(empty)} ended at once")
+    assert cli(capsys, "--out_dir", out_dir, "--start", "c", "--temperature=0", "--max_new_tokens=20")[1:] == (
+        "cab\n",
+        "",
+    )
+
+
 @pytest.fixture(scope="session")
 def gpt2_dir(tmp_path_factory):
     """A tiny randomly initialised GPT-2 with the real 50,257-token vocabulary, saved as Hugging Face does."""
@@ -611,6 +633,24 @@ def test_beam_options_on_a_model_without_beam_search_are_refused(request, capsys
     assert code == 2 and out == "" and err.count("\n") == 1
     assert option in err and "beam search applies to encoder-decoder checkpoints" in err and instead in err
     assert cli(capsys, *args, "--beam_size=1", "--length_penalty=0.6")[0] == 0  # the defaults, spelled out, are fine
+
+
+@pytest.mark.parametrize(
+    "arch,option,applies",
+    [
+        ("seq2seq", "--temperature=0.5", "sampling (--temperature, --top_k, --top_p, --num_samples) applies to GPT"),
+        ("seq2seq", "--num_samples=3", "applies to GPT checkpoints only"),
+        ("seq2seq", "--candidates=3", "--candidates applies to encoder"),
+        ("encoder", "--top_p=0.9", "applies to GPT checkpoints only"),
+        ("gpt", "--candidates=2", "--candidates applies to encoder"),
+    ],
+)
+def test_options_another_architecture_uses_are_refused_not_ignored(request, capsys, arch, option, applies):
+    out_dir = request.getfixturevalue(f"{arch}_dir")
+    capsys.readouterr()
+    start = {"gpt": "ROMEO:", "encoder": "To be or [MASK]", "seq2seq": "abc"}[arch]
+    code, out, err = cli(capsys, "--out_dir", out_dir, "--start", start, "--max_new_tokens=4", option)
+    assert code == 2 and out == "" and err.count("\n") == 1 and option in err and applies in err
 
 
 def test_bpe_checkpoint_without_tiktoken_files_is_one_line(tmp_path):
