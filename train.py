@@ -703,8 +703,11 @@ def evaluate_and_save(run, iter_num, last):
     run.models.raw.train()
     run.progress.scalars.add(iter_num, {f"eval/{k}": v for k, v in result.items()})
     saved = []
-    # only weights trained in this run can be a new best: the first evaluation after a resume just measures
-    if iter_num > run.start_iter and result["val"] < run.best_val_loss:
+    # the weights a new run starts from (a checkpoint or pretrained weights, not random ones) may be the best it
+    # has: a fine-tune can make them worse. After a resume, its first evaluation just measures
+    trained = iter_num > run.start_iter
+    starting = iter_num == 0 and cfg.init_from != "scratch" and not run.resumed and not cfg.eval_only
+    if (trained or starting) and result["val"] < run.best_val_loss:
         run.best_val_loss = result["val"]
         if rt.fsdp:
             check_shards_finite([run.models.kept], rt, iter_num)
@@ -875,9 +878,18 @@ def cli(argv):
     """
     try:
         cfg = parse_config(TrainConfig, argv)
+        # the defaults train GPT-2 on OpenWebText, which takes hours to download: never by accident
+        if not any(arg.endswith(".py") for arg in argv) and not any(arg.startswith("--dataset") for arg in argv):
+            raise ConfigError(
+                "no config file or --dataset: name one, e.g. python train.py configs/shakespeare.py (two minutes "
+                "on a laptop) or configs/gpt2.py (GPT-2 124M on OpenWebText); --help lists every setting"
+            )
         main(cfg)
     except ConfigError as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
+        # the same settings fail alike on every rank (and setup's checks share a rank's error): torchrun's ranks
+        # print it once
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"train.py: error: {e}", file=sys.stderr)
         return 2
     except (FloatingPointError, OSError) as e:
         print(f"train.py: error: {one_line(e)}", file=sys.stderr)
