@@ -16,6 +16,7 @@ Several configs are run in turns (run 1 of each, then run 2 of each, ...), so th
 over minutes hits them alike, and each gets a column of the table.
 """
 
+import math
 import os
 import re
 import statistics
@@ -78,12 +79,19 @@ class BenchConfig:
 
 
 def summary(values, fmt):
-    """median (min-max) of values, each formatted with fmt; n/a when there are none."""
-    # sorted: the spread's ends are values[0] and values[-1]
-    values = sorted(values)
+    """
+    median (min-max) of values, each formatted with fmt; n/a when there are none. inf stands for a run that never
+    got there (a target not reached, no evaluation within the budget): such runs are counted, not averaged.
+    """
     if not values:
         return "n/a"
-    return f"{fmt.format(statistics.median(values))} ({fmt.format(values[0])}-{fmt.format(values[-1])})"
+    # sorted: the spread's ends are finite[0] and finite[-1]
+    finite = sorted(v for v in values if math.isfinite(v))
+    never = f"never in {len(values) - len(finite)} of {len(values)} run(s)"
+    if not finite:
+        return never
+    text = f"{fmt.format(statistics.median(finite))} ({fmt.format(finite[0])}-{fmt.format(finite[-1])})"
+    return text if len(finite) == len(values) else f"{text}; {never}"
 
 
 def timed_run(cfg, config, out_dir):

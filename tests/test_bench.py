@@ -129,3 +129,11 @@ def test_bench_refuses_a_dtype_it_cannot_sample_in(monkeypatch):
         bench.BenchConfig(dtype="float64")
     with pytest.raises(ValueError, match="float16 needs CUDA"):  # as sample.py refuses it
         bench.BenchConfig(dtype="float16")
+
+
+def test_summary_counts_runs_that_never_got_there_apart():
+    inf = float("inf")
+    assert bench.summary([3.0, 1.0, 2.0], "{:.1f}") == "2.0 (1.0-3.0)"
+    assert bench.summary([inf, 4.0, 2.0], "{:.1f}") == "3.0 (2.0-4.0); never in 1 of 3 run(s)"
+    assert bench.summary([inf, inf], "{:.1f}") == "never in 2 of 2 run(s)"
+    assert bench.summary([], "{:.1f}") == "n/a"
