@@ -4,9 +4,10 @@ Typed `key = value` configuration for every script: config files read with `ast`
 
     cfg = parse_config(TrainConfig, ["configs/shakespeare.py", "--max_iters=500"])
 
-A config file holds only `key = value` lines whose values are literals; later files and options win. A mistake
-(an unknown key, a wrong type, a file that is not a config) raises ConfigError with a one-line message that
-names the file line or option and how to fix it; one_line shortens any error to what such a message quotes.
+A config file holds only `key = value` lines whose values are literals; later files and options win, and a dict
+option on the command line adds its keys to the files' dict. A mistake (an unknown key, a wrong type, a file that is
+not a config) raises ConfigError with a one-line message that names the file line or option and how to fix it;
+one_line shortens any error to what such a message quotes.
 """
 
 import ast
@@ -21,6 +22,8 @@ import typing
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 
+# how every script's usage line spells its options; both spellings are accepted
+OPTIONS_USAGE = "[--key=value | --key value ...]"
 # the words a bool option may take, matched after lowercasing: --compile=False, --eval_only 1
 BOOL_WORDS = types.MappingProxyType({"true": True, "false": False, "1": True, "0": False})  # read-only
 
@@ -68,9 +71,10 @@ def format_help(cls):
     """The --help text of dataclass cls: usage, then every field with its default and comment."""
     docs = field_docs(cls)
     lines = [
-        f"usage: {Path(sys.argv[0]).name} [CONFIG.py ...] [--key=value | --key value ...]",
+        f"usage: {Path(sys.argv[0]).name} [CONFIG.py ...] {OPTIONS_USAGE}",
         "",
-        "Config files hold `key = value` lines of literals; later files and options override earlier ones.",
+        "Config files hold `key = value` lines of literals; later files and options override earlier ones, except",
+        "that a dict option on the command line is merged into the config files' dict: its keys replace theirs.",
         "",
     ]
     for f in fields(cls):
@@ -78,8 +82,13 @@ def format_help(cls):
         default = f.default if f.default_factory is MISSING else f.default_factory()
         # strings bare, as they are typed (--device=auto); anything else as Python writes it (--data_dir=None)
         shown = f"--{f.name}={default if isinstance(default, str) else repr(default)}"
-        lines.append(f"  {shown:<34} {docs.get(f.name, '')}")
+        lines.append(help_line(shown, docs.get(f.name, "")))
     return "\n".join(lines)
+
+
+def help_line(option, doc):
+    """One option's line of --help, laid out as every script prints it: the option as typed, then what it does."""
+    return f"  {option:<34} {doc}"
 
 
 def allowed_types(hint):
@@ -169,8 +178,9 @@ def read_config_file(arg, names):
 def parse_config(cls, argv):
     """
     Build dataclass cls from argv: config files (`key = value` literals, read with ast, so no code runs) and
-    --key=value or --key value overrides, applied in order, each value typed by its field. --help prints every
-    key with its default and doc and exits. Raises ConfigError naming the bad file line, key or value.
+    --key=value or --key value overrides, applied in order, each value typed by its field; a dict option is merged
+    into the dict before it (a config file's), its keys winning. --help prints every key with its default and doc
+    and exits. Raises ConfigError naming the bad file line, key or value.
     """
     # {field name: type}, string annotations resolved to real types (`int | None`) for coerce
     hints = typing.get_type_hints(cls)
@@ -198,7 +208,12 @@ def parse_config(cls, argv):
                 text = "true"  # a bare --flag
             else:
                 raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
-        values[key] = parse_text(text, hints[key], key)
+        value = parse_text(text, hints[key], key)
+        # a dict adds its keys to the config files' dict rather than replacing it: --data_options="{'input': 'x'}"
+        # keeps the file's other data options
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            value = {**values[key], **value}
+        values[key] = value
     try:
         # the dataclass checks what one value alone cannot (ranges, combinations) in __post_init__
         return cls(**values)

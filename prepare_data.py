@@ -1,6 +1,6 @@
 """Datasets to token files: the dataset recipes, their builders and the command line.
 
-    python prepare_data.py NAME [--data_dir DIR] [--input PATH] [--force] [options]
+    python prepare_data.py NAME [--data_dir=DIR] [--input=PATH] [--force] [options]   # or --key value
     python prepare_data.py --help          # every dataset, one line each
     python prepare_data.py NAME --help     # that dataset's options
 
@@ -33,10 +33,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from config import one_line
+from config import OPTIONS_USAGE, help_line, one_line
 from tasks import CHARS, MAX_NUMBER, distinct_sources, random_source, solve
 from tokens import (
+    BYTE_TOKENS,
     DATA_DIR_ENV,
+    END_OF_TEXT,
     FORMAT_VERSION,
     MIRROR_ENV,
     SEQ2SEQ_SPLITS,
@@ -53,6 +55,7 @@ from tokens import (
     load_meta,
     tiktoken_encoding,
     tokenizer_json_file,
+    train_byte_level_bpe,
 )
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -65,7 +68,7 @@ BATCH_DOCS = 1024  # documents (or pairs) per batch for the Hugging Face streams
 CUT_CONTEXT = 64  # characters either side of a cut that a tokenizer.json must encode alike whole and cut
 
 # train.py forwards its data_options dict to prepare(), so there the same option is spelled as a dict entry
-INPUT_OPTION = "--input PATH (in train.py: --data_options=\"{'input': 'PATH'}\")"
+INPUT_OPTION = "--input=PATH (in train.py: --data_options=\"{'input': 'PATH'}\")"
 
 
 def gpt2_spec():
@@ -96,6 +99,9 @@ class Option:
     default: object  # None: not set; the builder decides what that means
     help: str
     affects_output: bool = True  # False: left out of the record that decides whether outputs are up to date
+    # False: left out of that record while not set (None), so that datasets built before the option existed stay
+    # up to date; for options added later
+    recorded_unset: bool = True
     choices: tuple = ()  # the allowed values; (): any value of the type
     at_least: int | None = None  # the smallest allowed value; None: no bound
     fraction: bool = False  # True: the value must lie strictly between 0 and 1
@@ -560,16 +566,29 @@ def encode_items(items, tokenizer, eot, num_threads, bar):
         bar.update(sum(map(len, texts)))
 
 
+def bpe_of_train_split(files, split_at, vocab_size):
+    """(spec, vocab_size, special_tokens) of a byte-level BPE of vocab_size ids trained on the train split alone:
+    the first split_at characters of the files, so that the val split stays text the tokenizer never saw."""
+    # train pieces come first: takewhile stops reading at the first val piece; (split, None) marks a file's end
+    train = itertools.takewhile(lambda item: item[0] == "train", corpus_items(files, split_at, last_newline_cut))
+    # pieces are cut where GPT-2's pre-tokenizer splits anyway, so the pairs counted are the whole text's
+    json_text, special = train_byte_level_bpe((text for _, text in train if text is not None), vocab_size)
+    return {"type": "huggingface", "json": json_text}, vocab_size, special
+
+
 def build_lm_text(stage, name, opts, files, check_tokenizer, *, tokenizer, eot_after_files):
     """train.bin/val.bin from text files: the first (1 - val_fraction) of the characters are train.
 
-    tokenizer: 'char', 'bpe' (GPT-2 BPE), or the path of a tokenizer.json or of a folder holding one.
+    tokenizer: 'char', 'bpe' (GPT-2 BPE; with opts' vocab_size, a byte-level BPE trained on the train split), or
+    the path of a tokenizer.json or of a folder holding one.
     """
-    if tokenizer == "bpe":
+    # vocab_size is an option of the text recipe only: get() gives None for the Shakespeare recipes
+    trained = tokenizer == "bpe" and opts.get("vocab_size") is not None
+    if tokenizer == "bpe" and not trained:
         encoding = tiktoken_encoding("gpt2")
         # GPT-2 BPE: 50,257 ids, the last (50256) being <|endoftext|>
         spec, vocab_size, special = gpt2_spec(), encoding.n_vocab, {"eot": encoding.eot_token}
-    elif tokenizer != "char":
+    elif tokenizer not in ("bpe", "char"):
         # read before the scan, so a file that cannot be parsed fails at once; bos/eos from config.json beside it
         hf = huggingface_tokenizer(tokenizer)
         spec, vocab_size, special = hf["tokenizer"], hf["vocab_size"], hf["special_tokens"]
@@ -577,15 +596,19 @@ def build_lm_text(stage, name, opts, files, check_tokenizer, *, tokenizer, eot_a
     total, chars = scan_text(files)
     if total == 0:
         raise ValueError(f"{opts['input'] or files[0]} holds no text; pass a non-empty --input")
+    split_at = int(total * (1 - opts["val_fraction"]))  # nanoGPT's int(n * 0.9): 1,003,854 for Shakespeare
     if tokenizer == "char":
         # sorted: the same text always gets the same ids (65 for tiny Shakespeare); a char vocabulary has no
         # special tokens, so no end-of-text either
         spec, vocab_size, special = {"type": "char", "chars": sorted(chars)}, len(chars), {}
+    elif trained:
+        # a pass of its own over the train split, before the ids can be written
+        spec, vocab_size, special = bpe_of_train_split(files, split_at, opts["vocab_size"])
     check_tokenizer(spec)
     # the same Tokenizer that training and sampling rebuild from meta.json
     encoder = Tokenizer(spec, vocab_size, special)
-    split_at = int(total * (1 - opts["val_fraction"]))  # nanoGPT's int(n * 0.9): 1,003,854 for Shakespeare
-    # documents (files) end with end-of-text: GPT-2's, or a tokenizer.json's eos (none if config.json names none)
+    # documents (files) end with end-of-text: GPT-2's or a trained BPE's, or a tokenizer.json's eos (none if its
+    # config.json names none)
     eot = special.get("eot", special.get("eos")) if eot_after_files else None
     # where pieces may be cut: GPT-2's rule is known; a tokenizer.json's is checked at each cut
     last_cut = functools.partial(checked_cut, encoder) if spec["type"] == "huggingface" else last_newline_cut
@@ -616,7 +639,19 @@ def build_shakespeare(stage, name, opts, files, check_tokenizer):
 
 
 def build_text(stage, name, opts, files, check_tokenizer):
-    """The user's text files, with the tokenizer and val fraction of the options."""
+    """The user's text files, with the tokenizer (or a BPE trained on them) and val fraction of the options."""
+    # checked before the text is read: one line naming the option, instead of a bad tokenizer after a long scan
+    size = opts["vocab_size"]
+    if size is not None and opts["tokenizer"] != "bpe":
+        raise ValueError(
+            f"{name}: --vocab_size trains a BPE tokenizer on the text, so it does not go with "
+            f"--tokenizer={opts['tokenizer']}; leave one of them out"
+        )
+    if size is not None and size < BYTE_TOKENS + 1:
+        raise ValueError(
+            f"{name}: --vocab_size must be at least {BYTE_TOKENS + 1} (the {BYTE_TOKENS} byte values and "
+            f"{END_OF_TEXT}), got {size}"
+        )
     # each file is a document: with BPE an end-of-text (a tokenizer.json's eos) follows it, so the model learns
     # where texts end
     return build_lm_text(stage, name, opts, files, check_tokenizer, tokenizer=opts["tokenizer"], eot_after_files=True)
@@ -964,14 +999,24 @@ RECIPES: dict[str, Recipe] = {
         build=build_hf_lm,
     ),
     "text": Recipe(
-        "your own text: a file, directory or glob (--input), char-level, GPT-2 BPE or a tokenizer.json",
+        "your own text: a file, directory or glob (--input), char-level, GPT-2 BPE, a tokenizer.json or a BPE "
+        "trained on it (--vocab_size)",
         options=(
             input_option("UTF-8 text file, directory (recursive) or glob; required"),
             tokenizer_option(
                 ("char", "bpe"),
                 "bpe",
-                "char: the corpus's characters; bpe: GPT-2 BPE with end-of-text after each file; else a "
-                "tokenizer.json or a folder holding one (a model folder), with config.json's eos after each file",
+                "char: the corpus's characters; bpe: GPT-2 BPE (with --vocab_size, one trained on the text) with "
+                "end-of-text after each file; else a tokenizer.json or a folder holding one (a model folder), with "
+                "config.json's eos after each file",
+            ),
+            Option(
+                "vocab_size",
+                int,
+                None,
+                f"train a byte-level BPE of this many ids (at least {BYTE_TOKENS + 1}: the bytes and {END_OF_TEXT}) "
+                "on the train split's text, instead of GPT-2's; kept in meta.json, as a tokenizer.json is",
+                recorded_unset=False,
             ),
             Option("name", str, "text", "output folder name under data_dir", affects_output=False),
             fraction_option("val_fraction", 0.1, "the last fraction of the characters is the val split"),
@@ -1087,7 +1132,11 @@ def prepare(name, /, data_dir=None, force=False, **options):
     record = {
         "dataset": name,
         "inputs": fingerprint,
-        **{o.name: o.recorded(opts[o.name]) for o in recipe.options if o.affects_output},
+        **{
+            o.name: o.recorded(opts[o.name])
+            for o in recipe.options
+            if o.affects_output and (o.recorded_unset or opts[o.name] is not None)
+        },
     }
     record = json.loads(json.dumps(record))
     # --force ignores the existing folder: nothing is kept, nothing refused
@@ -1125,33 +1174,51 @@ def build_parser():
     """The command line's parser: one subcommand per dataset, with that dataset's options."""
     parser = argparse.ArgumentParser(
         prog="prepare_data.py",
+        usage=f"%(prog)s NAME {OPTIONS_USAGE}",
         description="Prepare a dataset as token files under <data_dir>/<name>/.",
-        epilog=f"Offline: --input PATH, ${MIRROR_ENV} (a local mirror folder), $TIKTOKEN_CACHE_DIR. "
+        epilog=f"Offline: --input=PATH, ${MIRROR_ENV} (a local mirror folder), $TIKTOKEN_CACHE_DIR. "
         f"Output root: --data_dir, else ${DATA_DIR_ENV}, else data/ beside this script.",
     )
-    # --data_dir and --force belong to every dataset: each subcommand inherits them
+    # --data_dir and --force belong to every dataset: each subcommand inherits them. Every option's help is
+    # suppressed, and listed instead as the other scripts' --help lists theirs (help_line): --key=value
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--data_dir", help=f"root of the dataset folders (default: ${DATA_DIR_ENV} or data/ beside this script)"
-    )
-    common.add_argument(
-        "--force", action="store_true", help="rebuild even if up to date, and replace data from another tokenizer"
-    )
+    common.add_argument("--data_dir", help=argparse.SUPPRESS)
+    common.add_argument("--force", action="store_true", help=argparse.SUPPRESS)
+    common_lines = [
+        help_line(
+            "--data_dir=DIR", f"root of the dataset folders (default: ${DATA_DIR_ENV} or data/ beside this script)"
+        ),
+        help_line("--force", "rebuild even if up to date, and replace data from another tokenizer"),
+    ]
     # one subcommand per dataset, so `NAME --help` lists only that dataset's options
     commands = parser.add_subparsers(dest="dataset", metavar="NAME", required=True)
     for name, recipe in RECIPES.items():
-        sub = commands.add_parser(name, parents=[common], help=recipe.description, description=recipe.description)
+        # an option without a default shows its name as the value to give: --input=INPUT
+        lines = [
+            help_line(f"--{o.name}={o.name.upper() if o.default is None else o.default}", o.help)
+            for o in recipe.options
+        ]
+        sub = commands.add_parser(
+            name,
+            parents=[common],
+            help=recipe.description,
+            # the parent's usage would otherwise come first: "prepare_data.py NAME [...] text"
+            prog=f"prepare_data.py {name}",
+            usage=f"%(prog)s {OPTIONS_USAGE}",
+            description="\n".join([recipe.description, "", *lines, *common_lines]),
+            # the lines as laid out above, not rewrapped into one paragraph
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         for option in recipe.options:
             # SUPPRESS below: an option not given is absent from args, so prepare() applies the recipe's default
             # and checks in one place, for the command line and train.py alike
-            default = "" if option.default is None else f" (default: {option.default})"
             sub.add_argument(
                 f"--{option.name}",
                 type=option.type,
                 default=argparse.SUPPRESS,
                 # an option that also takes a path is checked by Option.resolve, which knows about the path
                 choices=None if option.file else option.choices or None,
-                help=option.help + default,
+                help=argparse.SUPPRESS,
             )
     return parser
 

@@ -41,10 +41,14 @@ DATA_DIR_ENV = "NANOFORMER_DATA_DIR"
 # names a folder of local copies (tinyshakespeare.txt, <dataset>/, <folder>.tsv, eval.py's benchmark files), read
 # before any download
 MIRROR_ENV = "NANOFORMER_DATA_MIRROR"
-# named in error messages only: where tiktoken fetches the fallback encoding from
+# named in error messages only: where tiktoken fetches r50k_base, the encoding read for 'gpt2'
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 # a Hugging Face tokenizer's file (the `tokenizers` library's format), on its own or in a model folder
 TOKENIZER_JSON = "tokenizer.json"
+# the end-of-text token of GPT-2's BPE, and of the byte-level BPEs trained here (train_byte_level_bpe)
+END_OF_TEXT = "<|endoftext|>"
+# a byte-level BPE starts from one token for each byte value, so that any text encodes
+BYTE_TOKENS = 256
 # GPT-2's tokenizer as a dataset's meta.json would describe it: tiktoken's gpt2 encoding, 50256 = <|endoftext|>
 GPT2_META = {
     "kind": "lm",
@@ -289,35 +293,38 @@ def load_pairs(dataset_dir, split):
 
 @functools.cache
 def tiktoken_encoding(name):
-    """tiktoken's encoding `name`; 'gpt2' falls back to its twin 'r50k_base' (same ids) with one warning.
+    """tiktoken's encoding `name`; 'gpt2' is read as its twin 'r50k_base' (the same ids), else as 'gpt2' itself.
 
-    Raises DownloadError when neither can be loaded. Cached, so the network attempt for gpt2 and the
-    fallback warning happen once per process.
+    Raises DownloadError when it cannot be loaded. Cached: one load, and at most one warning, per process.
     """
-    try:
-        # tiktoken downloads an encoding's files once, then reads them from its cache (TIKTOKEN_CACHE_DIR)
-        return tiktoken.get_encoding(name)
-    except Exception as err:  # tiktoken raises requests, blobfile or hash errors depending on what is missing
-        # only gpt2 has a twin to fall back on
-        if name != "gpt2":
+    if name != "gpt2":
+        try:
+            # tiktoken downloads an encoding's files once, then reads them from its cache (TIKTOKEN_CACHE_DIR)
+            return tiktoken.get_encoding(name)
+        except Exception as err:  # tiktoken raises requests, blobfile or hash errors depending on what is missing
             raise DownloadError(
                 f"could not load the tiktoken encoding {name!r} ({one_line(err)}); "
                 "set TIKTOKEN_CACHE_DIR to a folder holding its cached files"
             ) from None
-        # kept for the warning below: Python deletes `err` when the except clause ends
-        gpt2_error = err
+    # tiktoken's 'gpt2' is read from GPT-2's two files (vocab.bpe, encoder.json), 'r50k_base' from one .tiktoken
+    # file with the same ids, pattern and end-of-text. Caches and mirrors hold the latter: asked for 'gpt2' first,
+    # every process went to the network, failed offline and warned, though nothing was lost
     try:
-        # gpt2 is read from two files (vocab.bpe, encoder.json), r50k_base from one .tiktoken file; a cache or
-        # mirror often holds only the latter
-        encoding = tiktoken.get_encoding("r50k_base")
+        return tiktoken.get_encoding("r50k_base")
+    except Exception as err:
+        twin_error = one_line(err)  # kept: Python deletes `err` when the except clause ends
+    try:
+        encoding = tiktoken.get_encoding("gpt2")
     except Exception as err:
         raise DownloadError(
-            f"could not load tiktoken 'gpt2' nor its twin 'r50k_base' from {R50K_URL} "
+            f"could not load tiktoken 'r50k_base' from {R50K_URL} ({twin_error}) nor its twin 'gpt2' "
             f"({one_line(err)}); set TIKTOKEN_CACHE_DIR to a tiktoken cache holding r50k_base"
         ) from None
+    # worth a word: this process (and every one after it) tries r50k_base first, over the network where uncached
     logger.warning(
-        "tiktoken could not load 'gpt2' (%s, offline?); using 'r50k_base', which has the same token ids",
-        type(gpt2_error).__name__,
+        "tiktoken could not load 'r50k_base' (%s); read GPT-2's own files instead (the same ids). A "
+        "TIKTOKEN_CACHE_DIR holding r50k_base saves each process that attempt",
+        twin_error,
     )
     return encoding
 
@@ -515,6 +522,36 @@ def huggingface_byte_lengths(text):
                 piece = piece.removeprefix(prefix)
             lengths.append(len((piece.replace("▁", " ") if spaces else piece).encode("utf-8")))
     return lengths
+
+
+def train_byte_level_bpe(texts, vocab_size):
+    """
+    (tokenizer.json text, special_tokens) of a byte-level BPE of vocab_size ids trained on texts (an iterable of
+    strings), as GPT-2's is made: GPT-2's pre-tokenizer splits words, numbers, punctuation and spaces, whose UTF-8
+    bytes are then merged. Id 0 is END_OF_TEXT (special_tokens' "eot"), ids 1-256 the byte values, so that any
+    text encodes and decodes exactly; the rest are merges, most frequent first. vocab_size must be at least 257.
+    The same texts give the same file. ValueError when the texts hold too few distinct pairs for vocab_size ids.
+    """
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    # add_prefix_space=False: a text's first word is encoded as written, as tiktoken's GPT-2 does
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        # every byte, seen in the texts or not: a character the training text lacks still encodes, as its bytes
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        # its progress goes to stdout even when that is a pipe (blank lines in a log; a panic once the pipe closes)
+        show_progress=False,
+    )
+    # no randomness: ties between equally frequent pairs are broken by their ids, which follow the sorted alphabet
+    bpe.train_from_iterator(texts, trainer)
+    if bpe.get_vocab_size() != vocab_size:
+        raise ValueError(
+            f"the training text holds pairs for only {bpe.get_vocab_size():,} ids, fewer than vocab_size "
+            f"{vocab_size:,}: give more text or a smaller vocab_size"
+        )
+    return bpe.to_str(), {"eot": bpe.token_to_id(END_OF_TEXT)}
 
 
 # ----------------------------------------------------------------------------- Hugging Face model folders

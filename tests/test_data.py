@@ -8,6 +8,7 @@ import functools
 import io
 import json
 import logging
+import os
 import random
 import shutil
 import struct
@@ -142,31 +143,48 @@ def test_bpe_pieces_encode_like_the_whole_text(r50k):
     assert [t for piece in pieces for t in r50k.encode_ordinary(piece)] == r50k.encode_ordinary(text)
 
 
-def test_gpt2_falls_back_to_r50k_once(monkeypatch, caplog):
-    real = tiktoken.get_encoding
+def test_gpt2_is_read_as_r50k_base_and_warns_only_without_it(monkeypatch, caplog):
+    """
+    With r50k_base at hand (the offline cache holds it), 'gpt2' is read from it: tiktoken's own 'gpt2', whose files
+    no such cache holds, is never asked for, so nothing goes to the network and nothing is printed. Only a
+    machine without r50k_base hears of it, once per process, and gets the same ids from GPT-2's own files.
+    """
+    real, asked = tiktoken.get_encoding, []
 
     def offline(name):
+        asked.append(name)
         if name == "gpt2":
             raise ConnectionError("no network")
         return real(name)
 
-    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    def gpt2_files_only(name):
+        asked.append(name)
+        if name == "r50k_base":
+            raise ConnectionError("no network")
+        return real("r50k_base")  # the same ids as GPT-2's own files give
+
+    spec, reference = {"type": "tiktoken", "encoding": "gpt2"}, real("r50k_base").encode_ordinary("Hello world")
     tiktoken_encoding.cache_clear()
     try:
+        monkeypatch.setattr(tiktoken, "get_encoding", offline)
         with caplog.at_level(logging.WARNING, logger="nanoformer.data"):
-            first = Tokenizer({"type": "tiktoken", "encoding": "gpt2"}, 50257, {})
-            second = Tokenizer({"type": "tiktoken", "encoding": "gpt2"}, 50257, {})
-        assert (
-            first.encode("Hello world")
-            == second.encode("Hello world")
-            == real("r50k_base").encode_ordinary("Hello world")
-        )
-        assert [r.getMessage().count("r50k_base") for r in caplog.records] == [1]
+            assert Tokenizer(spec, 50257, {}).encode("Hello world") == reference
+        assert asked == ["r50k_base"] and caplog.records == []
+
+        monkeypatch.setattr(tiktoken, "get_encoding", gpt2_files_only)
+        tiktoken_encoding.cache_clear()
+        asked.clear()
+        with caplog.at_level(logging.WARNING, logger="nanoformer.data"):
+            first = Tokenizer(spec, 50257, {})
+            second = Tokenizer(spec, 50257, {})
+        assert first.encode("Hello world") == second.encode("Hello world") == reference
+        assert asked == ["r50k_base", "gpt2"]  # once: the encoding is cached for the process
+        assert len(caplog.records) == 1 and "TIKTOKEN_CACHE_DIR holding r50k_base" in caplog.records[0].getMessage()
 
         monkeypatch.setattr(tiktoken, "get_encoding", lambda name: offline("gpt2"))
         tiktoken_encoding.cache_clear()
         with pytest.raises(DownloadError, match="TIKTOKEN_CACHE_DIR"):
-            Tokenizer({"type": "tiktoken", "encoding": "gpt2"}, 50257, {})
+            Tokenizer(spec, 50257, {})
     finally:
         tiktoken_encoding.cache_clear()
 
@@ -507,7 +525,7 @@ def test_download_hint_spells_the_option_for_both_scripts(tmp_path, monkeypatch)
     with pytest.raises(DownloadError) as failed:
         prepare("shakespeare_char", data_dir=tmp_path)
     # prepare_data.py takes --input; train.py forwards its data_options dict to prepare() instead
-    assert "--input PATH" in str(failed.value) and "--data_options=\"{'input': 'PATH'}\"" in str(failed.value)
+    assert "--input=PATH" in str(failed.value) and "--data_options=\"{'input': 'PATH'}\"" in str(failed.value)
 
 
 def offline_hub(monkeypatch):
@@ -975,3 +993,129 @@ def test_tokenizer_json_errors_are_one_line(tmp_path, llama_dir, capsys):
         tokens.huggingface_tokenizer(wrong)
     with pytest.raises(ValueError, match="tokenizer.json stored in this dataset or checkpoint is not"):
         Tokenizer({"type": "huggingface", "json": "{"}, 10, {})
+
+
+# ----------------------------------------------------------------------------- a BPE trained on the text
+
+# what a trained byte-level BPE must round-trip: characters the training text never held, control characters,
+# the end-of-text token written as text, and whitespace of every kind
+UNSEEN = "café naïve 日本語の文 🤖🙂 ẞ ﬁ \x00\x07\x7f\u200b\r\n\t  <|endoftext|> end\n"
+
+
+def bpe_corpus(folder):
+    """Two files; the val split (the last 10% of the characters) is the only place 'zyzzyva' occurs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "a.txt").write_text("To be, or not to be: that is the question.\n" * 40, encoding="utf-8")
+    (folder / "b.txt").write_text(
+        "Whether 'tis nobler in the mind to suffer\n" * 30 + " zyzzyva" * 60, encoding="utf-8"
+    )
+    return folder
+
+
+def test_text_trains_a_byte_level_bpe_on_the_train_split(tmp_path):
+    corpus = bpe_corpus(tmp_path / "in")
+    folder = prepare("text", data_dir=tmp_path / "data", input=str(corpus), vocab_size=300, name="own")
+    meta = load_meta(folder)
+    spec = meta["tokenizer"]
+    assert spec["type"] == "huggingface" and meta["vocab_size"] == 300 and meta["special_tokens"] == {"eot": 0}
+    reference = tokenizers.Tokenizer.from_str(spec["json"])
+    assert reference.get_vocab_size() == 300 and reference.id_to_token(0) == "<|endoftext|>"
+    # the val split's word was never seen: it is no token, while the train split's words are
+    vocab = reference.get_vocab()
+    assert "Ġzyzzyva" not in vocab and "zyzzyva" not in vocab and "Ġquestion" in vocab
+    # ids round-trip any text exactly, and '<|endoftext|>' written in a text stays text
+    tok = Tokenizer.from_meta(meta)
+    ids = tok.encode(UNSEEN)
+    assert tok.decode(ids) == UNSEEN and 0 not in ids and max(ids) < 300
+    reference.encode_special_tokens = True  # as ours: the text '<|endoftext|>' is not the special id
+    assert ids == reference.encode(UNSEEN, add_special_tokens=False).ids
+    # the files' text comes back whole from train.bin and val.bin, each file ending with end-of-text
+    files = sorted(corpus.iterdir())
+    whole = "".join(path.read_text(encoding="utf-8") + "<|endoftext|>" for path in files)
+    written = np.concatenate([load_tokens(folder / "train.bin"), load_tokens(folder / "val.bin")])
+    assert tok.decode(written) == whole and written.tolist().count(0) == len(files)
+    # bits per byte divides by the bytes each id stands for: a text's ids sum to its UTF-8 length
+    assert tokens.token_byte_lengths(meta)[ids].sum() == len(UNSEEN.encode("utf-8"))
+    # an unset vocab_size is left out of the record, so text datasets prepared before the option stay up to date
+    assert meta["source"]["vocab_size"] == 300
+    plain = prepare("text", data_dir=tmp_path / "data", input=str(corpus), name="gpt2")
+    assert "vocab_size" not in load_meta(plain)["source"]
+
+
+def test_trained_bpe_is_deterministic_and_both_spellings_work(tmp_path):
+    """The same text gives the same tokenizer in another process with one thread; --key=value and --key value."""
+    corpus = bpe_corpus(tmp_path / "in")
+    first = prepare("text", data_dir=tmp_path / "a", input=str(corpus), vocab_size=280, name="own")
+    argv = ["text", f"--input={corpus}", "--vocab_size", "280", "--name=own", "--data_dir", str(tmp_path / "b")]
+    result = subprocess.run(
+        [sys.executable, str(Path(prepare_data.__file__)), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RAYON_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    second = load_meta(tmp_path / "b" / "own")
+    assert second["tokenizer"] == load_meta(first)["tokenizer"] and second["vocab_size"] == 280
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--vocab_size=200"], "text: --vocab_size must be at least 257 (the 256 byte values and <|endoftext|>)"),
+        (
+            ["--vocab_size=300", "--tokenizer=char"],
+            "--vocab_size trains a BPE tokenizer on the text, so it does not go",
+        ),
+        (["--vocab_size=100000"], "the training text holds pairs for only"),
+    ],
+)
+def test_trained_bpe_mistakes_are_one_line(tmp_path, capsys, options, message):
+    corpus = bpe_corpus(tmp_path / "in")
+    data = tmp_path / "data"
+    assert prepare_data.cli(["text", f"--input={corpus}", f"--data_dir={data}", *options]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert not data.exists() or list(data.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- the command lines
+
+
+def test_prepare_data_help_spells_options_as_the_other_scripts_do(capsys):
+    with pytest.raises(SystemExit):
+        prepare_data.cli(["text", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: prepare_data.py text [--key=value | --key value ...]")
+    # --key=value with the default (or the value's name), as train.py --help writes them
+    for shown in ("--input=INPUT", "--tokenizer=bpe", "--vocab_size=VOCAB_SIZE", "--val_fraction=0.1", "--data_dir="):
+        assert f"\n  {shown}" in out, shown
+    assert "--input INPUT" not in out  # argparse's own spelling
+
+
+def test_prepare_data_takes_both_spellings(tmp_path, capsys):
+    spaced = ["sort", "--data_dir", str(tmp_path / "a"), "--num_train", "50", "--num_val", "5", "--num_test", "5"]
+    joined = ["sort", f"--data_dir={tmp_path / 'b'}", "--num_train=50", "--num_val=5", "--num_test=5"]
+    assert prepare_data.cli(spaced) == 0 and prepare_data.cli(joined) == 0
+    assert load_meta(tmp_path / "a" / "sort")["pairs"] == load_meta(tmp_path / "b" / "sort")["pairs"]
+    assert (tmp_path / "a" / "sort" / "train_src.bin").read_bytes() == (
+        tmp_path / "b" / "sort" / "train_src.bin"
+    ).read_bytes()
+
+
+def test_a_dict_option_merges_into_the_config_files_dict(tmp_path, capsys):
+    from config import parse_config
+    from train import TrainConfig
+
+    config = tmp_path / "run.py"
+    config.write_text("dataset = 'text'\ndata_options = {'input': 'a.txt', 'tokenizer': 'char'}\n", encoding="utf-8")
+    cfg = parse_config(TrainConfig, [str(config), "--data_options={'input': 'b.txt', 'val_fraction': 0.2}"])
+    assert cfg.data_options == {"input": "b.txt", "tokenizer": "char", "val_fraction": 0.2}
+    # the other spelling, and a second option merging into the first
+    cfg = parse_config(TrainConfig, [str(config), "--data_options", "{'name': 'x'}", "--data_options={'input': 'c'}"])
+    assert cfg.data_options == {"input": "c", "tokenizer": "char", "name": "x"}
+    # without a config file's dict, the option is the dict
+    assert parse_config(TrainConfig, ["--data_options={'input': 'b.txt'}"]).data_options == {"input": "b.txt"}
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--help"])
+    assert "a dict option on the command line is merged into the config files' dict" in capsys.readouterr().out
