@@ -13,6 +13,10 @@ Two layouts, picked by pos_encoding:
     rope    -> LlamaForCausalLM: RMSNorm, SwiGLU, grouped-query attention, tied or untied head, biases or not.
 Options that neither computes (post-norm, qk_norm, a soft-cap, a window...) are a one-line error naming each.
 JSON and safetensors are written here: transformers is not needed to export, only to load.
+
+The way back: sample.py, eval.py and train.py take the folder as --init_from=FOLDER. config.json's "nanoformer" entry
+keeps the meta of the data the model was trained on (a character vocabulary too; a tokenizer.json as the folder's
+file), so they read and write text exactly as with the checkpoint.
 """
 
 import functools
@@ -30,7 +34,7 @@ from checkpoint import load_checkpoint, model_from_checkpoint, move_into_place, 
 from config import parse_config
 from hf import hf_layout, to_hf
 from model import ModelConfig
-from tokens import TOKENIZER_JSON, tiktoken_encoding
+from tokens import END_OF_TEXT, EXPORT_KEY, TOKENIZER_JSON, tiktoken_encoding
 
 WEIGHTS = "model.safetensors"
 # every name an export may write: a --dest holding only these, with our config.json, is an earlier export
@@ -43,9 +47,7 @@ EXPORT_FILES = (
     "vocab.json",
     "merges.txt",
 )
-MARKER = "nanoformer"  # config.json's key holding our own settings; it marks a folder as an export of this script
 GPT2_ENCODINGS = ("gpt2", "r50k_base")  # tiktoken's names for GPT-2's BPE (the same ids)
-END_OF_TEXT = "<|endoftext|>"
 
 
 @dataclass
@@ -144,8 +146,10 @@ def huggingface_tokenizer_files(meta, block_size):
     tokenizer = tokenizers.Tokenizer.from_str(spec["json"])
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     for name in ("bos", "eos"):
-        if name in special:
-            settings[f"{name}_token"] = tokenizer.id_to_token(special[name])
+        # a BPE trained by prepare_data.py has one end-of-text token, which is both, as GPT-2's
+        token_id = special.get(name, special.get("eot"))
+        if token_id is not None:
+            settings[f"{name}_token"] = tokenizer.id_to_token(token_id)
     settings["model_max_length"] = block_size
     return {TOKENIZER_JSON: spec["json"], "tokenizer_config.json": json.dumps(settings, indent=2)}
 
@@ -164,7 +168,8 @@ def tokenizer_files(meta, block_size):
         what = f"the {len(spec['chars'])}-character vocabulary (id i is its i-th character)"
     else:  # another tiktoken encoding: prepare_data.py writes none, but a checkpoint's meta may name one
         what = f"the vocabulary {spec}"
-    return {}, f"no Hugging Face tokenizer written; {what} is in config.json under {MARKER}.meta, as in the checkpoint"
+    note = f"no Hugging Face tokenizer written; {what} is in config.json under {EXPORT_KEY}.meta, as in the checkpoint"
+    return {}, note
 
 
 # -----------------------------------------------------------------------------
@@ -191,7 +196,7 @@ def hf_files(model, meta):
     # our settings in config.json: what was exported, and the vocabulary where no tokenizer file holds it
     if meta["tokenizer"].get("type") == "huggingface":
         meta = {**meta, "tokenizer": {"type": "huggingface", "file": TOKENIZER_JSON}}  # its text is the file
-    ours = {MARKER: {"model_config": asdict(c), "meta": meta}}
+    ours = {EXPORT_KEY: {"model_config": asdict(c), "meta": meta}}
     # the weights' dtype, under transformers 5's name and transformers 4's
     config = {**config, **ids, "dtype": "float32", "torch_dtype": "float32", "use_cache": True, **ours}
     files["config.json"] = json.dumps(config, indent=2)
@@ -208,7 +213,7 @@ def check_dest(dest):
     names = sorted(p.name for p in dest.iterdir())
     others = [name for name in names if name not in EXPORT_FILES]
     try:
-        earlier = MARKER in json.loads((dest / "config.json").read_text(encoding="utf-8"))
+        earlier = EXPORT_KEY in json.loads((dest / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         earlier = False
     if others or not earlier:
@@ -230,7 +235,10 @@ def write_folder(tensors, files, dest):
     tmp.mkdir()
     try:
         for name, text in files.items():
-            (tmp / name).write_text(text + "\n", encoding="utf-8")  # each text without its last line's end
+            # tokenizer.json byte for byte as the dataset holds it, so that reading it back gives the same tokenizer
+            # (train.py compares them); the texts made here lack their last line's end
+            # newline="": no "\r\n" on Windows either
+            (tmp / name).write_text(text if name == TOKENIZER_JSON else text + "\n", encoding="utf-8", newline="")
         # format "pt", as save_pretrained writes it: transformers refuses a file that names another framework
         save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
         # safetensors writes its file private (0600); it gets the mode the other files got from the umask

@@ -183,7 +183,8 @@ def from_checkpoint(cfg, meta):
 def from_pretrained(cfg, meta):
     """
     Hugging Face weights (a hub id or a local folder) to fine-tune: GPT-2 on GPT-2 BPE data, or any model (Llama,
-    Mistral, GPT-2) on data prepared with its folder's tokenizer.json. Their size decides the model settings.
+    Mistral, GPT-2) on data prepared with its folder's tokenizer.json; a folder export.py wrote, on data of the
+    tokenizer its meta names. Their size decides the model settings.
     """
     name, folder = cfg.init_from, Path(cfg.init_from).expanduser()
     # a hub id is refused before any download where no pretrained model could fit: char-level ids, another arch
@@ -196,11 +197,16 @@ def from_pretrained(cfg, meta):
         if not folder.is_dir():
             # a hub id: its config.json and tokenizer.json come down with the weights (or from the local cache)
             folder = hf.download_from_hub(name)
-        # the ids the model was trained on, read before the slow load: its tokenizer.json, or GPT-2's BPE
-        accepted = [tokens.pretrained_meta(folder)["tokenizer"]]
-        gpt2 = tokens.model_config(folder).get("model_type") == "gpt2"
+        # the ids the model was trained on, read before the slow load: an export's meta, its tokenizer.json, or
+        # GPT-2's BPE
+        trained_on = tokens.pretrained_meta(folder)
+        config = tokens.model_config(folder)
     except (OSError, ValueError) as e:
         raise ConfigError(f"init_from={name}: {one_line(e)}") from None
+    accepted = [trained_on["tokenizer"]]
+    # export.py's folders read what their meta says (a GPT-2 layout may hold a character-level model)
+    exported = tokens.EXPORT_KEY in config
+    gpt2 = config.get("model_type") == "gpt2" and not exported
     if gpt2:
         # GPT-2 reads GPT-2 BPE however the data was prepared: with tiktoken, or with its own tokenizer.json
         accepted.append(tokens.GPT2_META["tokenizer"])
@@ -209,6 +215,9 @@ def from_pretrained(cfg, meta):
         raise ConfigError(f"init_from={name} needs arch='gpt' and a GPT-2 BPE dataset (e.g. dataset='shakespeare')")
     if cfg.arch != "gpt":
         raise ConfigError(f"init_from={name} holds a causal LM: it needs arch='gpt', not arch={cfg.arch!r}")
+    if exported and meta["tokenizer"] not in accepted:
+        # its meta names the dataset it was trained on, as a checkpoint's does
+        raise other_ids(folder, trained_on, meta, cfg)
     if meta["tokenizer"] not in accepted:
         raise ConfigError(
             f"init_from={name} needs a dataset prepared with its tokenizer.json, which {meta.get('name')} was not; "

@@ -3,17 +3,23 @@ export.py against an independent reference: transformers loads each exported fol
 greedy tokens; its AutoTokenizer must give tiktoken's ids. Then the refusals, the folder handling, the command line.
 """
 
+import io
 import json
 
 import pytest
 import torch
 
+import eval as evaluation
 import export
 import hf
-from checkpoint import save_checkpoint, weights_state
+import sample
+import train
+from checkpoint import load_checkpoint, save_checkpoint, weights_state
+from eval import EvalConfig
 from generate import generate
 from model import GPT, ModelConfig, build_model
-from tokens import GPT2_META, Tokenizer, huggingface_tokenizer, tiktoken_encoding
+from sample import SampleConfig
+from tokens import GPT2_META, Tokenizer, huggingface_tokenizer, load_meta, tiktoken_encoding
 from train import TrainConfig
 
 transformers = pytest.importorskip("transformers")  # a dev dependency (requirements-dev.txt): the reference
@@ -297,3 +303,122 @@ def test_cli_mistakes_are_one_line_and_status_2(tmp_path, capsys, args, message)
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and error.startswith("error: ") and message in error
     assert sorted(p.name for p in tmp_path.iterdir()) == ["encoder"]
+
+
+# -----------------------------------------------------------------------------
+# The way back: train -> export -> sample.py, eval.py and train.py --init_from=FOLDER, as from the checkpoint
+
+# prepare() arguments of one dataset per kind of tokenizer (the text's BPE is trained by prepare_data.py)
+ROUND_TRIP_DATA = {
+    "char": ("shakespeare_char", {}),
+    "gpt2-bpe": ("shakespeare", {}),
+    "tokenizer.json": ("text", {"vocab_size": 320, "name": "shakespeare_bpe320"}),
+}
+LAYOUTS = {"gpt2": {}, "llama": {**LLAMA, "n_kv_head": 1, "tie_embeddings": False}}
+RUN = {  # a 2-layer, 32-wide model trained for a few steps on the CPU
+    "n_layer": 2,
+    "n_head": 2,
+    "n_embd": 32,
+    "block_size": 32,
+    "batch_size": 4,
+    "gradient_accumulation_steps": 1,
+    "eval_iters": 2,
+    "learning_rate": 1e-2,
+    "warmup_iters": 0,
+    "device": "cpu",
+    "dtype": "float32",
+    "compile": False,
+    "tensorboard": False,
+}
+
+
+@pytest.fixture(scope="module")
+def round_trip_root(tmp_path_factory, shakespeare_path):
+    """One data root holding the three datasets; the text one from the first 200,000 characters of Shakespeare."""
+    import prepare_data
+
+    root = tmp_path_factory.mktemp("data")
+    text = root.parent / "shakespeare_start.txt"
+    text.write_text(shakespeare_path.read_text(encoding="utf-8")[:200_000], encoding="utf-8")
+    for dataset, options in ROUND_TRIP_DATA.values():
+        prepare_data.prepare(dataset, data_dir=root, **({"input": str(text)} if dataset == "text" else {}), **options)
+    return root
+
+
+def run_main(module, config_class, **settings):
+    """module.main's printed output and result, for a config_class built from settings."""
+    out = io.StringIO()
+    result = module.main(config_class(**settings), out=out)
+    return out.getvalue(), result
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ROUND_TRIP_DATA)
+def test_an_export_samples_evaluates_and_trains_as_its_checkpoint(tmp_path, round_trip_root, kind, layout):
+    dataset, options = ROUND_TRIP_DATA[kind]
+    data = {"dataset": options.get("name", dataset), "data_dir": str(round_trip_root)}
+    train.main(TrainConfig(**RUN, **LAYOUTS[layout], **data, out_dir=str(tmp_path / "run"), max_iters=6))
+    ckpt, folder = tmp_path / "run" / "ckpt.pt", tmp_path / "hf"
+    assert export.cli([f"--out_dir={tmp_path / 'run'}", "--checkpoint=ckpt.pt", f"--dest={folder}"]) == 0
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == layout
+
+    # the same text from the same seed: the folder reads and writes text with the checkpoint's tokenizer
+    shown = {}
+    for source in (ckpt, folder):
+        settings = {"init_from": str(source), "start": "ROMEO:", "max_new_tokens": 40, "seed": 7, "stream": False}
+        shown[source] = run_main(sample, SampleConfig, **settings, device="cpu", dtype="float32")[0]
+    assert shown[ckpt].startswith("ROMEO:") and len(shown[ckpt]) > 20 and shown[folder] == shown[ckpt]
+
+    # the same loss on the val split of the data it was trained on, which the folder names as the checkpoint does
+    scores = {}
+    for source in (ckpt, folder):
+        settings = {"init_from": str(source), "data_dir": str(round_trip_root), "limit": 8, "json": True}
+        scores[source] = run_main(evaluation, EvalConfig, **settings, device="cpu", dtype="float32")[1]
+    assert scores[folder]["data"] == f"{data['dataset']} val" and scores[folder]["tokens"] == scores[ckpt]["tokens"]
+    assert scores[folder]["loss"] == pytest.approx(scores[ckpt]["loss"], rel=1e-5)
+
+    # a new run from the folder starts where one from the checkpoint does, and trains on the same data
+    runs = {}
+    for source in (ckpt, folder):
+        out_dir = tmp_path / f"from_{source.name}"
+        settings = {**RUN, **data, "out_dir": str(out_dir), "init_from": str(source), "max_iters": 1}
+        runs[source] = train.main(TrainConfig(**settings, eval_interval=1))
+    assert runs[folder]["evals"][0]["val"] == pytest.approx(runs[ckpt]["evals"][0]["val"], rel=1e-5)
+    assert (
+        load_checkpoint(tmp_path / "from_hf" / "ckpt.pt")["meta"]["tokenizer"]
+        == load_checkpoint(ckpt)["meta"]["tokenizer"]
+    )
+
+    if kind == "tokenizer.json":  # the BPE trained by prepare_data.py, in the folder as transformers reads it
+        meta = load_checkpoint(ckpt)["meta"]
+        assert (folder / "tokenizer.json").read_text(encoding="utf-8") == meta["tokenizer"]["json"]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        assert tokenizer.eos_token == tokenizer.bos_token == "<|endoftext|>"
+        text = "ROMEO: café 日本 🤖\n\n  end"
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert ids == Tokenizer.from_meta(meta).encode(text) and tokenizer.decode(ids) == text
+
+
+def test_an_export_refuses_data_of_another_tokenizer_in_one_line(tmp_path, round_trip_root, capsys):
+    data = {"dataset": "shakespeare_char", "data_dir": str(round_trip_root)}
+    train.main(TrainConfig(**RUN, **data, out_dir=str(tmp_path / "run"), max_iters=1))
+    assert export.cli([f"--out_dir={tmp_path / 'run'}", "--checkpoint=ckpt.pt", f"--dest={tmp_path / 'hf'}"]) == 0
+    args = [f"--init_from={tmp_path / 'hf'}", f"--data_dir={round_trip_root}", f"--out_dir={tmp_path / 'new'}"]
+    assert train.cli([*args, "--dataset=shakespeare", "--device=cpu", "--block_size=32"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "hf was trained on shakespeare_char (65 characters)" in error and "--dataset=shakespeare_char" in error
+    assert not (tmp_path / "new").exists()
+    # a damaged nanoformer entry is one line naming it
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "nanoformer": {"meta": {"kind": "lm"}}}))
+    assert sample.cli([f"--init_from={tmp_path / 'hf'}", "--device=cpu"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "lacks the tokenizer, vocab_size or special_tokens export.py writes" in error
+    # as is a folder without the tokenizer.json its meta names
+    meta = load_meta(round_trip_root / "shakespeare_bpe320")
+    export.export(GPT(tiny(vocab_size=meta["vocab_size"])), meta, tmp_path / "bpe")
+    (tmp_path / "bpe" / "tokenizer.json").unlink()
+    assert evaluation.cli([f"--init_from={tmp_path / 'bpe'}", "--device=cpu"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"{tmp_path / 'bpe' / 'tokenizer.json'} not found" in error
