@@ -33,14 +33,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from config import ConfigError, one_line
 from hf import download_from_hub, from_pretrained, load_nanogpt
@@ -184,6 +176,9 @@ def sharded_state(model, *, ema_model, optimizer):
     holds the whole model): {"weights", "optimizer"[, "average"]} as in ckpt.pt, keyed by parameter name.
     Saved as it is by save_sharded, or filled in by load_sharded. optimizer: AdamW (FSDP runs do not use Muon).
     """
+    # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     # the optimizer's state keyed by parameter names, not by its own numbering: it then fits any sharding
     tensors = {"weights": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     if ema_model is not None:
@@ -199,6 +194,9 @@ def save_sharded(tensors, state, path, rank):
     checkpoint (found by load_checkpoint). Call it on every rank; a failed write raises OSError as save_checkpoint,
     on every rank at once.
     """
+    # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
+    import torch.distributed.checkpoint as dcp
+
     path = Path(path)
     new = path.with_name(f".{path.name}.new")
     # rank 0's steps and the ranks' parallel write, each failing on every rank or on none
@@ -207,7 +205,7 @@ def save_sharded(tensors, state, path, rank):
         try:
             # each rank writes its own files, synced to disk; rank 0 then the index of all of them (.metadata)
             dcp.save(tensors, checkpoint_id=new)
-        except CheckpointException as e:  # a BaseException, raised on every rank, holding each failing rank's error
+        except dcp.CheckpointException as e:  # a BaseException, raised on every rank, holding each rank's error
             reason = describe(next(iter(e.failures.values()))[0])
     if reason is None:
         # which tensors the folder holds: resuming reads an average only where there is one
@@ -313,6 +311,14 @@ def load_sharded(ckpt, model, *, optimizer, ema_model, role="weights"):
     reads the parts its own shards need, however many ranks wrote it (torch.distributed.checkpoint reshards), or
     all of them in a process without FSDP.
     """
+    # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     keys = ckpt["shard_keys"]  # {role: the name its tensors have in the folder}
     weights = get_model_state_dict(model)
     tensors = {keys[role]: weights, keys["optimizer"]: get_optimizer_state_dict(model, optimizer)}
@@ -525,6 +531,9 @@ def read_shards(tensors, path, alone):
     Fill tensors (a nested dict, as sharded_state's) from the sharded checkpoint folder path; alone: this process
     reads them without the other ranks (else every rank calls it and each reads its part).
     """
+    # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
+    import torch.distributed.checkpoint as dcp
+
     # checked here: PyTorch would log two tracebacks looking for it before failing
     if not (Path(path) / ".metadata").is_file():
         raise ConfigError(f"{path} is not a readable sharded checkpoint: it has no .metadata (a save cut short?)")
@@ -532,7 +541,7 @@ def read_shards(tensors, path, alone):
         with warnings.catch_warnings():  # that it assumes a single process, which it is told
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(tensors, checkpoint_id=path, no_dist=alone)
-    except CheckpointException as e:  # a BaseException: each failing rank's error, with its traceback
+    except dcp.CheckpointException as e:  # a BaseException: each failing rank's error, with its traceback
         error = next(iter(e.failures.values()))[0]
         raise ConfigError(f"{path} is not a readable sharded checkpoint: {type(error).__name__}: {error}") from None
     except (OSError, RuntimeError, ValueError) as e:  # no .metadata, a part cut short, tensors of other shapes

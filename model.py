@@ -11,12 +11,12 @@ Shape letters used in comments:
 """
 
 import math
+import sys
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from muon import Muon
@@ -570,11 +570,14 @@ def init_normal(param, std):
     drawn whole on the CPU, as an unsharded model's would be, and each process keeps its own part, so a sharded
     model starts with the same weights as an unsharded one. Every process must draw with the same seed.
     """
-    if not isinstance(param, DTensor):
+    # a DTensor exists only once FSDP has imported its module: a model in one process never pays for the import
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None or not isinstance(param, dtensor.DTensor):
         return nn.init.normal_(param, 0.0, std)
     whole = torch.empty(param.shape).normal_(0.0, std)
     # src_data_rank=None: each process slices its own copy; nothing is sent
-    part = distribute_tensor(whole.to(param.device), param.device_mesh, param.placements, src_data_rank=None).to_local()
+    part = dtensor.distribute_tensor(whole.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    part = part.to_local()
     with torch.no_grad():
         param.to_local().copy_(part)
 

@@ -1451,7 +1451,7 @@ def test_a_failed_sharded_save_is_one_line_and_keeps_the_previous_checkpoint(tmp
         def full_disk(*args, **kwargs):
             raise CheckpointException("save", {1: (OSError(errno.ENOSPC, "No space left on device"), None)})
 
-        monkeypatch.setattr(checkpoint.dcp, "save", full_disk)
+        monkeypatch.setattr(torch.distributed.checkpoint, "save", full_disk)
         with pytest.raises(OSError, match=r"ckpt.pt \(No space left on device; [\d.]+ GiB free there\); the previous"):
             checkpoint.save_sharded(tensors, {**state, "iter_num": 6}, path, rank=0)
         assert load_checkpoint(path, weights=False)["iter_num"] == 5
