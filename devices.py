@@ -6,6 +6,9 @@ for this machine, autocast for mixed precision, and the peak FLOP/s of known GPU
 import ctypes
 import os
 import re
+import statistics
+import time
+from pathlib import Path
 
 import torch
 
@@ -54,8 +57,8 @@ def autocast(device, dtype):
 def pick_threads(requested, local_ranks):
     """
     (intra-op threads for this process, why: a line to log or None). requested > 0 wins; then OMP_NUM_THREADS
-    (torchrun sets 1 per rank); else the cores of this machine that other jobs are not using (the 1-minute load
-    average), shared among the local_ranks processes. On a busy machine, threads that wait for a taken core make
+    (torchrun sets 1 per rank); else the cores of this machine that other jobs are not using (busy_cores), shared
+    among the local_ranks processes. On a busy machine, threads that wait for a taken core make
     every op wait for the slowest one: the quick start next to one other job ran 24x slower with 2 threads on 2 cores.
     """
     if requested > 0:
@@ -63,14 +66,31 @@ def pick_threads(requested, local_ranks):
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return max(1, int(os.environ["OMP_NUM_THREADS"])), None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    busy = min(round(os.getloadavg()[0]), cores - 1) if hasattr(os, "getloadavg") else 0
+    busy = min(round(busy_cores()), cores - 1)
     threads = max(1, (cores - busy) // local_ranks)
     if busy == 0:
         return threads, None
     return threads, (
-        f"note: {threads} thread(s) per process: the machine is busy (load {os.getloadavg()[0]:.1f} on {cores} "
-        f"cores); --threads=N overrides, and one job at a time is fastest"
+        f"note: {threads} thread(s) per process: other jobs keep about {busy} of the {cores} cores busy; "
+        "--threads=N overrides, and one job at a time is fastest"
     )
+
+
+def busy_cores(looks=20):
+    """
+    About how many cores other jobs use now: on Linux the median, over `looks` looks 5 ms apart, of the tasks
+    running (the fourth field of /proc/loadavg, this process left out). Elsewhere the 1-minute load average, which
+    lags behind: a job that just ended still counts for a minute or more.
+    """
+    try:
+        counts = []
+        for _ in range(looks):
+            # "0.91 0.86 1.02 2/90 14010": 2 tasks running (this one among them) of 90
+            counts.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1)
+            time.sleep(0.005)
+        return statistics.median(counts)
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
 
 def keep_freed_memory():

@@ -422,12 +422,22 @@ def test_threads_leave_busy_cores_to_other_jobs(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     for load, ranks, expected in [(0.2, 1, 4), (1.4, 1, 3), (3.0, 1, 1), (9.0, 1, 1), (0.0, 2, 2), (2.0, 2, 1)]:
-        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load), raising=False)
+        monkeypatch.setattr(devices, "busy_cores", lambda load=load: load)
         threads, note = devices.pick_threads(0, ranks)
         assert threads == expected and (note is None) == (round(load) == 0)
     assert devices.pick_threads(3, 1) == (3, None)  # --threads wins
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert devices.pick_threads(0, 1) == (2, None)
+
+
+def test_busy_cores_sees_a_job_that_just_started():
+    # one spinning process beside this one: always running, long before a 1-minute load average would show it
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert devices.busy_cores() >= 1
+    finally:
+        spin.kill()
+        spin.wait()
 
 
 def test_accumulation_steps_are_shared_over_ranks():
