@@ -97,7 +97,7 @@ def keep_freed_memory():
     """
     Have glibc keep freed memory for reuse instead of handing it back to the OS. A CPU training step frees and
     reallocates the same activation buffers every time; by default glibc maps the large ones afresh, and the page
-    faults of touching them again cost 5-15% of a small model's step (README, Performance). No-op without glibc.
+    faults of touching them again cost 5-15% of a small model's step (docs/performance.md). No-op without glibc.
     """
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt

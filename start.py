@@ -97,7 +97,13 @@ def resume(cfg, meta, lazy):
     if ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
         raise ConfigError(
             f"{path} is at iteration {ckpt['iter_num']}, which max_iters={cfg.max_iters} has reached: nothing to "
-            "train. To train further, pass a larger --max_iters (and --lr_decay_iters, where the cosine schedule ends)"
+            "train. To train further, pass a larger --max_iters (the schedule follows it unless lr_decay_iters is set)"
+        )
+    spent = ckpt.get("train_seconds", 0.0)
+    if cfg.max_minutes and spent >= 60 * cfg.max_minutes and not cfg.eval_only:
+        raise ConfigError(
+            f"{path} has trained for {spent / 60:.2f} minutes, which max_minutes={cfg.max_minutes:g} has reached: "
+            "nothing to train. To train further, pass a larger --max_minutes (or --max_minutes=0 to count steps only)"
         )
     # the optimizers' states must fit the optimizers; checkpoints from before optimizer existed are AdamW's
     saved_optimizer = ckpt["train_config"].get("optimizer", "adamw")

@@ -704,7 +704,7 @@ def dataset_dir(name, data_dir=None):
 
 
 def load_meta(dataset_dir):
-    """The contents of a prepared dataset's meta.json (see README.md, section Data)."""
+    """The contents of a prepared dataset's meta.json (see docs/data.md)."""
     path = Path(dataset_dir) / "meta.json"
     meta = read_json(
         path,

@@ -101,7 +101,7 @@ class TrainConfig(ModelSettings):
     # data
     dataset: str = "openwebtext"  # a prepare_data.py dataset (prepared when missing) or a prepared folder's name
     data_dir: str | None = None  # root of the datasets; None: $NANOFORMER_DATA_DIR, else data/ beside prepare_data.py
-    data_options: dict = field(default_factory=dict)  # prepare_data.py options, e.g. {'input': 'pairs.tsv'}
+    data_options: dict = field(default_factory=dict)  # prepare_data.py options, e.g. {'input': 'x.tsv'}; CLI's merge in
     gradient_accumulation_steps: int = 40  # micro-batches per step over all ranks together: a multiple of the ranks
     batch_size: int = 12  # sequences per micro-batch per rank
     # objective

@@ -416,6 +416,9 @@ def test_a_time_budget_decays_with_the_time_and_a_resume_goes_on_from_it(tmp_pat
     resumed = list(logged_lrs(capsys.readouterr().out).values())
     assert resumed[0] <= cosine(spent / 6, cfg.learning_rate, cfg.min_lr) * 1.01
     assert resumed[-1] == pytest.approx(cfg.min_lr)
+    # a budget spent: nothing to train, said before any work
+    with pytest.raises(ConfigError, match=r"max_minutes=0.1 has reached: nothing to train.*larger --max_minutes"):
+        main(dataclasses.replace(cfg, init_from="resume", max_minutes=0.1))
 
 
 def test_threads_leave_busy_cores_to_other_jobs(monkeypatch):
