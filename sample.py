@@ -336,9 +336,11 @@ def plot_attention(panels, path):
         from matplotlib.figure import Figure  # no pyplot: no window, no global figure state
     except ImportError:
         raise ImportError("--attention needs matplotlib: pip install matplotlib") from None
-    # axes: (len(panels), heads), one heat map of (Tq, Tk) each
+    # axes: (len(panels), heads), one heat map of (Tq, Tk) each, large enough for its tick labels at 5 points
     heads = panels[0][1].size(0)
-    fig = Figure(figsize=(2.4 * heads, 2.4 * len(panels)), layout="constrained")
+    longest = max(min(len(labels), MAX_TICK_LABELS) for _, _, queries, keys in panels for labels in (queries, keys))
+    side = max(2.4, 1.2 + 0.12 * longest)  # inches: the colour bar and the labels' own width, then ~9 pt a label
+    fig = Figure(figsize=(side * heads, side * len(panels)), layout="constrained")
     axes = fig.subplots(len(panels), heads, squeeze=False)
     for row, (title, weights, queries, keys) in zip(axes, panels):
         for h, ax in enumerate(row):
