@@ -2160,6 +2160,7 @@ for module in model.modules():
 whole = sum(p.numel() for p in model.parameters()) * 4
 with open(f"{sys.argv[2]}/rank{rt.rank}.txt", "w") as f:
     f.write(f"{held} {whole}")
+dist.barrier()  # as train.main ends: gloo's workers release the last collective's tensors before the teardown
 dist.destroy_process_group()
 """
 
@@ -2247,8 +2248,9 @@ def test_a_rank_failing_to_prepare_the_data_stops_every_rank_at_once(tmp_path, e
     finally:
         for rank in ranks:
             rank.kill()
+    # both stop with the error; rank 0 alone prints it
     assert [rank.returncode for rank in ranks] == [2, 2]
-    assert errors[0] == errors[1] and len(errors[0].splitlines()) == 1 and "/no/such/corpus.txt" in errors[0]
+    assert len(errors[0].splitlines()) == 1 and "/no/such/corpus.txt" in errors[0] and errors[1] == ""
 
 
 def test_fewer_accumulation_steps_than_ranks_give_each_rank_one_micro_batch(tmp_path, data_root, env):
