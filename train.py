@@ -364,7 +364,8 @@ def out_dir_problem(cfg):
     """
     out_dir = cfg.out_dir
     if cfg.init_from != "resume" and not cfg.overwrite and (files := run_files(out_dir)):
-        shown = ", ".join(path.name for path in files[:3]) + (", ..." if len(files) > 3 else "")
+        names = [p.name for p in files if not p.name.startswith("events.")]
+        shown = ", ".join(names + (["TensorBoard logs"] if len(names) < len(files) else []))
         return (
             f"out_dir={out_dir} already holds a run ({shown}): go on with it with --init_from=resume, write this "
             f"run elsewhere with --out_dir=..., or replace it with --overwrite=True"

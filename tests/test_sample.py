@@ -521,8 +521,9 @@ def test_attention_png_has_a_panel_per_layer_and_head(request, tmp_path, capsys,
     assert code == 0 and str(path) in err
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # rows: a GPT's or encoder's layers; an encoder-decoder's encoder layers, then self and cross per decoder layer.
-    # columns: the 2 heads. Each panel is 2.4 inches at 100 dpi.
-    assert matplotlib.image.imread(path).shape[:2] == (240 * panels, 240 * 2)
+    # columns: the 2 heads. Each panel is square, at least 2.4 inches at 100 dpi (larger for more tick labels).
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert abs(height * 2 - width * panels) <= panels and width >= 240 * 2  # a pixel of rounding per panel
 
 
 @pytest.mark.parametrize("length", [10, 100])
