@@ -324,7 +324,8 @@ CHARS = list("abc")  # a char-level vocabulary of three letters, end-of-text app
 A, B, C, EOT = range(4)
 
 
-def test_empty_start_begins_at_end_of_text_and_sampling_stops_there(tmp_path, capsys):
+def cab_checkpoint(tmp_path):
+    """A char-level GPT that writes 'cab' after end-of-text and after b, mostly, else ends: eot c a b (eot | c ...)."""
     model = bigram_model("gpt", 4, {EOT: {C: 0.9}, C: {A: 0.9}, A: {B: 0.9}, B: {EOT: 0.6, C: 0.4}})
     meta = {
         "kind": "lm",
@@ -332,7 +333,11 @@ def test_empty_start_begins_at_end_of_text_and_sampling_stops_there(tmp_path, ca
         "vocab_size": 4,
         "special_tokens": {"eot": EOT},
     }
-    out_dir = save_checkpoint(tmp_path / "bigram", model, meta)
+    return save_checkpoint(tmp_path / "bigram", model, meta)
+
+
+def test_empty_start_begins_at_end_of_text_and_sampling_stops_there(tmp_path, capsys):
+    out_dir = cab_checkpoint(tmp_path)
     code, out, _ = cli(capsys, "--out_dir", out_dir, "--start", "", "--temperature=0", "--max_new_tokens=20")
     assert code == 0 and out == "cab\n"  # eot -> c -> a -> b -> eot: stopped, the marker not printed
     code, out, _ = cli(
@@ -344,14 +349,7 @@ def test_empty_start_begins_at_end_of_text_and_sampling_stops_there(tmp_path, ca
 
 
 def test_an_empty_sample_is_said_not_printed_as_a_blank_alone(tmp_path, capsys):
-    model = bigram_model("gpt", 4, {EOT: {C: 0.9}, C: {A: 0.9}, A: {B: 0.9}, B: {EOT: 0.6, C: 0.4}})
-    meta = {
-        "kind": "lm",
-        "tokenizer": {"type": "char", "chars": CHARS},
-        "vocab_size": 4,
-        "special_tokens": {"eot": EOT},
-    }
-    out_dir = save_checkpoint(tmp_path / "bigram", model, meta)
+    out_dir = cab_checkpoint(tmp_path)
     args = ("--out_dir", out_dir, "--start", "b", "--max_new_tokens=20")
     for stream in ("true", "false"):
         code, out, err = cli(capsys, *args, "--temperature=0", f"--stream={stream}")  # b -> eot at once
