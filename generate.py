@@ -3,11 +3,15 @@ Generating from the models of model.py: picking the next token (greedy, temperat
 continuation streamed a token at a time with the KV cache, an encoder-decoder's translation (greedy, sampled or by
 beam search), and the decoded pairs that exact match scores (train.py's validation accuracy, eval.py's seq2seq).
 Functions taking the model first, like nanochat's engine beside its gpt.py: the model computes one forward pass,
-these decide what it reads next, and they work on any model of model.py without being part of it.
+these decide what it reads next, and they work on any model of model.py without being part of it. Last, a GPT's
+replies in a conversation: one greedy reply (what exact match scores), and a ChatSession that keeps its KV cache
+from turn to turn.
 
     out = generate(model, idx, 100, temperature=0.8, top_k=200)        # GPT: (B, T + 100)
     for token in generate_stream(model, idx, 100, stop_token=eot): ...   # GPT: (B, 1) a step, as it comes
     out = translate(model, src, 64, bos_id, eos_id, beam_size=4)        # encoder-decoder: (B, L)
+    session = ChatSession(model, chat_format, system="Be brief.")      # GPT with a chat template (chat.py)
+    for token in session.reply("Who speaks first?"): ...                 # ids of the reply, as they come
 
 Shape letters as in model.py (B batch, T length, V vocabulary, K beams...).
 """
@@ -281,3 +285,120 @@ def decoded_pairs(model, batches, bos_id, eos_id, *, max_len, beam_size=1, lengt
         for output, reference in zip(outputs.tolist(), targets.tolist()):
             reference = [t for t in reference if t != IGNORE_INDEX]  # the target, then eos
             yield until_stop(output, eos_id, keep_stop=True), reference
+
+
+# -----------------------------------------------------------------------------
+# GPT: replies in a conversation
+
+
+def reply_tokens(
+    model,
+    cache,
+    new_ids,
+    max_new_tokens,
+    stop_tokens,
+    *,
+    temperature=0.0,
+    top_k=None,
+    top_p=None,
+    generator=None,
+    vocab_size=None,
+):
+    """
+    Yield a GPT's reply one id at a time: new_ids (a list) are fed after the positions the KV cache already holds
+    (a conversation's earlier turns are not computed again), then each sampled id is fed in turn. Ends after a
+    stop token (which is yielded, not fed), after max_new_tokens, or when the cache holds block_size positions:
+    a reply whose last id is not a stop token was cut short.
+    """
+    device = next(model.parameters()).device
+    x, _ = model.body(torch.tensor([new_ids], device=device), cache=cache)
+    for i in range(max_new_tokens):
+        logits = model.head(x[:, -1])[:, :vocab_size]  # (1, V): ids past the tokenizer's are never drawn
+        token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        yield token.item()
+        if token.item() in stop_tokens or i + 1 == max_new_tokens or cache[0][0].length == model.config.block_size:
+            return
+        x, _ = model.body(token, cache=cache)
+
+
+def final_reply(ids, is_target):
+    """
+    (prompt, reference) of a conversation's ids (a list) and loss-target flags: the reference is the last run of
+    targets (the final assistant reply and the end-of-turn closing it), the prompt every id before it.
+    """
+    end = max(i for i, target in enumerate(is_target) if target) + 1
+    start = end
+    while start > 0 and is_target[start - 1]:
+        start -= 1
+    return ids[:start], ids[start:end]
+
+
+def decoded_replies(model, conversations, stop_tokens, *, vocab_size=None):
+    """
+    Greedily decode the final reply of each (ids, is_target) conversation from the turns before it; yield (output,
+    reference) lists of ids, each through its end-of-turn: exact match is output == reference. A reply may run to
+    block_size. A generator: the caller's torch.autocast, if any, must hold while it is iterated.
+    """
+    for ids, is_target in conversations:
+        prompt, reference = final_reply(list(ids), list(is_target))
+        room = model.config.block_size - len(prompt) + 1  # the last id is sampled, never fed
+        with torch.no_grad():
+            output = list(reply_tokens(model, model.new_cache(), prompt, room, set(stop_tokens), vocab_size=vocab_size))
+        yield output, reference
+
+
+class ChatSession:
+    """
+    A conversation with a GPT that goes on turn after turn. The KV cache keeps every earlier turn: a new turn feeds
+    the model only what it has not read (the end of its last reply, the user's message, the assistant's header).
+    chat_format (chat.ChatFormat) renders the messages; when the rendered history does not begin with the ids the
+    cache holds (a reply whose ids are not those its text encodes to, or a template that rewrites earlier turns),
+    the whole conversation is fed again and `recomputed` counts it. Sampling options as in generate_stream.
+    """
+
+    def __init__(self, model, chat_format, *, system="", max_new_tokens=500, vocab_size=None, **sampling):
+        self.model, self.format, self.system = model, chat_format, system
+        self.max_new_tokens, self.vocab_size, self.sampling = max_new_tokens, vocab_size, sampling
+        self.recomputed = 0
+        self.reset()
+
+    def reset(self):
+        """Forget every turn (the system prompt stays)."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.cache, self.fed = self.model.new_cache(), []  # fed: the ids the cache holds
+        self.ended = ""  # how the last reply ended: "end_of_turn", "max_new_tokens" or "block_size"
+
+    @torch.no_grad()
+    def reply(self, text, decode):
+        """
+        Yield the ids of the reply to the user's message `text`, as they come, without its end-of-turn. decode
+        (ids -> text) gives the reply's text, which joins the history. ValueError when the conversation no longer
+        fits block_size (the message is then not added).
+        """
+        block = self.model.config.block_size
+        prompt, _ = self.format.render([*self.messages, {"role": "user", "content": text}], add_generation_prompt=True)
+        if len(prompt) >= block:
+            raise ValueError(
+                f"the conversation would be {len(prompt)} tokens, and the model reads {block} (block_size): "
+                "/reset starts a new one"
+            )
+        self.messages.append({"role": "user", "content": text})
+        if prompt[: len(self.fed)] != self.fed:
+            self.cache, self.fed = self.model.new_cache(), []
+            self.recomputed += 1
+        new, reply, stopped = prompt[len(self.fed) :], [], False
+        stop = set(self.format.end_of_turn)
+        steps = reply_tokens(
+            self.model, self.cache, new, self.max_new_tokens, stop, vocab_size=self.vocab_size, **self.sampling
+        )
+        for token in steps:
+            if token in stop:
+                stopped = True
+                break
+            reply.append(token)
+            yield token
+        # every id but the last one sampled went through the model; an end-of-turn then starts the next turn's ids
+        self.fed = (prompt + reply)[: self.cache[0][0].length]
+        full = self.cache[0][0].length == block
+        self.ended = "end_of_turn" if stopped else "block_size" if full else "max_new_tokens"
+        self.messages.append({"role": "assistant", "content": decode(reply)})
