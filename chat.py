@@ -153,26 +153,31 @@ def folder_chat(folder):
     names = {key: token_string(strings[key], folder, key) for key in TEMPLATE_TOKENS if strings.get(key) is not None}
     file = tokens.tokenizer_json_file(folder)
     tokenizer = template_tokenizer(file.read_text(encoding="utf-8"), file)
-    probe = TemplateChat(source, names, tokenizer, end_of_turn=())
-    text = probe.text(list(PROBE))
-    ((start, end),) = probe.replies(list(PROBE), text)
-    # the marks after the reply's text; all of the reply should a template change the text it is given
-    reply = text[start:end]
-    closing = reply.partition(PROBE[1]["content"])[2] or reply
-    added = tokenizer.get_added_tokens_decoder()
-    closer = [i for i in tokenizer.encode(closing, add_special_tokens=False).ids if i in added][:1]
+    closer = closing_token(TemplateChat(source, names, tokenizer, end_of_turn=()))
     eos = [tokenizer.token_to_id(names["eos_token"])] if "eos_token" in names else []
     # Llama 3.1's instruct config lists several: end of text, end of message (tool calls), end of turn
     model_eos = tokens.model_config(folder).get("eos_token_id") if (folder / "config.json").is_file() else None
     model_eos = model_eos if isinstance(model_eos, list) else [model_eos]
     # in order of preference, each once; None is an eos string the tokenizer lacks, or no eos_token_id
-    end_of_turn = list(dict.fromkeys(i for i in closer + eos + model_eos if isinstance(i, int)))
+    end_of_turn = list(dict.fromkeys(i for i in [closer, *eos, *model_eos] if isinstance(i, int)))
     if not end_of_turn:
         raise ValueError(
             f"{folder}: its chat template closes an assistant turn with no special token and the folder names no eos "
             f"token, so a reply could not end; set eos_token in {TOKENIZER_CONFIG}"
         )
     return {"template": source, "tokens": names, "end_of_turn": end_of_turn}
+
+
+def closing_token(chat):
+    """The first special token after the assistant's text in a TemplateChat's rendering of PROBE; None if none."""
+    messages = list(PROBE)
+    text = chat.text(messages)
+    ((start, end),) = chat.replies(messages, text)
+    reply = text[start:end]
+    # what follows the text closes the turn; all of the reply is searched should the template change the text
+    closing = reply.partition(PROBE[1]["content"])[2] or reply
+    added = chat.tokenizer.get_added_tokens_decoder()
+    return next((i for i in chat.tokenizer.encode(closing, add_special_tokens=False).ids if i in added), None)
 
 
 def folder_json(path):
@@ -257,9 +262,9 @@ def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=Fa
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def strftime_now(format):
-    """Today's date or time in `format` (Llama 3.1's template dates its system message)."""
-    return datetime.now().strftime(format)
+def strftime_now(pattern):
+    """Today's date or time written by strftime's `pattern` (Llama 3.1's template dates its system message)."""
+    return datetime.now().strftime(pattern)
 
 
 def template_tokenizer(text, source):
@@ -301,7 +306,7 @@ class ChatFormat:
             )
         source = "the tokenizer.json stored in this dataset or checkpoint"
         tokenizer = template_tokenizer(spec["json"], source)
-        return TemplateChat(chat["template"], chat.get("tokens", {}), tokenizer, tuple(chat["end_of_turn"]))
+        return TemplateChat(chat["template"], chat.get("tokens", {}), tokenizer, chat["end_of_turn"])
 
     def render(self, messages, add_generation_prompt=False):
         """
@@ -390,6 +395,12 @@ class TemplateChat(ChatFormat):
                 )
             spans.append((len(before), len(upto)))
         return spans
+
+    def prompt_ids(self, messages):
+        # without targets, so without the incremental check: a template that renders past turns otherwise (gpt-oss
+        # ends the last reply with <|return|>, earlier ones with <|end|>) still prompts as transformers does
+        check_messages(messages)
+        return self.tokenizer.encode(self.text(messages, add_generation_prompt=True), add_special_tokens=False).ids
 
     def render(self, messages, add_generation_prompt=False):
         check_messages(messages)

@@ -275,9 +275,15 @@ def test_template_that_renders_past_turns_differently_is_refused(tokenizer_json,
         "(earlier){% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    chat = folder_format(hf_folder(tmp_path / "past", tokenizer_json, past, eos_token="<|im_end|>"))
+    folder = hf_folder(tmp_path / "past", tokenizer_json, past, eos_token="<|im_end|>")
+    chat = folder_format(folder)
     assert chat.render(CONVERSATIONS[0])[1].count(True) > 0  # one reply: nothing earlier to differ
     one_line_error(lambda: chat.render(CONVERSATIONS[2]), "not incremental")
+    # a prompt needs no targets: it is what transformers gives
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    messages = CONVERSATIONS[2][:-1]
+    expected = reference.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert chat.prompt_ids(messages) == expected
 
 
 def test_meta_without_chat_template_and_bad_messages(folders):
