@@ -1,6 +1,7 @@
 """
 The data side of training. What a batch is for each architecture: a GPT's shifted windows, a masked LM's corrupted
-windows (BERT's 80/10/10), an encoder-decoder's padded (source, target) pairs; the special ids each needs
+windows (BERT's 80/10/10), an encoder-decoder's padded (source, target) pairs, a GPT's padded conversations (chat
+data, loss on the assistant's tokens); the special ids each needs
 (Objective); the seeds that make a micro-batch depend on its seed alone. Then the dataset a run reads (prepared
 first if missing, by one rank while the others wait), its splits, and the stream of training batches, built one
 step ahead on a background thread. train.py draws its batches here, eval.py its masked windows and pairs.
@@ -18,7 +19,7 @@ import prepare_data
 from config import ConfigError
 from model import IGNORE_INDEX
 from parallel import log, raise_if_any_failed
-from tokens import check_prepared, dataset_dir, is_prepared, load_pairs, load_tokens
+from tokens import Conversations, check_prepared, dataset_dir, is_prepared, load_conversations, load_pairs, load_tokens
 
 # how long the other ranks of a torchrun job wait while one prepares the dataset
 PREPARE_TIMEOUT = timedelta(days=2)
@@ -35,17 +36,27 @@ class Objective:
     pad_id: int | None = None
     bos_id: int | None = None
     eos_id: int | None = None
+    # a GPT on chat data: batches of whole conversations, right-padded. pad_id stays None, so that the model builds
+    # no key mask: causal attention never lets a real position see the padding after it
+    chat: bool = False
 
 
 def make_objective(arch, meta, mask_prob):
     """(Objective, model vocabulary size, meta to store in checkpoints) for arch on a dataset with this meta."""
-    kind = "seq2seq" if arch == "encoder_decoder" else "lm"
+    if meta["kind"] == "chat" and arch != "gpt":
+        raise ConfigError(
+            f"{meta.get('name')} is chat data, which only arch=gpt trains on (a reply is the next tokens of the "
+            f"conversation); arch={arch} needs another dataset"
+        )
+    kind = "seq2seq" if arch == "encoder_decoder" else "chat" if meta["kind"] == "chat" else "lm"
     if meta["kind"] != kind:
         examples = "reverse, sort, num2words, translation" if kind == "seq2seq" else "shakespeare_char, shakespeare"
         raise ConfigError(f"arch={arch} needs a {kind} dataset ({examples}); {meta.get('name')} is {meta['kind']}")
     # the special ids each arch needs: pad, bos and eos to frame pairs; [MASK] for the encoder; none for a GPT
     vocab, special = meta["vocab_size"], meta["special_tokens"]
-    if arch == "encoder_decoder":
+    if kind == "chat":
+        objective = Objective(arch, vocab, chat=True)
+    elif arch == "encoder_decoder":
         objective = Objective(arch, vocab, pad_id=special["pad"], bos_id=special["bos"], eos_id=special["eos"])
     elif arch == "encoder" and "mask" not in special:
         # a new id after the vocabulary, recorded so the checkpoint's tokenizer knows it
@@ -100,8 +111,48 @@ def seq2seq_batch(pairs, rows, objective):
     return src, tgt_in, targets
 
 
+@dataclass(frozen=True)
+class ChatSplit:
+    """A chat split as get_batch reads it: its conversations, and those that fit block_size, shortest first."""
+
+    conversations: Conversations
+    # indices of the conversations that fit, by length; equal lengths in a fixed shuffled order, so that a file's
+    # runs of one kind of conversation do not fill whole batches
+    order: np.ndarray
+
+
+def chat_batch(conversations, rows):
+    """
+    Conversations `rows` as (inputs (B, T), targets (B, T)): inputs = ids[:-1], targets = ids[1:] where that id is
+    a loss target, else IGNORE_INDEX; right-padded to the longest of the batch. The padding's inputs are id 0 (any id
+    would do: causal attention keeps real positions from seeing it) and its targets IGNORE_INDEX.
+    """
+    examples = [conversations[int(i)] for i in rows]
+    T = max(len(ids) for ids, _ in examples) - 1
+    inputs = torch.zeros((len(examples), T), dtype=torch.int64)
+    targets = torch.full((len(examples), T), IGNORE_INDEX)
+    for b, (ids, flags) in enumerate(examples):
+        ids = torch.from_numpy(ids.astype(np.int64))
+        inputs[b, : len(ids) - 1] = ids[:-1]
+        targets[b, : len(ids) - 1] = torch.where(torch.from_numpy(flags[1:] == 1), ids[1:], IGNORE_INDEX)
+    return inputs, targets
+
+
+def chat_rows(split, batch_size, generator):
+    """
+    batch_size neighbours in split.order from a random start: conversations of about one length, so that little of
+    the batch is padding. The order wraps around, so every conversation is drawn equally often; the few starts near
+    the end pair the longest conversations with the shortest.
+    """
+    start = int(torch.randint(len(split.order), (1,), generator=generator))
+    return split.order[(start + np.arange(batch_size)) % len(split.order)]
+
+
 def get_batch(data, objective, batch_size, block_size, generator):
     """One micro-batch of a split drawn with generator: (model inputs tuple, targets), int64 CPU tensors."""
+    if objective.chat:
+        inputs, targets = chat_batch(data.conversations, chat_rows(data, batch_size, generator))
+        return (inputs,), targets
     if objective.arch == "encoder_decoder":
         pairs, usable = data
         # random pairs among those that fit block_size (with replacement, like the windows)
@@ -127,9 +178,27 @@ def count_targets(targets):
     return int((targets != IGNORE_INDEX).sum())
 
 
-def count_tokens(inputs, objective):
+def count_tokens(inputs, targets, objective):
     """Input tokens of a batch, padding left out: what tokens/s counts."""
+    if objective.chat:
+        # a conversation's inputs end at its last loss target (prepare_data cuts what follows), and its padding after
+        real = targets != IGNORE_INDEX
+        last = targets.size(1) - 1 - real.flip(1).int().argmax(1)
+        return int((last + 1).sum())
     return sum(x.numel() if objective.pad_id is None else int((x != objective.pad_id).sum()) for x in inputs)
+
+
+def padding_fraction(split, batch_size):
+    """
+    The share of a chat split's micro-batch positions that are padding, over the starts chat_rows draws (at most
+    4,096 of them, evenly spread): what per-conversation padding costs this dataset at this batch size.
+    """
+    # inputs per conversation (its ids less one), in split.order
+    lengths = np.diff(split.conversations.index)[split.order] - 1
+    n = len(lengths)
+    starts = np.unique(np.linspace(0, n - 1, min(n, 4096)).astype(np.int64))
+    rows = lengths[(starts[:, None] + np.arange(batch_size)) % n]  # (starts, B)
+    return 1 - rows.sum() / (rows.max(1).sum() * batch_size)
 
 
 # -----------------------------------------------------------------------------
@@ -178,9 +247,15 @@ def find_dataset(cfg, rt):
 
 
 def load_splits(folder, meta, block_size):
-    """train and val data: token memmaps (LM), or (Pairs, indices of the pairs that fit block_size) (seq2seq)."""
+    """
+    train and val data: token memmaps (LM), (Pairs, indices of the pairs that fit block_size) (seq2seq), or a
+    ChatSplit (chat).
+    """
     splits = {}
     for split in ("train", "val"):
+        if meta["kind"] == "chat":
+            splits[split] = chat_split(folder, split, block_size)
+            continue
         if meta["kind"] == "lm":
             # a memmap: the file stays on disk, and each batch reads only the windows it draws
             splits[split] = load_tokens(folder / f"{split}.bin")
@@ -205,6 +280,27 @@ def load_splits(folder, meta, block_size):
             )
         splits[split] = (pairs, fits)
     return splits
+
+
+def chat_split(folder, split, block_size):
+    """The ChatSplit of a chat dataset's split: its conversations that fit block_size + 1 ids, shortest first."""
+    conversations = load_conversations(folder, split)
+    lengths = np.diff(conversations.index)
+    # inputs and targets are a conversation's ids less one
+    fits = np.flatnonzero(lengths <= block_size + 1)
+    if not len(fits):
+        raise ConfigError(
+            f"no {split} conversation of {folder.name} fits block_size={block_size} (the shortest has "
+            f"{lengths.min() - 1:,} inputs); raise block_size"
+        )
+    if len(fits) < len(conversations):
+        log(
+            f"note: {len(conversations) - len(fits):,} of {len(conversations):,} {split} conversations do not fit "
+            f"block_size={block_size}; they are left out"
+        )
+    # a fixed seed: the order is the same on every rank and at every resume
+    tiebreak = np.random.default_rng(0).permutation(len(fits))
+    return ChatSplit(conversations, fits[np.lexsort((tiebreak, lengths[fits]))])
 
 
 def gpt_window(inputs, targets):
@@ -235,20 +331,20 @@ def pinned(inputs, targets):
     return tuple(x.pin_memory() for x in inputs), targets.pin_memory()
 
 
-def model_inputs(inputs, targets, device):
+def model_inputs(inputs, targets, device, varying=False):
     """
     A batch on device: (inputs tuple, targets). Pinned host memory (see pinned) lets the copy overlap with GPU
-    work; a GPT's window is copied once and sliced on the device. Sequence-to-sequence batches (src, tgt) vary in
-    length from batch to batch: their lengths are marked dynamic, so torch.compile builds one graph for all of
-    them instead of recompiling for each new length.
+    work; a GPT's window is copied once and sliced on the device. Sequence-to-sequence batches (src, tgt), and chat
+    batches (varying=True: objective.chat), vary in length from batch to batch: their lengths are marked dynamic, so
+    torch.compile builds one graph for all of them instead of recompiling for each new length.
     """
     window = gpt_window(inputs, targets)
     if window is not None:
         window = window.to(device, non_blocking=window.is_pinned())
         return (window[:, :-1],), window[:, 1:]
     moved = [x.to(device, non_blocking=x.is_pinned()) for x in (*inputs, targets)]
-    # (src (B, S), tgt_in (B, T)): dimension 1 is the length, which varies by batch
-    if len(inputs) == 2:
+    # (src (B, S), tgt_in (B, T)) or a chat batch's (inputs (B, T),): dimension 1 is the length, which varies by batch
+    if len(inputs) == 2 or varying:
         for x in moved:
             torch._dynamo.maybe_mark_dynamic(x, 1)
     return tuple(moved[:-1]), moved[-1]
@@ -290,7 +386,7 @@ class TrainBatches:
             batches = [pinned(inputs, targets) for inputs, targets in batches]
         # counted here on the CPU, so the training loop never waits for a count on the GPU
         n_targets = sum(count_targets(targets) for _, targets in batches)
-        return batches, n_targets, sum(count_tokens(inputs, objective) for inputs, _ in batches)
+        return batches, n_targets, sum(count_tokens(inputs, targets, objective) for inputs, targets in batches)
 
     def peek(self):
         """(micro-batches, real targets, input tokens) of the next step, without taking it."""

@@ -5,7 +5,10 @@ digits and answers in English words (1234 -> one thousand two hundred thirty-fou
 prepare_data.py writes drawn sources and their answers as datasets, sample.py grades a model's output with it.
 """
 
+import random
 import string
+from collections import Counter
+from dataclasses import dataclass
 
 SYMBOLS = string.digits + string.ascii_lowercase  # what reverse/sort strings are made of
 # every character a source or an answer holds (num2words adds the space and the hyphen): one vocabulary for all tasks
@@ -80,3 +83,139 @@ def distinct_sources(task, opts):
     if task == "num2words":
         return opts["max_number"] + 1
     return sum(len(SYMBOLS) ** k for k in range(opts["min_len"], opts["max_len"] + 1))
+
+
+# ----------------------------------------------------------------------------- the Shakespeare quiz (chat demo)
+#
+# Conversations about tiny Shakespeare with one right answer each: who speaks a line, the line after it, how many
+# words it has, its last word, and sums asked in words. prepare_data.py's shakespeare_chat writes them; a fine-tuned
+# model's greedy replies are scored by exact match.
+
+QUIZ_BLOCK = 256  # every quiz conversation fits this many characters, chat markers included: the quick-start block
+QUIZ_TRAIN_SHARE = 0.9  # lines come from this first share of the text, shakespeare_char's train split
+QUIZ_VAL_SHARE = 0.1  # the share of the lines and sums only val asks about
+# how often each kind of question opens a conversation
+QUIZ_KINDS = {"speaker": 0.15, "next_line": 0.15, "words": 0.2, "last_word": 0.2, "arithmetic": 0.3}
+OPERATIONS = {"plus": 20, "minus": 20, "times": 12}  # the largest operand of each: answers stay within 400
+FOLLOW_UP = "And the line after that?"
+SYSTEM_PROMPT = "Answer in as few words as you can."
+
+
+@dataclass(frozen=True)
+class Question:
+    """One quiz question: what val holds out (the line asked about, or the sum), the question and its answer."""
+
+    key: tuple
+    text: str
+    answer: str
+    then: str | None = None  # next_line: the line after the answer, what FOLLOW_UP asks for; None where there is none
+
+
+def speeches(text):
+    """(speaker, lines, offset) of each speech of a text laid out as tiny Shakespeare is: 'NAME:', lines, a blank."""
+    found, offset = [], 0
+    for block in text.split("\n\n"):
+        head, _, body = block.partition("\n")
+        # a name alone on its line, then at least one line of speech
+        if head.endswith(":") and body.strip():
+            found.append((head[:-1], body.split("\n"), offset))
+        offset += len(block) + 2
+    return found
+
+
+def last_word(line):
+    """The last word of a line without the punctuation after it: 'hear me speak.' -> 'speak'."""
+    return line.split()[-1].rstrip(".,;:!?-")
+
+
+def line_questions(speech_list, limit):
+    """{kind: [Question]} of the lines that occur once in the text, in speeches that start before offset limit."""
+    counts = Counter(line for _, lines, _ in speech_list for line in lines)
+    out = {"speaker": [], "next_line": [], "words": [], "last_word": []}
+    for speaker, lines, offset in speech_list:
+        if offset >= limit:
+            break
+        for i, line in enumerate(lines):
+            # a line said once has one speaker and one next line; a short one says too little to ask about
+            if counts[line] != 1 or len(line.split()) < 2 or not last_word(line).isalpha():
+                continue
+            key = ("line", line)
+            out["speaker"].append(Question(key, f"Who speaks this line? {line}", speaker))
+            if i + 1 < len(lines):
+                then = lines[i + 2] if i + 2 < len(lines) else None
+                out["next_line"].append(Question(key, f"What line comes after this one? {line}", lines[i + 1], then))
+            out["words"].append(
+                Question(key, f"How many words are in this line? {line}", number_words(len(line.split())))
+            )
+            out["last_word"].append(Question(key, f"What is the last word of this line? {line}", last_word(line)))
+    return out
+
+
+def arithmetic_questions():
+    """Every sum the quiz asks, in words: 'What is seven plus five?' -> 'twelve'; no negative answers."""
+    out = []
+    for op, top in OPERATIONS.items():
+        for a in range(top + 1):
+            for b in range(top + 1):
+                if op == "minus" and b > a:
+                    continue
+                result = a + b if op == "plus" else a - b if op == "minus" else a * b
+                out.append(
+                    Question(
+                        ("sum", a, op, b), f"What is {number_words(a)} {op} {number_words(b)}?", number_words(result)
+                    )
+                )
+    return out
+
+
+def quiz_length(messages):
+    """Characters of a conversation in the built-in chat template: each message's text, its role and end markers."""
+    return sum(len(m["content"]) + 2 for m in messages)
+
+
+def quiz_conversation(rng, pools):
+    """
+    One conversation drawn with rng from pools ({kind: [Question]}): a question and its answer; then, within
+    QUIZ_BLOCK, sometimes the line after that (next_line) or a second question, and sometimes a system prompt first.
+    """
+    kinds, weights = list(QUIZ_KINDS), list(QUIZ_KINDS.values())
+    first = rng.choice(pools[rng.choices(kinds, weights)[0]])
+    messages = [{"role": "user", "content": first.text}, {"role": "assistant", "content": first.answer}]
+    # every draw is made whether or not its part is used, so one conversation's length never shifts the next one's
+    second = rng.choice(pools[rng.choices(kinds, weights)[0]])
+    follow, another, system = rng.random() < 0.5, rng.random() < 0.2, rng.random() < 0.1
+    if follow and first.then is not None:
+        more = [{"role": "user", "content": FOLLOW_UP}, {"role": "assistant", "content": first.then}]
+    elif another:
+        more = [{"role": "user", "content": second.text}, {"role": "assistant", "content": second.answer}]
+    else:
+        more = []
+    if more and quiz_length(messages + more) <= QUIZ_BLOCK:
+        messages += more
+    if system and quiz_length(messages) + len(SYSTEM_PROMPT) + 2 <= QUIZ_BLOCK:
+        messages.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
+    return messages
+
+
+def quiz_conversations(text, num_train, num_val, seed):
+    """
+    {"val": [...], "train": [...]}: num_val and num_train quiz conversations (lists of {"role", "content"}) about
+    `text` (tiny Shakespeare), drawn from seed. Lines are asked about from the text's first QUIZ_TRAIN_SHARE (the
+    part a shakespeare_char model was trained on); a QUIZ_VAL_SHARE of those lines, and of the sums, is asked
+    about in val only, so no val question is ever a train question.
+    """
+    questions = line_questions(speeches(text), int(len(text) * QUIZ_TRAIN_SHARE))
+    if not questions["speaker"]:
+        raise ValueError("the text holds no speeches laid out as tiny Shakespeare's ('NAME:', lines, a blank line)")
+    questions["arithmetic"] = arithmetic_questions()
+    rng = random.Random(seed)
+    held = set()
+    # lines and sums held out apart, so that val asks both in the proportions train does
+    for family in ([q.key for q in questions["speaker"]], [q.key for q in questions["arithmetic"]]):
+        rng.shuffle(family)
+        held.update(family[: round(len(family) * QUIZ_VAL_SHARE)])
+    out = {}
+    for split, n in (("val", num_val), ("train", num_train)):
+        pools = {kind: [q for q in qs if (q.key in held) == (split == "val")] for kind, qs in questions.items()}
+        out[split] = [quiz_conversation(rng, pools) for _ in range(n)]
+    return out

@@ -1,11 +1,12 @@
-"""Token files, pair files, dataset meta and the tokenizer: what training and sampling read.
+"""Token files, pair and conversation files, dataset meta and the tokenizer: what training and sampling read.
 
 A prepared dataset is a folder <data_dir>/<name>/ holding meta.json plus token files. LM datasets hold
 train.bin and val.bin; seq2seq datasets hold {split}_src.bin, {split}_tgt.bin and {split}_idx.npy for the
-splits train, val and test. A token file is a 32-byte header (magic, format version, bytes per token, vocab
-size, token count) followed by the ids as little-endian uint16 (when the vocabulary has at most 65,536 ids)
-or uint32 (Llama 3's 128,256 ids, say). prepare_data.py writes these folders with the writers below; train.py and
-sample.py read them.
+splits train, val and test; chat datasets hold {split}.bin (the conversations' ids), {split}_targets.bin (1 where
+an id is a loss target) and {split}_idx.npy for train and val. A token file is a 32-byte header (magic, format
+version, bytes per token, vocab size, token count) followed by the ids as little-endian uint16 (when the
+vocabulary has at most 65,536 ids) or uint32 (Llama 3's 128,256 ids, say). prepare_data.py writes these folders
+with the writers below; train.py and sample.py read them.
 """
 
 import array
@@ -35,6 +36,8 @@ HEADER = struct.Struct("<8sIIQQ")
 ID_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 # seq2seq data keeps a test split apart for a final score; LM data has train and val only
 SEQ2SEQ_SPLITS = ("train", "val", "test")
+# chat data: exact-match scores are taken on val, so no third split is kept apart
+CHAT_SPLITS = ("train", "val")
 
 # names the data root when no data_dir is passed (see data_root)
 DATA_DIR_ENV = "NANOFORMER_DATA_DIR"
@@ -288,6 +291,98 @@ def load_pairs(dataset_dir, split):
     ):
         raise ValueError(f"{index_path} does not match its token files; re-create the dataset with --force")
     return Pairs(src, tgt, index)
+
+
+# ----------------------------------------------------------------------------- chat conversations
+
+
+class ConversationWriter:
+    """
+    Streams the conversations of one split into {split}.bin (their ids), {split}_targets.bin (a token file of
+    vocabulary 2: 1 where the id is a loss target) and {split}_idx.npy (where each conversation starts).
+    """
+
+    def __init__(self, stack, folder, split, vocab_size):
+        # entered on the caller's stack: the files are renamed into place only when the whole build succeeds
+        self.ids = TokenWriter(stack.enter_context(atomic_output(folder / f"{split}.bin")), vocab_size)
+        self.targets = TokenWriter(stack.enter_context(atomic_output(folder / f"{split}_targets.bin")), 2)
+        self.index_path = folder / f"{split}_idx.npy"
+        self.offsets = array.array("q", [0])
+
+    def add(self, ids, targets):
+        """Append one conversation: its ids and, per id, whether it is a loss target (bools or 0/1)."""
+        if len(ids) != len(targets):
+            raise ValueError(f"a conversation of {len(ids)} ids came with {len(targets)} target flags")
+        self.ids.write(ids)
+        self.targets.write(np.asarray(targets, dtype=np.uint8))
+        self.offsets.append(self.ids.count)
+
+    def finish(self):
+        """Write the index, complete both token files and return the number of conversations."""
+        with atomic_output(self.index_path) as f:
+            np.save(f, np.frombuffer(self.offsets, dtype=np.int64))
+        self.ids.finish()
+        self.targets.finish()
+        return len(self.offsets) - 1
+
+
+class Conversations(Sequence):
+    """
+    The conversations of one chat split, backed by memmaps. `conversations[i]` returns (ids, targets): two read-only
+    uint16/uint32 arrays of one length, targets 1 where the id is a loss target (assistant text and the end-of-turn
+    closing it). `ids`, `targets` (the whole split's, concatenated) and `index` (int64 (n + 1,): where each
+    conversation starts) are public for vectorised batching.
+    """
+
+    def __init__(self, ids, targets, index):
+        self.ids, self.targets, self.index = ids, targets, index
+
+    def __len__(self):
+        return len(self.index) - 1
+
+    def __getitem__(self, i):
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"conversation {i} is out of range for a split of {n} conversations")
+        start, end = self.index[i % n], self.index[i % n + 1]
+        return self.ids[start:end], self.targets[start:end]
+
+
+def final_reply(ids, targets):
+    """
+    (prompt, reply) of a conversation: reply is its last run of loss targets (the final assistant answer and the
+    end-of-turn closing it), prompt every id before it (the conversation so far and the generation prompt), so
+    that greedy decoding from prompt can be compared with reply.
+    """
+    flags = np.asarray(targets, dtype=bool)
+    end = int(np.flatnonzero(flags)[-1]) + 1
+    # the reply starts after the last id before it that is not a target (the generation prompt's last id)
+    given = np.flatnonzero(~flags[:end])
+    start = int(given[-1]) + 1 if len(given) else 0
+    return ids[:start], ids[start:end]
+
+
+def load_conversations(dataset_dir, split):
+    """The conversations of `split` ('train' or 'val') of a prepared chat dataset."""
+    folder = Path(dataset_dir)
+    if split not in CHAT_SPLITS:
+        raise ValueError(f"unknown split {split!r}; chat splits are {', '.join(CHAT_SPLITS)}")
+    index_path = folder / f"{split}_idx.npy"
+    if not index_path.is_file():
+        raise FileNotFoundError(f"{index_path} not found; is {folder} a prepared chat dataset?")
+    ids, targets = load_tokens(folder / f"{split}.bin"), load_tokens(folder / f"{split}_targets.bin")
+    try:
+        index = np.load(index_path, mmap_mode="r")
+    except ValueError as err:
+        raise ValueError(
+            f"{index_path} is not a valid index ({one_line(err)}); re-create the dataset with --force"
+        ) from None
+    # cheap consistency checks, as for pairs: a stale index or a mismatched file fails here, not in a batch
+    if not (index.ndim == 1 and len(index) >= 1 and index[0] == 0 and index[-1] == len(ids) == len(targets)):
+        raise ValueError(f"{index_path} does not match its token files; re-create the dataset with --force")
+    if read_header(folder / f"{split}_targets.bin")[1] != 2:
+        raise ValueError(f"{folder / f'{split}_targets.bin'} is not a file of target flags; re-create the dataset")
+    return Conversations(ids, targets, index)
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -715,6 +810,9 @@ def load_meta(dataset_dir):
     required = ("format_version", "kind", "tokenizer", "vocab_size", "special_tokens", "files")
     if not isinstance(meta, dict) or any(key not in meta for key in required):
         raise ValueError(f"{path} lacks the keys {', '.join(required)}; re-create the dataset with --force")
+    # chat data is read through its template, which the "chat" entry names
+    if meta["kind"] == "chat" and not isinstance(meta.get("chat"), dict):
+        raise ValueError(f"{path} is chat data without a 'chat' entry; re-create the dataset with --force")
     # as for token files: only a newer writer's layout is unreadable
     if meta["format_version"] > FORMAT_VERSION:
         raise ValueError(
@@ -727,10 +825,10 @@ def load_meta(dataset_dir):
 def check_prepared(path):
     """Raise ValueError or FileNotFoundError unless `path` holds a complete, intact dataset.
 
-    Complete: meta.json, listing what its kind needs (train.bin and val.bin, or train/val/test pairs).
-    Intact: every listed file present, with a valid header and the token count meta.json records, and each
-    split's pair index matching its token files and pair count. The message is one line naming the file
-    and the fix; a file that cannot be read at all raises its own OSError.
+    Complete: meta.json, listing what its kind needs (train.bin and val.bin, train/val/test pairs, or train/val
+    conversations). Intact: every listed file present, with a valid header and the token count meta.json records,
+    and each split's pair or conversation index matching its token files and count. The message is one line naming
+    the file and the fix; a file that cannot be read at all raises its own OSError.
     """
     path = Path(path)
     meta = load_meta(path)
@@ -738,6 +836,8 @@ def check_prepared(path):
     # what each kind needs: LM training reads train.bin and val.bin, seq2seq the pairs of every split
     if meta["kind"] == "lm":
         missing = [f for f in ("train.bin", "val.bin") if f not in meta["files"]]
+    elif meta["kind"] == "chat":
+        missing = [f"{s} conversations" for s in CHAT_SPLITS if s not in meta.get("conversations", {})]
     else:
         missing = [f"{s} pairs" for s in SEQ2SEQ_SPLITS if s not in meta.get("pairs", {})]
     if missing:
@@ -755,6 +855,11 @@ def check_prepared(path):
         if held != count:
             index = path / f"{split}_idx.npy"
             raise ValueError(f"{index} holds {held:,} pairs but meta.json records {count:,}; {fix}")
+    for split, count in meta.get("conversations", {}).items():
+        held = len(load_conversations(path, split))
+        if held != count:
+            index = path / f"{split}_idx.npy"
+            raise ValueError(f"{index} holds {held:,} conversations but meta.json records {count:,}; {fix}")
 
 
 def is_prepared(path):
