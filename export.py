@@ -8,10 +8,11 @@ The folder holds config.json, model.safetensors (float32) and generation_config.
 one converts: GPT-2's BPE (tokenizer.json, vocab.json, merges.txt) or the dataset's own tokenizer.json. Then
 transformers.AutoModelForCausalLM.from_pretrained("hf-shakespeare") gives the same logits as our model.
 
-Two layouts, picked by pos_encoding:
+Four layouts, picked by pos_encoding and, for rotary models, the attention (see hf.hf_layout):
     learned -> GPT2LMHeadModel: LayerNorm, GELU (exact or tanh), every head reads its own keys, tied head.
-    rope    -> LlamaForCausalLM: RMSNorm, SwiGLU, grouped-query attention, tied or untied head, biases or not.
-Options that neither computes (post-norm, qk_norm, a soft-cap, a window...) are a one-line error naming each.
+    rope    -> LlamaForCausalLM: RMSNorm, SwiGLU, grouped-query attention, tied or untied head, biases or not;
+               Qwen2ForCausalLM with qkv_bias, Qwen3ForCausalLM with qk_norm.
+Options that none computes (post-norm, a soft-cap, a window...) are a one-line error naming each.
 JSON and safetensors are written here: transformers is not needed to export, only to load.
 
 The way back: sample.py, eval.py and train.py take the folder as --init_from=FOLDER. config.json's "nanoformer" entry
@@ -180,7 +181,7 @@ def hf_files(model, meta):
     """
     (tensors, files, note) of the Hugging Face folder for model (a GPT) and its dataset's meta: the weights by
     their Hugging Face names, the other files' text by name, and tokenizer_files' note (or None).
-    ValueError from hf.hf_layout for a model neither layout computes.
+    ValueError from hf.hf_layout for a model no layout computes.
     """
     c = model.config
     _, tensors, config = to_hf(model)
@@ -252,7 +253,7 @@ def export(model, meta, dest):
     """
     Write model (a GPT) as a Hugging Face model folder dest, with the tokenizer of its dataset's meta
     where one converts. Returns None, or the line saying why no tokenizer was written and where the vocabulary is.
-    ValueError for a model neither layout computes or a dest that is not free; nothing is written then.
+    ValueError for a model no layout computes or a dest that is not free; nothing is written then.
     """
     dest = Path(dest)
     check_dest(dest)
@@ -279,7 +280,12 @@ def main(cfg, out=None):
     except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit
         raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
     note = export(model, meta, dest)
-    kind = {"gpt2": "GPT2LMHeadModel (GPT-2 layout)", "llama": "LlamaForCausalLM (Llama layout)"}[layout]
+    kind = {
+        "gpt2": "GPT2LMHeadModel (GPT-2 layout)",
+        "llama": "LlamaForCausalLM (Llama layout)",
+        "qwen2": "Qwen2ForCausalLM (Qwen2 layout)",
+        "qwen3": "Qwen3ForCausalLM (Qwen3 layout)",
+    }[layout]
     files = ", ".join(sorted(p.name for p in dest.iterdir()))
     print(f"wrote {dest}: {kind}, {model.num_params():,} parameters; {files}", file=out)
     if note:

@@ -1,22 +1,25 @@
 """
-Hugging Face and nanoGPT weights, both ways: a GPT from a Hugging Face folder or hub id (GPT-2, Llama, Mistral) or
-from a nanoGPT checkpoint, and a GPT as the tensors and config.json of a Hugging Face folder (GPT-2 or Llama layout).
+Hugging Face and nanoGPT weights, both ways: a GPT from a Hugging Face folder or hub id (GPT-2, Llama 1-3,
+Mistral, Qwen2/Qwen2.5, Qwen3) or from a nanoGPT checkpoint, and a GPT as the tensors and config.json of a Hugging
+Face folder (GPT-2, Llama, Qwen2 or Qwen3 layout).
 
     model = from_pretrained("gpt2")                        # a hub id, or a folder written by save_pretrained
     model = from_pretrained("/models/TinyLlama-1.1B", block_size=512, dropout=0.1)
     layout, tensors, config = to_hf(model)                 # what export.py writes as a folder
 
 Each family has one name map, used to load and to export, so that the two cannot drift apart: gpt2_names (GPT-2's
-and nanoGPT's names -> ours) and llama_names (our names -> the Llama tensors each is made of). export.py is the
-command line that writes a folder; this file reads none but config.json and the weights.
+and nanoGPT's names -> ours) and llama_names (our names -> the tensors each is made of, for Llama and the families
+that share its names: Mistral, Qwen2, Qwen3). export.py is the command line that writes a folder; this file reads
+none but config.json and the weights.
 """
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from model import GPT, ModelConfig
+from model import GPT, ROPE_SCALING_KEYS, ModelConfig
 
 # -----------------------------------------------------------------------------
 # A Hugging Face folder: from the hub, its weights
@@ -89,11 +92,15 @@ def from_pretrained(name_or_path, **overrides):
     either sharded (model-00001-of-00003.safetensors ... with model.safetensors.index.json). config.json's
     model_type picks the mapping; the ModelConfig follows from config.json:
         "gpt2": learned positions, LayerNorm, GELU (tanh), biases, the head tied to the embedding.
-        "llama": rotary positions (rope_theta), RMSNorm (rms_norm_eps), SwiGLU of width intermediate_size,
-            grouped-query attention (num_key_value_heads), biases if attention_bias and mlp_bias, the head tied
-            if tie_word_embeddings. A scaled rope (rope_scaling, or a rope_type other than "default"), another
-            hidden_act than silu or a head_dim other than hidden_size / num_attention_heads is a ValueError.
+        "llama": rotary positions (rope_theta; Llama 3's rope_type "llama3" scaling as rope_scaling), RMSNorm
+            (rms_norm_eps), SwiGLU of width intermediate_size, grouped-query attention (num_key_value_heads),
+            head_dim, biases if attention_bias and mlp_bias, the head tied if tie_word_embeddings. Another
+            scaled rope (linear, dynamic, yarn...), another hidden_act than silu, or attention_bias without
+            mlp_bias is a ValueError.
         "mistral": as llama, with sliding_window as window_size.
+        "qwen2": as llama, with biases on q, k and v alone (qkv_bias); a window (use_sliding_window) only if
+            every layer slides it.
+        "qwen3": as llama, with q_norm and k_norm (qk_norm) and no biases (attention_bias is a ValueError).
     block_size is the trained positions (n_positions, max_position_embeddings); it may be overridden shorter,
     not longer (the rotary tables are block_size long; the KV cache grows with the positions decoded).
     overrides: ModelConfig fields to change, e.g. dropout=0.1 or block_size=256 for fine-tuning.
@@ -318,19 +325,32 @@ def load_nanogpt(checkpoint, path):
 
 
 # -----------------------------------------------------------------------------
-# Llama and Mistral
+# Llama, and the families in its layout: Mistral, Qwen2, Qwen3
+
+# the architecture class of each family, by config.json's model_type: the loaders read all four, export writes the
+# three that a rotary model picks among (hf_layout); Mistral's window is not exported
+LLAMA_FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim where config.json names none (every Qwen3 folder does)
 
 
 def llama_names(config):
     """
-    Our names -> the Llama tensors each is made of, as (name in LlamaModel, rows), stacked along dim 0 (the output
-    rows) when more than one. qkv: q_proj (H*D rows), k_proj and v_proj (n_kv_head*D rows each) give the rows
-    [W_q; W_k; W_v] of Attention.qkv. Head h is rows h*D:(h+1)*D in both layouts, and both rotate the channel pairs
-    (i, i + D/2) (transformers' rotate_half), so no row needs permuting. Norms are RMSNorm gains, without bias.
-    LlamaForCausalLM puts its body under "model."; lm_head, listed only when untied, is outside it.
+    Our names -> the tensors each is made of, as (name in LlamaModel, rows), stacked along dim 0 (the output rows)
+    when more than one: one map for the four families, whose tensor names are Llama's and which differ only in which
+    tensors exist. qkv: q_proj (H*D rows), k_proj and v_proj (n_kv_head*D rows each) give the rows [W_q; W_k; W_v]
+    of Attention.qkv. Head h is rows h*D:(h+1)*D in both layouts, and both rotate the channel pairs (i, i + D/2)
+    (transformers' rotate_half), so no row needs permuting. Biases: on q, k, v with qkv_bias (Qwen2), on every Linear
+    with bias (Llama's attention_bias and mlp_bias). Qwen3's q_norm and k_norm are our qk_norm's gains over D.
+    Norms are RMSNorm gains, without bias. LlamaForCausalLM puts its body under "model."; lm_head, listed only when
+    untied, is outside it.
     """
-    C, V, d_ff = config.n_embd, config.vocab_size, config.d_ff
-    kv = config.n_kv_head * (C // config.n_head)
+    C, V, d_ff, D = config.n_embd, config.vocab_size, config.d_ff, config.head_dim
+    q, kv = config.n_head * D, config.n_kv_head * D
     names = {"body.wte.weight": [("embed_tokens.weight", V)], "body.norm.weight": [("norm.weight", C)]}
     if not config.tie_embeddings:
         names["lm_head.weight"] = [("lm_head.weight", V)]
@@ -338,36 +358,107 @@ def llama_names(config):
         hf_layer, ours = f"layers.{i}", f"body.blocks.{i}"
         names[f"{ours}.norm1.weight"] = [(f"{hf_layer}.input_layernorm.weight", C)]
         names[f"{ours}.norm2.weight"] = [(f"{hf_layer}.post_attention_layernorm.weight", C)]
-        for our_linear, hf_linears in [
-            ("attn.qkv", [("self_attn.q_proj", C), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)]),
-            ("attn.proj", [("self_attn.o_proj", C)]),
-            ("mlp.fc", [("mlp.gate_proj", d_ff)]),  # SwiGLU's gate, the one under the SiLU
-            ("mlp.up", [("mlp.up_proj", d_ff)]),
-            ("mlp.proj", [("mlp.down_proj", C)]),
+        if config.qk_norm:
+            names[f"{ours}.attn.q_norm.weight"] = [(f"{hf_layer}.self_attn.q_norm.weight", D)]
+            names[f"{ours}.attn.k_norm.weight"] = [(f"{hf_layer}.self_attn.k_norm.weight", D)]
+        for our_linear, hf_linears, bias in [
+            (
+                "attn.qkv",
+                [("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)],
+                config.qkv_bias,
+            ),
+            ("attn.proj", [("self_attn.o_proj", C)], False),
+            ("mlp.fc", [("mlp.gate_proj", d_ff)], False),  # SwiGLU's gate, the one under the SiLU
+            ("mlp.up", [("mlp.up_proj", d_ff)], False),
+            ("mlp.proj", [("mlp.down_proj", C)], False),
         ]:
-            for p in ("weight", "bias") if config.bias else ("weight",):
+            for p in ("weight", "bias") if config.bias or bias else ("weight",):
                 names[f"{ours}.{our_linear}.{p}"] = [(f"{hf_layer}.{name}.{p}", rows) for name, rows in hf_linears]
     return names
 
 
-def llama_rope_theta(hf, path):
-    """The rotary base of a Llama config.json; ValueError for a scaled rope (linear, dynamic, yarn, llama3...)."""
+def llama_rope(hf, path):
+    """
+    (rope_theta, rope_scaling) of a Llama-family config.json: the rotary base, and Llama 3's scaling as
+    ModelConfig.rope_scaling holds it, or None. ValueError for any other scaling (linear, dynamic, yarn...), for
+    rotary positions on part of each head, or for settings that differ between layers.
+    """
     # transformers < 5 writes rope_theta at the top level, beside rope_scaling (null unless scaled, its kind under
     # "type" or "rope_type"); transformers 5 writes both into rope_parameters: {"rope_type": "default", "rope_theta"}
     rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    if any(isinstance(value, dict) for value in rope.values()):
+        raise ValueError(f"{path}: rope_parameters differ between layer types ({', '.join(rope)}); ours are one")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
+    if rope_type not in ("default", "llama3"):
         raise ValueError(
             f"{path}: rope_type={rope_type!r} ({', '.join(f'{k}={v}' for k, v in rope.items())}) is not implemented; "
-            f"only unscaled rotary positions (rope_type 'default') are"
+            f"only unscaled rotary positions (rope_type 'default') and Llama 3's scaling ('llama3') are"
         )
-    return rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"{path}: partial_rotary_factor={partial} is not implemented; ours rotates every channel")
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return theta, None
+    # transformers takes max_position_embeddings for a missing original context, as here
+    rope = {"original_max_position_embeddings": hf["max_position_embeddings"], **rope, "rope_type": "llama3"}
+    absent = [key for key in ROPE_SCALING_KEYS if key not in rope]
+    if absent:
+        raise ValueError(f"{path}: rope_type 'llama3' needs {', '.join(absent)} in its rope_parameters or rope_scaling")
+    return theta, {key: rope[key] for key in ROPE_SCALING_KEYS}
+
+
+def qwen_window(hf, path):
+    """
+    The window_size of a Qwen2 or Qwen3 config.json: transformers slides a window of sliding_window positions only
+    with use_sliding_window, over the layers from max_window_layers on (or those layer_types names). One window for
+    every layer, or none, is ours; a mixture is a ValueError.
+    """
+    window = (hf.get("sliding_window") or 0) if hf.get("use_sliding_window", False) else 0
+    n_layer = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types") or [
+        "sliding_attention" if window and i >= hf.get("max_window_layers", 28) else "full_attention"
+        for i in range(n_layer)
+    ]
+    unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"{path}: layer_types {', '.join(unknown)} are not implemented; ours is full attention")
+    windows = {window if kind == "sliding_attention" else 0 for kind in kinds}
+    if len(windows) > 1:
+        raise ValueError(
+            f"{path}: {kinds.count('sliding_attention')} of {n_layer} layers slide a window of {window} positions and "
+            f"the others attend to every position; our window_size is one for all layers"
+        )
+    return windows.pop()
+
+
+def llama_family_options(hf, path):
+    """The ModelConfig options in which Llama, Mistral, Qwen2 and Qwen3 differ: biases, qk_norm, a window."""
+    model_type = hf["model_type"]
+    if model_type == "qwen2":  # q, k and v always have biases (Qwen2Attention), o_proj and the MLP never
+        return {"qkv_bias": True, "window_size": qwen_window(hf, path)}
+    bias = hf.get("attention_bias", False)
+    if model_type == "qwen3":
+        if bias:
+            raise ValueError(
+                f"{path}: attention_bias=True gives Qwen3's o_proj a bias but its MLP none; our biases are on q, k, "
+                "v only (qkv_bias) or on every Linear (bias)"
+            )
+        return {"qk_norm": True, "window_size": qwen_window(hf, path)}
+    if hf.get("mlp_bias", False) != bias:
+        raise ValueError(
+            f"{path}: attention_bias={bias} but mlp_bias={hf.get('mlp_bias', False)}; our biases are on q, k, v only "
+            f"(qkv_bias) or on every Linear (bias), so both must be equal"
+        )
+    # Mistral is Llama plus a sliding window; transformers' MistralConfig defaults it to 4096, None turns it off
+    window = (hf.get("sliding_window", 4096) or 0) if model_type == "mistral" else 0
+    return {"bias": bias, "window_size": window}
 
 
 def llama_model_config(hf, path, overrides):
-    """The ModelConfig of a Llama or Mistral config.json hf (in folder path), with the caller's overrides."""
+    """The ModelConfig of a Llama, Mistral, Qwen2 or Qwen3 config.json hf (in folder path), with the overrides."""
     # What our model cannot compute is refused here, before any weights are read. Optional keys default as in
-    # transformers' LlamaConfig and MistralConfig.
+    # transformers' configuration classes of each family.
     sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     absent = [key for key in (*sizes, "max_position_embeddings") if hf.get(key) is None]
     if absent:
@@ -375,19 +466,10 @@ def llama_model_config(hf, path, overrides):
     C, H = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # two names of x * sigmoid(x)
         raise ValueError(f"{path}: hidden_act={hf['hidden_act']!r} is not implemented; SwiGLU here gates with 'silu'")
-    if hf.get("head_dim") not in (None, C // H) or C % H:
-        raise ValueError(
-            f"{path}: head_dim={hf.get('head_dim')} with hidden_size={C} and num_attention_heads={H} is not "
-            f"supported; our attention's head dim is always hidden_size / num_attention_heads"
-        )
-    bias = hf.get("attention_bias", False)
-    if hf.get("mlp_bias", False) != bias:
-        raise ValueError(
-            f"{path}: attention_bias={bias} but mlp_bias={hf.get('mlp_bias', False)}; one bias flag covers all our "
-            f"Linears, so both must be equal"
-        )
-    # Mistral is Llama plus a sliding window; transformers' MistralConfig defaults it to 4096, None turns it off
-    window = (hf.get("sliding_window", 4096) or 0) if hf["model_type"] == "mistral" else 0
+    head_dim = hf.get("head_dim") or (QWEN3_HEAD_DIM if hf["model_type"] == "qwen3" else None)
+    if head_dim is None and C % H:
+        raise ValueError(f"{path}: hidden_size={C} does not divide among num_attention_heads={H} and no head_dim given")
+    rope_theta, rope_scaling = llama_rope(hf, path)
     config = ModelConfig(
         **{
             "arch": "gpt",
@@ -397,16 +479,17 @@ def llama_model_config(hf, path, overrides):
             "n_head": H,
             "n_kv_head": hf.get("num_key_value_heads") or H,
             "n_embd": C,
+            "head_dim": head_dim,  # None: C // H
             "d_ff": hf["intermediate_size"],
-            "bias": bias,
             "pos_encoding": "rope",
-            "rope_theta": float(llama_rope_theta(hf, path)),
+            "rope_theta": rope_theta,
+            "rope_scaling": rope_scaling,
             "norm_position": "pre",
             "norm": "rmsnorm",
             "norm_eps": hf.get("rms_norm_eps", 1e-6),
             "activation": "swiglu",
             "tie_embeddings": hf.get("tie_word_embeddings", False),
-            "window_size": window,
+            **llama_family_options(hf, path),
             **overrides,
         }
     )
@@ -414,34 +497,41 @@ def llama_model_config(hf, path, overrides):
     return config
 
 
-def llama_config(c):
-    """config.json's Llama settings for ModelConfig c (see LlamaConfig), as llama_model_config reads them back."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+def llama_config(c, layout):
+    """
+    config.json's settings for ModelConfig c in the layout "llama", "qwen2" or "qwen3" (see LlamaConfig, Qwen2Config,
+    Qwen3Config), as llama_model_config reads them back.
+    """
+    rope = c.rope_scaling or {"rope_type": "default"}
+    config = {
+        "architectures": [LLAMA_FAMILIES[layout]],
+        "model_type": layout,
         "vocab_size": c.vocab_size,
         "hidden_size": c.n_embd,
         "intermediate_size": c.d_ff,
         "num_hidden_layers": c.n_layer,
         "num_attention_heads": c.n_head,
         "num_key_value_heads": c.n_kv_head,
-        "head_dim": c.n_embd // c.n_head,
+        "head_dim": c.head_dim,  # Qwen2Config has no such field, but Qwen2Attention reads it where config.json has it
         "hidden_act": "silu",
         "max_position_embeddings": c.block_size,
         "rms_norm_eps": c.norm_eps,
-        # rope_theta at the top level for transformers 4 and llama.cpp, rope_parameters for transformers 5
+        # rope_theta at the top level and a scaling as rope_scaling for transformers 4 and llama.cpp, both in
+        # rope_parameters for transformers 5
         "rope_theta": c.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-        # one bias flag covers all our Linears: the attention's four and the MLP's three
-        "attention_bias": c.bias,
-        "mlp_bias": c.bias,
-        "attention_dropout": c.dropout,  # Llama has no other dropout; it changes nothing at inference
+        "rope_scaling": c.rope_scaling,
+        "rope_parameters": {**rope, "rope_theta": c.rope_theta},
+        "attention_dropout": c.dropout,  # these families have no other dropout; it changes nothing at inference
         "tie_word_embeddings": c.tie_embeddings,
     }
+    if layout == "llama":  # one bias flag covers all our Linears: the attention's four and the MLP's three
+        return {**config, "attention_bias": c.bias, "mlp_bias": c.bias}
+    # Qwen2's q, k, v always have biases, Qwen3's none (attention_bias would add o_proj's); neither slides a window
+    return {**config, **({"attention_bias": False} if layout == "qwen3" else {}), "use_sliding_window": False}
 
 
 def load_llama(path, hf, overrides):
-    """A GPT holding the Llama or Mistral weights in path, whose config.json is hf; see from_pretrained."""
+    """A GPT holding the weights of a Llama-family folder path, whose config.json is hf; see from_pretrained."""
     config = llama_model_config(hf, path, overrides)
     hf_state = read_state_dict(path)
     # LlamaForCausalLM prefixes the body with "model."; a bare LlamaModel does not. rotary_emb.inv_freq (saved by
@@ -449,8 +539,11 @@ def load_llama(path, hf, overrides):
     hf_state = {k.removeprefix("model."): v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_embeddings:
         hf_state.pop("lm_head.weight", None)  # the head is embed_tokens; save_pretrained leaves it out
-    names = llama_names(config)
-    check_names(path, "Llama", expected=[name for parts in names.values() for name, _ in parts], found=hf_state)
+    # the tensors config.json names (the head tied as the overrides say): an override that changes them, such as
+    # qk_norm=True, is load_checked's to name
+    names = llama_names(replace(llama_model_config(hf, path, {}), tie_embeddings=config.tie_embeddings))
+    expected = [name for parts in names.values() for name, _ in parts]
+    check_names(path, hf["model_type"], expected=expected, found=hf_state)
     # (a lone tensor is taken as it is: a copy of every weight would double the memory a large model needs)
     state = {
         ours: torch.cat([hf_state[name] for name, _ in parts]) if len(parts) > 1 else hf_state[parts[0][0]]
@@ -472,40 +565,46 @@ def llama_weights(c, state):
 
 
 # config.json's model_type -> the loader that maps its weights onto ours
-PRETRAINED_LOADERS = {"gpt2": load_gpt2, "llama": load_llama, "mistral": load_llama}
+PRETRAINED_LOADERS = {"gpt2": load_gpt2, **dict.fromkeys(LLAMA_FAMILIES, load_llama)}
 
 
 # -----------------------------------------------------------------------------
 # Exporting: which layout, if any, computes a model
 
-# the two layouts in ModelConfig terms, for the message that refuses a model fitting neither
+# the layouts in ModelConfig terms, for the message that refuses a model fitting none
 LAYOUTS = (
     "Exported are GPT-2's layout (pos_encoding='learned', norm='layernorm', activation 'gelu' or 'gelu_tanh', "
-    "n_kv_head=n_head, tie_embeddings=True) and Llama's (pos_encoding='rope', norm='rmsnorm', activation='swiglu', "
-    "any n_kv_head, tied or not), both pre-norm without qk_norm, logit_softcap or window_size"
+    "n_kv_head=n_head, head_dim=n_embd/n_head, tie_embeddings=True) and three rotary ones (pos_encoding='rope', "
+    "norm='rmsnorm', activation='swiglu', any n_kv_head, head_dim and Llama 3 rope_scaling, tied or not): Llama's "
+    "(bias or none), Qwen2's (qkv_bias) and Qwen3's (qk_norm, no bias); all pre-norm without logit_softcap or "
+    "window_size"
 )
 
 
 def hf_layout(config):
     """
-    "gpt2" or "llama": the Hugging Face layout that computes exactly what a model of this ModelConfig does.
-    ValueError naming every option that stops it, in one line: each needs retraining, so all are named at once.
-    Options that change nothing in a GPT's forward (dropout, zero_init_proj, share_embeddings, pad_token_id,
-    n_encoder_layer) export as they are.
+    "gpt2", "llama", "qwen2" or "qwen3": the Hugging Face layout that computes exactly what a model of this
+    ModelConfig does. ValueError naming every option that stops it, in one line: each needs retraining, so all are
+    named at once. Options that change nothing in a GPT's forward (dropout, zero_init_proj, share_embeddings,
+    pad_token_id, n_encoder_layer) export as they are.
     """
     c = config
     if c.arch != "gpt":  # nothing else matters then
         raise ValueError(
             f"cannot export arch={c.arch!r}: only a decoder-only GPT is a causal LM (GPT2LMHeadModel, LlamaForCausalLM)"
         )
-    # the positions pick the layout; the rest of the model must then be that layout's
+    # the positions pick GPT-2 or the rotary family; within it, the attention picks: Qwen3 normalises queries and
+    # keys, Qwen2 has biases on q, k and v alone, Llama on every Linear or none
     layout = {"learned": "gpt2", "rope": "llama"}.get(c.pos_encoding)
+    if layout == "llama" and c.qk_norm:
+        layout = "qwen3"
+    elif layout == "llama" and c.qkv_bias and not c.bias:
+        layout = "qwen2"
     checks = [  # (option, refused, why)
-        ("norm_position", c.norm_position != "pre", "GPT-2 and Llama both normalise inside the residual branch"),
-        ("pos_encoding", layout is None, "GPT-2 learns its positions and Llama rotates q and k"),
-        ("qk_norm", c.qk_norm, "neither GPT-2 nor Llama normalises queries and keys"),
-        ("logit_softcap", c.logit_softcap > 0, "neither GPT-2 nor Llama caps its logits"),
-        ("window_size", c.window_size > 0, "GPT-2 and Llama attend to every earlier position"),
+        ("norm_position", c.norm_position != "pre", "GPT-2, Llama and Qwen all normalise inside the residual branch"),
+        ("pos_encoding", layout is None, "GPT-2 learns its positions and the others rotate q and k"),
+        ("logit_softcap", c.logit_softcap > 0, "none of the layouts caps its logits"),
+        ("window_size", c.window_size > 0, "the exported layouts attend to every earlier position"),
     ]
     if layout == "gpt2":
         checks += [
@@ -520,12 +619,19 @@ def hf_layout(config):
                 c.n_kv_head != c.n_head,
                 f"GPT-2 has no grouped-query attention: n_kv_head must be n_head={c.n_head}",
             ),
+            ("head_dim", c.head_dim * c.n_head != c.n_embd, "GPT-2's heads split n_embd among them"),
+            ("qk_norm", c.qk_norm, "GPT-2 does not normalise queries and keys (Qwen3, a rotary layout, does)"),
             ("tie_embeddings", not c.tie_embeddings, "GPT-2's head is its token embedding"),
         ]
-    elif layout == "llama":
+    elif layout is not None:
         checks += [
-            ("norm", c.norm != "rmsnorm", "the Llama layout that rotary positions pick has RMSNorm"),
-            ("activation", c.activation != "swiglu", "the Llama layout that rotary positions pick has SwiGLU"),
+            ("norm", c.norm != "rmsnorm", "the rotary layouts have RMSNorm"),
+            ("activation", c.activation != "swiglu", "the rotary layouts have SwiGLU"),
+        ]
+    if layout == "qwen3":
+        checks += [
+            ("bias", c.bias, "Qwen3, the layout that qk_norm picks, has no biases in its MLP"),
+            ("qkv_bias", c.qkv_bias and not c.bias, "Qwen3's attention_bias would add one to o_proj as well"),
         ]
     refused = [f"{name}={getattr(c, name)!r}: {why}" for name, stops, why in checks if stops]
     if refused:
@@ -540,13 +646,13 @@ def owned(t):
 
 def to_hf(model):
     """
-    (layout, tensors, config) of model (a GPT) in the Hugging Face layout that computes it, "gpt2" or "llama"
-    (hf_layout's ValueError if neither does): its weights by their Hugging Face names, float32 and contiguous, and
-    config.json's architecture settings. from_pretrained reads them back to the same model.
+    (layout, tensors, config) of model (a GPT) in the Hugging Face layout that computes it, "gpt2", "llama", "qwen2"
+    or "qwen3" (hf_layout's ValueError if none does): its weights by their Hugging Face names, float32 and contiguous,
+    and config.json's architecture settings. from_pretrained reads them back to the same model.
     """
     c = model.config
     layout = hf_layout(c)
     state = model.state_dict()
     if layout == "gpt2":
         return layout, gpt2_weights(c, state), gpt2_config(c)
-    return layout, llama_weights(c, state), llama_config(c)
+    return layout, llama_weights(c, state), llama_config(c, layout)

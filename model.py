@@ -32,6 +32,10 @@ CHOICES = {
     "norm": ("layernorm", "rmsnorm"),
     "activation": ("gelu", "gelu_tanh", "relu", "relu2", "swiglu"),
 }
+# rope_scaling's keys, as Llama 3.1's config.json names them: rope_type "llama3" (the only scaling implemented), how
+# much slower the low frequencies turn, the band of frequencies blended between slowed and kept, and the context the
+# model was first trained with (see llama3_frequencies)
+ROPE_SCALING_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass
@@ -45,12 +49,14 @@ class ModelSettings:
     block_size: int = 1024  # longest sequence (tokens per LM window, longest source or target of a pair)
     n_layer: int = 12  # blocks in the GPT, the encoder-only model, or the decoder of an encoder-decoder
     n_encoder_layer: int | None = None  # encoder blocks of an encoder-decoder; None: same as n_layer
-    n_head: int = 12  # attention heads; n_embd must divide evenly among them
+    n_head: int = 12  # attention heads; n_embd must divide evenly among them unless head_dim is given
     n_kv_head: int | None = None  # key/value heads, shared by groups of query heads (1: multi-query); None: n_head
     n_embd: int = 768  # channels of the residual stream, C
+    head_dim: int | None = None  # channels of each attention head, D; None: n_embd // n_head (Qwen3 sets its own)
     d_ff: int | None = None  # hidden width of the MLP; None: 4 * n_embd, for swiglu too (Llama's 8/3 is not applied)
     dropout: float = 0.0  # on embeddings, attention and residual branches; 0 to pretrain, 0.1+ to fine-tune
     bias: bool = False  # bias in Linears and norms (GPT-2 has them); without is a bit faster and as good
+    qkv_bias: bool = False  # bias on the query, key and value projections only (Qwen2); bias=True implies it
     pos_encoding: str = "learned"  # "learned" (GPT-2), "sinusoidal" (the 2017 paper), "rope" (rotary)
     norm_position: str = "pre"  # "pre": norm inside each residual branch (GPT-2); "post": after the add (2017 paper)
     norm: str = "layernorm"  # "layernorm" or "rmsnorm"
@@ -62,6 +68,7 @@ class ModelSettings:
     share_embeddings: bool = False  # encoder_decoder: source and target share one embedding (one joint vocabulary)
     norm_eps: float = 1e-5  # epsilon of the norms
     rope_theta: float = 10000.0  # rotary base; larger values rotate slower
+    rope_scaling: dict | None = None  # Llama 3's rotary scaling, a dict of ROPE_SCALING_KEYS; None: unscaled
     window_size: int = 0  # sliding window: attend to keys fewer than this many positions away (causal: earlier); 0: off
 
 
@@ -82,17 +89,24 @@ class ModelConfig(ModelSettings):
             self.n_kv_head = self.n_head
         if self.d_ff is None:
             self.d_ff = 4 * self.n_embd
-        for name in ("vocab_size", "block_size", "n_layer", "n_encoder_layer", "n_head", "n_kv_head", "n_embd", "d_ff"):
+        sizes = ("vocab_size", "block_size", "n_layer", "n_encoder_layer", "n_head", "n_kv_head", "n_embd", "d_ff")
+        for name in sizes:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.head_dim is None:
+            if self.n_embd % self.n_head:
+                raise ValueError(
+                    f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}, or head_dim given explicitly"
+                )
+            self.head_dim = self.n_embd // self.n_head
+        if not isinstance(self.head_dim, int) or self.head_dim < 1:
+            raise ValueError(f"head_dim must be a positive integer or None (n_embd // n_head), got {self.head_dim!r}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} into equal groups")
-        if self.pos_encoding == "rope" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(
-                f"pos_encoding='rope' needs an even head size, got n_embd/n_head={self.n_embd // self.n_head}"
-            )
+        if self.pos_encoding == "rope" and self.head_dim % 2:
+            raise ValueError(f"pos_encoding='rope' needs an even head_dim, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            self.check_rope_scaling()
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not isinstance(self.window_size, int) or self.window_size < 0:
@@ -101,6 +115,24 @@ class ModelConfig(ModelSettings):
             raise ValueError(f"logit_softcap must be >= 0 (0 = off), got {self.logit_softcap}")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(f"pad_token_id={self.pad_token_id} must be in [0, vocab_size={self.vocab_size})")
+
+    def check_rope_scaling(self):
+        """ValueError unless rope_scaling is Llama 3's, complete, on a rotary model."""
+        scaling = self.rope_scaling
+        if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
+            kind = scaling.get("rope_type") if isinstance(scaling, dict) else scaling
+            raise ValueError(f"rope_scaling rope_type={kind!r} is not implemented; only 'llama3' (or None) is")
+        if set(scaling) != set(ROPE_SCALING_KEYS):
+            raise ValueError(f"rope_scaling must have exactly the keys {', '.join(ROPE_SCALING_KEYS)}, got {scaling}")
+        if self.pos_encoding != "rope":
+            raise ValueError(
+                f"rope_scaling scales rotary positions: it needs pos_encoding='rope', not {self.pos_encoding!r}"
+            )
+        numbers = [scaling[k] for k in ROPE_SCALING_KEYS[1:]]
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in numbers):
+            raise ValueError(f"rope_scaling's factors and original_max_position_embeddings must be positive: {scaling}")
+        if scaling["low_freq_factor"] >= scaling["high_freq_factor"]:
+            raise ValueError(f"rope_scaling needs low_freq_factor < high_freq_factor, got {scaling}")
 
     @classmethod
     def from_dict(cls, d):
@@ -136,11 +168,29 @@ def sinusoid_table(length, dim, theta=10000.0):
     return table  # (T, C)
 
 
-def rope_tables(length, head_dim, theta):
-    """cos and sin of the rotary angles, each (T, D/2): channel pair i of position t turns by t * theta^(-2i/D)."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+def rope_tables(length, head_dim, theta, scaling=None):
+    """
+    cos and sin of the rotary angles, each (T, D/2): channel pair i of position t turns by t * theta^(-2i/D), or
+    with scaling (ModelConfig.rope_scaling, Llama 3's) by t times that frequency as llama3_frequencies scales it.
+    """
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (D/2,) radians per position
+    if scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, **{k: v for k, v in scaling.items() if k != "rope_type"})
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
+
+
+def llama3_frequencies(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
+    """
+    Llama 3.1's rotary frequencies for a context longer than the one it was first trained with (original, L).
+    A frequency that turns more than high_freq_factor times within L (it has seen every angle) is kept; one that
+    turns fewer than low_freq_factor times is divided by factor, so that the longer context spans the angles the
+    shorter one did; between the two the result is blended linearly in the number of turns.
+    """
+    turns = original_max_position_embeddings * inv_freq / (2 * math.pi)  # full turns within L: L / wavelength
+    # 1 where kept, 0 where slowed, linear between
+    kept = ((turns - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0.0, 1.0)
+    return (1 - kept) * inv_freq / factor + kept * inv_freq
 
 
 def apply_rope(x, cos, sin):
@@ -247,15 +297,17 @@ class Attention(nn.Module):
         self.n_head, self.n_kv_head, self.causal, self.dropout = config.n_head, config.n_kv_head, causal, config.dropout
         self.cross = cross
         self.window = 0 if cross else config.window_size  # cross-attention reads the whole context
-        self.head_dim = config.n_embd // config.n_head  # D
-        self.kv_dim = config.n_kv_head * self.head_dim  # C when n_kv_head == n_head
+        self.head_dim = config.head_dim  # D
+        self.q_dim = config.n_head * self.head_dim  # H * D: C unless head_dim is set apart (Qwen3)
+        self.kv_dim = config.n_kv_head * self.head_dim  # q_dim when n_kv_head == n_head
         C = config.n_embd
+        qkv_bias = config.bias or config.qkv_bias  # Qwen2 has biases on q, k and v but not on proj
         if cross:  # queries and keys come from two sequences: a Linear for each
-            self.q = nn.Linear(C, C, bias=config.bias)
-            self.kv = nn.Linear(C, 2 * self.kv_dim, bias=config.bias)  # rows W_k, W_v
-        else:  # rows W_q (C), W_k and W_v (kv_dim each) stacked in one Linear: one matmul, and GPT-2's c_attn
-            self.qkv = nn.Linear(C, C + 2 * self.kv_dim, bias=config.bias)
-        self.proj = nn.Linear(C, C, bias=config.bias)
+            self.q = nn.Linear(C, self.q_dim, bias=qkv_bias)
+            self.kv = nn.Linear(C, 2 * self.kv_dim, bias=qkv_bias)  # rows W_k, W_v
+        else:  # rows W_q (q_dim), W_k and W_v (kv_dim each) stacked in one Linear: one matmul, and GPT-2's c_attn
+            self.qkv = nn.Linear(C, self.q_dim + 2 * self.kv_dim, bias=qkv_bias)
+        self.proj = nn.Linear(self.q_dim, C, bias=config.bias)
         self.proj.residual = True  # scaled (or zeroed) at init, see TransformerModel.init_weights
         # qk_norm: RMSNorm over each head's D channels, one gain per channel shared by the heads, which keeps the
         # scores q . k bounded however large the projections grow
@@ -277,17 +329,16 @@ class Attention(nn.Module):
             q, k, v = self.project_self(x, rope, cache)
         y, weights = self.attend(q, k, v, key_mask, need_weights)  # (B, H, T, D)
         # Merge heads: put the H heads' D channels side by side again, then mix them with the output projection
-        B, T, C = x.shape
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, H * D) = (B, T, C)
-        return self.proj(y), weights
+        B, T, _ = x.shape
+        y = y.transpose(1, 2).contiguous().view(B, T, self.q_dim)  # (B, T, H * D)
+        return self.proj(y), weights  # (B, T, C)
 
     def project_self(self, x, rope, cache):
         """
         Self-attention's q (B, H, T, D) and k, v (B, n_kv_head, S, D) from x (B, T, C) in one matmul; S is T, or with
         a cache the cached positions and these T.
         """
-        C = x.size(-1)
-        q, k, v = map(self.split_heads, self.qkv(x).split([C, self.kv_dim, self.kv_dim], dim=2))
+        q, k, v = map(self.split_heads, self.qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=2))
         # qk_norm normalises each head's q and k over D before anything else (rotary positions, caching)
         q, k = self.q_norm(q), self.k_norm(k)
         # keys are turned before caching, so that a cached key keeps its own position
@@ -494,7 +545,7 @@ class Stack(nn.Module):
         if c.pos_encoding == "sinusoidal":
             return {"pe": sinusoid_table(c.block_size, c.n_embd)}
         if c.pos_encoding == "rope":
-            cos, sin = rope_tables(c.block_size, c.n_embd // c.n_head, c.rope_theta)
+            cos, sin = rope_tables(c.block_size, c.head_dim, c.rope_theta, c.rope_scaling)
             return {"rope_cos": cos, "rope_sin": sin}
         return {}
 
@@ -710,7 +761,8 @@ class TransformerModel(nn.Module):
         """
         c = self.config
         C = c.n_embd
-        KV = c.n_kv_head * (C // c.n_head)  # width of the keys and of the values: C unless grouped-query
+        Q = c.n_head * c.head_dim  # width of the queries: C unless head_dim is set apart
+        KV = c.n_kv_head * c.head_dim  # width of the keys and of the values: Q unless grouped-query
         mlp = (3 if c.activation == "swiglu" else 2) * C * c.d_ff  # swiglu's gate adds a third C x d_ff matrix
 
         def pairs(T, causal):
@@ -725,15 +777,15 @@ class TransformerModel(nn.Module):
 
         def stack(B, T, n_layer, causal):
             """Multiply-adds of self-attention blocks over (B, T) tokens."""
-            # per token: the q and out projections (C x C each), k and v (C x KV each), the MLP's matrices;
-            # per (query, key) pair: one score q . k and one term of the weighted sum of v, C each (every query head)
-            return n_layer * B * (T * (2 * C * C + 2 * C * KV + mlp) + 2 * pairs(T, causal) * C)
+            # per token: the q and out projections (C x Q each), k and v (C x KV each), the MLP's matrices;
+            # per (query, key) pair: one score q . k and one term of the weighted sum of v, Q each (every query head)
+            return n_layer * B * (T * (2 * C * Q + 2 * C * KV + mlp) + 2 * pairs(T, causal) * Q)
 
         if c.arch == "encoder_decoder":
             src, tgt = inputs
             (B, S), T = src.shape, tgt.size(1)
             # cross-attention: q and out on the targets, k and v on the source, scores and weighted sum over T * S
-            cross = c.n_layer * B * (2 * T * C * C + 2 * S * C * KV + 2 * T * S * C)
+            cross = c.n_layer * B * (2 * T * C * Q + 2 * S * C * KV + 2 * T * S * Q)
             macs = stack(B, S, c.n_encoder_layer, causal=False) + stack(B, T, c.n_layer, causal=True) + cross
         else:
             (idx,) = inputs

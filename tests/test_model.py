@@ -1376,24 +1376,11 @@ def test_parity_with_hugging_face_mistral_sliding_window(tmp_path):
         assert (unwindowed(x)[0] - hf(x).logits).abs().max() > 0.1
 
 
-# Llama 3.1's scaled rope (transformers 5 spelling), with a shorter original context to suit the tiny config
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,
-}
-
-
 @pytest.mark.parametrize(
     "config_class,changes,error",
     [
         ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type='linear'"),
-        ("LlamaConfig", {"rope_parameters": LLAMA3_ROPE}, "rope_type='llama3'"),
         ("LlamaConfig", {"hidden_act": "gelu"}, "hidden_act='gelu' is not implemented"),
-        ("LlamaConfig", {"head_dim": 16}, "head_dim=16 with hidden_size=32 and num_attention_heads=4"),
         ("LlamaConfig", {"attention_bias": True}, "attention_bias=True but mlp_bias=False"),
         ("BertConfig", {}, "model_type='bert' model; from_pretrained loads gpt2, llama, mistral"),
     ],

@@ -1,0 +1,445 @@
+"""
+The families people fine-tune into chat models, against transformers as the reference: Llama 3 (scaled rotary
+frequencies), Qwen2 and Qwen2.5 (biases on q, k and v) and Qwen3 (qk_norm, a head_dim apart from hidden_size /
+heads). Random tiny models saved by save_pretrained load with hf.from_pretrained to transformers' logits (within
+1e-4) and greedy tokens; our models with those options export (export.export) to folders that transformers loads
+to our logits and greedy tokens, and from_pretrained reads back to the same model. Then what cannot be computed,
+refused in one line each, and head_dim in the model itself (cross-attention, the encoder, the FLOP count).
+"""
+
+import json
+import math
+from dataclasses import asdict
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import export
+import hf
+from generate import generate
+from model import GPT, Attention, ModelConfig, build_model, llama3_frequencies, rope_tables
+
+transformers = pytest.importorskip("transformers")  # a dev dependency (requirements-dev.txt): the reference
+
+VOCAB = 101
+# a tiny model of each family; the cases vary the rest. max_position_embeddings becomes our block_size. No eos, so
+# that generate never stops early; eager attention applies a sliding window in every transformers version.
+TINY = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 80,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 64,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "attn_implementation": "eager",
+}
+# Llama 3.1's scaling with an original context of 32 positions instead of 8192, so that a tiny model meets all three
+# of its cases: with head_dim 16 and theta 10000 the wavelengths are 6.3, 20, 63, 200... positions, so the first
+# channel pair turns more than high_freq_factor (4) times within 32 positions (kept), the second between 1 and 4
+# times (blended) and the rest fewer than once (slowed by factor)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+CHAR_META = {
+    "kind": "lm",
+    "tokenizer": {"type": "char", "chars": [chr(i) for i in range(32, 32 + VOCAB)]},
+    "vocab_size": VOCAB,
+    "special_tokens": {},
+}
+
+
+def ids(*shape, seed=0):
+    return torch.randint(1, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def with_large_weights(model, seed=0):
+    """
+    model (ours or transformers') with N(0, 0.2) weights and biases, N(1, 0.2) norm gains, in eval mode: the 0.02
+    init leaves logits so flat that a mix-up (q and k norms swapped, a frequency left unscaled) hides within 1e-4.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(("norm" in name and name.endswith("weight")) + 0.2 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def max_logit_difference(ours, theirs, x):
+    with torch.no_grad():
+        return (ours(x)[0] - theirs(x).logits).abs().max().item()
+
+
+def assert_same_greedy_tokens(ours, theirs, prompt, new_tokens=14):
+    """transformers' greedy continuation is ours, with and without our KV cache."""
+    expected = theirs.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+    )
+    assert expected.shape == (prompt.size(0), prompt.size(1) + new_tokens)  # no early stop on an eos
+    assert torch.equal(generate(ours, prompt, new_tokens, temperature=0), expected)
+    assert torch.equal(generate(ours, prompt, new_tokens, temperature=0, use_cache=False), expected)
+
+
+def load_transformers(folder):
+    """A folder as transformers loads it, in float32, after checking that every tensor found its place."""
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    return model.eval()
+
+
+def saved_folder(path, config_class, changes, config_json=None):
+    """A random tiny transformers model of config_class with large weights, saved to path; config_json patches it."""
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**TINY, **changes})
+    model = with_large_weights(transformers.AutoModelForCausalLM.from_config(config))
+    model.save_pretrained(path)
+    if config_json is not None:
+        written = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(config_json(written)))
+    return model
+
+
+def transformers4_rope(config):
+    """config.json as transformers 4 wrote Llama 3.1's: rope_theta at the top level, the scaling as rope_scaling."""
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    return {**config, "rope_scaling": rope}
+
+
+# -----------------------------------------------------------------------------
+# Their folders load to their logits and greedy tokens
+
+FOLDERS = {  # name: (transformers config class, config changes, config.json patch, what our ModelConfig holds)
+    "llama3-gqa-untied": (
+        "LlamaConfig",
+        {"num_key_value_heads": 2, "head_dim": 16, "rope_parameters": LLAMA3_ROPE},
+        None,
+        {"rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}, "head_dim": 16},
+    ),
+    "llama3-tied-transformers4": (
+        "LlamaConfig",
+        {"tie_word_embeddings": True, "head_dim": 16, "rope_parameters": {**LLAMA3_ROPE, "factor": 8.0}},
+        transformers4_rope,
+        {"rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"} | {"factor": 8.0}},
+    ),
+    "qwen2-gqa-tied": (
+        "Qwen2Config",
+        {"num_key_value_heads": 2, "tie_word_embeddings": True, "rope_parameters": {"rope_theta": 1e6}},
+        None,
+        {"qkv_bias": True, "bias": False, "rope_theta": 1e6, "window_size": 0},
+    ),
+    "qwen2-mha-untied-window-off": (  # Qwen2.5's config.json: a window named, use_sliding_window false
+        "Qwen2Config",
+        {"num_key_value_heads": 4, "rms_norm_eps": 1e-3, "sliding_window": 4, "max_window_layers": 1},
+        None,
+        {"qkv_bias": True, "n_kv_head": 4, "window_size": 0, "norm_eps": 1e-3},
+    ),
+    "qwen3-wider-heads-tied": (  # Qwen3-0.6B's proportions: 16 heads of 128 over 1024 channels
+        "Qwen3Config",
+        {"num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True},
+        None,
+        {"qk_norm": True, "head_dim": 16, "bias": False, "qkv_bias": False},
+    ),
+    "qwen3-narrower-heads-untied-mqa": (
+        "Qwen3Config",
+        {"num_key_value_heads": 1, "head_dim": 6, "rms_norm_eps": 1e-3, "rope_parameters": {"rope_theta": 500.0}},
+        None,
+        {"qk_norm": True, "head_dim": 6, "n_kv_head": 1, "tie_embeddings": False},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FOLDERS)
+def test_a_saved_folder_loads_to_transformers_logits_and_greedy_tokens(tmp_path, case):
+    config_class, changes, patch, expected = FOLDERS[case]
+    theirs = saved_folder(tmp_path, config_class, changes, patch)
+    ours = hf.from_pretrained(tmp_path).eval()
+    assert {key: getattr(ours.config, key) for key in expected} == expected
+    x = ids(2, 64)  # every position of the block: the scaled frequencies reach their largest angles
+    assert max_logit_difference(ours, theirs, x) < 1e-4
+    assert_same_greedy_tokens(ours, theirs, x[:, :5])
+
+
+def test_llama3_scaling_shows_in_the_logits(tmp_path):
+    """Read unscaled, a Llama 3 folder's logits are far off, so the 1e-4 above would catch a scaling left out."""
+    config_class, changes, _, _ = FOLDERS["llama3-gqa-untied"]
+    theirs = saved_folder(tmp_path, config_class, changes)
+    assert max_logit_difference(hf.from_pretrained(tmp_path, rope_scaling=None).eval(), theirs, ids(2, 64)) > 0.1
+
+
+def test_llama3_frequencies_at_llama_3_1_size_are_transformers():
+    """Llama 3.1 8B's own rope settings (head_dim 128, theta 500000, factor 8 over 8192 positions)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    rope["original_max_position_embeddings"] = 8192
+    config = transformers.LlamaConfig(
+        hidden_size=4096, num_attention_heads=32, rope_parameters={**rope, "rope_theta": 500000.0}
+    )
+    expected, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config)
+    assert attention_factor == 1.0
+    inv_freq = 500000.0 ** (-torch.arange(0, 128, 2, dtype=torch.float32) / 128)
+    got = llama3_frequencies(inv_freq, **{k: v for k, v in rope.items() if k != "rope_type"})
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    # kept, blended and slowed frequencies are all among Llama 3.1's 64
+    kept, slowed = (got == inv_freq).sum().item(), torch.isclose(got, inv_freq / 8, rtol=1e-7).sum().item()
+    assert kept > 0 and slowed > 0 and kept + slowed < 64
+
+
+def test_qwen2_window_over_every_layer_is_our_window_size(tmp_path):
+    """use_sliding_window with max_window_layers 0 slides the window in every layer: our window_size."""
+    changes = {"num_key_value_heads": 2, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}
+    theirs = saved_folder(tmp_path, "Qwen2Config", changes)
+    ours = hf.from_pretrained(tmp_path).eval()
+    assert ours.config.window_size == 4
+    x = ids(2, 24)
+    assert max_logit_difference(ours, theirs, x) < 1e-4
+    assert_same_greedy_tokens(ours, theirs, x[:, :5], new_tokens=16)
+    assert max_logit_difference(hf.from_pretrained(tmp_path, window_size=0).eval(), theirs, x) > 0.1
+
+
+# -----------------------------------------------------------------------------
+# Our models export in the layout their options pick
+
+LLAMA = {"pos_encoding": "rope", "norm": "rmsnorm", "activation": "swiglu"}
+SCALING = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+EXPORTS = {  # name: (ModelConfig changes, the architecture transformers loads)
+    "qkv_bias-is-qwen2": ({**LLAMA, "qkv_bias": True, "n_kv_head": 2, "tie_embeddings": False}, "Qwen2ForCausalLM"),
+    "qkv_bias-head_dim-is-qwen2": ({**LLAMA, "qkv_bias": True, "head_dim": 12}, "Qwen2ForCausalLM"),
+    "qk_norm-is-qwen3": ({**LLAMA, "qk_norm": True, "head_dim": 12, "n_kv_head": 1}, "Qwen3ForCausalLM"),
+    "rope_scaling-is-llama": (
+        {**LLAMA, "rope_scaling": SCALING, "head_dim": 16, "bias": True},
+        "LlamaForCausalLM",
+    ),
+    "qk_norm-rope_scaling-is-qwen3": (
+        {**LLAMA, "qk_norm": True, "rope_scaling": SCALING, "tie_embeddings": False},
+        "Qwen3ForCausalLM",
+    ),
+    "qkv_bias-learned-is-gpt2": ({"qkv_bias": True, "activation": "gelu_tanh"}, "GPT2LMHeadModel"),
+}
+
+
+@pytest.mark.parametrize("case", EXPORTS)
+def test_an_export_gives_transformers_our_logits_and_loads_back(tmp_path, case):
+    changes, architecture = EXPORTS[case]
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=VOCAB, block_size=64, n_layer=2, n_head=4, n_embd=32, d_ff=48, **changes)
+    ours = with_large_weights(GPT(config))
+    export.export(ours, CHAR_META, tmp_path / "hf")
+    theirs = load_transformers(tmp_path / "hf")
+    assert type(theirs).__name__ == architecture
+    x = ids(2, 64)
+    assert max_logit_difference(ours, theirs, x) < 1e-4
+    assert_same_greedy_tokens(ours, theirs, x[:, :5], new_tokens=8)
+    back = hf.from_pretrained(tmp_path / "hf").eval()
+    if architecture != "GPT2LMHeadModel":  # GPT-2 has every bias: a model with fewer comes back with zero ones
+        assert asdict(back.config) == asdict(config)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x)[0], ours(x)[0], atol=1e-5, rtol=1e-5)
+
+
+REFUSED_EXPORTS = [  # ModelConfig changes, the option the message must name
+    ({**LLAMA, "qk_norm": True, "bias": True}, "bias=True"),  # Qwen3 has no MLP biases
+    ({**LLAMA, "qk_norm": True, "qkv_bias": True}, "qkv_bias=True"),  # Qwen3's attention_bias includes o_proj
+    ({"qk_norm": True}, "qk_norm=True"),  # GPT-2 does not normalise queries and keys
+    ({"head_dim": 16}, "head_dim=16"),  # GPT-2's heads split n_embd
+]
+
+
+@pytest.mark.parametrize(("changes", "option"), REFUSED_EXPORTS, ids=[option for _, option in REFUSED_EXPORTS])
+def test_an_option_no_layout_computes_is_named_in_one_line(changes, option):
+    config = ModelConfig(vocab_size=VOCAB, block_size=64, n_layer=2, n_head=4, n_embd=32, **changes)
+    with pytest.raises(ValueError) as err:
+        hf.hf_layout(config)
+    message = str(err.value)
+    assert message.startswith("cannot export ") and f"{option}:" in message and "\n" not in message
+
+
+# -----------------------------------------------------------------------------
+# What we cannot compute is refused in one line
+
+
+def without_layer_types(config):
+    """config.json without layer_types, as Qwen2.5's own folders have it: max_window_layers decides."""
+    config.pop("layer_types", None)
+    return config
+
+
+REFUSED_FOLDERS = [  # config class, changes, config.json patch, the message
+    (
+        "LlamaConfig",
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
+        None,
+        "rope_type='yarn'",
+    ),
+    (
+        "LlamaConfig",
+        {},
+        lambda c: {**c, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
+        "rope_type 'llama3' needs low_freq_factor, high_freq_factor",
+    ),
+    (
+        "LlamaConfig",
+        {},
+        lambda c: {**c, "partial_rotary_factor": 0.5},
+        "partial_rotary_factor=0.5 is not implemented",
+    ),
+    (
+        "LlamaConfig",
+        {},
+        lambda c: {**c, "rope_parameters": {"full_attention": c["rope_parameters"]}},
+        "rope_parameters differ between layer types",
+    ),
+    (
+        "LlamaConfig",
+        {"attention_bias": True},
+        None,
+        "attention_bias=True but mlp_bias=False",
+    ),
+    (
+        "Qwen2Config",
+        {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+        without_layer_types,
+        "1 of 2 layers slide a window of 4 positions",
+    ),
+    (
+        "Qwen2Config",
+        {"use_sliding_window": True, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+        None,
+        "1 of 2 layers slide a window of 4 positions",
+    ),
+    (
+        "Qwen3Config",
+        {"attention_bias": True},
+        None,
+        "attention_bias=True gives Qwen3's o_proj a bias",
+    ),
+    (
+        "Qwen3Config",
+        {},
+        lambda c: {**c, "layer_types": ["full_attention", "linear_attention"]},
+        "layer_types linear_attention are not implemented",
+    ),
+]
+
+
+@pytest.mark.parametrize(("config_class", "changes", "patch", "message"), REFUSED_FOLDERS)
+def test_a_folder_we_cannot_compute_is_a_one_line_error(tmp_path, config_class, changes, patch, message):
+    saved_folder(tmp_path, config_class, changes, patch)
+    with pytest.raises(ValueError) as err:
+        hf.from_pretrained(tmp_path)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"rope_scaling": {**SCALING, "rope_type": "yarn"}}, "rope_scaling rope_type='yarn' is not implemented"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling must have exactly the keys"),
+        ({"rope_scaling": {**SCALING, "low_freq_factor": 4.0}}, "low_freq_factor < high_freq_factor"),
+        ({"rope_scaling": {**SCALING, "factor": 0}}, "must be positive"),
+        ({"rope_scaling": SCALING, "pos_encoding": "learned"}, "needs pos_encoding='rope'"),
+        ({"head_dim": 0}, "head_dim must be a positive integer"),
+        ({"head_dim": 7}, "needs an even head_dim, got 7"),
+        ({"n_embd": 30, "head_dim": None}, "n_embd=30 must be divisible by n_head=4"),
+    ],
+)
+def test_bad_new_settings_are_one_line_errors(changes, message):
+    settings = {"vocab_size": VOCAB, "block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 32, **LLAMA, **changes}
+    with pytest.raises(ValueError) as err:
+        ModelConfig(**settings)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# -----------------------------------------------------------------------------
+# head_dim and qkv_bias in the model itself: every architecture, cross-attention, the FLOP count
+
+
+def reference_attention(attn, x, context, head_dim):
+    """
+    Cross-attention (no mask) of attn in float64 with explicit loops over heads, queries and keys: q of H * head_dim
+    channels from x, k and v from the context, each head its own head_dim channels, the merged heads through proj.
+    """
+    x, context = x.double(), context.double()
+    q = F.linear(x, attn.q.weight.double(), attn.q.bias.double())
+    k, v = F.linear(context, attn.kv.weight.double(), attn.kv.bias.double()).chunk(2, dim=-1)
+    B, T, S, H = x.size(0), x.size(1), context.size(1), attn.n_head
+    out = torch.zeros(B, T, H * head_dim, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            cols = slice(h * head_dim, (h + 1) * head_dim)
+            for t in range(T):
+                scores = [q[b, t, cols] @ k[b, s, cols] / math.sqrt(head_dim) for s in range(S)]
+                probs = torch.stack(scores).softmax(0)
+                out[b, t, cols] = sum(p * v[b, s, cols] for p, s in zip(probs, range(S)))
+    return F.linear(out, attn.proj.weight.double())  # qkv_bias: proj has no bias
+
+
+def test_cross_attention_with_head_dim_apart_against_float64_loop():
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=4, n_embd=32, head_dim=12, qkv_bias=True)
+    attn = with_large_weights(Attention(config, cross=True))
+    assert (attn.q.weight.shape, attn.proj.weight.shape, attn.proj.bias) == ((48, 32), (32, 48), None)
+    x, context = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    expected = reference_attention(attn, x, context, head_dim=12).float()
+    for need_weights in (False, True):
+        torch.testing.assert_close(attn(x, context, need_weights=need_weights)[0], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("arch", "shapes"), [("gpt", [(2, 12)]), ("encoder", [(2, 12)]), ("encoder_decoder", [(3, 4), (3, 14)])]
+)
+def test_training_flops_with_head_dim_apart_match_a_flop_counter(arch, shapes):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = ModelConfig(
+        arch=arch, vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, d_ff=48, head_dim=12
+    )
+    model = build_model(config)
+    inputs = [ids(*shape, seed=i) for i, shape in enumerate(shapes)]
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(*inputs, ids(*shapes[-1], seed=9))[1].backward()
+    assert model.training_flops(*inputs) == counter.get_total_flops()
+
+
+def test_kv_cache_of_an_encoder_decoder_with_head_dim_apart_matches_the_full_forward():
+    config = ModelConfig(
+        arch="encoder_decoder",
+        vocab_size=VOCAB,
+        block_size=16,
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        head_dim=6,
+        qkv_bias=True,
+        qk_norm=True,
+        pos_encoding="rope",
+        rope_scaling={**SCALING, "original_max_position_embeddings": 8},
+    )
+    model = with_large_weights(build_model(config))
+    src, tgt = ids(2, 9), ids(2, 12, seed=1)
+    memory, src_mask = model.encode(src)
+    full = model.decode(tgt, memory, src_mask)
+    cache = model.new_cache()
+    steps = [model.decode(tgt[:, t : t + 1], memory, src_mask, cache=cache) for t in range(12)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-4)
+
+
+def test_default_settings_keep_the_state_dict_names_and_shapes():
+    """head_dim None, qkv_bias False, rope_scaling None: the weights of every checkpoint from before them."""
+    config = ModelConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=4, n_embd=32, **LLAMA)
+    assert config.head_dim == 8
+    state = GPT(config).state_dict()
+    assert state["body.blocks.0.attn.qkv.weight"].shape == (96, 32) and "body.blocks.0.attn.qkv.bias" not in state
+    unscaled = rope_tables(16, 8, config.rope_theta)
+    torch.testing.assert_close(GPT(config).body.rope_cos, unscaled[0], rtol=0, atol=0)
