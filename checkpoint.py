@@ -13,6 +13,11 @@ which is what best.pt keeps, evaluations measure and sample.py uses (kept_weight
 (AdamW's state dict), scaler, rng (every rank's generators), sampler (the data stream) and, with optimizer='muon',
 muon (Muon's state dict). Checkpoints of formats 1 and 2 are read as format 3 (upgrade).
 
+With LoRA (lora_rank), ckpt.pt and best.pt hold the adapters only, as "weights" (the trained tensors, small), and
+"lora": their settings, the token rows they train and their base (where it was loaded from, its model settings and
+a fingerprint of its weights); model_from_checkpoint loads the base, checks it, and merges the adapters into it.
+Such a checkpoint is format 4 and always one file, also under FSDP (AdamW's state of the adapters, whole).
+
 With fsdp, ckpt.pt is a folder instead, a sharded checkpoint (torch.distributed.checkpoint) that every rank writes
 its part of: weights, optimizer and average keyed by parameter name, and beside them state.pt, the rest of the
 dict above. load_checkpoint reads either kind; a folder's weights load whole into one process, or resharded into
@@ -36,11 +41,14 @@ import torch.distributed as dist
 
 from config import ConfigError, one_line
 from hf import download_from_hub, from_pretrained, load_nanogpt
+from lora import LoRASettings, adapter_state, add_adapters, fingerprint, grow_vocabulary, load_adapters, merge
 from model import ModelConfig, Stack, build_model
 from tokens import GPT2_META, Tokenizer, dataset_dir, load_meta, pretrained_meta
 
-# of checkpoints; a checkpoint with a larger number needs newer code. 2: train_model; 3: weights and average by role
-FORMAT_VERSION = 3
+# of checkpoints; a checkpoint with a larger number needs newer code. 2: train_model; 3: weights and average by role;
+# 4: LoRA adapters and their base. Only adapter checkpoints are written as 4: older code reads the others
+FORMAT_VERSION = 4
+PLAIN_FORMAT = 3
 STATE_FILE = "state.pt"  # in a sharded checkpoint's folder: all but the weights and the optimizer's state
 
 
@@ -98,14 +106,15 @@ def finite_weights(state, iter_num):
     return state
 
 
-def weights_state(weights, model_config, cfg, meta, iter_num, best_val_loss, role="weights"):
+def weights_state(weights, model_config, cfg, meta, iter_num, best_val_loss, role="weights", lora=None):
     """
     What best.pt holds: weights (a state dict) under its role, "weights" or, with ema_decay, "average"; the
     model's settings (a ModelConfig), the run's, the dataset's meta. weights None: all but the weights (a sharded
-    checkpoint's state.pt; its weights are saved apart).
+    checkpoint's state.pt; its weights are saved apart). lora: the record of a LoRA run's adapters (start.py),
+    whose tensors weights then holds.
     """
     state = {
-        "format_version": FORMAT_VERSION,
+        "format_version": PLAIN_FORMAT if lora is None else FORMAT_VERSION,
         # settings as plain dicts: enough to rebuild the architecture (model_from_checkpoint) and the run
         "model_config": asdict(model_config),
         "train_config": asdict(cfg),
@@ -118,6 +127,8 @@ def weights_state(weights, model_config, cfg, meta, iter_num, best_val_loss, rol
     if weights is not None:
         # tensors keyed by parameter name, from the unwrapped model: no `module.` (DDP) or `_orig_mod.` prefix
         state[role] = finite_weights(weights, iter_num)
+    if lora is not None:
+        state["lora"] = lora
     return state
 
 
@@ -136,19 +147,23 @@ def training_state(
     device,
     world_size,
     sharded,
+    lora=None,
 ):
     """
     What ckpt.pt holds: weights_state (model's trained weights) plus all a resume needs, with ema_model's weights as
     "average" where there is one. Call it on every rank: RNG states are gathered.
     sharded: all but the weights and the optimizer's state, which sharded_state gives (a sharded checkpoint).
+    lora: the record of a LoRA run (start.py): the adapters and AdamW's state, whole also under FSDP (gathered
+    on every rank), instead of every weight.
     """
     # each rank has its own generators (dropout differs per rank): all are gathered, in rank order, for rank 0 to save
     rng = [rng_state(device)]
     if world_size > 1:
         mine, rng = rng[0], [None] * world_size
         dist.all_gather_object(rng, mine)
+    weights = None if sharded else model.state_dict() if lora is None else adapter_state(model)
     state = {
-        **weights_state(None if sharded else model.state_dict(), model.config, cfg, meta, iter_num, best_val_loss),
+        **weights_state(weights, model.config, cfg, meta, iter_num, best_val_loss, lora=lora),
         # float16's current loss scale; an empty dict when no scaler is in use
         "scaler": scaler.state_dict(),
         "rng": rng,
@@ -160,7 +175,7 @@ def training_state(
     if sharded:
         return state
     # AdamW's moments and step counts: without them a resume would restart its estimates from zero
-    state["optimizer"] = optimizers["adamw"].state_dict()
+    state["optimizer"] = optimizers["adamw"].state_dict() if lora is None else whole_optimizer_state(model, optimizers)
     if "muon" in optimizers:
         # Muon's momentum buffers, beside AdamW's state (which then covers the parameters outside the blocks only)
         state["muon"] = optimizers["muon"].state_dict()
@@ -168,6 +183,29 @@ def training_state(
         # what best.pt and sample.py use; training goes on from "weights", or the run would change
         state["average"] = finite_weights(ema_model.state_dict(), iter_num)
     return state
+
+
+def whole_optimizer_state(model, optimizers):
+    """
+    AdamW's state_dict() as one process holding the whole model would have it, also under FSDP, where every rank
+    gathers its shards onto rank 0's CPU (the others get {}; call it on every rank): a LoRA run's ckpt.pt is one
+    file whatever the ranks, small since only the adapters have state. Muon is refused with LoRA (train.py).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.fsdp import FSDPModule
+
+    optimizer = optimizers["adamw"]
+    if not isinstance(model, FSDPModule):
+        return optimizer.state_dict()
+    whole = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not whole:
+        return {}
+    # keyed by parameter name there, by the optimizer's own numbering here (start.load_whole_optimizer_state's inverse)
+    number = {name: i for i, name in enumerate(name for group in whole["param_groups"] for name in group["params"])}
+    return {
+        "state": {number[name]: value for name, value in whole["state"].items()},
+        "param_groups": [{**group, "params": [number[n] for n in group["params"]]} for group in whole["param_groups"]],
+    }
 
 
 def sharded_state(model, *, ema_model, optimizer):
@@ -653,12 +691,55 @@ def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False
 def model_from_checkpoint(ckpt, **overrides):
     """
     The model a loaded checkpoint describes, with its weights, in eval mode. overrides: ModelConfig fields that
-    keep the weights, such as dropout for a new run from them.
+    keep the weights, such as dropout for a new run from them. A LoRA checkpoint's: its base with the adapters
+    merged in, a plain model (what sample.py, eval.py and export.py use).
     """
+    if "lora" in ckpt:
+        return merge(adapted_model(ckpt, **overrides)).eval()
     # the architecture from the saved settings, then its weights: load_state_dict is strict, so a mismatch raises
     model = build_model(ModelConfig.from_dict({**ckpt["model_config"], **overrides}))
     model.load_state_dict(kept_weights(ckpt))
     return model.eval()
+
+
+def adapted_model(ckpt, lora_dropout=0.0, **overrides):
+    """
+    A LoRA checkpoint's model, unmerged, to train on: its base (load_base), grown to the checkpoint's vocabulary
+    where the run grew it, with the checkpoint's adapters. overrides: ModelConfig fields for the base, as dropout.
+    """
+    record = ckpt["lora"]
+    model = load_base(record["base"], **overrides)
+    if ckpt["model_config"]["vocab_size"] > model.config.vocab_size:
+        grow_vocabulary(model, ckpt["model_config"]["vocab_size"])
+    # the A matrices drawn here are overwritten: a generator of their own leaves the run's generators alone
+    settings = LoRASettings.from_record(record, lora_dropout)
+    add_adapters(model, settings, record["token_rows"], generator=torch.Generator())
+    load_adapters(model, ckpt["weights"])
+    return model
+
+
+def load_base(base, **overrides):
+    """
+    The plain model that LoRA adapters were trained on, from base (an adapter checkpoint's record of it: where it
+    came from, its settings, the fingerprint of its weights): a checkpoint file or folder, or Hugging Face weights.
+    ConfigError with one line if it is gone or has changed since.
+    """
+    where = base["init_from"]
+    fix = "put it back, or fine-tune again from the base you have"
+    if base["source"] == "checkpoint" and not is_checkpoint(where):
+        raise ConfigError(f"the adapters' base checkpoint {where} is not there (moved or deleted?): {fix}")
+    if base["source"] == "pretrained" and Path(where).is_absolute() and not Path(where).is_dir():
+        raise ConfigError(f"the adapters' base folder {where} is not there (moved or deleted?): {fix}")
+    if base["source"] == "checkpoint":
+        model = model_from_checkpoint(load_checkpoint(where), **overrides)
+    else:  # a folder or a hub id, cut to the positions the run used, as start.from_pretrained did
+        model = from_pretrained(where, **{"block_size": base["model_config"]["block_size"], **overrides})
+    if (found := fingerprint(model)) != base["fingerprint"]:
+        raise ConfigError(
+            f"the adapters' base {where} has changed since they were trained on it (its weights' fingerprint is "
+            f"{found}, not {base['fingerprint']}): {fix}"
+        )
+    return model
 
 
 def kept_weights(ckpt):

@@ -7,8 +7,10 @@ How a training run starts, and how a resumed run gets its state back. Four ways 
     from_checkpoint   init_from=FILE (or a sharded FOLDER): another run's weights, ours or nanoGPT's, start a new run
     from_pretrained   init_from=a Hugging Face folder or hub id (GPT-2, Llama, Mistral), to fine-tune
 
-Weights from a checkpoint or Hugging Face decide the model's settings: the Start's settings carry them. Once the
-model is on its devices and the optimizers exist, restore() puts a resume's state back, in one place.
+Weights from a checkpoint or Hugging Face decide the model's settings: the Start's settings carry them. A new run
+from such weights is then fitted to its data (fit_to_data): the vocabulary grown for chat tokens beyond the model's,
+and with lora_rank the base frozen and LoRA adapters added (lora.py). Once the model is on its devices and the
+optimizers exist, restore() puts a resume's state back, in one place.
 """
 
 import contextlib
@@ -27,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 import hf
 import tokens
 from checkpoint import (
+    adapted_model,
     is_checkpoint,
     load_checkpoint,
     load_sharded,
@@ -37,6 +40,7 @@ from checkpoint import (
 )
 from config import ConfigError, one_line, read_config_file
 from data import Objective, make_objective
+from lora import LoRASettings, add_adapters, describe, fingerprint, grow_vocabulary
 from model import MODEL_KEYS, ModelConfig, build_model
 from parallel import log
 
@@ -52,6 +56,7 @@ class Start:
     objective: Objective
     meta: dict  # the tokenizer's meta that the run's checkpoints store (an encoder's includes its [MASK] id)
     ckpt: dict | None = None  # resume: the checkpoint it goes on from (a sharded one without its tensors)
+    lora: dict | None = None  # with LoRA: the checkpoints' record of the adapters and their base (fit_to_data)
 
 
 def start_run(cfg, meta, lazy=False):
@@ -64,9 +69,8 @@ def start_run(cfg, meta, lazy=False):
         return from_scratch(cfg, meta, lazy)
     if cfg.init_from == "resume":
         return resume(cfg, meta, lazy)
-    if is_checkpoint(cfg.init_from):
-        return from_checkpoint(cfg, meta)
-    return from_pretrained(cfg, meta)
+    begin = from_checkpoint(cfg, meta) if is_checkpoint(cfg.init_from) else from_pretrained(cfg, meta)
+    return fit_to_data(begin, meta)
 
 
 def from_scratch(cfg, meta, lazy):
@@ -125,18 +129,37 @@ def resume(cfg, meta, lazy):
     changed = [f"{k}={saved[k]!r}" for k in MODEL_KEYS if getattr(cfg, k) != defaults[k] and given[k] != saved[k]]
     if changed:
         log(f"note: resuming with the checkpoint's model settings: {', '.join(changed)}")
-    # the checkpoint's settings win: its weights fit only the architecture they were trained in
-    cfg = with_model_settings(cfg, config)
+    # the checkpoint's settings win: its weights fit only the architecture they were trained in, its adapters
+    # only their own rank and places
+    cfg = with_lora_settings(with_model_settings(cfg, config), ckpt.get("lora"))
     averaged = "average" in (ckpt["shard_keys"] if "sharded" in ckpt else ckpt)
     if averaged and not cfg.ema_decay and not cfg.eval_only:
         log("note: training goes on from the un-averaged weights; their average is dropped (ema_decay=0)")
     # a resumed run keeps the checkpoint's meta, which already has an encoder's [MASK] id
     objective = make_objective(cfg.arch, meta, cfg.mask_prob)[0]
+    if "lora" in ckpt:  # its base, checked against the fingerprint taken when the run began, and the adapters
+        return Start(cfg, adapted_model(ckpt, cfg.lora_dropout).train(), objective, ckpt["meta"], ckpt, ckpt["lora"])
     with torch.device("meta") if lazy and "sharded" in ckpt else contextlib.nullcontext():
         model = build_model(config)
     if "sharded" not in ckpt:
         model.load_state_dict(ckpt["average" if averaged and cfg.eval_only else "weights"])
     return Start(cfg, model.train(), objective, ckpt["meta"], ckpt)
+
+
+def with_lora_settings(cfg, record):
+    """cfg with the LoRA settings of a checkpoint's record (None: a run without LoRA), noting those the user changed."""
+    saved = {"lora_rank": 0}
+    if record is not None:
+        saved = {
+            "lora_rank": record["rank"],
+            "lora_alpha": record["alpha"],
+            "lora_targets": ",".join(record["targets"]),
+        }
+    defaults = {f.name: f.default for f in fields(cfg)}
+    changed = [f"{k}={v!r}" for k, v in saved.items() if getattr(cfg, k) not in (v, defaults[k])]
+    if changed:
+        log(f"note: resuming with the checkpoint's LoRA settings: {', '.join(changed)}")
+    return replace(cfg, **saved)
 
 
 def other_ids(path, saved, meta, cfg):
@@ -182,8 +205,10 @@ def from_checkpoint(cfg, meta):
     # its architecture and weights; dropout is the new run's (0 to evaluate, 0.1 to fine-tune on little data)
     model = model_from_checkpoint(ckpt, dropout=cfg.dropout).train()
     cfg = with_model_settings(cfg, model.config)
-    # the objective from the dataset, the meta to save from the checkpoint (an encoder's holds its [MASK] id)
-    return Start(cfg, model, make_objective(cfg.arch, meta, cfg.mask_prob)[0], saved_meta)
+    # the objective from the dataset, the meta to save from the checkpoint (an encoder's holds its [MASK] id); a chat
+    # fine-tune's from its data, whose chat tokens and template sample.py --chat needs
+    kept_meta = meta if meta["kind"] == "chat" else saved_meta
+    return Start(cfg, model, make_objective(cfg.arch, meta, cfg.mask_prob)[0], kept_meta)
 
 
 def from_pretrained(cfg, meta):
@@ -236,6 +261,59 @@ def from_pretrained(cfg, meta):
         raise ConfigError(f"init_from={name}: {one_line(e)}") from None
     objective, _, meta = make_objective(cfg.arch, meta, cfg.mask_prob)
     return Start(with_model_settings(cfg, model.config), model, objective, meta)
+
+
+def fit_to_data(begin, meta):
+    """
+    A new run's Start from other weights (a checkpoint, Hugging Face's), fitted to its data (meta): a GPT's token
+    embedding (and untied head) grown to the data's vocabulary where its chat tokens lie beyond the model's (see
+    lora.grow_vocabulary); with lora_rank, the base frozen, LoRA adapters on it, and the record the checkpoints keep
+    of them and of their base.
+    """
+    cfg, model = begin.cfg, begin.model
+    base_vocab = model.config.vocab_size
+    # the base as load_base will load it again to resume or sample: where from, its settings, its weights' fingerprint
+    base = lora_base(cfg, model) if cfg.lora_rank else None
+    if cfg.arch == "gpt" and meta["vocab_size"] > base_vocab:
+        grow_vocabulary(model, meta["vocab_size"])
+        head = "" if model.lm_head.weight is model.body.wte.weight else " and head"
+        log(
+            f"the token embedding{head} grown from {base_vocab:,} to {meta['vocab_size']:,} ids for the data's "
+            "tokens beyond the model's vocabulary; each new row starts as the mean of the old ones"
+        )
+    if not cfg.lora_rank:
+        return begin
+    settings = LoRASettings(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")), cfg.lora_dropout)
+    rows = trained_rows(meta, base_vocab)
+    # seeded alike on every rank: FSDP keeps each rank's shards of the same A matrices
+    add_adapters(model, settings, rows, generator=torch.Generator().manual_seed(cfg.seed))
+    log(describe(model, settings, rows))
+    record = {"rank": settings.rank, "alpha": settings.alpha, "targets": list(settings.targets), "token_rows": rows}
+    return replace(begin, lora={**record, "base": base})
+
+
+def lora_base(cfg, model):
+    """An adapter checkpoint's record of its base: cfg.init_from (absolute if a path), model's settings, fingerprint."""
+    where = Path(cfg.init_from).expanduser()
+    return {
+        "source": "checkpoint" if is_checkpoint(where) else "pretrained",
+        # absolute, so that sample.py finds it from any folder; a hub id as it is
+        "init_from": str(where.resolve()) if where.exists() else cfg.init_from,
+        "model_config": asdict(model.config),
+        "fingerprint": fingerprint(model),
+    }
+
+
+def trained_rows(meta, base_vocab):
+    """
+    The token ids whose rows a LoRA fine-tune trains: the builtin chat template's markers, which no base model
+    learnt (GPT-2 BPE's lie in its padding, never seen), and any id beyond the base's vocabulary. A Hugging Face
+    folder's own template uses tokens its model was trained with: none.
+    """
+    rows = set(range(base_vocab, meta["vocab_size"]))
+    if meta.get("chat", {}).get("template") == "builtin":
+        rows |= {meta["special_tokens"][name] for name in ("system", "user", "assistant", "end_of_turn")}
+    return sorted(rows)
 
 
 def with_model_settings(cfg, config):

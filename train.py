@@ -60,6 +60,7 @@ from data import (
 )
 from devices import DTYPES, keep_freed_memory, peak_flops, pick_threads
 from generate import decoded_pairs
+from lora import TARGETS, adapter_state
 from model import IGNORE_INDEX, MODEL_KEYS, ModelConfig, ModelSettings, build_model
 from parallel import (
     CompiledModel,
@@ -119,6 +120,11 @@ class TrainConfig(ModelSettings):
     beta2: float = 0.95  # AdamW beta2
     grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping (the norm is logged either way)
     ema_decay: float = 0.0  # evaluate, save and sample a moving average of the weights (e.g. 0.99); 0: off
+    # LoRA: fine-tune decoder-only weights (init_from) that stay frozen, through small adapters (lora.py)
+    lora_rank: int = 0  # > 0: train rank-r adapters beside the weights, which stay frozen; 0: off, train every weight
+    lora_alpha: float = 16.0  # the adapters' update is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # dropout on the adapters' input (e.g. 0.05 on little data)
+    lora_targets: str = "attention,mlp"  # the Linears adapted in every block: attention (qkv, proj), mlp (fc, up, proj)
     # learning-rate schedule
     decay_lr: bool = True  # False: constant learning_rate
     lr_schedule: str = "cosine"  # 'cosine': warmup, cosine to min_lr at lr_decay_iters; 'noam': warmup, 1/sqrt(step)
@@ -169,6 +175,7 @@ class TrainConfig(ModelSettings):
             "eval_accuracy_examples",
             "grad_clip",
             "min_lr",
+            "lora_rank",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
@@ -185,10 +192,38 @@ class TrainConfig(ModelSettings):
             raise ConfigError("mask_prob must be in (0, 1) and label_smoothing in [0, 1)")
         if self.lr_schedule == "noam" and self.warmup_iters < 1:
             raise ConfigError("lr_schedule='noam' needs warmup_iters >= 1 (4000 in the paper)")
+        self.check_lora()
         try:  # the model settings, checked now rather than after the data is prepared
             self.model_config(vocab_size=1)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+    def check_lora(self):
+        """The LoRA settings' one-line errors: their values, and what LoRA does not combine with."""
+        targets = self.lora_targets.split(",")
+        if not set(targets) <= set(TARGETS) or len(set(targets)) < len(targets):
+            raise ConfigError(f"lora_targets={self.lora_targets!r} must be 'attention', 'mlp' or 'attention,mlp'")
+        if self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
+            raise ConfigError(
+                f"lora_alpha must be positive and lora_dropout in [0, 1), got {self.lora_alpha}, {self.lora_dropout}"
+            )
+        if not self.lora_rank:
+            return
+        if self.arch != "gpt":
+            raise ConfigError(
+                f"lora_rank is for fine-tuning decoder-only models (arch='gpt'), not arch={self.arch!r}: train an "
+                "encoder or an encoder-decoder whole (lora_rank=0)"
+            )
+        if self.init_from == "scratch":
+            raise ConfigError(
+                "lora_rank adapts trained weights, which init_from='scratch' has none of: give --init_from a "
+                "checkpoint, a nanoGPT checkpoint or a Hugging Face folder (or 'resume')"
+            )
+        if self.optimizer == "muon" or self.ema_decay:
+            raise ConfigError(
+                "lora_rank trains small adapters with AdamW: optimizer='muon' (whole matrices) and ema_decay (an "
+                "average of every weight) do not apply; use optimizer='adamw' and ema_decay=0"
+            )
 
     def model_config(self, vocab_size, pad_token_id=None):
         """The ModelConfig these settings describe, for a vocabulary of vocab_size ids."""
@@ -219,6 +254,7 @@ class Run:
     stop: "StopRequest"  # defined with setup's stages below
     host_group: object  # a gloo group for numbers the host already has; None in one process
     clock: Clock  # the run's training time, which max_minutes budgets
+    lora: dict | None = None  # with lora_rank: the checkpoints' record of the adapters and their base (start.py)
     start_iter: int = 0
     best_val_loss: float = math.inf
     resumed: bool = False
@@ -324,6 +360,7 @@ def setup(cfg, rt, stack):
         host_group=host_group,
         # started last, so that the time budget counts the loop's time: a resume goes on from the time saved
         clock=Clock(0.0 if begin.ckpt is None else begin.ckpt.get("train_seconds", 0.0)),
+        lora=begin.lora,
         start_iter=0 if begin.ckpt is None else begin.ckpt["iter_num"],
         best_val_loss=math.inf if begin.ckpt is None else begin.ckpt["best_val_loss"],
         resumed=begin.ckpt is not None,
@@ -712,11 +749,14 @@ def evaluate_and_save(run, iter_num, last):
         run.best_val_loss = result["val"]
         if rt.fsdp:
             check_shards_finite([run.models.kept], rt, iter_num)
-        # under FSDP, gathered one tensor at a time onto rank 0's CPU: the optimizer's state is never gathered
-        weights = whole_weights(run.models.kept, rt)
+        # under FSDP, gathered one tensor at a time onto rank 0's CPU: the optimizer's state is never gathered.
+        # With LoRA, the adapters alone (gathered on every rank)
+        weights = whole_weights(run.models.kept, rt) if run.lora is None else adapter_state(run.models.kept)
         if rt.rank == 0:
             role = "weights" if run.models.average is None else "average"
-            state = weights_state(weights, run.models.raw.config, cfg, run.meta, iter_num, run.best_val_loss, role)
+            state = weights_state(
+                weights, run.models.raw.config, cfg, run.meta, iter_num, run.best_val_loss, role, lora=run.lora
+            )
             save_checkpoint(state, Path(cfg.out_dir) / "best.pt")
         saved.append("best.pt")
     # after the last step main saves ckpt.pt anyway, with the final state
@@ -827,8 +867,10 @@ def exact_match(model, pairs, rows, objective, cfg, rt):
 def save_training_state(run, iter_num):
     """
     ckpt.pt: everything a resume needs (every rank takes part: their RNG states are gathered). Under FSDP, a
-    sharded checkpoint (a folder) that every rank writes its part of: no rank ever holds the whole model or optimizer.
+    sharded checkpoint (a folder) that every rank writes its part of: no rank ever holds the whole model or optimizer;
+    with LoRA one file still, of the adapters and their optimizer state only.
     """
+    sharded = run.rt.fsdp and run.lora is None
     state = training_state(
         run.models.raw,
         ema_model=run.models.average,
@@ -842,10 +884,11 @@ def save_training_state(run, iter_num):
         sampler_state=run.batches.resume_state,
         device=run.rt.device,
         world_size=run.rt.world_size,
-        sharded=run.rt.fsdp,
+        sharded=sharded,
+        lora=run.lora,
     )
     path = Path(run.cfg.out_dir) / "ckpt.pt"
-    if run.rt.fsdp:
+    if sharded:
         check_shards_finite([m for m in (run.models.raw, run.models.average) if m is not None], run.rt, iter_num)
         tensors = sharded_state(run.models.raw, ema_model=run.models.average, optimizer=run.optimizers["adamw"])
         save_sharded(tensors, state, path, run.rt.rank)
