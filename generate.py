@@ -19,6 +19,7 @@ Shape letters as in model.py (B batch, T length, V vocabulary, K beams...).
 import torch
 
 from model import IGNORE_INDEX
+from tokens import final_reply
 
 # -----------------------------------------------------------------------------
 # The next token
@@ -321,26 +322,15 @@ def reply_tokens(
         x, _ = model.body(token, cache=cache)
 
 
-def final_reply(ids, is_target):
-    """
-    (prompt, reference) of a conversation's ids (a list) and loss-target flags: the reference is the last run of
-    targets (the final assistant reply and the end-of-turn closing it), the prompt every id before it.
-    """
-    end = max(i for i, target in enumerate(is_target) if target) + 1
-    start = end
-    while start > 0 and is_target[start - 1]:
-        start -= 1
-    return ids[:start], ids[start:end]
-
-
 def decoded_replies(model, conversations, stop_tokens, *, vocab_size=None):
     """
-    Greedily decode the final reply of each (ids, is_target) conversation from the turns before it; yield (output,
+    Greedily decode the final reply of each (ids, is_target) conversation (arrays, as tokens.Conversations holds
+    them) from the turns before it (tokens.final_reply); yield (output,
     reference) lists of ids, each through its end-of-turn: exact match is output == reference. A reply may run to
     block_size. A generator: the caller's torch.autocast, if any, must hold while it is iterated.
     """
     for ids, is_target in conversations:
-        prompt, reference = final_reply(list(ids), list(is_target))
+        prompt, reference = final_reply(ids.tolist(), is_target)
         room = model.config.block_size - len(prompt) + 1  # the last id is sampled, never fed
         with torch.no_grad():
             output = list(reply_tokens(model, model.new_cache(), prompt, room, set(stop_tokens), vocab_size=vocab_size))

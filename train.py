@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import tokens
+from chat import ChatFormat
 from checkpoint import (
     all_finite,
     nonfinite_weights,
@@ -59,7 +60,7 @@ from data import (
     seq2seq_batch,
 )
 from devices import DTYPES, keep_freed_memory, peak_flops, pick_threads
-from generate import decoded_pairs
+from generate import decoded_pairs, decoded_replies
 from lora import TARGETS, adapter_state
 from model import IGNORE_INDEX, MODEL_KEYS, ModelConfig, ModelSettings, build_model
 from parallel import (
@@ -108,7 +109,7 @@ class TrainConfig(ModelSettings):
     # objective
     mask_prob: float = 0.15  # encoder: fraction of tokens to predict; 80% shown as [MASK], 10% random, 10% unchanged
     label_smoothing: float = 0.0  # 0.1 in the 2017 paper; evaluation losses are always plain cross-entropy
-    eval_accuracy_examples: int = 200  # encoder_decoder: val pairs greedily decoded for exact-match accuracy; 0: none
+    eval_accuracy_examples: int = 200  # val pairs (or chat replies with exact answers) greedily decoded: exact match
     # optimizer
     optimizer: str = "adamw"  # 'adamw', or 'muon': Muon for the blocks' matrices, AdamW for the rest
     learning_rate: float = 6e-4  # peak learning rate (of AdamW)
@@ -735,7 +736,8 @@ def evaluate_and_save(run, iter_num, last):
             f"the evaluation at iteration {iter_num} gave {result}; nothing saved, "
             "the last checkpoint is untouched. Lower learning_rate"
         )
-    if run.objective.arch == "encoder_decoder" and cfg.eval_accuracy_examples:
+    # exact answers to decode: an encoder-decoder's targets, or a chat dataset's final replies when they are exact
+    if cfg.eval_accuracy_examples and (run.objective.arch == "encoder_decoder" or run.meta.get("exact_answers")):
         result["accuracy"] = val_accuracy(run)
     # evaluation switched the model to eval mode; training needs its dropout back
     run.models.raw.train()
@@ -827,15 +829,21 @@ def evaluate(model, splits, objective, cfg, rt, byte_lengths=None):
 
 def val_accuracy(run):
     """
-    Exact match of greedy decoding on the first eval_accuracy_examples val pairs, with the kept model. Under FSDP
+    Exact match of greedy decoding on the first eval_accuracy_examples val pairs (or chat conversations, whose final
+    replies are decoded from the turns before them), with the kept model. Under FSDP
     rank 0 decodes them all with the weights gathered: decoding stops at different steps on different ranks,
     and a sharded model's every forward pass is a collective.
     """
     cfg, rt = run.cfg, run.rt
-    pairs, usable = run.splits["val"]
+    if run.objective.chat:
+        # the conversations in their file's order (the split keeps them by length); a reply ends at an end-of-turn
+        examples, usable = run.splits["val"].conversations, np.sort(run.splits["val"].order)
+        stop = ChatFormat.from_meta(run.meta).end_of_turn
+    else:
+        (examples, usable), stop = run.splits["val"], ()
     rows = usable[: cfg.eval_accuracy_examples]
     if not rt.fsdp:
-        return exact_match(run.models.kept, pairs, rows, run.objective, cfg, rt)
+        return exact_match(run.models.kept, examples, rows, run.objective, cfg, rt, stop)
     weights, correct = whole_weights(run.models.kept, rt), 0.0
     if rt.rank == 0:
         with torch.random.fork_rng(devices=[]):  # its initial values are overwritten: they must not move rank 0's RNG
@@ -843,22 +851,25 @@ def val_accuracy(run):
         model.load_state_dict(weights)
         # a Runtime of one process: exact_match then decodes every pair, in autocast where FSDP would cast
         one = Runtime(device=rt.device, dtype=rt.dtype)
-        correct = exact_match(model.to(rt.device), pairs, rows, run.objective, cfg, one)
+        correct = exact_match(model.to(rt.device), examples, rows, run.objective, cfg, one, stop)
     return all_reduce([correct], rt).item()
 
 
 @torch.no_grad()
-def exact_match(model, pairs, rows, objective, cfg, rt):
+def exact_match(model, examples, rows, objective, cfg, rt, stop_tokens=()):
     """
-    Fraction of the pairs `rows` whose greedy decoding (at most cfg.block_size tokens) equals the reference
-    exactly, over all ranks.
+    Fraction of the examples `rows` whose greedy decoding equals the reference exactly, over all ranks: pairs
+    (at most cfg.block_size tokens), or chat conversations whose final reply is decoded up to one of stop_tokens.
     """
     model.eval()
-    mine = rows[rt.rank :: rt.world_size]  # rank r decodes every world_size-th pair
-    starts = range(0, len(mine), cfg.batch_size)
-    batches = (seq2seq_batch(pairs, mine[i : i + cfg.batch_size], objective) for i in starts)
+    mine = rows[rt.rank :: rt.world_size]  # rank r decodes every world_size-th example
     with rt.autocast():
-        decoded = decoded_pairs(model, batches, objective.bos_id, objective.eos_id, max_len=cfg.block_size)
+        if objective.arch == "encoder_decoder":
+            starts = range(0, len(mine), cfg.batch_size)
+            batches = (seq2seq_batch(examples, mine[i : i + cfg.batch_size], objective) for i in starts)
+            decoded = decoded_pairs(model, batches, objective.bos_id, objective.eos_id, max_len=cfg.block_size)
+        else:
+            decoded = decoded_replies(model, (examples[int(i)] for i in mine), stop_tokens)
         correct = sum(output == reference for output, reference in decoded)
     correct, total = all_reduce([correct, len(mine)], rt).tolist()
     return correct / max(total, 1)

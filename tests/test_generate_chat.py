@@ -1,10 +1,11 @@
-"""generate.py's conversation pieces: replies decoded from a KV cache kept across turns, checked against full
-forward passes that recompute every position, and the final reply that exact match scores."""
+"""generate.py's conversation pieces: replies decoded from a KV cache kept across turns, and the final replies that
+exact match scores, checked against full forward passes that recompute every position."""
 
+import numpy as np
 import pytest
 import torch
 
-from generate import ChatSession, decoded_replies, final_reply
+from generate import ChatSession, decoded_replies
 from model import GPT, ModelConfig
 
 SYSTEM, USER, ASSISTANT, END = 0, 1, 2, 3  # the toy template's role and end-of-turn ids
@@ -113,12 +114,6 @@ def test_a_reply_that_reaches_block_size_says_so_and_a_message_that_cannot_fit_i
     assert session.messages == [] and session.cache[0][0].length == 0
 
 
-def test_final_reply_is_the_last_run_of_targets():
-    ids = [1, 7, 8, 3, 2, 9, 3, 1, 5, 3, 2, 6, 6, 3]
-    targets = [False, False, False, False, False, True, True, False, False, False, False, True, True, True]
-    assert final_reply(ids, targets) == ([1, 7, 8, 3, 2, 9, 3, 1, 5, 3, 2], [6, 6, 3])
-
-
 def test_decoded_replies_greedily_answer_the_last_turn():
     model, fmt = tiny_gpt(), ToyFormat()
     conversations = []
@@ -126,8 +121,8 @@ def test_decoded_replies_greedily_answer_the_last_turn():
         ids, targets = fmt.render(
             [{"role": "user", "content": decode(user)}, {"role": "assistant", "content": "\u0105"}]
         )
-        conversations.append((ids, targets))
+        conversations.append((np.array(ids), np.array(targets)))
     for (ids, _), (output, reference) in zip(conversations, decoded_replies(model, conversations, {END})):
-        prompt = ids[:-2]  # the user turn and the assistant's header
+        prompt = ids[:-2].tolist()  # the user turn and the assistant's header
         assert reference == [5, END]
         assert output == greedy_uncached(model, prompt, {END}, model.config.block_size)
