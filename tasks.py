@@ -102,13 +102,13 @@ SYSTEM_PROMPT = "Answer in as few words as you can."
 
 
 @dataclass(frozen=True)
-class Question:
-    """One quiz question: what val holds out (the line asked about, or the sum), the question and its answer."""
+class Line:
+    """A line the quiz asks about: said once in the text, so it has one speaker and one next line."""
 
-    key: tuple
     text: str
-    answer: str
-    then: str | None = None  # next_line: the line after the answer, what FOLLOW_UP asks for; None where there is none
+    speaker: str
+    next_line: str | None  # the next line of the same speech; None for a speech's last
+    then: str | None  # the line after that, which FOLLOW_UP asks for
 
 
 def speeches(text):
@@ -128,44 +128,47 @@ def last_word(line):
     return line.split()[-1].rstrip(".,;:!?-")
 
 
-def line_questions(speech_list, limit):
-    """{kind: [Question]} of the lines that occur once in the text, in speeches that start before offset limit."""
+def quiz_lines(text, limit):
+    """The Lines of the text's speeches that start before offset limit, said once and of two words or more."""
+    speech_list = speeches(text)
     counts = Counter(line for _, lines, _ in speech_list for line in lines)
-    out = {"speaker": [], "next_line": [], "words": [], "last_word": []}
+    found = []
     for speaker, lines, offset in speech_list:
         if offset >= limit:
             break
+        # None past the speech's end
+        after = [*lines[1:], None, None]
         for i, line in enumerate(lines):
-            # a line said once has one speaker and one next line; a short one says too little to ask about
-            if counts[line] != 1 or len(line.split()) < 2 or not last_word(line).isalpha():
-                continue
-            key = ("line", line)
-            out["speaker"].append(Question(key, f"Who speaks this line? {line}", speaker))
-            if i + 1 < len(lines):
-                then = lines[i + 2] if i + 2 < len(lines) else None
-                out["next_line"].append(Question(key, f"What line comes after this one? {line}", lines[i + 1], then))
-            out["words"].append(
-                Question(key, f"How many words are in this line? {line}", number_words(len(line.split())))
-            )
-            out["last_word"].append(Question(key, f"What is the last word of this line? {line}", last_word(line)))
-    return out
+            # a short line says too little to ask about; a last word with an apostrophe or a dash is no clean answer
+            if counts[line] == 1 and len(line.split()) >= 2 and last_word(line).isalpha():
+                found.append(Line(line, speaker, after[i], after[i + 1]))
+    return found
 
 
-def arithmetic_questions():
-    """Every sum the quiz asks, in words: 'What is seven plus five?' -> 'twelve'; no negative answers."""
-    out = []
-    for op, top in OPERATIONS.items():
-        for a in range(top + 1):
-            for b in range(top + 1):
-                if op == "minus" and b > a:
-                    continue
-                result = a + b if op == "plus" else a - b if op == "minus" else a * b
-                out.append(
-                    Question(
-                        ("sum", a, op, b), f"What is {number_words(a)} {op} {number_words(b)}?", number_words(result)
-                    )
-                )
-    return out
+def quiz_sums():
+    """Every sum the quiz asks, as (a, operation, b): no negative answers."""
+    return [
+        (a, op, b)
+        for op, top in OPERATIONS.items()
+        for a in range(top + 1)
+        for b in range(top + 1)
+        if op != "minus" or b <= a
+    ]
+
+
+def quiz_question(kind, item):
+    """(question, answer) of a kind of question about item: a Line, or a sum (a, operation, b)."""
+    if kind == "arithmetic":
+        a, op, b = item
+        result = a + b if op == "plus" else a - b if op == "minus" else a * b
+        return f"What is {number_words(a)} {op} {number_words(b)}?", number_words(result)
+    if kind == "speaker":
+        return f"Who speaks this line? {item.text}", item.speaker
+    if kind == "next_line":
+        return f"What line comes after this one? {item.text}", item.next_line
+    if kind == "words":
+        return f"How many words are in this line? {item.text}", number_words(len(item.text.split()))
+    return f"What is the last word of this line? {item.text}", last_word(item.text)
 
 
 def quiz_length(messages):
@@ -173,23 +176,26 @@ def quiz_length(messages):
     return sum(len(m["content"]) + 2 for m in messages)
 
 
+def exchange(question, answer):
+    """A user's question and the assistant's answer, as messages."""
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
 def quiz_conversation(rng, pools):
     """
-    One conversation drawn with rng from pools ({kind: [Question]}): a question and its answer; then, within
+    One conversation drawn with rng from pools ({kind: [Line or sum]}): a question and its answer; then, within
     QUIZ_BLOCK, sometimes the line after that (next_line) or a second question, and sometimes a system prompt first.
     """
     kinds, weights = list(QUIZ_KINDS), list(QUIZ_KINDS.values())
-    first = rng.choice(pools[rng.choices(kinds, weights)[0]])
-    messages = [{"role": "user", "content": first.text}, {"role": "assistant", "content": first.answer}]
+    first_kind, second_kind = rng.choices(kinds, weights, k=2)
+    first, second = rng.choice(pools[first_kind]), rng.choice(pools[second_kind])
     # every draw is made whether or not its part is used, so one conversation's length never shifts the next one's
-    second = rng.choice(pools[rng.choices(kinds, weights)[0]])
     follow, another, system = rng.random() < 0.5, rng.random() < 0.2, rng.random() < 0.1
-    if follow and first.then is not None:
-        more = [{"role": "user", "content": FOLLOW_UP}, {"role": "assistant", "content": first.then}]
-    elif another:
-        more = [{"role": "user", "content": second.text}, {"role": "assistant", "content": second.answer}]
+    messages = exchange(*quiz_question(first_kind, first))
+    if follow and first_kind == "next_line" and first.then is not None:
+        more = exchange(FOLLOW_UP, first.then)
     else:
-        more = []
+        more = exchange(*quiz_question(second_kind, second)) if another else []
     if more and quiz_length(messages + more) <= QUIZ_BLOCK:
         messages += more
     if system and quiz_length(messages) + len(SYSTEM_PROMPT) + 2 <= QUIZ_BLOCK:
@@ -202,20 +208,25 @@ def quiz_conversations(text, num_train, num_val, seed):
     {"val": [...], "train": [...]}: num_val and num_train quiz conversations (lists of {"role", "content"}) about
     `text` (tiny Shakespeare), drawn from seed. Lines are asked about from the text's first QUIZ_TRAIN_SHARE (the
     part a shakespeare_char model was trained on); a QUIZ_VAL_SHARE of those lines, and of the sums, is asked
-    about in val only, so no val question is ever a train question.
+    about in val only, so that no val question is ever a train question.
     """
-    questions = line_questions(speeches(text), int(len(text) * QUIZ_TRAIN_SHARE))
-    if not questions["speaker"]:
+    lines = quiz_lines(text, int(len(text) * QUIZ_TRAIN_SHARE))
+    if not lines:
         raise ValueError("the text holds no speeches laid out as tiny Shakespeare's ('NAME:', lines, a blank line)")
-    questions["arithmetic"] = arithmetic_questions()
     rng = random.Random(seed)
-    held = set()
-    # lines and sums held out apart, so that val asks both in the proportions train does
-    for family in ([q.key for q in questions["speaker"]], [q.key for q in questions["arithmetic"]]):
-        rng.shuffle(family)
-        held.update(family[: round(len(family) * QUIZ_VAL_SHARE)])
-    out = {}
+    out, held = {}, {}
+    for name, items in (("lines", lines), ("sums", quiz_sums())):
+        # shuffled apart, so that val asks about lines and sums in the proportions train does
+        order = list(range(len(items)))
+        rng.shuffle(order)
+        cut = round(len(items) * QUIZ_VAL_SHARE)
+        held[name] = {"val": [items[k] for k in order[:cut]], "train": [items[k] for k in order[cut:]]}
     for split, n in (("val", num_val), ("train", num_train)):
-        pools = {kind: [q for q in qs if (q.key in held) == (split == "val")] for kind, qs in questions.items()}
+        chosen = held["lines"][split]
+        pools = {kind: chosen for kind in ("speaker", "words", "last_word")}
+        pools |= {
+            "next_line": [line for line in chosen if line.next_line is not None],
+            "arithmetic": held["sums"][split],
+        }
         out[split] = [quiz_conversation(rng, pools) for _ in range(n)]
     return out
