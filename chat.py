@@ -420,3 +420,16 @@ class TemplateChat(ChatFormat):
                     break
                 k += 1
         return ids, targets
+
+
+def model_format(meta, source):
+    """
+    The ChatFormat of a model that sample.py or eval.py loaded from `source` (their init_from) with this meta: the
+    meta's own template (a model fine-tuned on chat data), else the template of the Hugging Face folder `source`
+    names (an instruct model as it was published). ValueError saying how to get one when neither has a template.
+    """
+    folder = Path(source).expanduser()
+    if "chat" not in meta and folder.is_dir():
+        found = folder_chat(folder)
+        meta = meta if found is None else {**meta, "chat": found}
+    return ChatFormat.from_meta(meta)

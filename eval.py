@@ -1,12 +1,14 @@
 """
 Evaluate a checkpoint of train.py, or Hugging Face weights: a language model's loss, perplexity and bits per byte
-over a whole dataset split or any text file, a masked-LM encoder's masked loss, HellaSwag accuracy, and an
-encoder-decoder's exact match and token accuracy over a split's pairs.
+over a whole dataset split or any text file, a masked-LM encoder's masked loss, HellaSwag accuracy, an
+encoder-decoder's exact match and token accuracy over a split's pairs, and a chat model's loss on the assistant's
+tokens and exact match of its greedy replies.
 
     python eval.py --out_dir=out-shakespeare                          # the val split of the data it trained on
     python eval.py --out_dir=out-shakespeare --input=hamlet.txt       # any UTF-8 text, with the model's tokenizer
     python eval.py --init_from=gpt2 --task=hellaswag --input=hellaswag_val.jsonl
     python eval.py --out_dir=out-reverse --split=test --beam_size=4
+    python eval.py --out_dir=out-chat-shakespeare                     # a chat model: its dataset's val split
     python eval.py --help
 """
 
@@ -22,16 +24,27 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import prepare_data
+from chat import model_format
 from checkpoint import load_model, run_checkpoint
 from config import parse_config
-from data import Objective, mask_tokens, seq2seq_batch
+from data import Objective, chat_batch, mask_tokens, seq2seq_batch
 from devices import DTYPES, autocast, resolve_device, resolve_dtype
-from generate import decoded_pairs, start_ids
+from generate import decoded_pairs, decoded_replies, start_ids
 from model import IGNORE_INDEX
-from tokens import MIRROR_ENV, dataset_dir, load_meta, load_pairs, load_tokens, token_byte_lengths
+from tokens import (
+    MIRROR_ENV,
+    dataset_dir,
+    load_conversations,
+    load_meta,
+    load_pairs,
+    load_tokens,
+    token_byte_lengths,
+)
 
-# "auto" is seq2seq for an encoder-decoder and lm for the others; hellaswag is asked for by name
-TASKS = ("auto", "lm", "seq2seq", "hellaswag")
+# "auto" is seq2seq for an encoder-decoder, chat for a GPT fine-tuned on conversations, lm for the others; hellaswag
+# is asked for by name
+TASKS = ("auto", "lm", "seq2seq", "chat", "hellaswag")
 SPLITS = ("train", "val", "test")
 HELLASWAG_FILE = "hellaswag_val.jsonl"
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -43,9 +56,10 @@ class EvalConfig:
     out_dir: str = "out-shakespeare"  # the folder train.py wrote its checkpoints to
     checkpoint: str = ""  # which file of out_dir: "" the best weights (best.pt, else ckpt.pt), "ckpt.pt" the latest
     dataset: str = ""  # nanoGPT character-level checkpoints only: the prepared dataset of their characters
-    task: str = "auto"  # "lm": loss, perplexity, bits per byte; "seq2seq": exact match; "hellaswag"; "auto": by arch
+    task: str = "auto"  # "lm": loss, perplexity, bits per byte; "seq2seq", "chat": exact match; "hellaswag"; "auto"
     split: str | None = None  # "train", "val" or (seq2seq) "test" of the data the model was trained on; None: val
-    input: str = ""  # lm: a UTF-8 text file instead of a split; hellaswag: its jsonl (else $NANOFORMER_DATA_MIRROR's)
+    input: str = ""  # lm: a UTF-8 text file instead of a split; chat: a conversations file; hellaswag: its jsonl
+    exact_match: bool | None = None  # chat: greedily decode each final reply, compare; None: if the data's are exact
     data_dir: str | None = None  # where the datasets are; None: the run's (out_dir/config.json), else as in train.py
     stride: int | None = None  # GPT: a window every stride tokens, scoring only its last stride; None: block_size
     mask_prob: float = 0.15  # encoder: the fraction of positions masked and predicted, as in training
@@ -337,6 +351,67 @@ def evaluate_seq2seq(model, meta, cfg, progress):
 
 
 # -----------------------------------------------------------------------------
+# Chat: the assistant's tokens, and exact answers
+
+
+def chat_conversations(cfg, meta, chat_format, block_size):
+    """
+    (conversations as (ids, targets) arrays, what they are, how many were left out): a conversations file (--input,
+    rendered with the model's template, those it cannot use counted) or a split of the chat data the model was
+    trained on, in both cases those that fit block_size.
+    """
+    if cfg.input:
+        left_out, conversations = prepare_data.LeftOut(), []
+        for where, record in prepare_data.chat_records(Path(cfg.input).expanduser()):
+            try:
+                ids, targets = prepare_data.encode_conversation(record, chat_format, block_size)
+            except prepare_data.BadConversation as err:
+                left_out.add(str(err), where)
+                continue
+            conversations.append((np.asarray(ids), np.asarray(targets, dtype=np.uint8)))
+        if not conversations:
+            raise ValueError(f"{cfg.input} holds no conversation this model can score: {left_out.describe()}")
+        return conversations, cfg.input, left_out.bad()
+    split = cfg.split or "val"
+    folder = dataset_folder(cfg, meta)
+    if split == "test":
+        raise ValueError(f"{folder.name} is a chat dataset: its splits are train and val, not test")
+    stored = load_conversations(folder, split)
+    # a conversation of n ids is n - 1 inputs and targets
+    fits = [i for i, n in enumerate(np.diff(stored.index)) if n <= block_size + 1]
+    if not fits:
+        raise ValueError(f"no {split} conversation of {folder.name} fits the model's block_size={block_size}")
+    return [stored[i] for i in fits], f"{folder.name} {split}", len(stored) - len(fits)
+
+
+def evaluate_chat(model, tokenizer, meta, cfg, progress):
+    """
+    A chat model's loss on the assistant's tokens (teacher-forced, per target) and, where the replies are exact
+    answers (the dataset's meta says so, or --exact_match), the exact match of its greedy final replies.
+    """
+    chat_format = model_format(meta, cfg.init_from)
+    conversations, data, left_out = chat_conversations(cfg, meta, chat_format, model.config.block_size)
+    conversations = conversations[: cfg.limit]
+    device = next(model.parameters()).device
+    # batches of conversations of about one length, so that little of each is padding
+    order = np.argsort([len(ids) for ids, _ in conversations], kind="stable")
+    nats, count = 0.0, 0
+    for i in range(0, len(order), cfg.batch_size):
+        inputs, targets = chat_batch(conversations, order[i : i + cfg.batch_size])
+        count += int((targets != IGNORE_INDEX).sum())
+        _, loss = model(inputs.to(device), targets.to(device), reduction="sum", return_logits=False)
+        nats += loss.item()
+    results = {"data": data, "conversations": len(conversations), "left_out": left_out, "targets": count}
+    results["loss"] = nats / count
+    exact = meta.get("exact_answers", False) if cfg.exact_match is None else cfg.exact_match
+    if exact:
+        replies = decoded_replies(model, conversations, chat_format.end_of_turn, vocab_size=tokenizer.vocab_size)
+        bar = tqdm(replies, total=len(conversations), unit="reply", file=sys.stderr, disable=not progress)
+        results["exact_match"] = sum(output == reference for output, reference in bar) / len(conversations)
+    return results
+
+
+# -----------------------------------------------------------------------------
 # HellaSwag
 
 
@@ -499,9 +574,15 @@ def evaluate_hellaswag(model, tokenizer, items, cfg, path, progress):
 # The command line
 
 
-def check_task(cfg, arch):
-    """The task that cfg asks of a model of this arch ("auto" resolved); ValueError for one it cannot do."""
-    task = cfg.task if cfg.task != "auto" else "seq2seq" if arch == "encoder_decoder" else "lm"
+def check_task(cfg, arch, meta):
+    """The task that cfg asks of a model of this arch and meta ("auto" resolved); ValueError for one it cannot do."""
+    task = cfg.task
+    if task == "auto":
+        task = "seq2seq" if arch == "encoder_decoder" else "chat" if meta.get("kind") == "chat" else "lm"
+    if task == "chat" and arch != "gpt":
+        raise ValueError(f"task=chat scores a GPT's replies; this checkpoint's arch is {arch}")
+    if cfg.exact_match is not None and task != "chat":
+        raise ValueError(f"--exact_match applies to task=chat (a chat model's replies), not to task={task}")
     if task == "hellaswag" and arch != "gpt":
         raise ValueError(
             f"HellaSwag scores endings by a causal language model's likelihood; this checkpoint's arch is {arch}"
@@ -550,7 +631,7 @@ def main(cfg, out=None):
         device=device,
         compile=cfg.compile,
     )
-    task = check_task(cfg, model.config.arch)
+    task = check_task(cfg, model.config.arch, meta)
     progress = sys.stderr.isatty() if cfg.progress is None else cfg.progress
     source = cfg.init_from if cfg.init_from != "resume" else str(run_checkpoint(cfg.out_dir, cfg.checkpoint))
     results = {"model": source, "arch": model.config.arch, "task": task}
@@ -560,6 +641,8 @@ def main(cfg, out=None):
             results |= evaluate_hellaswag(model, tokenizer, items, cfg, path, progress)
         elif task == "seq2seq":
             results |= evaluate_seq2seq(model, meta, cfg, progress)
+        elif task == "chat":
+            results |= evaluate_chat(model, tokenizer, meta, cfg, progress)
         else:
             results |= evaluate_lm(model, tokenizer, meta, cfg, progress)
     print(json.dumps(results) if cfg.json else format_results(results), file=out)

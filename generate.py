@@ -366,7 +366,7 @@ class ChatSession:
         fits block_size (the message is then not added).
         """
         block = self.model.config.block_size
-        prompt, _ = self.format.render([*self.messages, {"role": "user", "content": text}], add_generation_prompt=True)
+        prompt = self.format.prompt_ids([*self.messages, {"role": "user", "content": text}])
         if len(prompt) >= block:
             raise ValueError(
                 f"the conversation would be {len(prompt)} tokens, and the model reads {block} (block_size): "

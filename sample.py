@@ -7,9 +7,12 @@ is generate.py's; this file reads the prompt, prints what comes out and draws th
     python sample.py --init_from=gpt2 --start "The meaning of life is" --top_p=0.9
     python sample.py --init_from=/models/TinyLlama-1.1B --start "ROMEO:"   # a folder with its tokenizer.json
     python sample.py --out_dir=out-reverse --start "hello" --beam_size=4
+    python sample.py --out_dir=out-chat --chat                          # talk to it: /reset, /quit
+    python sample.py --out_dir=out-chat --chat --start "What is two plus three?"   # one answer, then exit
     python sample.py --help
 """
 
+import itertools
 import math
 import sys
 from dataclasses import dataclass
@@ -17,10 +20,11 @@ from pathlib import Path
 
 import torch
 
+from chat import model_format
 from checkpoint import load_model
 from config import parse_config
 from devices import DTYPES, autocast, resolve_device, resolve_dtype
-from generate import check_sampling_args, generate_stream, start_ids, translate, until_stop
+from generate import ChatSession, check_sampling_args, generate_stream, start_ids, translate, until_stop
 from tasks import solve
 
 MASK = "[MASK]"  # what the encoder's prompt writes where a token is to be filled in
@@ -34,6 +38,8 @@ class SampleConfig:
     checkpoint: str = ""  # which file of out_dir: "" the best weights (best.pt, else ckpt.pt), "ckpt.pt" the latest
     dataset: str = ""  # nanoGPT character-level checkpoints only: the prepared dataset of their characters
     start: str = ""  # the prompt; "FILE:path" reads a file; "" starts from end-of-text (bos, or a newline)
+    chat: bool = False  # GPT with a chat template: talk to it turn by turn (--start: answer that message, then exit)
+    system: str = ""  # chat: the system prompt that opens the conversation
     num_samples: int = 1  # GPT: continuations drawn, all in one batch
     max_new_tokens: int = 500  # GPT: tokens added to each sample; encoder-decoder: the longest output (<= block_size)
     temperature: float = 0.8  # GPT: divides the logits; < 1 sharper, > 1 flatter, 0 picks the likeliest (greedy)
@@ -60,6 +66,10 @@ class SampleConfig:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.chat and self.num_samples > 1:
+            raise ValueError(f"chat replies one message at a time: drop --num_samples={self.num_samples}")
+        if self.system and not self.chat:
+            raise ValueError("--system is the system prompt of a chat: add --chat")
         if self.stream and self.num_samples > 1:
             raise ValueError(
                 f"stream=True prints one sample as it grows; set num_samples=1 (got {self.num_samples}) or stream=False"
@@ -184,19 +194,22 @@ def sample_gpt(model, prompt, cfg, stop_token, generator, vocab_size):
 
 
 def print_stream(steps, shown, tokenizer, stop_token, out):
+    """Print one sample as its (1, 1) steps arrive, up to stop_token; returns its new ids. See print_tokens."""
+    return print_tokens(
+        itertools.takewhile(lambda t: t != stop_token, (s[0, 0].item() for s in steps)), shown, tokenizer, out
+    )
+
+
+def print_tokens(tokens, shown, tokenizer, out):
     """
-    Print one sample as its tokens arrive; returns its new ids. shown: the prompt ids to print first.
+    Print text as its ids (an iterator of ints) arrive; returns them. shown: the prompt ids to print first.
     The whole sequence is decoded each step and only the new text printed, and text ending in an
     incomplete UTF-8 character (which BPE splits over several tokens) waits for the next token.
     """
     ids = list(shown)
     printed = tokenizer.decode(ids)
     print(printed, end="", file=out, flush=True)
-    for step in steps:
-        # step is (1, 1): one sample, one new token
-        token = step[0, 0].item()
-        if token == stop_token:
-            break
+    for token in tokens:
         ids.append(token)
         text = tokenizer.decode(ids)
         # U+FFFD: tiktoken's (and a byte-level tokenizer.json's) stand-in for an incomplete character; wait for the rest
@@ -206,6 +219,68 @@ def print_stream(steps, shown, tokenizer, stop_token, out):
     # whatever was held back, then the final newline
     print(tokenizer.decode(ids)[len(printed) :], file=out)
     return ids[len(shown) :]
+
+
+# -----------------------------------------------------------------------------
+# GPT: chat
+
+
+CHAT_HELP = "type a message and press Enter; /reset starts a new conversation, /quit (or Ctrl-D) ends"
+
+
+def chat(model, tokenizer, meta, cfg, out):
+    """
+    GPT: a conversation in the terminal, each reply streamed as it comes and the KV cache kept from turn to turn;
+    with --start, the reply to that one message.
+    """
+    session = ChatSession(
+        model,
+        model_format(meta, cfg.init_from),
+        system=cfg.system,
+        max_new_tokens=cfg.max_new_tokens,
+        vocab_size=tokenizer.vocab_size,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        # seeded, on the model's device: the same seed and messages give the same replies
+        generator=torch.Generator(next(model.parameters()).device).manual_seed(cfg.seed),
+    )
+    if cfg.start:
+        return answer(session, read_prompt(cfg.start), tokenizer, out)
+    print(CHAT_HELP, file=sys.stderr)
+    while True:
+        try:
+            text = input("> ")
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: the end, not an error
+            print(file=out)
+            return
+        command = text.strip().lower()
+        if command in ("/quit", "/exit"):
+            return
+        if command == "/reset":
+            session.reset()
+            print("(a new conversation)", file=sys.stderr)
+        elif command.startswith("/"):
+            print(f"unknown command {command}: {CHAT_HELP}", file=sys.stderr)
+        elif command:
+            try:
+                answer(session, text, tokenizer, out)
+            except ValueError as err:  # the conversation outgrew block_size: say so, and keep the prompt
+                print(f"note: {err}", file=sys.stderr)
+
+
+def answer(session, text, tokenizer, out):
+    """Stream the session's reply to text; a reply cut short says why on stderr."""
+    print_tokens(session.reply(text, tokenizer.decode), [], tokenizer, out)
+    if session.ended == "block_size":
+        block = session.model.config.block_size
+        print(
+            f"note: the reply was cut where the conversation reached the model's block_size={block} tokens; "
+            "/reset starts a new conversation",
+            file=sys.stderr,
+        )
+    elif session.ended == "max_new_tokens":
+        print(f"note: the reply was cut at --max_new_tokens={session.max_new_tokens}", file=sys.stderr)
 
 
 # -----------------------------------------------------------------------------
@@ -371,8 +446,8 @@ def token_ticks(labels):
 # the options that apply to some architectures only, each with what that architecture does instead
 ARCH_OPTIONS = {
     "gpt": (
-        ("num_samples", "temperature", "top_k", "top_p", "stream", "use_cache"),
-        "sampling (--temperature, --top_k, --top_p, --num_samples) applies to GPT checkpoints only",
+        ("num_samples", "temperature", "top_k", "top_p", "stream", "use_cache", "chat", "system"),
+        "sampling (--temperature, --top_k, --top_p, --num_samples) and --chat apply to GPT checkpoints only",
     ),
     "encoder_decoder": (("beam_size", "length_penalty"), "beam search applies to encoder-decoder checkpoints only"),
     "encoder": (("candidates",), "--candidates applies to encoder (masked LM) checkpoints only"),
@@ -401,6 +476,8 @@ def main(cfg, out=None):
     dtype = resolve_dtype(cfg.dtype, device)
     # read before the slow model load, so a wrong prompt file fails at once
     text = read_prompt(cfg.start)
+    if cfg.chat and cfg.attention:
+        raise ValueError("--attention draws one prompt's maps: drop it with --chat")
     model, tokenizer, meta = load_model(
         cfg.init_from,
         out_dir=cfg.out_dir,
@@ -412,6 +489,9 @@ def main(cfg, out=None):
     # needs the architecture, known only once the model is loaded
     check_options(cfg, model.config.arch)
     # no_grad: no graph kept while generating; autocast: matmuls in cfg's dtype
+    if cfg.chat:
+        with autocast(device, dtype):
+            return chat(model, tokenizer, meta, cfg, out)
     with torch.no_grad(), autocast(device, dtype):
         # each show_* prints its result and returns what attention_panels takes: (src,) or (src, tgt)
         if model.config.arch == "gpt":

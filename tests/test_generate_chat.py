@@ -28,6 +28,9 @@ class ToyFormat:
             ids, targets = ids + [ASSISTANT], targets + [False]
         return ids, targets
 
+    def prompt_ids(self, messages):
+        return self.render(messages, add_generation_prompt=True)[0]
+
 
 def decode(ids):
     """The toy template's text of ids: any id, specials included, reads back as itself."""

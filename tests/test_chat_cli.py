@@ -1,0 +1,184 @@
+"""A chat model end to end: trained on a prepared chat dataset, scored by eval.py and train.py, talked to through
+sample.py --chat; every number checked against full forward passes over explicitly built ids."""
+
+import io
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import eval as evaluate
+import prepare_data
+import sample
+import train
+from checkpoint import load_checkpoint, model_from_checkpoint
+from config import parse_config
+from tokens import Tokenizer, load_conversations, load_meta
+
+QUESTIONS = ["abc", "bca", "cab", "aab", "bba", "cca", "abab", "baba", "acca", "caac", "bcb", "aca"]
+
+
+def conversation(question, answer, *more):
+    """{"messages": user question, assistant answer, then more (question, answer) turns}."""
+    turns = [(question, answer), *more]
+    return {
+        "messages": [m for q, a in turns for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})]
+    }
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+    """A tiny GPT trained on conversations whose answer is "ok" when the question starts with a, else "no"."""
+    root = tmp_path_factory.mktemp("chat")
+    lines = []
+    for k in range(240):
+        q = QUESTIONS[k % len(QUESTIONS)] + "abc"[k % 3] * (k % 4)
+        more = [(q[::-1], "ok" if q[-1] == "a" else "no")] if k % 5 == 0 else []
+        lines.append(json.dumps(conversation(q, "ok" if q[0] == "a" else "no", *more)))
+    (root / "talk.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    folder = prepare_data.prepare(
+        "chat", data_dir=root, input=str(root / "talk.jsonl"), tokenizer="char", exact_answers=True, val_fraction=0.2
+    )
+    cfg = train.TrainConfig(
+        out_dir=str(root / "out"),
+        data_dir=str(root),
+        dataset=folder.name,
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        block_size=48,
+        batch_size=8,
+        gradient_accumulation_steps=1,
+        max_iters=60,
+        eval_interval=60,
+        eval_iters=2,
+        log_interval=100,
+        learning_rate=1e-2,
+        min_lr=1e-3,
+        warmup_iters=0,
+        device="cpu",
+        tensorboard=False,
+        compile=False,
+    )
+    summary = train.main(cfg)
+    return root, folder, summary
+
+
+def model_and_meta(root):
+    ckpt = load_checkpoint(root / "out" / "ckpt.pt")
+    return model_from_checkpoint(ckpt), ckpt["meta"]
+
+
+def builtin_prompt(meta, turns):
+    """The built-in template's ids written out by hand: <user> q <end_of_turn> <assistant> [a <end_of_turn>] ..."""
+    tokenizer, special = Tokenizer.from_meta(meta), meta["special_tokens"]
+    ids = []
+    for question, answer in turns:
+        ids += [special["user"], *tokenizer.encode(question), special["end_of_turn"], special["assistant"]]
+        if answer is not None:
+            ids += [*tokenizer.encode(answer), special["end_of_turn"]]
+    return ids
+
+
+@torch.no_grad()
+def greedy(model, ids, stop):
+    """Greedy decoding by full forward passes over the whole sequence each step, through the stop id (kept)."""
+    out = []
+    while len(ids) + len(out) <= model.config.block_size:
+        token = int(model(torch.tensor([ids + out]))[0][0, -1].argmax())
+        out.append(token)
+        if token == stop:
+            break
+    return out
+
+
+def test_eval_scores_the_assistant_tokens_and_exact_answers_as_explicit_loops_do(chat_run, capsys):
+    root, folder, _ = chat_run
+    model, meta = model_and_meta(root)
+    stop = meta["special_tokens"]["end_of_turn"]
+    results = evaluate.main(parse_config(evaluate.EvalConfig, [f"--out_dir={root / 'out'}", "--checkpoint=ckpt.pt"]))
+    capsys.readouterr()
+    conversations = load_conversations(folder, "val")
+    nats, count, exact = 0.0, 0, 0
+    for i in range(len(conversations)):
+        ids, targets = (a.astype(np.int64) for a in conversations[i])
+        with torch.no_grad():
+            logits, _ = model(torch.tensor(ids[None, :-1]))
+        logprobs = torch.log_softmax(logits[0].double(), dim=-1)
+        # an id is learned where its flag is set; it is predicted from the ids before it
+        learned = np.flatnonzero(targets[1:])
+        nats -= float(logprobs[learned, ids[1:][learned]].sum())
+        count += len(learned)
+        # the final reply: the last run of flagged ids, decoded from everything before it
+        start = max(k for k in range(len(ids)) if not targets[k]) + 1
+        exact += greedy(model, ids[:start].tolist(), stop) == ids[start:].tolist()
+    assert results["task"] == "chat" and results["conversations"] == len(conversations)
+    assert results["targets"] == count
+    assert results["loss"] == pytest.approx(nats / count, rel=1e-5)
+    assert results["exact_match"] == pytest.approx(exact / len(conversations))
+    assert 0 < results["exact_match"]  # the model learned something: the check compares real replies
+
+
+def test_train_reports_the_exact_match_of_its_val_replies(chat_run):
+    root, folder, summary = chat_run
+    model, meta = model_and_meta(root)
+    conversations = load_conversations(folder, "val")
+    stop = meta["special_tokens"]["end_of_turn"]
+    exact = 0
+    for i in range(len(conversations)):
+        ids, targets = (a.astype(np.int64).tolist() for a in conversations[i])
+        start = max(k for k in range(len(ids)) if not targets[k]) + 1
+        exact += greedy(model, ids[:start], stop) == ids[start:]
+    assert summary["evals"][-1]["accuracy"] == pytest.approx(exact / len(conversations))
+
+
+def test_sample_chat_answers_once_and_talks_turn_by_turn(chat_run, monkeypatch, capsys):
+    root, _, _ = chat_run
+    model, meta = model_and_meta(root)
+    tokenizer, stop = Tokenizer.from_meta(meta), meta["special_tokens"]["end_of_turn"]
+
+    def reply(turns):
+        return tokenizer.decode([t for t in greedy(model, builtin_prompt(meta, turns), stop) if t != stop])
+
+    options = [f"--out_dir={root / 'out'}", "--checkpoint=ckpt.pt", "--chat", "--temperature=0"]
+    out = io.StringIO()
+    sample.main(parse_config(sample.SampleConfig, [*options, "--start=abca"]), out=out)
+    assert out.getvalue() == reply([("abca", None)]) + "\n"
+
+    # two turns (the second reads the first), a new conversation, an unknown command, then the end
+    first = reply([("abc", None)])
+    second = reply([("abc", first), ("cab", None)])
+    fresh = reply([("cab", None)])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("abc\ncab\n/reset\ncab\n/what\n/quit\nnever read\n"))
+    out = io.StringIO()
+    sample.main(parse_config(sample.SampleConfig, options), out=out)
+    assert out.getvalue() == f"{first}\n{second}\n{fresh}\n"
+    err = capsys.readouterr().err
+    assert "/reset starts a new conversation" in err and "unknown command /what" in err and "a new conversation" in err
+
+
+def test_chat_mistakes_are_one_line(chat_run, tmp_path, capsys):
+    root, folder, _ = chat_run
+    meta = load_meta(folder)
+    assert meta["kind"] == "chat"
+    for argv, message in [
+        (["--chat", "--num_samples=2"], "one message at a time"),
+        (["--system=be brief"], "add --chat"),
+        (["--chat", "--attention=x.png", "--start=abc"], "drop it with --chat"),
+    ]:
+        assert sample.cli([f"--out_dir={root / 'out'}", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and message in err and err.count("\n") == 1
+    # a model trained on plain text has no template to chat with
+    plain = tmp_path / "plain"
+    ckpt = load_checkpoint(root / "out" / "ckpt.pt")
+    ckpt["meta"] = {k: v for k, v in ckpt["meta"].items() if k != "chat"}
+    plain.mkdir()
+    torch.save(ckpt, plain / "ckpt.pt")
+    assert sample.cli([f"--init_from={plain / 'ckpt.pt'}", "--chat", "--start=abc"]) == 2
+    err = capsys.readouterr().err
+    assert "no chat template" in err and err.count("\n") == 1
+    assert evaluate.cli([f"--out_dir={root / 'out'}", "--task=lm", "--exact_match=True"]) == 2
+    assert "--exact_match applies to task=chat" in capsys.readouterr().err
