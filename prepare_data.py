@@ -33,7 +33,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from chat import ChatFormat, conversation_problem, folder_chat, with_chat_tokens
+from chat import (
+    SPECIAL_TOKENS_MAP,
+    TEMPLATE_FILE,
+    TOKENIZER_CONFIG,
+    ChatFormat,
+    conversation_problem,
+    folder_chat,
+    with_chat_tokens,
+)
 from config import BOOL_WORDS, OPTIONS_USAGE, help_line, one_line
 from tasks import CHARS, MAX_NUMBER, QUIZ_BLOCK, distinct_sources, quiz_conversations, random_source, solve
 from tokens import (
@@ -534,6 +542,10 @@ def translation_inputs(name, opts, root):
     return [path], input_fingerprint([path])
 
 
+# what chat.folder_chat reads from a model folder besides its tokenizer.json (config.json: its eos ids)
+TEMPLATE_FILES = (TEMPLATE_FILE, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, "config.json")
+
+
 def chat_inputs(name, opts, root):
     """The conversation files --input names (required), and their fingerprint."""
     if not opts["input"]:
@@ -541,7 +553,12 @@ def chat_inputs(name, opts, root):
             f'chat needs {INPUT_OPTION}: a JSONL file of {{"messages": [...]}} lines, a directory or a glob'
         )
     files = expand_input(opts["input"])
-    return files, input_fingerprint(files)
+    # a model folder's template and special tokens are inputs too (its tokenizer.json is the option's own file): a
+    # changed template must rebuild the data, as a changed tokenizer does
+    folder = Path(opts["tokenizer"]).expanduser()
+    named = opts["tokenizer"] in ("gpt2", "char") or not folder.is_dir()
+    template = [] if named else [folder / n for n in TEMPLATE_FILES if (folder / n).is_file()]
+    return files, input_fingerprint(files + template)
 
 
 def shakespeare_chat_folder(opts):

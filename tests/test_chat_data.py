@@ -283,6 +283,13 @@ def test_a_model_folders_own_template_and_exact_match_split(tmp_path):
         # the exact-match question: the conversation before the last reply, asking for it; the answer and its end
         assert prompt.tolist() == apply(messages[:-1], prompt=True)
         assert reply.tolist() == reference.encode(messages[-1]["content"], add_special_tokens=False) + [im_end]
+    # up to date: kept; another template in the same folder: prepared again
+    stamp = (folder / "meta.json").stat().st_mtime_ns
+    assert prepare("chat", data_dir=tmp_path, input=str(source), tokenizer=str(model), val_fraction=0.3) == folder
+    assert (folder / "meta.json").stat().st_mtime_ns == stamp
+    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template.replace("\\n", " ")}))
+    prepare("chat", data_dir=tmp_path, input=str(source), tokenizer=str(model), val_fraction=0.3)
+    assert load_meta(folder)["chat"]["template"] == template.replace("\\n", " ")
 
 
 # ----------------------------------------------------------------------------- batches
