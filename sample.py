@@ -447,7 +447,7 @@ def token_ticks(labels):
 ARCH_OPTIONS = {
     "gpt": (
         ("num_samples", "temperature", "top_k", "top_p", "stream", "use_cache", "chat", "system"),
-        "sampling (--temperature, --top_k, --top_p, --num_samples) and --chat apply to GPT checkpoints only",
+        "sampling (--temperature, --top_k, --top_p, --num_samples, --chat) applies to GPT checkpoints only",
     ),
     "encoder_decoder": (("beam_size", "length_penalty"), "beam search applies to encoder-decoder checkpoints only"),
     "encoder": (("candidates",), "--candidates applies to encoder (masked LM) checkpoints only"),

@@ -637,7 +637,11 @@ def test_beam_options_on_a_model_without_beam_search_are_refused(request, capsys
 @pytest.mark.parametrize(
     "arch,option,applies",
     [
-        ("seq2seq", "--temperature=0.5", "sampling (--temperature, --top_k, --top_p, --num_samples) applies to GPT"),
+        (
+            "seq2seq",
+            "--temperature=0.5",
+            "sampling (--temperature, --top_k, --top_p, --num_samples, --chat) applies to GPT",
+        ),
         ("seq2seq", "--num_samples=3", "applies to GPT checkpoints only"),
         ("seq2seq", "--candidates=3", "--candidates applies to encoder"),
         ("encoder", "--top_p=0.9", "applies to GPT checkpoints only"),
