@@ -56,6 +56,7 @@ from data import (
     load_splits,
     micro_seeds,
     model_inputs,
+    padding_fraction,
     pinned,
     seq2seq_batch,
 )
@@ -343,6 +344,9 @@ def setup(cfg, rt, stack):
     batches = TrainBatches(splits["train"], begin.objective, cfg, generator, rt, per_rank)
     stack.callback(batches.close)
     describe_run(cfg, rt, folder.name, models.raw, per_rank, summary)
+    if begin.objective.chat:
+        padding = padding_fraction(splits["train"], cfg.batch_size)
+        log(f"chat batches: whole conversations of about one length, {padding:.1%} of their positions padding")
     return Run(
         cfg=cfg,
         rt=rt,
