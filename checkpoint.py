@@ -708,7 +708,8 @@ def adapted_model(ckpt, lora_dropout=0.0, **overrides):
     where the run grew it, with the checkpoint's adapters. overrides: ModelConfig fields for the base, as dropout.
     """
     record = ckpt["lora"]
-    model = load_base(record["base"], **overrides)
+    # the run's own dropout, which may differ from the base's
+    model = load_base(record["base"], **{"dropout": ckpt["model_config"]["dropout"], **overrides})
     if ckpt["model_config"]["vocab_size"] > model.config.vocab_size:
         grow_vocabulary(model, ckpt["model_config"]["vocab_size"])
     # the A matrices drawn here are overwritten: a generator of their own leaves the run's generators alone
