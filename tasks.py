@@ -91,13 +91,15 @@ def distinct_sources(task, opts):
 # words it has, its last word, and sums asked in words. prepare_data.py's shakespeare_chat writes them; a fine-tuned
 # model's greedy replies are scored by exact match.
 
-QUIZ_BLOCK = 256  # every quiz conversation fits this many characters, chat markers included: the quick-start block
+# the quick-start model's block_size (configs/shakespeare.py): every quiz conversation is at most QUIZ_BLOCK + 1
+# characters, chat markers included, the inputs and targets of QUIZ_BLOCK positions
+QUIZ_BLOCK = 64
 QUIZ_TRAIN_SHARE = 0.9  # lines come from this first share of the text, shakespeare_char's train split
 QUIZ_VAL_SHARE = 0.1  # the share of the lines and sums only val asks about
 # how often each kind of question opens a conversation
 QUIZ_KINDS = {"speaker": 0.15, "next_line": 0.15, "words": 0.2, "last_word": 0.2, "arithmetic": 0.3}
 OPERATIONS = {"plus": 20, "minus": 20, "times": 12}  # the largest operand of each: answers stay within 400
-FOLLOW_UP = "And the line after that?"
+FOLLOW_UP = "And the next?"
 SYSTEM_PROMPT = "Answer in as few words as you can."
 
 
@@ -163,17 +165,22 @@ def quiz_question(kind, item):
         result = a + b if op == "plus" else a - b if op == "minus" else a * b
         return f"What is {number_words(a)} {op} {number_words(b)}?", number_words(result)
     if kind == "speaker":
-        return f"Who speaks this line? {item.text}", item.speaker
+        return f"Who says: {item.text}", item.speaker
     if kind == "next_line":
-        return f"What line comes after this one? {item.text}", item.next_line
+        return f"Next line: {item.text}", item.next_line
     if kind == "words":
-        return f"How many words are in this line? {item.text}", number_words(len(item.text.split()))
-    return f"What is the last word of this line? {item.text}", last_word(item.text)
+        return f"Words in: {item.text}", number_words(len(item.text.split()))
+    return f"Last word: {item.text}", last_word(item.text)
 
 
 def quiz_length(messages):
     """Characters of a conversation in the built-in chat template: each message's text, its role and end markers."""
     return sum(len(m["content"]) + 2 for m in messages)
+
+
+def fits(kind, item):
+    """Whether a question of this kind about item, with its answer, fits QUIZ_BLOCK + 1 characters and markers."""
+    return quiz_length(exchange(*quiz_question(kind, item))) <= QUIZ_BLOCK + 1
 
 
 def exchange(question, answer):
@@ -184,7 +191,8 @@ def exchange(question, answer):
 def quiz_conversation(rng, pools):
     """
     One conversation drawn with rng from pools ({kind: [Line or sum]}): a question and its answer; then, within
-    QUIZ_BLOCK, sometimes the line after that (next_line) or a second question, and sometimes a system prompt first.
+    QUIZ_BLOCK + 1 characters, sometimes the line after that (next_line) or a second question, and sometimes a system
+    prompt first.
     """
     kinds, weights = list(QUIZ_KINDS), list(QUIZ_KINDS.values())
     first_kind, second_kind = rng.choices(kinds, weights, k=2)
@@ -196,9 +204,9 @@ def quiz_conversation(rng, pools):
         more = exchange(FOLLOW_UP, first.then)
     else:
         more = exchange(*quiz_question(second_kind, second)) if another else []
-    if more and quiz_length(messages + more) <= QUIZ_BLOCK:
+    if more and quiz_length(messages + more) <= QUIZ_BLOCK + 1:
         messages += more
-    if system and quiz_length(messages) + len(SYSTEM_PROMPT) + 2 <= QUIZ_BLOCK:
+    if system and quiz_length(messages) + len(SYSTEM_PROMPT) + 2 <= QUIZ_BLOCK + 1:
         messages.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
     return messages
 
@@ -228,5 +236,7 @@ def quiz_conversations(text, num_train, num_val, seed):
             "next_line": [line for line in chosen if line.next_line is not None],
             "arithmetic": held["sums"][split],
         }
+        # only what fits the block as a first question: short lines, most of the sums
+        pools = {kind: [x for x in pool if fits(kind, x)] for kind, pool in pools.items()}
         out[split] = [quiz_conversation(rng, pools) for _ in range(n)]
     return out
