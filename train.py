@@ -331,7 +331,7 @@ def setup(cfg, rt, stack):
 
     # a batch for compile's trial, drawn with a throwaway generator so that the training stream is untouched
     example = get_batch(splits["train"], begin.objective, cfg.batch_size, cfg.block_size, torch.Generator())
-    models = parallelize(begin.model, cfg, rt, model_inputs(*example, rt.device))
+    models = parallelize(begin.model, cfg, rt, model_inputs(*example, rt.device, varying=begin.objective.chat))
     if rt.device.type == "cpu":
         keep_freed_memory()  # for the training steps' buffers, now that the data is prepared and the model built
     optimizers, summary = make_optimizers(models.raw, cfg, rt)
@@ -586,6 +586,7 @@ def train_step(run, iter_num):
         scaler=run.scaler,
         rt=rt,
         label_smoothing=cfg.label_smoothing,
+        varying=run.objective.chat,
     )
 
     # The update: clipped, and skipped where the gradient is not finite; then the average follows the weights
@@ -619,13 +620,13 @@ def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters, schedule="co
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
-def compute_gradients(models, optimizers, batches, *, n_targets, scaler, rt, label_smoothing=0.0):
+def compute_gradients(models, optimizers, batches, *, n_targets, scaler, rt, label_smoothing=0.0, varying=False):
     """
     accumulate_gradients, with the rare path around it: a recompiled graph's backward is compiled at its first use,
     inside backward(); if that fails, the model goes on in eager mode and the step is done again.
     """
     try:
-        return accumulate_gradients(models, batches, n_targets, scaler, rt, label_smoothing)
+        return accumulate_gradients(models, batches, n_targets, scaler, rt, label_smoothing, varying)
     except torch.OutOfMemoryError:
         raise
     except Exception as e:
@@ -638,20 +639,21 @@ def compute_gradients(models, optimizers, batches, *, n_targets, scaler, rt, lab
         models.step.fall_back(e)
     for optimizer in optimizers.values():
         optimizer.zero_grad(set_to_none=True)
-    return accumulate_gradients(models, batches, n_targets, scaler, rt, label_smoothing)  # the model's errors recur
+    return accumulate_gradients(models, batches, n_targets, scaler, rt, label_smoothing, varying)  # errors recur
 
 
-def accumulate_gradients(models, batches, n_targets, scaler, rt, label_smoothing=0.0):
+def accumulate_gradients(models, batches, n_targets, scaler, rt, label_smoothing=0.0, varying=False):
     """
     Forward and backward over this rank's micro-batches with models.step; returns their summed loss. Each summed
     loss is divided by n_targets, the real targets of the whole step on all ranks, and multiplied by world_size to
     undo the ranks' average: the gradient is that of the mean over every target of the step, not a mean of
-    per-micro-batch means. The ranks exchange gradients after the last micro-batch only.
+    per-micro-batch means. The ranks exchange gradients after the last micro-batch only. varying: batches whose
+    length varies (chat), marked dynamic for torch.compile.
     """
     total = torch.zeros((), device=rt.device)
     for i, (inputs, targets) in enumerate(batches):
         with gradient_sync(models, enabled=i == len(batches) - 1):
-            inputs, targets = model_inputs(inputs, targets, rt.device)
+            inputs, targets = model_inputs(inputs, targets, rt.device, varying)
             with rt.autocast():
                 # the model sums the loss itself, in chunks of positions: the (B, T, V) logits never exist whole
                 _, loss = models.step(
