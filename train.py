@@ -817,7 +817,7 @@ def evaluate(model, splits, objective, cfg, rt, byte_lengths=None):
             batches = pool.map(build, [mine[r] if counted[r] else seeds[0] for r in range(rounds)])
             for (inputs, targets, batch_targets, batch_bytes), counts in zip(batches, counted):
                 count, n_bytes = count + batch_targets * counts, n_bytes + batch_bytes * counts
-                inputs, targets = model_inputs(inputs, targets, rt.device)
+                inputs, targets = model_inputs(inputs, targets, rt.device, objective.chat)
                 with rt.autocast():
                     _, loss = model(*inputs, targets, reduction="sum", return_logits=False)
                 total += loss.float() * counts
