@@ -437,3 +437,36 @@ def test_the_rows_trained_are_the_builtin_chat_tokens_and_the_new_ids():
     assert start.trained_rows(gpt2, 50304) == [50257, 50258, 50259, 50260]
     # a folder's own template uses tokens the model knows
     assert start.trained_rows({"vocab_size": 300, "chat": {"template": "{{ x }}"}, "special_tokens": {}}, 300) == []
+
+
+@pytest.fixture(scope="module")
+def chat_root(shakespeare_path, tmp_path_factory):
+    """shakespeare_chat (the quiz, in the built-in template over shakespeare_char's characters), small."""
+    root = tmp_path_factory.mktemp("chat")
+    prepare_data.prepare("shakespeare_chat", data_dir=root, num_train=400, num_val=150)
+    return str(root)
+
+
+def test_a_lora_chat_fine_tune_of_a_character_model_trains_the_chat_rows_and_resumes_exactly(
+    data_root, chat_root, tmp_path
+):
+    main(tiny(data_root, tmp_path / "base", block_size=64, max_iters=2))
+    base = model_from_checkpoint(load_checkpoint(tmp_path / "base" / "ckpt.pt"))
+    chat = dict(dataset="shakespeare_chat", init_from=str(tmp_path / "base" / "ckpt.pt"), eval_interval=2, **LORA)
+    chat.update(batch_size=4, gradient_accumulation_steps=2, eval_accuracy_examples=2, max_iters=4)
+    straight = main(tiny(chat_root, tmp_path / "a", **chat))
+    first = main(tiny(chat_root, tmp_path / "b", **{**chat, "max_iters": 2}))
+    second = main(tiny(chat_root, tmp_path / "b", **{**chat, "init_from": "resume"}))
+    assert {**first["losses"], **second["losses"]} == straight["losses"] and "accuracy" in straight["evals"][-1]
+    ckpt = load_checkpoint(tmp_path / "a" / "ckpt.pt")
+    assert ckpt["lora"]["token_rows"] == [65, 66, 67, 68] and ckpt["model_config"]["vocab_size"] == 69
+    # the run keeps the chat data's meta: its markers and template, for sample.py --chat
+    assert ckpt["meta"]["chat"] == {"template": "builtin"} and ckpt["meta"]["special_tokens"]["end_of_turn"] == 68
+    model, _, meta = load_model("resume", out_dir=str(tmp_path / "a"), checkpoint="ckpt.pt", dataset="", device="cpu")
+    assert meta == ckpt["meta"]
+    # merged: the old rows as the base had them, the chat rows the mean of the old ones plus what they learnt
+    table, old = model.body.wte.weight.detach(), base.body.wte.weight.detach()
+    assert torch.equal(table[:65], old) and model.lm_head.weight is model.body.wte.weight
+    delta = ckpt["weights"]["body.wte.row_delta"]
+    assert delta.abs().min() > 0
+    torch.testing.assert_close(table[65:], old.mean(0) + delta)
