@@ -470,3 +470,23 @@ def test_a_lora_chat_fine_tune_of_a_character_model_trains_the_chat_rows_and_res
     delta = ckpt["weights"]["body.wte.row_delta"]
     assert delta.abs().min() > 0
     torch.testing.assert_close(table[65:], old.mean(0) + delta)
+
+
+def test_hugging_face_gpt2_grows_to_the_chat_tokens(chat_root, tmp_path, capsys):
+    """GPT-2's 50,257 ids, the built-in template's four after them: the vocabulary grows to 50,261, rows trained."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257)
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    prepare_data.prepare("shakespeare_chat", data_dir=chat_root, num_train=400, num_val=150, tokenizer="gpt2")
+    settings = dict(dataset="shakespeare_chat_gpt2", init_from=str(folder), block_size=64, max_iters=2, **LORA)
+    main(tiny(chat_root, tmp_path / "run", batch_size=4, eval_accuracy_examples=0, **settings))
+    assert "the token embedding grown from 50,257 to 50,261 ids" in capsys.readouterr().out
+    ckpt = load_checkpoint(tmp_path / "run" / "ckpt.pt")
+    assert ckpt["lora"]["token_rows"] == [50257, 50258, 50259, 50260] and ckpt["model_config"]["vocab_size"] == 50261
+    # merged: GPT-2's own rows untouched, the head still tied to them
+    model, _, _ = load_model("resume", out_dir=str(tmp_path / "run"), checkpoint="", dataset="", device="cpu")
+    gpt2 = transformers.GPT2LMHeadModel.from_pretrained(folder)
+    assert torch.equal(model.body.wte.weight[:50257], gpt2.transformer.wte.weight)
+    assert model.lm_head.weight is model.body.wte.weight
