@@ -62,7 +62,7 @@ from data import (
 )
 from devices import DTYPES, keep_freed_memory, peak_flops, pick_threads
 from generate import decoded_pairs, decoded_replies
-from lora import TARGETS, adapter_state
+from lora import TARGETS, LoRASettings, adapter_state, add_adapters
 from model import IGNORE_INDEX, MODEL_KEYS, ModelConfig, ModelSettings, build_model
 from parallel import (
     CompiledModel,
@@ -854,6 +854,8 @@ def val_accuracy(run):
     if rt.rank == 0:
         with torch.random.fork_rng(devices=[]):  # its initial values are overwritten: they must not move rank 0's RNG
             model = build_model(run.models.raw.config)
+        if run.lora is not None:  # the gathered weights are the adapted model's: the same adapters to load them into
+            add_adapters(model, LoRASettings.from_record(run.lora), run.lora["token_rows"], generator=torch.Generator())
         model.load_state_dict(weights)
         # a Runtime of one process: exact_match then decodes every pair, in autocast where FSDP would cast
         one = Runtime(device=rt.device, dtype=rt.dtype)

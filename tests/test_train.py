@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import errno
 import io
+import json
 import math
 import os
 import pickle
@@ -1593,6 +1594,9 @@ def test_configs_are_all_tested():
         "reverse.py",
         "translation.py",
         "shakespeare_mlm.py",
+        "chat_shakespeare.py",
+        "chat_gpt2.py",
+        "chat_llama.py",
     }
 
 
@@ -1603,10 +1607,39 @@ def test_gpt2_config_steps_half_a_million_tokens_on_8_gpus(config):
     assert cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size == pytest.approx(0.5e6, rel=0.05)
 
 
+@pytest.fixture(scope="session")
+def talk_jsonl(tmp_path_factory):
+    """A few short conversations in the messages format, standing in for a user's chat file."""
+    path = tmp_path_factory.mktemp("talk") / "talk.jsonl"
+    lines = [
+        json.dumps(
+            {"messages": [{"role": "user", "content": f"{a} and {b}?"}, {"role": "assistant", "content": str(a + b)}]}
+        )
+        for a in range(12)
+        for b in range(5)
+    ]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def char_checkpoint(shakespeare_char_dir, tmp_path_factory):
+    """A few steps of a character-level GPT: the stand-in for the quick-start model that chat_shakespeare tunes."""
+    out = tmp_path_factory.mktemp("char-base")
+    main(tiny(str(shakespeare_char_dir.parent), out, max_iters=2, eval_interval=2, eval_iters=1, tensorboard=False))
+    return out / "ckpt.pt"
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
-def test_shipped_config_runs_shrunk(config, tmp_path, data_root, tiny_gpt2_dir, pairs_tsv):
+def test_shipped_config_runs_shrunk(
+    config, tmp_path, data_root, tiny_gpt2_dir, pairs_tsv, talk_jsonl, char_checkpoint, llama_dir
+):
+    chat = {"input": str(talk_jsonl), "block_size": 32, "val_fraction": 0.2}
     offline = {  # what each config needs in place of the network
         "finetune_shakespeare": [f"--init_from={tiny_gpt2_dir}"],
+        "chat_shakespeare": [f"--init_from={char_checkpoint}"],
+        "chat_gpt2": [f"--init_from={tiny_gpt2_dir}", f"--data_options={chat}"],
+        "chat_llama": [f"--init_from={llama_dir}", f"--data_options={ {**chat, 'tokenizer': str(llama_dir)} }"],
         "gpt2": ["--dataset=shakespeare"],
         "gpt2_modern": ["--dataset=shakespeare"],
         "reverse": [f"--data_options={REVERSE}"],
@@ -1621,9 +1654,13 @@ def test_shipped_config_runs_shrunk(config, tmp_path, data_root, tiny_gpt2_dir, 
 
 def shrunk_model_and_batches(config):
     """A shipped config's model at SHRINK's size in training mode, and two training batches of random tokens for it."""
-    cfg = parse_config(TrainConfig, [str(config), *SHRINK, "--dropout=0.0"])
+    # LoRA configs adapt given weights: any init_from passes the settings' check (the model here is built plain)
+    cfg = parse_config(TrainConfig, [str(config), *SHRINK, "--dropout=0.0", "--init_from=base.pt"])
     V, g = 40, torch.Generator().manual_seed(0)
     model = build_model(cfg.model_config(V, 0 if cfg.arch == "encoder_decoder" else None)).train()
+    if config.stem.startswith("chat_"):  # conversations of two different lengths: one dynamic graph serves both
+        batches = [tuple(torch.randint(1, V, (4, T), generator=g) for _ in range(2)) for T in (20, 13)]
+        return cfg, model, [((x,), y) for x, y in batches]
     if cfg.arch == "encoder_decoder":  # pairs of two different lengths: one dynamic graph must serve both
         shapes = [((4, 20), (4, 24)), ((4, 13), (4, 9))]
         batches = [tuple(torch.randint(1, V, s, generator=g) for s in (src, tgt, tgt)) for src, tgt in shapes]
@@ -1639,15 +1676,17 @@ def test_every_shipped_config_compiles_to_one_graph_that_never_recompiles(config
     train step and evaluation (warm-up), train / evaluate / train again compiles nothing new.
     """
     cfg, model, batches = shrunk_model_and_batches(config)
+    varying = config.stem.startswith("chat_")  # chat batches vary in length, as pairs do
     call = {"label_smoothing": cfg.label_smoothing, "reduction": "sum", "return_logits": False}
-    inputs, targets = data.model_inputs(*batches[0], torch.device("cpu"))
+    inputs, targets = data.model_inputs(*batches[0], torch.device("cpu"), varying)
     explanation = torch._dynamo.explain(model)(*inputs, targets, **call)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="eager", dynamic=None if cfg.arch == "encoder_decoder" else False)
+    dynamic = None if cfg.arch == "encoder_decoder" or varying else False
+    compiled = torch.compile(model, backend="eager", dynamic=dynamic)
 
     def train_then_evaluate(batch):
-        inputs, targets = data.model_inputs(*batch, torch.device("cpu"))
+        inputs, targets = data.model_inputs(*batch, torch.device("cpu"), varying)
         compiled.train()
         compiled(*inputs, targets, **call)[1].backward()
         with torch.no_grad():
