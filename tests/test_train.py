@@ -1503,6 +1503,8 @@ def test_a_sharded_save_failing_on_rank_0_stops_both_ranks_with_one_line(tmp_pat
         "    checkpoint.save_sharded(tensors, {}, sys.argv[1], dist.get_rank())\n"
         "except OSError as e:\n"
         "    print(f'rank {dist.get_rank()}: {e}', flush=True)\n"
+        # as train.main does: gloo's threads let go of the last collective's tensors before the group goes
+        "dist.barrier()\n"
         "dist.destroy_process_group()\n"
     )
     run = subprocess.run(
