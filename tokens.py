@@ -264,6 +264,15 @@ class Pairs(Sequence):
         return self.src[s0:s1], self.tgt[t0:t1]
 
 
+def load_index(path):
+    """The .npy index of a pairs or conversations split, memory-mapped; one line when it is not a valid index."""
+    try:
+        # memory-mapped like the token files: a large corpus's index need not sit in memory
+        return np.load(path, mmap_mode="r")
+    except ValueError as err:
+        raise ValueError(f"{path} is not a valid index ({one_line(err)}); re-create the dataset with --force") from None
+
+
 def load_pairs(dataset_dir, split):
     """The pairs of `split` ('train', 'val' or 'test') of a prepared seq2seq dataset."""
     folder = Path(dataset_dir)
@@ -273,13 +282,7 @@ def load_pairs(dataset_dir, split):
     if not index_path.is_file():
         raise FileNotFoundError(f"{index_path} not found; is {folder} a prepared seq2seq dataset?")
     src, tgt = load_tokens(folder / f"{split}_src.bin"), load_tokens(folder / f"{split}_tgt.bin")
-    try:
-        # memory-mapped like the token files: a large corpus's index need not sit in memory
-        index = np.load(index_path, mmap_mode="r")
-    except ValueError as err:
-        raise ValueError(
-            f"{index_path} is not a valid index ({one_line(err)}); re-create the dataset with --force"
-        ) from None
+    index = load_index(index_path)
     # a cheap consistency check: (n + 1, 2) rows from (0, 0) to the token files' lengths, so a stale
     # index or a mismatched file fails here instead of slicing the wrong ids
     if not (
@@ -371,12 +374,7 @@ def load_conversations(dataset_dir, split):
     if not index_path.is_file():
         raise FileNotFoundError(f"{index_path} not found; is {folder} a prepared chat dataset?")
     ids, targets = load_tokens(folder / f"{split}.bin"), load_tokens(folder / f"{split}_targets.bin")
-    try:
-        index = np.load(index_path, mmap_mode="r")
-    except ValueError as err:
-        raise ValueError(
-            f"{index_path} is not a valid index ({one_line(err)}); re-create the dataset with --force"
-        ) from None
+    index = load_index(index_path)
     # cheap consistency checks, as for pairs: a stale index or a mismatched file fails here, not in a batch
     if not (index.ndim == 1 and len(index) >= 1 and index[0] == 0 and index[-1] == len(ids) == len(targets)):
         raise ValueError(f"{index_path} does not match its token files; re-create the dataset with --force")
