@@ -636,6 +636,9 @@ def init_normal(param, std):
 class TransformerModel(nn.Module):
     """What the three models share: GPT-2 initialisation, the head and loss, parameter and FLOP counts, AdamW."""
 
+    # the device type whose loss chunk size the head uses; None: its input's (plan.py traces a GPU's on a CPU)
+    loss_device_type = None
+
     @torch.no_grad()
     def init_weights(self):
         """
@@ -690,7 +693,7 @@ class TransformerModel(nn.Module):
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         # positions per chunk: as many as fit their float32 logits (4 bytes each of V) in the budget
-        budget = LOSS_CHUNK_BYTES if x.device.type == "cpu" else ACCELERATOR_LOSS_CHUNK_BYTES
+        budget = LOSS_CHUNK_BYTES if (self.loss_device_type or x.device.type) == "cpu" else ACCELERATOR_LOSS_CHUNK_BYTES
         rows = max(1, budget // (4 * self.config.vocab_size))
         # Autograd would keep every chunk's float32 log-probabilities for the backward: B * T * V * 4 bytes in all
         # (2.5 GB for gpt2.py). Every chunk but the last runs again in the backward instead, from its inputs. The last

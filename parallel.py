@@ -190,7 +190,7 @@ def parallelize(model, cfg, rt, example):
     return Models(model, step, ddp, average, eval_model, defer_reduce=rt.fsdp and cfg.fsdp_defer_reduce)
 
 
-def shard_model(model, rt, seed):
+def shard_model(model, rt, seed, mesh=None):
     """
     FSDP2 over the ranks: each Block sharded as a unit, then the root (embeddings, head, final norm), so that a
     block's weights are gathered just before its forward and backward and freed after. Each rank keeps its shard of
@@ -198,9 +198,10 @@ def shard_model(model, rt, seed):
     its shards only and is initialised with seed on every rank: the same weights as an unsharded model built after
     torch.manual_seed(seed). With rt.dtype other than float32 (bfloat16 on CUDA), a mixed-precision policy replaces
     autocast: weights gathered in rt.dtype for the forward and backward, gradients reduced in float32, the sharded
-    weights and AdamW's state kept in float32.
+    weights and AdamW's state kept in float32. mesh: the ranks' DeviceMesh; None: a new one over all of them.
     """
-    mesh = init_device_mesh(rt.device.type, (rt.world_size,))
+    if mesh is None:
+        mesh = init_device_mesh(rt.device.type, (rt.world_size,))
     policy = MixedPrecisionPolicy()  # float32: no casts
     if rt.dtype != torch.float32:
         policy = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32)

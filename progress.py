@@ -205,34 +205,37 @@ class Scalars:
             self.wandb.finish()
 
 
-def memory_use(model, optimizers, device):
-    """
-    This rank's memory in MiB: {"weights", "gradients" (one per trained weight), "optimizer" (its state), "peak"}.
-    Under FSDP, the rank's shards only. peak: the most CUDA memory allocated, or on a CPU the process's peak
-    resident set (the Python interpreter and the libraries included).
-    """
-    mib = 2**20
+def local_bytes(tensors):
+    """The bytes of tensors that this rank holds: of a DTensor, its local part."""
+    return sum(t.numel() * t.element_size() for t in (x.to_local() if isinstance(x, DTensor) else x for x in tensors))
 
-    def size(tensors):
-        # a DTensor's local part: what this rank holds
-        return sum(
-            t.numel() * t.element_size() for t in (x.to_local() if isinstance(x, DTensor) else x for x in tensors)
-        )
 
+def state_bytes(model, optimizers):
+    """
+    This rank's bytes of model's weights, gradients (one per trained weight) and the optimizers' state ({name:
+    optimizer}): {"weights", "gradients", "optimizer"}. Under FSDP, the rank's shards only.
+    """
     params = list(model.parameters())
     states = [v for opt in optimizers.values() for state in opt.state.values() for v in state.values()]
+    return {
+        "weights": local_bytes(params),
+        "gradients": local_bytes(p for p in params if p.requires_grad),
+        "optimizer": local_bytes(v for v in states if torch.is_tensor(v)),
+    }
+
+
+def memory_use(model, optimizers, device):
+    """
+    This rank's memory in MiB: state_bytes' {"weights", "gradients", "optimizer"} and "peak": the most CUDA memory
+    allocated, or on a CPU the process's peak resident set (the Python interpreter and the libraries included).
+    """
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     else:  # ru_maxrss counts KiB on Linux, bytes on macOS (resource: Unix only, imported where needed)
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return {
-        "weights": size(params) / mib,
-        "gradients": size(p for p in params if p.requires_grad) / mib,
-        "optimizer": size(v for v in states if torch.is_tensor(v)) / mib,
-        "peak": peak / mib,
-    }
+    return {name: n / 2**20 for name, n in {**state_bytes(model, optimizers), "peak": peak}.items()}
 
 
 def log_memory(model, optimizers, rt):

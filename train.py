@@ -77,6 +77,7 @@ from parallel import (
     raise_if_any_failed,
     split_accumulation,
 )
+from plan import make_plan
 from progress import Clock, Progress, Scalars, Step, log_memory
 from start import restore, start_run
 
@@ -144,6 +145,11 @@ class TrainConfig(ModelSettings):
     seed: int = 1337  # seeds data sampling, initialisation and dropout (dropout differs per rank)
     threads: int = 0  # CPU threads per process; 0: $OMP_NUM_THREADS, else the cores other jobs leave free
     dist_timeout: int = 900  # seconds a rank waits for the others before the job fails instead of hanging
+    # planning (plan.py): predict instead of train
+    plan: bool = False  # print each rank's predicted memory and the step time of this run, then exit: nothing trains
+    plan_ranks: int = 1  # plan: the ranks (GPUs) the run would use; each gets gradient_accumulation_steps / plan_ranks
+    plan_device: str = "auto"  # plan: 'cpu', a GPU (H100, A100, L4, ...: plan.GPUS), 'auto': this machine's
+    plan_mfu: float = 0.0  # plan: the model FLOPs utilisation to time steps at; 0: CPU_MFU on a CPU, else 40%
 
     def __post_init__(self):
         choices = {
@@ -164,6 +170,7 @@ class TrainConfig(ModelSettings):
             "gradient_accumulation_steps",
             "batch_size",
             "dist_timeout",
+            "plan_ranks",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -181,6 +188,8 @@ class TrainConfig(ModelSettings):
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
+        if not 0 <= self.plan_mfu <= 1:
+            raise ConfigError(f"plan_mfu must be in [0, 1] (0: the default), got {self.plan_mfu}")
         if self.learning_rate <= 0 or self.muon_lr <= 0:
             raise ConfigError(f"learning_rate and muon_lr must be positive, got {self.learning_rate}, {self.muon_lr}")
         if self.fsdp and self.optimizer == "muon":
@@ -644,26 +653,34 @@ def compute_gradients(models, optimizers, batches, *, n_targets, scaler, rt, lab
 
 def accumulate_gradients(models, batches, n_targets, scaler, rt, label_smoothing=0.0, varying=False):
     """
-    Forward and backward over this rank's micro-batches with models.step; returns their summed loss. Each summed
-    loss is divided by n_targets, the real targets of the whole step on all ranks, and multiplied by world_size to
-    undo the ranks' average: the gradient is that of the mean over every target of the step, not a mean of
-    per-micro-batch means. The ranks exchange gradients after the last micro-batch only. varying: batches whose
-    length varies (chat), marked dynamic for torch.compile.
+    Forward and backward over this rank's micro-batches with models.step (micro_step, one at a time); returns their
+    summed loss. The ranks exchange gradients after the last micro-batch only.
     """
     total = torch.zeros((), device=rt.device)
-    for i, (inputs, targets) in enumerate(batches):
-        with gradient_sync(models, enabled=i == len(batches) - 1):
-            inputs, targets = model_inputs(inputs, targets, rt.device, varying)
-            with rt.autocast():
-                # the model sums the loss itself, in chunks of positions: the (B, T, V) logits never exist whole
-                _, loss = models.step(
-                    *inputs, targets, label_smoothing=label_smoothing, reduction="sum", return_logits=False
-                )
-            # / n_targets: this micro-batch's part of the step's mean loss; * world_size: undoes the ranks' average
-            scaler.scale(loss * (rt.world_size / n_targets)).backward()
+    for i, batch in enumerate(batches):
         # a device tensor: adding to it never waits for the GPU
-        total += loss.detach()
+        total += micro_step(models, batch, i == len(batches) - 1, n_targets, scaler, rt, label_smoothing, varying)
     return total
+
+
+def micro_step(models, batch, last, n_targets, scaler, rt, label_smoothing=0.0, varying=False):
+    """
+    Forward and backward of one micro-batch ((inputs, targets) on the CPU); last: the step's last, after which the
+    ranks exchange gradients. Returns its summed loss, detached. The summed loss is divided by n_targets, the real
+    targets of the whole step on all ranks, and multiplied by world_size to undo the ranks' average: the gradient is
+    that of the mean over every target of the step, not a mean of per-micro-batch means. varying: batches whose
+    length varies (chat), marked dynamic for torch.compile.
+    """
+    with gradient_sync(models, enabled=last):
+        inputs, targets = model_inputs(*batch, rt.device, varying)
+        with rt.autocast():
+            # the model sums the loss itself, in chunks of positions: the (B, T, V) logits never exist whole
+            _, loss = models.step(
+                *inputs, targets, label_smoothing=label_smoothing, reduction="sum", return_logits=False
+            )
+        # / n_targets: this micro-batch's part of the step's mean loss; * world_size: undoes the ranks' average
+        scaler.scale(loss * (rt.world_size / n_targets)).backward()
+    return loss.detach()
 
 
 def update_weights(model, optimizers, scaler, grad_clip):
@@ -947,7 +964,14 @@ def cli(argv):
                 "no config file or --dataset: name one, e.g. python train.py configs/shakespeare.py (two minutes "
                 "on a laptop) or configs/gpt2.py (GPT-2 124M on OpenWebText); --help lists every setting"
             )
-        main(cfg)
+        if cfg.plan:
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                raise ConfigError(
+                    "--plan runs in one process: use python train.py ... --plan --plan_ranks=N, not torchrun"
+                )
+            make_plan(cfg)
+        else:
+            main(cfg)
     except ConfigError as e:
         # the same settings fail alike on every rank (and setup's checks share a rank's error): torchrun's ranks
         # print it once

@@ -1,0 +1,550 @@
+"""
+Know before you rent: `python train.py CONFIG --plan` predicts each rank's memory and the step time of the run
+CONFIG describes, on a named GPU and number of ranks, from a laptop: nothing is allocated and nothing trains.
+
+    python train.py configs/gpt2.py --plan --plan_device=H100 --plan_ranks=8
+    python train.py configs/gpt2.py --plan --plan_device=A100 --plan_ranks=8 --fsdp=true --batch_size=24
+    python train.py configs/shakespeare.py --plan                      # this machine, one process
+
+Traced: the run's own model (from its settings, its checkpoint's or its Hugging Face folder's config, with LoRA
+adapters), FSDP2's sharding on a fake process group of plan_ranks ranks, the optimizers and two training steps of
+train.py's accumulate_gradients run under FakeTensorMode, whose tensors have shapes and dtypes but no memory or
+values. PyTorch's MemTracker (FSDPMemTracker under FSDP) follows every tensor's storage: parameters, gradients,
+optimizer state, activations and the peak. FlopCounterMode counts the step's FLOPs, recomputation included.
+Arithmetic: the KV cache, the step time (the model FLOPs train.py's MFU counts / (peak FLOP/s x MFU)) and the
+largest micro-batch that fits, from traces at two batch sizes.
+Not modelled: torch.compile's fusions (the trace is eager: its activations bound a compiled run's from above),
+the CUDA context and caching allocator's fragmentation (a GPU counts as full at FULL of its memory), DDP's
+buckets (gradient_as_bucket_view makes them the gradients), communication time.
+"""
+
+import contextlib
+import math
+import os
+import re
+import time
+import weakref
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import hf
+import prepare_data
+import tokens
+from checkpoint import is_checkpoint, load_checkpoint
+from config import ConfigError, one_line
+from data import make_objective, prepared_dataset
+from devices import peak_flops, pick_threads, resolve_dtype
+from lora import LoRASettings, add_adapters
+from model import IGNORE_INDEX, ModelConfig, build_model
+from parallel import Models, Runtime, shard_model, split_accumulation
+from progress import local_bytes, state_bytes
+from start import trained_rows
+
+# GPUs a plan can be made for: memory in GiB from the vendors' data sheets; the peak FLOP/s is devices.PEAK_FLOPS'
+GPUS = {
+    "H100": 80,  # SXM
+    "H100 PCIe": 80,
+    "H100 NVL": 94,
+    "H200": 141,
+    "GH200": 96,
+    "A100": 80,
+    "A100 40GB": 40,
+    "A10G": 24,
+    "A10": 24,
+    "L40S": 48,
+    "L40": 48,
+    "L4": 24,
+    "V100": 32,
+    "V100 16GB": 16,
+    "T4": 16,
+    "RTX 4090": 24,
+    "RTX 3090": 24,
+}
+# the MFU a plan assumes on a GPU: none has been measured for this project yet (the GPU issue's list)
+GPU_MFU = 0.40
+# on a CPU: training FLOP/s over the float32 matmul rate measured at planning (cpu_matmul_flops), from the quick
+# start's bench.py run on 2 cores (README, "Plan a run")
+CPU_MFU = 0.30
+# a GPU counts as full at this share of its memory: the CUDA context, cuDNN/cuBLAS workspaces and the caching
+# allocator's fragmentation take the rest
+FULL = 0.90
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a plan is for: a device's name, its memory (bytes), peak FLOP/s and the MFU assumed there."""
+
+    name: str
+    memory: int
+    flops: float
+    mfu: float
+    mfu_source: str
+    gpu: bool
+
+
+def find_target(name, mfu, ranks):
+    """The Target of --plan_device (''/'auto': this machine); ConfigError naming the choices for an unknown one."""
+    if name in ("", "auto"):
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        if name != "cpu":
+            total = torch.cuda.get_device_properties(0).total_memory
+            return gpu_target(
+                name, total, peak_flops(name, torch.cuda.get_device_properties(0).multi_processor_count), mfu
+            )
+    if name.lower() == "cpu":
+        # this CPU's float32 matmul rate with the threads each of the ranks would get
+        threads = pick_threads(0, ranks)[0]
+        measured = cpu_matmul_flops(threads)
+        source = (
+            f"CPU_MFU, measured on the quick start, of {measured / 1e9:.0f} GFLOP/s measured now ({threads} threads)"
+        )
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
+        return Target("cpu", memory, measured, mfu or CPU_MFU, "given" if mfu else source, gpu=False)
+    key = {squeeze(k): k for k in GPUS}.get(squeeze(name))
+    if key is None:
+        raise ConfigError(f"plan_device={name!r} is not a device plans know; use cpu or one of {', '.join(GPUS)}")
+    return gpu_target(key, GPUS[key] * 2**30, peak_flops(key), mfu)
+
+
+def squeeze(name):
+    """A device name compared without case, spaces, hyphens or a vendor's prefix: 'nvidia h100-pcie' -> 'h100pcie'."""
+    return re.sub(r"[\s_-]|nvidia|geforce", "", name.lower())
+
+
+def gpu_target(name, memory, flops, mfu):
+    if flops is None:
+        raise ConfigError(f"the peak FLOP/s of {name} is not known: give --plan_device one of {', '.join(GPUS)}")
+    source = "given" if mfu else "assumed: no GPU MFU measured yet"
+    return Target(name, memory, flops, mfu or GPU_MFU, source, gpu=True)
+
+
+def cpu_matmul_flops(threads, n=1024, repeats=5):
+    """The best float32 FLOP/s of repeats n x n matmuls with `threads` threads: this CPU's dense rate."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(before)
+    return 2 * n**3 / best
+
+
+# -----------------------------------------------------------------------------
+# What the run would build, without its weights or data
+
+
+def planned_meta(cfg):
+    """
+    The meta of the run's data: a prepared dataset's; for the datasets that stream for hours (openwebtext,
+    fineweb_edu) GPT-2 BPE's without preparing them; any other dataset is prepared first, as a run would.
+    """
+    folder = tokens.dataset_dir(cfg.dataset, cfg.data_dir)
+    if tokens.is_prepared(folder) and not cfg.data_options:
+        return tokens.load_meta(folder)
+    recipe = prepare_data.RECIPES.get(cfg.dataset)
+    if recipe is not None and recipe.inputs is prepare_data.hf_lm_inputs:
+        return {**tokens.GPT2_META, "kind": "lm", "name": cfg.dataset}
+    return tokens.load_meta(prepared_dataset(cfg.dataset, cfg.data_dir, cfg.data_options))
+
+
+def planned_config(cfg, meta):
+    """(ModelConfig, Objective, LoRA token rows or None) of the run: from its settings, checkpoint or HF folder."""
+    objective, vocab_size, meta = make_objective(cfg.arch, meta, cfg.mask_prob)
+    if cfg.init_from == "scratch":
+        return cfg.model_config(vocab_size, objective.pad_id), objective, None
+    if cfg.init_from == "resume" or is_checkpoint(cfg.init_from):
+        path = Path(cfg.out_dir) / "ckpt.pt" if cfg.init_from == "resume" else Path(cfg.init_from)
+        config = ModelConfig.from_dict(load_checkpoint(path, weights=False)["model_config"])
+        config = replace(config, dropout=cfg.dropout) if cfg.init_from != "resume" else config
+    else:
+        try:
+            config = hf.pretrained_config(
+                Path(cfg.init_from).expanduser(), dropout=cfg.dropout, block_size=cfg.block_size
+            )
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"init_from={cfg.init_from}: {one_line(e)}") from None
+    base_vocab = config.vocab_size
+    if cfg.arch == "gpt" and cfg.init_from != "resume":
+        config = replace(config, vocab_size=max(base_vocab, meta["vocab_size"]))
+    rows = trained_rows(meta, base_vocab) if cfg.lora_rank else None
+    return config, objective, rows
+
+
+# -----------------------------------------------------------------------------
+# Tracing one rank's training step
+
+
+@dataclass
+class Trace:
+    """One rank's traced step, in bytes: memory_use's figures, the peak and its parts, FLOPs per step."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    average: int  # the weight average's copy (ema_decay)
+    peak: int
+    activations: int  # activations and temporaries of the step at the peak
+    gathered: int  # FSDP: gathered weights and gradients, and their collectives' buffers, at the peak
+    vocab: int  # the most bytes of (positions, V) tensors (logits, their gradients) alive at once
+    micro_flops: float  # FLOPs of a micro-batch's forward and backward on this rank, recomputation included
+    update_flops: float  # FLOPs of the clipping and the optimizers' steps on this rank (Muon's orthogonalisation)
+
+
+class VocabTensors(TorchDispatchMode):
+    """The peak bytes of live tensors whose last dimension is the vocabulary: the loss's (positions, V) tensors."""
+
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.vocab_size, self.live, self.peak = vocab_size, {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab_size:
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self.live:
+                    self.live[key] = storage.nbytes()
+                    # forgotten when the storage goes
+                    weakref.finalize(storage, self.live.pop, key, None)
+                self.peak = max(self.peak, sum(self.live.values()))
+        return out
+
+
+def example_batch(config, objective, batch_size):
+    """The longest micro-batch the run can draw: (inputs tuple, targets), every position a target."""
+    B, T = batch_size, config.block_size
+    ids = torch.randint(config.vocab_size - 1, (B, T + 1))
+    if objective.arch == "encoder_decoder":
+        return (ids[:, :-1], ids[:, 1:]), ids[:, 1:].clone()
+    if objective.arch == "encoder":  # the targets at mask_prob of the positions
+        targets = torch.where(torch.rand(B, T) < objective.mask_prob, ids[:, :-1], IGNORE_INDEX)
+        return (ids[:, :-1],), targets
+    return (ids[:, :-1],), ids[:, 1:]
+
+
+def trace_step(cfg, rt, config, objective, lora_rows, batch_size, per_rank, gpu):
+    """
+    The Trace of this rank (rt.rank of rt.world_size, on the fake process group) running two training steps, of one
+    and of per_rank micro-batches of batch_size sequences, as train.py would, under FakeTensorMode. gpu: the loss is
+    cut into a GPU's chunks.
+    """
+    from train import clip_gradients, make_optimizers, micro_step
+
+    # real (small) batches: the fake mode takes them in as inputs
+    batches = [example_batch(config, objective, batch_size) for _ in range(per_rank)]
+    n_targets = sum(int((t != IGNORE_INDEX).sum()) for _, t in batches) * rt.world_size
+    # FSDP's mesh of ranks, made outside the fake mode: it reads its ranks' numbers
+    mesh = init_device_mesh("cpu", (rt.world_size,)) if rt.fsdp else None
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with torch.device("meta") if rt.fsdp else torch.device("cpu"):
+            model = build_model(config)
+        model.loss_device_type = "cuda" if gpu else "cpu"
+        if lora_rows is not None:
+            settings = LoRASettings(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")), cfg.lora_dropout)
+            add_adapters(model, settings, lora_rows, generator=torch.Generator())
+        model.set_activation_checkpointing(cfg.activation_checkpointing)
+        average = None
+        if rt.fsdp:
+            shard_model(model, rt, cfg.seed, mesh)
+            if cfg.ema_decay:
+                with torch.device("meta"):
+                    average = shard_model(build_model(config), rt, cfg.seed, mesh).requires_grad_(False)
+        elif cfg.ema_decay:
+            average = build_model(config).requires_grad_(False)
+        optimizers, _ = make_optimizers(model, cfg, rt)
+        if rt.fsdp:
+            tracker = FSDPMemTracker(model, optimizers["adamw"])
+        else:
+            tracker = MemTracker()
+            tracker.track_external(model, *optimizers.values())
+        if average is not None:
+            tracker.track_external(average)
+        models = Models(model, model, defer_reduce=rt.fsdp and cfg.fsdp_defer_reduce)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        loss_options = (cfg.label_smoothing, objective.chat)
+        vocab = VocabTensors(config.vocab_size)
+        micro_flops, update_flops = FlopCounterMode(display=False), FlopCounterMode(display=False)
+        with tracker:
+            # the first step, of one micro-batch, creates the optimizers' state; the second, of the rest, is the
+            # steady state: its FLOPs are counted
+            for step, batches_now in enumerate((batches[:1], batches)):
+                for i, batch in enumerate(batches_now):
+                    with vocab, micro_flops if step else contextlib.nullcontext():
+                        micro_step(models, batch, i == len(batches_now) - 1, n_targets, scaler, rt, *loss_options)
+                    # MemTracker takes one forward pass of a model per iteration: a micro-batch is one
+                    tracker.reset_mod_stats()
+                with vocab, update_flops if step else contextlib.nullcontext():
+                    clip_gradients(list(model.parameters()), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+                    for optimizer in optimizers.values():
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+        snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        use = state_bytes(model, optimizers)
+    parts = {str(k.value) if hasattr(k, "value") else k: v for k, v in snapshot.items()}
+    gathered = sum(parts.get(k, 0) for k in ("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter"))
+    return Trace(
+        **use,
+        average=0 if average is None else local_bytes(average.parameters()),
+        peak=parts["Total"],
+        activations=parts.get("Activation", 0) + parts.get("Temp", 0),
+        gathered=gathered,
+        vocab=vocab.peak,
+        micro_flops=micro_flops.get_total_flops() / len(batches),
+        update_flops=update_flops.get_total_flops(),
+    )
+
+
+# -----------------------------------------------------------------------------
+# The plan: traces of each kind of rank, then the tables
+
+
+def make_plan(cfg):
+    """Print the plan of the run cfg describes on cfg.plan_ranks ranks of cfg.plan_device (train.py --plan)."""
+    ranks = cfg.plan_ranks
+    per_rank = split_accumulation(cfg.gradient_accumulation_steps, ranks)  # one line if plan_ranks does not divide
+    target = find_target(cfg.plan_device, cfg.plan_mfu, ranks)
+    dtype = planned_dtype(cfg, target)
+    fsdp = cfg.fsdp and ranks > 1
+    config, objective, rows = planned_config(cfg, planned_meta(cfg))
+    baseline = process_bytes() if not target.gpu else 0
+    # a micro-batch more than the first step's, so that the second step holds accumulated gradients
+    traced = min(per_rank, 2)
+
+    def trace(rank, batch_size, activation_checkpointing=cfg.activation_checkpointing):
+        run = replace(cfg, activation_checkpointing=activation_checkpointing)
+        rt = Runtime(rank, rank, ranks, torch.device("cpu"), dtype, fsdp=fsdp)
+        with fake_group(rank, ranks):
+            return trace_step(run, rt, config, objective, rows, batch_size, traced, target.gpu)
+
+    groups = rank_groups(config, ranks) if fsdp else [range(ranks)]
+    traces = [trace(group[0], cfg.batch_size) for group in groups]
+    other = trace(0, cfg.batch_size, not cfg.activation_checkpointing)
+    smallest = trace(0, 1) if cfg.batch_size > 1 else traces[0]
+    print(describe(cfg, config, target, dtype, ranks, per_rank, fsdp))
+    print_table(memory_rows(cfg, config, dtype, traces, other, baseline), [group_name(g, ranks) for g in groups])
+    print_table(time_rows(cfg, config, objective, target, ranks, per_rank, traces[0], traced), ["the run"])
+    for line in suggestions(cfg, target, ranks, per_rank, traces[0], smallest, other, baseline):
+        print(line)
+
+
+def planned_dtype(cfg, target):
+    """The dtype the run computes in on the target, as devices.resolve_dtype would pick it there."""
+    if not target.gpu:
+        return resolve_dtype(cfg.dtype, torch.device("cpu"))
+    # V100s and T4s have no bfloat16: float16 with a gradient scaler, as on such a GPU
+    no_bf16 = target.name in ("V100", "V100 16GB", "T4")
+    if cfg.dtype == "auto":
+        return torch.float16 if no_bf16 else torch.bfloat16
+    if cfg.dtype == "bfloat16" and no_bf16:
+        raise ConfigError(f"{target.name} has no native bfloat16; plan with --dtype=float16")
+    if cfg.dtype == "float16" and cfg.fsdp and cfg.plan_ranks > 1:
+        raise ConfigError("fsdp=True computes in bfloat16 or float32, not float16; use --dtype=bfloat16 or DDP")
+    return getattr(torch, cfg.dtype)
+
+
+@contextlib.contextmanager
+def fake_group(rank, ranks):
+    """A fake process group of `ranks` ranks, this process being `rank`: collectives do nothing. None for one rank."""
+    if ranks == 1:
+        yield
+        return
+    dist.init_process_group("fake", rank=rank, world_size=ranks, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_groups(config, ranks):
+    """
+    The ranks in groups that hold alike under FSDP: FSDP2 cuts each weight's first dimension into ranks chunks of
+    ceil(n / ranks) rows, the last ones shorter or empty, so ranks differ only where a dimension does not divide.
+    """
+    with torch.device("meta"):
+        rows = [p.shape[0] for p in build_model(config).parameters()]
+
+    def shards(rank):
+        return tuple(max(0, min(-(-n // ranks), n - rank * -(-n // ranks))) for n in rows)
+
+    groups = {}
+    for rank in range(ranks):
+        groups.setdefault(shards(rank), []).append(rank)
+    return list(groups.values())
+
+
+def group_name(group, ranks):
+    """The column heading of a group of ranks: 'every rank (8)', 'rank 7', 'ranks 0-6'."""
+    if len(group) == ranks:
+        return f"each of {ranks} rank(s)"
+    return f"rank {group[0]}" if len(group) == 1 else f"ranks {group[0]}-{group[-1]}"
+
+
+def process_bytes():
+    """This process's peak resident set now: the interpreter and libraries a CPU run's memory line also counts."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def mib(n):
+    return f"{n / MIB:,.1f} MiB"
+
+
+def memory_rows(cfg, config, dtype, traces, other, baseline):
+    """The memory table: (label, [value for each group of ranks])."""
+    ac = cfg.activation_checkpointing
+    rows = [
+        ("weights", [mib(t.weights) for t in traces]),
+        ("gradients", [mib(t.gradients) for t in traces]),
+        ("optimizer state", [mib(t.optimizer) for t in traces]),
+    ]
+    if cfg.ema_decay:
+        rows.append(("weight average (ema_decay)", [mib(t.average) for t in traces]))
+    rows.append(("activations and temporaries at the peak", [mib(t.activations) for t in traces]))
+    if cfg.fsdp and cfg.plan_ranks > 1:
+        rows.append(("gathered weights and gradients at the peak", [mib(t.gathered) for t in traces]))
+    rows.append(("the loss's (positions, V) tensors, at their most", [mib(t.vocab) for t in traces]))
+    rows.append(("peak", [mib(t.peak) for t in traces]))
+    if baseline:
+        rows.append(("peak + this process's interpreter and libraries", [mib(t.peak + baseline) for t in traces]))
+    delta = other.peak - traces[0].peak
+    rows.append((f"peak with activation_checkpointing={not ac}", [mib(t.peak + baseline + delta) for t in traces]))
+    rows.append(
+        ("KV cache for sampling, per sequence of block_size", [mib(kv_cache_bytes(config, dtype))] * len(traces))
+    )
+    return rows
+
+
+def kv_cache_bytes(config, dtype):
+    """
+    Bytes of sample.py's KV cache for one sequence of block_size positions: keys and values of every layer's
+    self-attention (within a window if it slides), and an encoder-decoder's cross-attention over a block_size source.
+    """
+    if config.arch == "encoder":
+        return 0
+    positions = min(config.block_size, config.window_size or config.block_size)
+    per_layer = (
+        2
+        * config.n_kv_head
+        * config.head_dim
+        * (positions + (config.block_size if config.arch == "encoder_decoder" else 0))
+    )
+    return config.n_layer * per_layer * dtype.itemsize
+
+
+def time_rows(cfg, config, objective, target, ranks, per_rank, trace, traced):
+    """The time table: FLOPs per step counted and traced, the step time at the target's MFU, tokens/s, the run's time."""
+    with torch.device("meta"):
+        model = build_model(config)
+    inputs = example_batch(config, objective, cfg.batch_size)[0]
+    steps = ranks * per_rank  # micro-batches per step over all ranks
+    model_flops = model.training_flops(*inputs) * steps
+    traced_flops = (trace.micro_flops * per_rank + trace.update_flops) * ranks
+    seconds = model_flops / (ranks * target.flops * target.mfu)
+    tokens = cfg.batch_size * config.block_size * steps
+    iters = cfg.max_iters if not cfg.max_minutes else min(cfg.max_iters, int(60 * cfg.max_minutes / seconds))
+    return [
+        ("tokens per step (full windows)", [f"{tokens:,}"]),
+        ("model FLOPs per step (what MFU counts)", [f"{model_flops:.3e}"]),
+        ("traced FLOPs per step (recomputation, optimizer included)", [f"{traced_flops:.3e}"]),
+        (f"{target.name} peak FLOP/s, MFU", [f"{target.flops:.3e}, {target.mfu:.0%} ({target.mfu_source})"]),
+        ("step time", [f"{1000 * seconds:,.1f} ms"]),
+        ("tokens per second", [f"{tokens / seconds:,.0f}"]),
+        (
+            f"{iters:,} steps" + (" (max_minutes)" if iters < cfg.max_iters else " (max_iters)"),
+            [format_hours(iters * seconds)],
+        ),
+    ]
+
+
+def format_hours(seconds):
+    return (
+        f"{seconds / 3600:,.1f} h"
+        if seconds >= 3600
+        else f"{seconds / 60:,.1f} min"
+        if seconds >= 60
+        else f"{seconds:.1f} s"
+    )
+
+
+def print_table(rows, columns):
+    """rows of (label, [value per column]) under a header of columns, aligned."""
+    width = max(len(label) for label, _ in rows)
+    widths = [max(len(c), *(len(values[i]) for _, values in rows)) for i, c in enumerate(columns)]
+    print(f"{'':<{width}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(columns, widths)))
+    for label, values in rows:
+        print(f"{label:<{width}}  " + "  ".join(f"{v:>{w}}" for v, w in zip(values, widths)))
+    print()
+
+
+def describe(cfg, config, target, dtype, ranks, per_rank, fsdp):
+    """The plan's first line: what runs where."""
+    way = (
+        "FSDP" + (" (reduce deferred)" if cfg.fsdp_defer_reduce else "")
+        if fsdp
+        else "DDP"
+        if ranks > 1
+        else "one process"
+    )
+    with torch.device("meta"):
+        params = build_model(config).num_params()
+    return (
+        f"plan: {config.arch}, {params:,} parameters, on {ranks} x {target.name} ({target.memory / 2**30:,.0f} GiB each), "
+        f"{way}, {str(dtype)[6:]}, {cfg.optimizer}, batch_size {cfg.batch_size} x {per_rank} micro-batch(es) per rank, "
+        f"activation_checkpointing={cfg.activation_checkpointing}, compile={cfg.compile} (traced eager)\n"
+    )
+
+
+def suggestions(cfg, target, ranks, per_rank, trace, smallest, other, baseline):
+    """Lines on whether the run fits and the largest micro-batch that does at the same global batch."""
+    usable = target.memory * (FULL if target.gpu else 1)
+    where = (
+        f"{FULL:.0%} of {target.name}'s {target.memory / 2**30:,.0f} GiB"
+        if target.gpu
+        else "this machine's memory per rank"
+    )
+    peak = trace.peak + baseline
+    lines = [
+        f"{'fits' if peak <= usable else 'does NOT fit'}: peak {mib(peak)} per rank of {mib(usable)} usable ({where})"
+    ]
+    # peak = fixed + per-sequence * batch_size, from the traces at batch_size 1 and cfg.batch_size
+    sequences = cfg.batch_size * per_rank * ranks
+    choices = [b for b in range(1, sequences + 1) if sequences % b == 0 and (sequences // b) % ranks == 0]
+    for ac, at_batch in ((cfg.activation_checkpointing, trace), (not cfg.activation_checkpointing, other)):
+        if cfg.batch_size == 1:
+            fits = [1] if at_batch.peak + baseline <= usable else []
+            slope, fixed = 0.0, at_batch.peak
+        else:
+            slope = (at_batch.peak - smallest.peak) / (cfg.batch_size - 1)
+            fixed = at_batch.peak - slope * cfg.batch_size
+            fits = [b for b in choices if fixed + slope * b + baseline <= usable]
+        if fits:
+            b = max(fits)
+            lines.append(
+                f"largest micro-batch that fits at the same {sequences} sequences per step with "
+                f"activation_checkpointing={ac}: --batch_size={b} --gradient_accumulation_steps={sequences // b} "
+                f"(peak about {mib(fixed + slope * b + baseline)}, a line through the traces at batch_size 1 and "
+                f"{cfg.batch_size})"
+            )
+    if len(lines) == 1:
+        fix = "--fsdp=true shards weights, gradients and optimizer state over" + (
+            f" the {ranks} ranks" if ranks > 1 and not cfg.fsdp else " more ranks (--plan_ranks)"
+        )
+        lines.append(f"no micro-batch fits, with activation checkpointing or without: {fix}")
+    return lines
