@@ -108,6 +108,39 @@ def from_pretrained(name_or_path, **overrides):
     path = Path(name_or_path)
     if not path.is_dir():
         path = download_from_hub(str(name_or_path))
+    hf = read_hf_config(path)
+    return PRETRAINED_LOADERS[hf["model_type"]](path, hf, overrides)
+
+
+# the sizes of OpenAI's GPT-2 checkpoints on the hub (their config.json: n_layer, n_head, n_embd), so that a run from
+# one can be planned offline; vocabulary and positions are GPT-2's 50,257 and 1,024
+GPT2_HUB_SIZES = {
+    "gpt2": (12, 12, 768),
+    "gpt2-medium": (24, 16, 1024),
+    "gpt2-large": (36, 20, 1280),
+    "gpt2-xl": (48, 25, 1600),
+}
+
+
+def pretrained_config(name_or_path, **overrides):
+    """
+    The ModelConfig from_pretrained would build for a folder, from its config.json alone (no weights read), or for
+    one of OpenAI's GPT-2 hub ids (GPT2_HUB_SIZES) without going online.
+    """
+    path = Path(name_or_path)
+    if not path.is_dir() and str(name_or_path) in GPT2_HUB_SIZES:
+        n_layer, n_head, n_embd = GPT2_HUB_SIZES[str(name_or_path)]
+        hf = {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_layer": n_layer, "n_head": n_head}
+        return gpt2_model_config({**hf, "n_embd": n_embd}, name_or_path, overrides)
+    if not path.is_dir():
+        path = download_from_hub(str(name_or_path))
+    hf = read_hf_config(path)
+    read = gpt2_model_config if hf["model_type"] == "gpt2" else llama_model_config
+    return read(hf, path, overrides)
+
+
+def read_hf_config(path):
+    """A Hugging Face folder's config.json, of a model_type from_pretrained loads (else a ValueError)."""
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: pass a directory written by transformers' save_pretrained")
     hf = json.loads((path / "config.json").read_text())
@@ -116,7 +149,7 @@ def from_pretrained(name_or_path, **overrides):
         raise ValueError(
             f"{path} holds a model_type={model_type!r} model; from_pretrained loads {', '.join(PRETRAINED_LOADERS)}"
         )
-    return PRETRAINED_LOADERS[model_type](path, hf, overrides)
+    return hf
 
 
 def check_block_size(config, positions, path):

@@ -42,7 +42,7 @@ import prepare_data
 import tokens
 from checkpoint import is_checkpoint, load_checkpoint
 from config import ConfigError, one_line
-from data import make_objective, prepared_dataset
+from data import Objective, make_objective, prepared_dataset
 from devices import peak_flops, pick_threads, resolve_dtype
 from lora import LoRASettings, add_adapters
 from model import IGNORE_INDEX, ModelConfig, build_model
@@ -72,9 +72,9 @@ GPUS = {
 }
 # the MFU a plan assumes on a GPU: none has been measured for this project yet (the GPU issue's list)
 GPU_MFU = 0.40
-# on a CPU: training FLOP/s over the float32 matmul rate measured at planning (cpu_matmul_flops), from the quick
-# start's bench.py run on 2 cores (README, "Plan a run")
-CPU_MFU = 0.30
+# on a CPU: the model FLOP/s of training over the float32 matmul rate measured when planning (cpu_matmul_flops); the
+# quick start's on 2 cores, 12.0 ms a step against 238 GFLOP/s (README, "Plan a run", which has the others)
+CPU_MFU = 0.65
 # a GPU counts as full at this share of its memory: the CUDA context, cuDNN/cuBLAS workspaces and the caching
 # allocator's fragmentation take the rest
 FULL = 0.90
@@ -150,8 +150,9 @@ def cpu_matmul_flops(threads, n=1024, repeats=5):
 
 def planned_meta(cfg):
     """
-    The meta of the run's data: a prepared dataset's; for the datasets that stream for hours (openwebtext,
-    fineweb_edu) GPT-2 BPE's without preparing them; any other dataset is prepared first, as a run would.
+    The meta of the run's data: a prepared dataset's; without preparing, GPT-2 BPE's for the datasets that stream for
+    hours (openwebtext, fineweb_edu), and chat data's from its tokenizer; any other dataset is prepared first, as a
+    run would prepare it.
     """
     folder = tokens.dataset_dir(cfg.dataset, cfg.data_dir)
     if tokens.is_prepared(folder) and not cfg.data_options:
@@ -159,6 +160,12 @@ def planned_meta(cfg):
     recipe = prepare_data.RECIPES.get(cfg.dataset)
     if recipe is not None and recipe.inputs is prepare_data.hf_lm_inputs:
         return {**tokens.GPT2_META, "kind": "lm", "name": cfg.dataset}
+    tokenizer = cfg.data_options.get("tokenizer", "gpt2")
+    if cfg.dataset == "chat" and tokenizer != "char":  # the tokenizer and its template decide the vocabulary
+        try:
+            return {**prepare_data.chat_meta(tokenizer, []), "name": cfg.dataset}
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"dataset chat: --tokenizer={tokenizer}: {one_line(e)}") from None
     return tokens.load_meta(prepared_dataset(cfg.dataset, cfg.data_dir, cfg.data_options))
 
 
@@ -167,7 +174,7 @@ def planned_config(cfg, meta):
     objective, vocab_size, meta = make_objective(cfg.arch, meta, cfg.mask_prob)
     if cfg.init_from == "scratch":
         return cfg.model_config(vocab_size, objective.pad_id), objective, None
-    if cfg.init_from == "resume" or is_checkpoint(cfg.init_from):
+    if cfg.init_from == "resume" or is_checkpoint(cfg.init_from) or cfg.init_from.endswith(".pt"):
         path = Path(cfg.out_dir) / "ckpt.pt" if cfg.init_from == "resume" else Path(cfg.init_from)
         config = ModelConfig.from_dict(load_checkpoint(path, weights=False)["model_config"])
         config = replace(config, dropout=cfg.dropout) if cfg.init_from != "resume" else config
@@ -197,7 +204,7 @@ class Trace:
     gradients: int
     optimizer: int
     average: int  # the weight average's copy (ema_decay)
-    peak: int
+    peak: int  # under DDP with every gradient held, as its buckets do
     activations: int  # activations and temporaries of the step at the peak
     gathered: int  # FSDP: gathered weights and gradients, and their collectives' buffers, at the peak
     vocab: int  # the most bytes of (positions, V) tensors (logits, their gradients) alive at once
@@ -252,8 +259,9 @@ def trace_step(cfg, rt, config, objective, lora_rows, batch_size, per_rank, gpu)
     # FSDP's mesh of ranks, made outside the fake mode: it reads its ranks' numbers
     mesh = init_device_mesh("cpu", (rt.world_size,)) if rt.fsdp else None
     with FakeTensorMode(allow_non_fake_inputs=True):
-        with torch.device("meta") if rt.fsdp else torch.device("cpu"):
-            model = build_model(config)
+        # whole (fake) before FSDP shards it: its values are never read, so the run's initialisation of each rank's
+        # shards from the meta device is not needed
+        model = build_model(config)
         model.loss_device_type = "cuda" if gpu else "cpu"
         if lora_rows is not None:
             settings = LoRASettings(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")), cfg.lora_dropout)
@@ -263,8 +271,7 @@ def trace_step(cfg, rt, config, objective, lora_rows, batch_size, per_rank, gpu)
         if rt.fsdp:
             shard_model(model, rt, cfg.seed, mesh)
             if cfg.ema_decay:
-                with torch.device("meta"):
-                    average = shard_model(build_model(config), rt, cfg.seed, mesh).requires_grad_(False)
+                average = shard_model(build_model(config), rt, cfg.seed, mesh).requires_grad_(False)
         elif cfg.ema_decay:
             average = build_model(config).requires_grad_(False)
         optimizers, _ = make_optimizers(model, cfg, rt)
@@ -301,7 +308,8 @@ def trace_step(cfg, rt, config, objective, lora_rows, batch_size, per_rank, gpu)
     return Trace(
         **use,
         average=0 if average is None else local_bytes(average.parameters()),
-        peak=parts["Total"],
+        # DDP's buckets hold every gradient from its start (gradient_as_bucket_view): those not alive at the peak
+        peak=parts["Total"] + (use["gradients"] - parts.get("Gradient", 0) if rt.world_size > 1 and not rt.fsdp else 0),
         activations=parts.get("Activation", 0) + parts.get("Temp", 0),
         gathered=gathered,
         vocab=vocab.peak,
@@ -314,32 +322,63 @@ def trace_step(cfg, rt, config, objective, lora_rows, batch_size, per_rank, gpu)
 # The plan: traces of each kind of rank, then the tables
 
 
+@dataclass
+class Plan:
+    """What make_plan traced and derived: enough to print the tables, and for the tests to check them."""
+
+    cfg: object  # the run's TrainConfig
+    config: ModelConfig
+    objective: Objective
+    target: Target
+    dtype: torch.dtype
+    per_rank: int  # micro-batches per rank
+    groups: list  # the ranks, in groups that hold alike (one group unless FSDP's shards differ)
+    traces: list  # a Trace of each group's first rank
+    other: Trace  # rank 0 with activation checkpointing the other way
+    smallest: Trace  # rank 0 at batch_size 1
+    baseline: int  # on a CPU, this process's interpreter and libraries (the memory line counts them); else 0
+
+
 def make_plan(cfg):
-    """Print the plan of the run cfg describes on cfg.plan_ranks ranks of cfg.plan_device (train.py --plan)."""
+    """The Plan of the run cfg describes on cfg.plan_ranks ranks of cfg.plan_device: traced, nothing trains."""
     ranks = cfg.plan_ranks
     per_rank = split_accumulation(cfg.gradient_accumulation_steps, ranks)  # one line if plan_ranks does not divide
     target = find_target(cfg.plan_device, cfg.plan_mfu, ranks)
     dtype = planned_dtype(cfg, target)
     fsdp = cfg.fsdp and ranks > 1
     config, objective, rows = planned_config(cfg, planned_meta(cfg))
-    baseline = process_bytes() if not target.gpu else 0
-    # a micro-batch more than the first step's, so that the second step holds accumulated gradients
-    traced = min(per_rank, 2)
+    baseline = 0 if target.gpu else process_bytes()
+    # the second step runs two micro-batches (if it has two): the second adds to the first's gradients
 
     def trace(rank, batch_size, activation_checkpointing=cfg.activation_checkpointing):
         run = replace(cfg, activation_checkpointing=activation_checkpointing)
         rt = Runtime(rank, rank, ranks, torch.device("cpu"), dtype, fsdp=fsdp)
         with fake_group(rank, ranks):
-            return trace_step(run, rt, config, objective, rows, batch_size, traced, target.gpu)
+            return trace_step(run, rt, config, objective, rows, batch_size, min(per_rank, 2), target.gpu)
 
-    groups = rank_groups(config, ranks) if fsdp else [range(ranks)]
+    groups = rank_groups(config, ranks) if fsdp else [list(range(ranks))]
     traces = [trace(group[0], cfg.batch_size) for group in groups]
-    other = trace(0, cfg.batch_size, not cfg.activation_checkpointing)
-    smallest = trace(0, 1) if cfg.batch_size > 1 else traces[0]
-    print(describe(cfg, config, target, dtype, ranks, per_rank, fsdp))
-    print_table(memory_rows(cfg, config, dtype, traces, other, baseline), [group_name(g, ranks) for g in groups])
-    print_table(time_rows(cfg, config, objective, target, ranks, per_rank, traces[0], traced), ["the run"])
-    for line in suggestions(cfg, target, ranks, per_rank, traces[0], smallest, other, baseline):
+    return Plan(
+        cfg=cfg,
+        config=config,
+        objective=objective,
+        target=target,
+        dtype=dtype,
+        per_rank=per_rank,
+        groups=groups,
+        traces=traces,
+        other=trace(0, cfg.batch_size, not cfg.activation_checkpointing),
+        smallest=trace(0, 1) if cfg.batch_size > 1 else traces[0],
+        baseline=baseline,
+    )
+
+
+def print_plan(p):
+    """train.py --plan's output: what runs where, the memory of each group of ranks, the time, what fits."""
+    print(describe(p))
+    print_table(memory_rows(p), [group_name(g, p.cfg.plan_ranks) for g in p.groups])
+    print_table(time_rows(p), ["the run"])
+    for line in suggestions(p):
         print(line)
 
 
@@ -403,88 +442,81 @@ def process_bytes():
 
 
 def mib(n):
+    """Bytes as the memory line prints them."""
     return f"{n / MIB:,.1f} MiB"
 
 
-def memory_rows(cfg, config, dtype, traces, other, baseline):
-    """The memory table: (label, [value for each group of ranks])."""
-    ac = cfg.activation_checkpointing
+def memory_rows(p):
+    """The memory table: (label, [value for each group of ranks]); the peaks as the memory line would count them."""
+    ac = p.cfg.activation_checkpointing
+    traces = p.traces
     rows = [
         ("weights", [mib(t.weights) for t in traces]),
         ("gradients", [mib(t.gradients) for t in traces]),
         ("optimizer state", [mib(t.optimizer) for t in traces]),
     ]
-    if cfg.ema_decay:
+    if p.cfg.ema_decay:
         rows.append(("weight average (ema_decay)", [mib(t.average) for t in traces]))
     rows.append(("activations and temporaries at the peak", [mib(t.activations) for t in traces]))
-    if cfg.fsdp and cfg.plan_ranks > 1:
-        rows.append(("gathered weights and gradients at the peak", [mib(t.gathered) for t in traces]))
-    rows.append(("the loss's (positions, V) tensors, at their most", [mib(t.vocab) for t in traces]))
-    rows.append(("peak", [mib(t.peak) for t in traces]))
-    if baseline:
-        rows.append(("peak + this process's interpreter and libraries", [mib(t.peak + baseline) for t in traces]))
-    delta = other.peak - traces[0].peak
-    rows.append((f"peak with activation_checkpointing={not ac}", [mib(t.peak + baseline + delta) for t in traces]))
-    rows.append(
-        ("KV cache for sampling, per sequence of block_size", [mib(kv_cache_bytes(config, dtype))] * len(traces))
-    )
+    if p.cfg.fsdp and p.cfg.plan_ranks > 1:
+        rows.append(("gathered weights, gradients at the peak", [mib(t.gathered) for t in traces]))
+    rows.append(("the loss's (positions, V) tensors at most", [mib(t.vocab) for t in traces]))
+    if p.baseline:
+        rows.append(("interpreter and libraries (measured now)", [mib(p.baseline)] * len(traces)))
+    rows.append((f"peak, activation_checkpointing={ac}", [mib(t.peak + p.baseline) for t in traces]))
+    # the other setting traced on rank 0: the other groups differ from it by their shards alone
+    delta = p.other.peak - traces[0].peak
+    rows.append((f"peak, activation_checkpointing={not ac}", [mib(t.peak + p.baseline + delta) for t in traces]))
+    rows.append(("KV cache to sample one block_size sequence", [mib(kv_cache_bytes(p.config, p.dtype))] * len(traces)))
     return rows
 
 
 def kv_cache_bytes(config, dtype):
     """
-    Bytes of sample.py's KV cache for one sequence of block_size positions: keys and values of every layer's
-    self-attention (within a window if it slides), and an encoder-decoder's cross-attention over a block_size source.
+    Bytes of the KV cache (model.KVCache) that sampling one sequence of block_size positions fills: keys and values of
+    every layer's self-attention (with a sliding window, the window - 1 kept positions and the newest one), and an
+    encoder-decoder's cross-attention over a block_size source.
     """
     if config.arch == "encoder":
         return 0
-    positions = min(config.block_size, config.window_size or config.block_size)
-    per_layer = (
-        2
-        * config.n_kv_head
-        * config.head_dim
-        * (positions + (config.block_size if config.arch == "encoder_decoder" else 0))
-    )
-    return config.n_layer * per_layer * dtype.itemsize
+    positions = config.block_size if not config.window_size else min(config.block_size, config.window_size)
+    positions += config.block_size if config.arch == "encoder_decoder" else 0
+    return config.n_layer * 2 * config.n_kv_head * config.head_dim * positions * dtype.itemsize
 
 
-def time_rows(cfg, config, objective, target, ranks, per_rank, trace, traced):
-    """The time table: FLOPs per step counted and traced, the step time at the target's MFU, tokens/s, the run's time."""
+def time_rows(p):
+    """The time table: FLOPs per step, the step time at the target's MFU, tokens per second, the run's time."""
+    cfg, target, ranks = p.cfg, p.target, p.cfg.plan_ranks
     with torch.device("meta"):
-        model = build_model(config)
-    inputs = example_batch(config, objective, cfg.batch_size)[0]
-    steps = ranks * per_rank  # micro-batches per step over all ranks
-    model_flops = model.training_flops(*inputs) * steps
-    traced_flops = (trace.micro_flops * per_rank + trace.update_flops) * ranks
+        model = build_model(p.config)
+    micro_batches = ranks * p.per_rank  # over all ranks
+    model_flops = model.training_flops(*example_batch(p.config, p.objective, cfg.batch_size)[0]) * micro_batches
+    traced_flops = (p.traces[0].micro_flops * p.per_rank + p.traces[0].update_flops) * ranks
     seconds = model_flops / (ranks * target.flops * target.mfu)
-    tokens = cfg.batch_size * config.block_size * steps
-    iters = cfg.max_iters if not cfg.max_minutes else min(cfg.max_iters, int(60 * cfg.max_minutes / seconds))
+    tokens = cfg.batch_size * p.config.block_size * micro_batches
+    steps = cfg.max_iters if not cfg.max_minutes else min(cfg.max_iters, int(60 * cfg.max_minutes / seconds))
+    until = "max_minutes" if steps < cfg.max_iters else "max_iters"
     return [
         ("tokens per step (full windows)", [f"{tokens:,}"]),
         ("model FLOPs per step (what MFU counts)", [f"{model_flops:.3e}"]),
-        ("traced FLOPs per step (recomputation, optimizer included)", [f"{traced_flops:.3e}"]),
-        (f"{target.name} peak FLOP/s, MFU", [f"{target.flops:.3e}, {target.mfu:.0%} ({target.mfu_source})"]),
-        ("step time", [f"{1000 * seconds:,.1f} ms"]),
+        ("traced FLOPs per step (with recomputation, optimizer)", [f"{traced_flops:.3e}"]),
+        (f"peak FLOP/s of each {target.name}", [f"{target.flops:.3e}"]),
+        (f"MFU ({target.mfu_source})", [f"{target.mfu:.0%}"]),
+        ("step time", [f"{1000 * seconds:,.0f} ms" if seconds >= 0.1 else f"{1000 * seconds:.3g} ms"]),
         ("tokens per second", [f"{tokens / seconds:,.0f}"]),
-        (
-            f"{iters:,} steps" + (" (max_minutes)" if iters < cfg.max_iters else " (max_iters)"),
-            [format_hours(iters * seconds)],
-        ),
+        (f"{steps:,} steps ({until})", [format_hours(steps * seconds)]),
     ]
 
 
 def format_hours(seconds):
-    return (
-        f"{seconds / 3600:,.1f} h"
-        if seconds >= 3600
-        else f"{seconds / 60:,.1f} min"
-        if seconds >= 60
-        else f"{seconds:.1f} s"
-    )
+    """A duration in the largest unit that keeps it above 1: seconds, minutes or hours."""
+    if seconds >= 3600:
+        return f"{seconds / 3600:,.1f} h"
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.1f} s"
 
 
 def print_table(rows, columns):
-    """rows of (label, [value per column]) under a header of columns, aligned."""
+    """Rows of (label, [a value per column]) under the columns' headings, aligned."""
     width = max(len(label) for label, _ in rows)
     widths = [max(len(c), *(len(values[i]) for _, values in rows)) for i, c in enumerate(columns)]
     print(f"{'':<{width}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(columns, widths)))
@@ -493,58 +525,53 @@ def print_table(rows, columns):
     print()
 
 
-def describe(cfg, config, target, dtype, ranks, per_rank, fsdp):
-    """The plan's first line: what runs where."""
+def describe(p):
+    """The plan's opening lines: what runs where, how."""
+    cfg, ranks = p.cfg, p.cfg.plan_ranks
+    fsdp = cfg.fsdp and ranks > 1
     way = (
-        "FSDP" + (" (reduce deferred)" if cfg.fsdp_defer_reduce else "")
-        if fsdp
-        else "DDP"
-        if ranks > 1
-        else "one process"
+        "FSDP" + (", reduce deferred" if cfg.fsdp_defer_reduce else "") if fsdp else "DDP" if ranks > 1 else "1 process"
     )
     with torch.device("meta"):
-        params = build_model(config).num_params()
+        params = build_model(p.config).num_params()
     return (
-        f"plan: {config.arch}, {params:,} parameters, on {ranks} x {target.name} ({target.memory / 2**30:,.0f} GiB each), "
-        f"{way}, {str(dtype)[6:]}, {cfg.optimizer}, batch_size {cfg.batch_size} x {per_rank} micro-batch(es) per rank, "
-        f"activation_checkpointing={cfg.activation_checkpointing}, compile={cfg.compile} (traced eager)\n"
+        f"plan: {p.config.arch}, {params:,} parameters, on {ranks} x {p.target.name} "
+        f"({p.target.memory / 2**30:,.0f} GiB each): {way}, {str(p.dtype)[6:]}, {cfg.optimizer}, "
+        f"batch_size {cfg.batch_size} x {p.per_rank} micro-batch(es) per rank\n"
+        "traced eager under FakeTensorMode: torch.compile's fusions would lower the activations, not raise them\n"
     )
 
 
-def suggestions(cfg, target, ranks, per_rank, trace, smallest, other, baseline):
-    """Lines on whether the run fits and the largest micro-batch that does at the same global batch."""
+def suggestions(p):
+    """Lines saying whether the run fits, and the largest micro-batch that does at the same global batch."""
+    cfg, target, ranks = p.cfg, p.target, p.cfg.plan_ranks
     usable = target.memory * (FULL if target.gpu else 1)
-    where = (
-        f"{FULL:.0%} of {target.name}'s {target.memory / 2**30:,.0f} GiB"
-        if target.gpu
-        else "this machine's memory per rank"
-    )
-    peak = trace.peak + baseline
-    lines = [
-        f"{'fits' if peak <= usable else 'does NOT fit'}: peak {mib(peak)} per rank of {mib(usable)} usable ({where})"
-    ]
-    # peak = fixed + per-sequence * batch_size, from the traces at batch_size 1 and cfg.batch_size
-    sequences = cfg.batch_size * per_rank * ranks
+    where = f"{FULL:.0%} of {target.memory / 2**30:,.0f} GiB" if target.gpu else "this machine's memory per rank"
+    peak = max(t.peak for t in p.traces) + p.baseline
+    verdict = "fits" if peak <= usable else "does NOT fit"
+    lines = [f"{verdict}: a peak of {mib(peak)} per rank, {mib(usable)} usable ({where})"]
+    sequences = cfg.batch_size * p.per_rank * ranks  # per step; a micro-batch size b keeps it if ranks divide it / b
     choices = [b for b in range(1, sequences + 1) if sequences % b == 0 and (sequences // b) % ranks == 0]
-    for ac, at_batch in ((cfg.activation_checkpointing, trace), (not cfg.activation_checkpointing, other)):
-        if cfg.batch_size == 1:
-            fits = [1] if at_batch.peak + baseline <= usable else []
-            slope, fixed = 0.0, at_batch.peak
+    for ac, at_batch in ((cfg.activation_checkpointing, p.traces[0]), (not cfg.activation_checkpointing, p.other)):
+        # peak = fixed + per sequence * batch_size: a line through the traces at batch_size 1 and cfg.batch_size
+        if cfg.batch_size == 1:  # nothing to draw a line through: batch_size 1 fits or nothing does
+            fixed, slope, how = at_batch.peak + p.baseline, 0.0, "traced"
+            choices = [1]
         else:
-            slope = (at_batch.peak - smallest.peak) / (cfg.batch_size - 1)
-            fixed = at_batch.peak - slope * cfg.batch_size
-            fits = [b for b in choices if fixed + slope * b + baseline <= usable]
+            slope = (at_batch.peak - p.smallest.peak) / (cfg.batch_size - 1)
+            fixed = at_batch.peak - slope * cfg.batch_size + p.baseline
+            how = f"on a line through the traces at batch_size 1 and {cfg.batch_size}"
+        fits = [b for b in choices if fixed + slope * b <= usable]
         if fits:
             b = max(fits)
             lines.append(
-                f"largest micro-batch that fits at the same {sequences} sequences per step with "
-                f"activation_checkpointing={ac}: --batch_size={b} --gradient_accumulation_steps={sequences // b} "
-                f"(peak about {mib(fixed + slope * b + baseline)}, a line through the traces at batch_size 1 and "
-                f"{cfg.batch_size})"
+                f"activation_checkpointing={ac}: the largest micro-batch that fits at the same {sequences:,} sequences "
+                f"per step is --batch_size={b} --gradient_accumulation_steps={sequences // b} (peak about "
+                f"{mib(fixed + slope * b)}, {how})"
             )
     if len(lines) == 1:
-        fix = "--fsdp=true shards weights, gradients and optimizer state over" + (
-            f" the {ranks} ranks" if ranks > 1 and not cfg.fsdp else " more ranks (--plan_ranks)"
+        over = f"the {ranks} ranks" if ranks > 1 and not cfg.fsdp else "more ranks (plan with a larger --plan_ranks)"
+        lines.append(
+            f"no micro-batch fits, with activation checkpointing or without: shard with --fsdp=true over {over}"
         )
-        lines.append(f"no micro-batch fits, with activation checkpointing or without: {fix}")
     return lines

@@ -77,7 +77,7 @@ from parallel import (
     raise_if_any_failed,
     split_accumulation,
 )
-from plan import make_plan
+from plan import make_plan, print_plan
 from progress import Clock, Progress, Scalars, Step, log_memory
 from start import restore, start_run
 
@@ -969,7 +969,7 @@ def cli(argv):
                 raise ConfigError(
                     "--plan runs in one process: use python train.py ... --plan --plan_ranks=N, not torchrun"
                 )
-            make_plan(cfg)
+            print_plan(make_plan(cfg))
         else:
             main(cfg)
     except ConfigError as e:
