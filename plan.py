@@ -23,6 +23,7 @@ import math
 import os
 import re
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -342,6 +343,11 @@ class Plan:
 def make_plan(cfg):
     """The Plan of the run cfg describes on cfg.plan_ranks ranks of cfg.plan_device: traced, nothing trains."""
     ranks = cfg.plan_ranks
+    if cfg.lora_rank:
+        raise ConfigError(
+            "--plan does not trace lora_rank: PyTorch's MemTracker hooks every weight's gradient, which frozen "
+            "weights refuse; plan with --lora_rank=0, whose every-weight fine-tune bounds LoRA's memory from above"
+        )
     per_rank = split_accumulation(cfg.gradient_accumulation_steps, ranks)  # one line if plan_ranks does not divide
     target = find_target(cfg.plan_device, cfg.plan_mfu, ranks)
     dtype = planned_dtype(cfg, target)
@@ -353,7 +359,8 @@ def make_plan(cfg):
     def trace(rank, batch_size, activation_checkpointing=cfg.activation_checkpointing):
         run = replace(cfg, activation_checkpointing=activation_checkpointing)
         rt = Runtime(rank, rank, ranks, torch.device("cpu"), dtype, fsdp=fsdp)
-        with fake_group(rank, ranks):
+        # a GPU's bfloat16 traced in a CPU's autocast, whose kernels warn of what they would not fuse there
+        with fake_group(rank, ranks), warnings.catch_warnings(action="ignore", category=UserWarning):
             return trace_step(run, rt, config, objective, rows, batch_size, min(per_rank, 2), target.gpu)
 
     groups = rank_groups(config, ranks) if fsdp else [list(range(ranks))]

@@ -5,6 +5,7 @@ PEAK_TOLERANCE, FSDP's shards rank by rank under torchrun; the KV cache against 
 bad input as one line.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import plan
-from config import parse_config
+from config import ConfigError, parse_config
 from devices import peak_flops
 from model import ModelConfig, build_model
 from train import TrainConfig, cli
@@ -170,3 +171,28 @@ def test_bad_plan_input_is_one_line(tmp_path, env, monkeypatch, capsys, args, me
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not out_dir.exists()
+
+
+def test_a_chat_fine_tune_is_planned_from_its_folder_alone(llama_dir, monkeypatch, env):
+    args = [
+        str(REPO / "configs" / "chat_llama.py"),
+        f"--init_from={llama_dir}",
+        f"--data_options={{'tokenizer': '{llama_dir}'}}",
+        "--block_size=64",
+        "--batch_size=2",
+        "--plan_device=cpu",
+    ]
+    with pytest.raises(ConfigError, match="plan with --lora_rank=0"):
+        plan_of(args, monkeypatch, env)
+    trace = plan_of([*args, "--lora_rank=0"], monkeypatch, env).traces[0]
+    # the folder's config.json alone: 2 blocks of qkv (32 -> 64: 4 query heads and 2 key/value heads of 8), proj
+    # (32 x 32), SwiGLU's fc, up (32 -> 64) and proj (64 -> 32), 2 RMSNorm gains of 32; the final norm; the embedding
+    # and the untied head, of the tokenizer's ids and the built-in template's 4 markers (the folder has no template)
+    config = hf_config(llama_dir)
+    assert not config.get("tie_word_embeddings") and "chat_template" not in config
+    params = 2 * (32 * 64 + 32 * 32 + 3 * 32 * 64 + 2 * 32) + 32 + 2 * (config["vocab_size"] + 4) * 32
+    assert trace.weights == trace.gradients == 4 * params
+
+
+def hf_config(folder):
+    return json.loads((Path(folder) / "config.json").read_text())
