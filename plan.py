@@ -342,6 +342,8 @@ class Plan:
 
 def make_plan(cfg):
     """The Plan of the run cfg describes on cfg.plan_ranks ranks of cfg.plan_device: traced, nothing trains."""
+    # the interpreter and libraries, measured before any data is read or prepared
+    baseline = process_bytes()
     ranks = cfg.plan_ranks
     if cfg.lora_rank:
         raise ConfigError(
@@ -353,7 +355,7 @@ def make_plan(cfg):
     dtype = planned_dtype(cfg, target)
     fsdp = cfg.fsdp and ranks > 1
     config, objective, rows = planned_config(cfg, planned_meta(cfg))
-    baseline = 0 if target.gpu else process_bytes()
+    baseline = 0 if target.gpu else baseline
     # the second step runs two micro-batches (if it has two): the second adds to the first's gradients
 
     def trace(rank, batch_size, activation_checkpointing=cfg.activation_checkpointing):

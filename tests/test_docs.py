@@ -222,8 +222,10 @@ def out_dir_clashes(found):
         if command.script != "train.py" or check_command(command):
             continue  # a command its parser refuses is reported on its own
         cfg = parse("train.py", command.args)
-        # resuming, evaluating or replacing a run on purpose is no clash
-        if cfg is None or cfg.init_from == "resume" or cfg.eval_only or getattr(cfg, "overwrite", False):
+        # resuming, evaluating, planning or replacing a run on purpose is no clash
+        if cfg is None or cfg.init_from == "resume" or cfg.eval_only or getattr(cfg, "plan", False):
+            continue
+        if getattr(cfg, "overwrite", False):
             continue
         run = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in SAME_RUN}
         runs.setdefault(cfg.out_dir, []).append((command.where, run))
