@@ -48,7 +48,7 @@ from devices import peak_flops, pick_threads, resolve_dtype
 from lora import LoRASettings, add_adapters
 from model import IGNORE_INDEX, ModelConfig, build_model
 from parallel import Models, Runtime, shard_model, split_accumulation
-from progress import local_bytes, state_bytes
+from progress import local_bytes, resident_peak, state_bytes
 from start import trained_rows
 
 # GPUs a plan can be made for: memory in GiB from the vendors' data sheets; the peak FLOP/s is devices.PEAK_FLOPS'
@@ -343,7 +343,7 @@ class Plan:
 def make_plan(cfg):
     """The Plan of the run cfg describes on cfg.plan_ranks ranks of cfg.plan_device: traced, nothing trains."""
     # the interpreter and libraries, measured before any data is read or prepared
-    baseline = process_bytes()
+    baseline = resident_peak()
     ranks = cfg.plan_ranks
     if cfg.lora_rank:
         raise ConfigError(
@@ -441,13 +441,6 @@ def group_name(group, ranks):
     if len(group) == ranks:
         return f"each of {ranks} rank(s)"
     return f"rank {group[0]}" if len(group) == 1 else f"ranks {group[0]}-{group[-1]}"
-
-
-def process_bytes():
-    """This process's peak resident set now: the interpreter and libraries a CPU run's memory line also counts."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def mib(n):

@@ -6,9 +6,11 @@ Step losses stay on the device until a progress line or an evaluation reads them
 
 import contextlib
 import math
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -224,17 +226,26 @@ def state_bytes(model, optimizers):
     }
 
 
+def resident_peak():
+    """
+    This process's peak resident set in bytes: Linux's VmHWM, which starts afresh with the program, unlike ru_maxrss,
+    which a child started from a large process (a test runner) inherits; elsewhere ru_maxrss.
+    """
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)[1]) * 1024
+    except (OSError, TypeError):
+        import resource  # Unix only: imported where needed. ru_maxrss counts KiB on Linux, bytes on macOS
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
 def memory_use(model, optimizers, device):
     """
     This rank's memory in MiB: state_bytes' {"weights", "gradients", "optimizer"} and "peak": the most CUDA memory
     allocated, or on a CPU the process's peak resident set (the Python interpreter and the libraries included).
     """
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-    else:  # ru_maxrss counts KiB on Linux, bytes on macOS (resource: Unix only, imported where needed)
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else resident_peak()
     return {name: n / 2**20 for name, n in {**state_bytes(model, optimizers), "peak": peak}.items()}
 
 
