@@ -6,16 +6,17 @@ CONFIG describes, on a named GPU and number of ranks, from a laptop: nothing is 
     python train.py configs/gpt2.py --plan --plan_device=A100 --plan_ranks=8 --fsdp=true --batch_size=24
     python train.py configs/shakespeare.py --plan                      # this machine, one process
 
-Traced: the run's own model (from its settings, its checkpoint's or its Hugging Face folder's config, with LoRA
-adapters), FSDP2's sharding on a fake process group of plan_ranks ranks, the optimizers and two training steps of
-train.py's accumulate_gradients run under FakeTensorMode, whose tensors have shapes and dtypes but no memory or
-values. PyTorch's MemTracker (FSDPMemTracker under FSDP) follows every tensor's storage: parameters, gradients,
-optimizer state, activations and the peak. FlopCounterMode counts the step's FLOPs, recomputation included.
-Arithmetic: the KV cache, the step time (the model FLOPs train.py's MFU counts / (peak FLOP/s x MFU)) and the
-largest micro-batch that fits, from traces at two batch sizes.
+Traced: the run's own model (from its settings, its checkpoint's or its Hugging Face folder's config), FSDP2's
+sharding on a fake process group of plan_ranks ranks, the optimizers and two training steps of train.py's micro_step
+run under FakeTensorMode, whose tensors have shapes and dtypes but no memory or values. PyTorch's MemTracker
+(FSDPMemTracker under FSDP) follows every tensor's storage: parameters, gradients, optimizer state, activations and
+the peak. FlopCounterMode counts the step's FLOPs, recomputation included.
+Arithmetic: DDP's buckets (gradient_as_bucket_view: every gradient held from the start), the KV cache, the step time
+(the model FLOPs train.py's MFU counts / (peak FLOP/s x MFU)) and the largest micro-batch that fits, from traces at
+two batch sizes.
 Not modelled: torch.compile's fusions (the trace is eager: its activations bound a compiled run's from above),
-the CUDA context and caching allocator's fragmentation (a GPU counts as full at FULL of its memory), DDP's
-buckets (gradient_as_bucket_view makes them the gradients), communication time.
+the CUDA context and caching allocator's fragmentation (a GPU counts as full at FULL of its memory), communication
+time. LoRA is refused: MemTracker hooks every weight's gradient, which frozen weights refuse.
 """
 
 import contextlib
@@ -45,11 +46,9 @@ from checkpoint import is_checkpoint, load_checkpoint
 from config import ConfigError, one_line
 from data import Objective, make_objective, prepared_dataset
 from devices import peak_flops, pick_threads, resolve_dtype
-from lora import LoRASettings, add_adapters
 from model import IGNORE_INDEX, ModelConfig, build_model
 from parallel import Models, Runtime, shard_model, split_accumulation
 from progress import local_bytes, resident_peak, state_bytes
-from start import trained_rows
 
 # GPUs a plan can be made for: memory in GiB from the vendors' data sheets; the peak FLOP/s is devices.PEAK_FLOPS'
 GPUS = {
@@ -99,17 +98,13 @@ def find_target(name, mfu, ranks):
     if name in ("", "auto"):
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         if name != "cpu":
-            total = torch.cuda.get_device_properties(0).total_memory
-            return gpu_target(
-                name, total, peak_flops(name, torch.cuda.get_device_properties(0).multi_processor_count), mfu
-            )
+            props = torch.cuda.get_device_properties(0)
+            return gpu_target(name, props.total_memory, peak_flops(name, props.multi_processor_count), mfu)
     if name.lower() == "cpu":
         # this CPU's float32 matmul rate with the threads each of the ranks would get
         threads = pick_threads(0, ranks)[0]
         measured = cpu_matmul_flops(threads)
-        source = (
-            f"CPU_MFU, measured on the quick start, of {measured / 1e9:.0f} GFLOP/s measured now ({threads} threads)"
-        )
+        source = f"the quick start's, of matmuls measured now on {threads} thread(s)"
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
         return Target("cpu", memory, measured, mfu or CPU_MFU, "given" if mfu else source, gpu=False)
     key = {squeeze(k): k for k in GPUS}.get(squeeze(name))
@@ -171,10 +166,10 @@ def planned_meta(cfg):
 
 
 def planned_config(cfg, meta):
-    """(ModelConfig, Objective, LoRA token rows or None) of the run: from its settings, checkpoint or HF folder."""
+    """(ModelConfig, Objective) of the run: from its settings, its checkpoint or its Hugging Face folder."""
     objective, vocab_size, meta = make_objective(cfg.arch, meta, cfg.mask_prob)
     if cfg.init_from == "scratch":
-        return cfg.model_config(vocab_size, objective.pad_id), objective, None
+        return cfg.model_config(vocab_size, objective.pad_id), objective
     if cfg.init_from == "resume" or is_checkpoint(cfg.init_from) or cfg.init_from.endswith(".pt"):
         path = Path(cfg.out_dir) / "ckpt.pt" if cfg.init_from == "resume" else Path(cfg.init_from)
         config = ModelConfig.from_dict(load_checkpoint(path, weights=False)["model_config"])
@@ -186,11 +181,9 @@ def planned_config(cfg, meta):
             )
         except (OSError, ValueError) as e:
             raise ConfigError(f"init_from={cfg.init_from}: {one_line(e)}") from None
-    base_vocab = config.vocab_size
-    if cfg.arch == "gpt" and cfg.init_from != "resume":
-        config = replace(config, vocab_size=max(base_vocab, meta["vocab_size"]))
-    rows = trained_rows(meta, base_vocab) if cfg.lora_rank else None
-    return config, objective, rows
+    if cfg.arch == "gpt" and cfg.init_from != "resume":  # grown for chat tokens beyond the model's (start.fit_to_data)
+        config = replace(config, vocab_size=max(config.vocab_size, meta["vocab_size"]))
+    return config, objective
 
 
 # -----------------------------------------------------------------------------
@@ -199,7 +192,7 @@ def planned_config(cfg, meta):
 
 @dataclass
 class Trace:
-    """One rank's traced step, in bytes: memory_use's figures, the peak and its parts, FLOPs per step."""
+    """One rank's traced step, in bytes: state_bytes' figures, the peak and its parts; FLOPs."""
 
     weights: int
     gradients: int
@@ -246,7 +239,7 @@ def example_batch(config, objective, batch_size):
     return (ids[:, :-1],), ids[:, 1:]
 
 
-def trace_step(cfg, rt, config, objective, lora_rows, batch_size, per_rank, gpu):
+def trace_step(cfg, rt, config, objective, batch_size, per_rank, gpu):
     """
     The Trace of this rank (rt.rank of rt.world_size, on the fake process group) running two training steps, of one
     and of per_rank micro-batches of batch_size sequences, as train.py would, under FakeTensorMode. gpu: the loss is
@@ -264,9 +257,6 @@ def trace_step(cfg, rt, config, objective, lora_rows, batch_size, per_rank, gpu)
         # shards from the meta device is not needed
         model = build_model(config)
         model.loss_device_type = "cuda" if gpu else "cpu"
-        if lora_rows is not None:
-            settings = LoRASettings(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")), cfg.lora_dropout)
-            add_adapters(model, settings, lora_rows, generator=torch.Generator())
         model.set_activation_checkpointing(cfg.activation_checkpointing)
         average = None
         if rt.fsdp:
@@ -354,16 +344,16 @@ def make_plan(cfg):
     target = find_target(cfg.plan_device, cfg.plan_mfu, ranks)
     dtype = planned_dtype(cfg, target)
     fsdp = cfg.fsdp and ranks > 1
-    config, objective, rows = planned_config(cfg, planned_meta(cfg))
+    config, objective = planned_config(cfg, planned_meta(cfg))
     baseline = 0 if target.gpu else baseline
-    # the second step runs two micro-batches (if it has two): the second adds to the first's gradients
 
+    # the second step runs two micro-batches (if it has two): the second adds to the first's gradients
     def trace(rank, batch_size, activation_checkpointing=cfg.activation_checkpointing):
         run = replace(cfg, activation_checkpointing=activation_checkpointing)
         rt = Runtime(rank, rank, ranks, torch.device("cpu"), dtype, fsdp=fsdp)
         # a GPU's bfloat16 traced in a CPU's autocast, whose kernels warn of what they would not fuse there
         with fake_group(rank, ranks), warnings.catch_warnings(action="ignore", category=UserWarning):
-            return trace_step(run, rt, config, objective, rows, batch_size, min(per_rank, 2), target.gpu)
+            return trace_step(run, rt, config, objective, batch_size, min(per_rank, 2), target.gpu)
 
     groups = rank_groups(config, ranks) if fsdp else [list(range(ranks))]
     traces = [trace(group[0], cfg.batch_size) for group in groups]
