@@ -23,8 +23,10 @@ from train import TrainConfig, cli
 
 REPO = Path(__file__).resolve().parent.parent
 # the measured peak (the process's resident set) exceeds the traced one by what the allocator keeps: -4% to -10% on
-# the five configs of README's "Plan a run", -13% to -16% on SETTINGS (many 4 MiB activations)
-PEAK_TOLERANCE = 0.20
+# the five configs of README's "Plan a run"; on SETTINGS (many 4 MiB activations, freed and reused by glibc's heap)
+# identical runs peaked at 731 to 877 MiB against 650 to 692 predicted: -11% to -21%. Without the activations the
+# plan would be about 50% low
+PEAK_TOLERANCE = 0.25
 # a model whose tensors, not the interpreter, make most of a process's peak (about 1 GB against 0.35)
 SETTINGS = [
     "--dataset=shakespeare_char",
