@@ -9,7 +9,8 @@ one converts: GPT-2's BPE (tokenizer.json, vocab.json, merges.txt) or the datase
 transformers.AutoModelForCausalLM.from_pretrained("hf-shakespeare") gives the same logits as our model.
 
 Four layouts, picked by pos_encoding and, for rotary models, the attention (see hf.hf_layout):
-    learned -> GPT2LMHeadModel: LayerNorm, GELU (exact or tanh), every head reads its own keys, tied head.
+    learned -> GPT2LMHeadModel: LayerNorm, GELU (exact or tanh) or ReLU (or squared), every head reads its own
+               keys, tied or untied head.
     rope    -> LlamaForCausalLM: RMSNorm, SwiGLU, grouped-query attention, tied or untied head, biases or not;
                Qwen2ForCausalLM with qkv_bias, Qwen3ForCausalLM with qk_norm.
 Options that none computes (post-norm, a soft-cap, a window...) are a one-line error naming each.

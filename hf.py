@@ -14,6 +14,7 @@ none but config.json and the weights.
 """
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -196,14 +197,17 @@ def load_checked(model, state, path):
 # GPT-2 (and nanoGPT, whose names are GPT-2's)
 
 
-def gpt2_names(n_layer, bias):
+def gpt2_names(n_layer, bias, tied=True):
     """
     GPT-2's parameter names, as GPT2LMHeadModel and nanoGPT write them (without their "transformer." prefix) -> ours.
     The stacked c_attn maps onto qkv as it is: both hold q, k, v in that order. bias False: nanoGPT's bias=False.
+    lm_head is listed only when untied (tie_word_embeddings false); a tied head is wte.
     """
     names = {"wte.weight": "body.wte.weight", "wpe.weight": "body.wpe.weight", "ln_f.weight": "body.norm.weight"}
     if bias:
         names["ln_f.bias"] = "body.norm.bias"
+    if not tied:
+        names["lm_head.weight"] = "lm_head.weight"
     for i in range(n_layer):
         for theirs, ours in [
             ("ln_1", "norm1"),
@@ -223,15 +227,41 @@ def conv1d_weight(hf_name):
     return hf_name.endswith(".weight") and any(conv in hf_name for conv in ("c_attn", "c_proj", "c_fc"))
 
 
+# GPT-2's activation_function (transformers' ACT2FN names) -> our activation. OpenAI's GPT-2 uses the tanh
+# approximation ("gelu_new", also spelled "gelu_pytorch_tanh" and "gelu_fast"); "gelu" is the exact erf GELU.
+GPT2_ACTIVATIONS = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu": "gelu",
+    "gelu_python": "gelu",
+    "relu": "relu",
+    "relu2": "relu2",
+}
+# ours -> the name gpt2_config writes, one of the above
+GPT2_ACTIVATION_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "relu2": "relu2"}
+
+
 def gpt2_model_config(hf, path, overrides):
-    """The ModelConfig of GPT-2's config.json hf (in folder path), with the caller's overrides of any field."""
-    # OpenAI's GPT-2 uses tanh GELU ("gelu_new"); exact GELU is "gelu" (gpt2_config writes it for activation="gelu")
-    activations = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
-    activation = activations.get(hf.get("activation_function", "gelu_new"))
+    """
+    The ModelConfig of GPT-2's config.json hf (in folder path), with the caller's overrides of any field. Every
+    GPT2Config field that changes what GPT2LMHeadModel computes is read here or refused: the sizes, n_inner,
+    activation_function, layer_norm_epsilon and tie_word_embeddings are ours too; scale_attn_weights and
+    scale_attn_by_inverse_layer_idx are a factor on the attention scores, which load_gpt2 folds into the query
+    weights (gpt2_query_factor); reorder_and_upcast_attn computes the same scores in float32, as we do; a model with
+    add_cross_attention is refused. The dropouts (attn_pdrop, resid_pdrop, embd_pdrop) act in training only and
+    are not read: dropout is 0 unless overridden.
+    """
+    activation = GPT2_ACTIVATIONS.get(hf.get("activation_function", "gelu_new"))
     if activation is None:
         raise ValueError(
             f"{path}: activation_function={hf['activation_function']!r} is not implemented; "
-            f"GPT-2 here runs {', '.join(activations)}"
+            f"GPT-2 here runs {', '.join(GPT2_ACTIVATIONS)}"
+        )
+    if hf.get("add_cross_attention", False):
+        raise ValueError(
+            f"{path}: add_cross_attention=True gives each block a cross-attention to an encoder's states, which a "
+            f"decoder-only GPT has not; load a GPT-2 saved without it"
         )
     config = ModelConfig(
         **{
@@ -247,13 +277,32 @@ def gpt2_model_config(hf, path, overrides):
             "norm_position": "pre",
             "norm": "layernorm",
             "activation": activation,
-            "tie_embeddings": True,
+            "tie_embeddings": hf.get("tie_word_embeddings", True),
             "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
             **overrides,
         }
     )
+    if config.tie_embeddings and not hf.get("tie_word_embeddings", True):
+        raise ValueError(
+            f"{path} has a head of its own (tie_word_embeddings=false): tie_embeddings=True would drop it; "
+            f"leave tie_embeddings as the folder has it"
+        )
     check_block_size(config, hf["n_positions"], path)
     return config
+
+
+def gpt2_query_factor(hf, layer):
+    """
+    What GPT-2's attention scores in layer (0-based) are multiplied by beyond our 1/sqrt(head_dim): sqrt(head_dim)
+    without scale_attn_weights (unscaled scores), 1/(layer + 1) with scale_attn_by_inverse_layer_idx. Scores are
+    linear in the query, so scaling W_q and b_q by this factor computes the same function.
+    """
+    factor = 1.0
+    if not hf.get("scale_attn_weights", True):
+        factor *= math.sqrt(hf["n_embd"] // hf["n_head"])
+    if hf.get("scale_attn_by_inverse_layer_idx", False):
+        factor /= layer + 1
+    return factor
 
 
 def gpt2_config(c):
@@ -268,14 +317,13 @@ def gpt2_config(c):
         "n_layer": c.n_layer,
         "n_head": c.n_head,
         "n_inner": c.d_ff,
-        # our "gelu" is the exact erf GELU, transformers' "gelu"; "gelu_new" is GPT-2's tanh approximation
-        "activation_function": {"gelu": "gelu", "gelu_tanh": "gelu_new"}[c.activation],
+        "activation_function": GPT2_ACTIVATION_NAMES[c.activation],
         "layer_norm_epsilon": c.norm_eps,
         # GPT-2 drops out where we do: the embeddings, the attention probabilities, each residual branch
         "embd_pdrop": c.dropout,
         "attn_pdrop": c.dropout,
         "resid_pdrop": c.dropout,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": c.tie_embeddings,
     }
 
 
@@ -289,8 +337,10 @@ def load_gpt2(path, hf, overrides):
         for k, v in hf_state.items()
         if not k.endswith((".attn.bias", ".attn.masked_bias"))
     }
-    names = gpt2_names(config.n_layer, bias=True)
-    hf_state.pop("lm_head.weight", None)  # tied to wte
+    tied = hf.get("tie_word_embeddings", True)
+    if tied:
+        hf_state.pop("lm_head.weight", None)  # wte itself; save_pretrained leaves it out
+    names = gpt2_names(config.n_layer, bias=True, tied=tied)
     # name by name, both ways: a checkpoint of another architecture fails here, not with a shape error later
     check_names(path, "GPT-2", expected=names, found=hf_state)
 
@@ -302,21 +352,30 @@ def load_gpt2(path, hf, overrides):
         if hf_name == "wpe.weight":
             tensor = tensor[: config.block_size]  # fine-tuning with a shorter context keeps the first positions
         state[ours] = tensor
-    state["lm_head.weight"] = state["body.wte.weight"]  # the tied head is a state_dict key of its own
+    for i in range(config.n_layer):
+        factor = gpt2_query_factor(hf, i)
+        if factor != 1.0:  # the query's rows of qkv: the first n_embd
+            for p in ("weight", "bias"):
+                qkv = state[f"body.blocks.{i}.attn.qkv.{p}"]
+                state[f"body.blocks.{i}.attn.qkv.{p}"] = torch.cat(
+                    [qkv[: config.n_embd] * factor, qkv[config.n_embd :]]
+                )
+    if tied:  # the tied head is a state_dict key of its own; tie_embeddings=False starts it as a copy of wte
+        state["lm_head.weight"] = state["body.wte.weight"]
     return load_checked(GPT(config), state, path)
 
 
 def gpt2_weights(c, state):
-    """Our state dict (of ModelConfig c) as GPT2LMHeadModel's tensors (the tied head left out, as save_pretrained)."""
+    """Our state dict (of ModelConfig c) as GPT2LMHeadModel's tensors (a tied head left out, as save_pretrained)."""
     hf = {}
-    for theirs, ours in gpt2_names(c.n_layer, bias=True).items():
+    for theirs, ours in gpt2_names(c.n_layer, bias=True, tied=c.tie_embeddings).items():
         if ours in state:
             tensor = state[ours]
         else:  # GPT-2 always has biases: a bias=False model's are zero, which adds nothing
             tensor = torch.zeros(state[ours.removesuffix("bias") + "weight"].size(0))
         if conv1d_weight(theirs):
             tensor = tensor.t()
-        hf[f"transformer.{theirs}"] = tensor
+        hf[theirs if theirs == "lm_head.weight" else f"transformer.{theirs}"] = tensor
     return {name: owned(t) for name, t in hf.items()}
 
 
@@ -470,6 +529,9 @@ def llama_family_options(hf, path):
     model_type = hf["model_type"]
     if model_type == "qwen2":  # q, k and v always have biases (Qwen2Attention), o_proj and the MLP never
         return {"qkv_bias": True, "window_size": qwen_window(hf, path)}
+    if model_type == "mistral":  # never biases (MistralAttention, MistralMLP), whatever attention_bias says
+        # Mistral is Llama plus a sliding window; transformers' MistralConfig defaults it to 4096, None turns it off
+        return {"bias": False, "window_size": hf.get("sliding_window", 4096) or 0}
     bias = hf.get("attention_bias", False)
     if model_type == "qwen3":
         if bias:
@@ -483,9 +545,7 @@ def llama_family_options(hf, path):
             f"{path}: attention_bias={bias} but mlp_bias={hf.get('mlp_bias', False)}; our biases are on q, k, v only "
             f"(qkv_bias) or on every Linear (bias), so both must be equal"
         )
-    # Mistral is Llama plus a sliding window; transformers' MistralConfig defaults it to 4096, None turns it off
-    window = (hf.get("sliding_window", 4096) or 0) if model_type == "mistral" else 0
-    return {"bias": bias, "window_size": window}
+    return {"bias": bias, "window_size": 0}
 
 
 def llama_model_config(hf, path, overrides):
@@ -606,8 +666,8 @@ PRETRAINED_LOADERS = {"gpt2": load_gpt2, **dict.fromkeys(LLAMA_FAMILIES, load_ll
 
 # the layouts in ModelConfig terms, for the message that refuses a model fitting none
 LAYOUTS = (
-    "Exported are GPT-2's layout (pos_encoding='learned', norm='layernorm', activation 'gelu' or 'gelu_tanh', "
-    "n_kv_head=n_head, head_dim=n_embd/n_head, tie_embeddings=True) and three rotary ones (pos_encoding='rope', "
+    "Exported are GPT-2's layout (pos_encoding='learned', norm='layernorm', activation 'gelu', 'gelu_tanh', 'relu' or "
+    "'relu2', n_kv_head=n_head, head_dim=n_embd/n_head, tied or not) and three rotary ones (pos_encoding='rope', "
     "norm='rmsnorm', activation='swiglu', any n_kv_head, head_dim and Llama 3 rope_scaling, tied or not): Llama's "
     "(bias or none), Qwen2's (qkv_bias) and Qwen3's (qk_norm, no bias); all pre-norm without logit_softcap or "
     "window_size"
@@ -644,8 +704,8 @@ def hf_layout(config):
             ("norm", c.norm != "layernorm", "the GPT-2 layout that learned positions pick has LayerNorm"),
             (
                 "activation",
-                c.activation not in ("gelu", "gelu_tanh"),
-                "the GPT-2 layout that learned positions pick has GELU",
+                c.activation not in GPT2_ACTIVATION_NAMES,
+                "the GPT-2 layout that learned positions pick has no gated MLP",
             ),
             (
                 "n_kv_head",
@@ -654,7 +714,6 @@ def hf_layout(config):
             ),
             ("head_dim", c.head_dim * c.n_head != c.n_embd, "GPT-2's heads split n_embd among them"),
             ("qk_norm", c.qk_norm, "GPT-2 does not normalise queries and keys (Qwen3, a rotary layout, does)"),
-            ("tie_embeddings", not c.tie_embeddings, "GPT-2's head is its token embedding"),
         ]
     elif layout is not None:
         checks += [

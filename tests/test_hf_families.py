@@ -1,7 +1,8 @@
 """
 The families people fine-tune into chat models, against transformers as the reference: Llama 3 (scaled rotary
-frequencies), Qwen2 and Qwen2.5 (biases on q, k and v) and Qwen3 (qk_norm, a head_dim apart from hidden_size /
-heads). Random tiny models saved by save_pretrained load with hf.from_pretrained to transformers' logits (within
+frequencies), Qwen2 and Qwen2.5 (biases on q, k and v), Qwen3 (qk_norm, a head_dim apart from hidden_size /
+heads), Mistral, and every GPT2Config field that changes GPT-2's function (an untied head, the attention scalings,
+n_inner, the activations). Random tiny models saved by save_pretrained load with hf.from_pretrained to transformers' logits (within
 1e-4) and greedy tokens; our models with those options export (export.export) to folders that transformers loads
 to our logits and greedy tokens, and from_pretrained reads back to the same model. Then what cannot be computed,
 refused in one line each, and head_dim in the model itself (cross-attention, the encoder, the FLOP count).
@@ -155,6 +156,24 @@ FOLDERS = {  # name: (transformers config class, config changes, config.json pat
         None,
         {"qk_norm": True, "head_dim": 6, "n_kv_head": 1, "tie_embeddings": False},
     ),
+    "mistral-wider-heads-window": (  # Mistral-Nemo's kind: head_dim 128 over 5120 channels and 32 heads
+        "MistralConfig",
+        {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8},
+        None,
+        {"head_dim": 16, "window_size": 8, "bias": False},
+    ),
+    "mistral-bias-flags-it-ignores": (  # MistralAttention and MistralMLP have no biases whatever config.json says
+        "MistralConfig",
+        {"num_key_value_heads": 4, "sliding_window": None},
+        lambda c: {**c, "attention_bias": True, "mlp_bias": True},
+        {"bias": False, "qkv_bias": False, "window_size": 0},
+    ),
+    "llama-swish-pretraining_tp": (  # "swish" is "silu"; pretraining_tp slices the same products
+        "LlamaConfig",
+        {"pretraining_tp": 2},
+        lambda c: {**c, "hidden_act": "swish"},
+        {"activation": "swiglu", "bias": False},
+    ),
 }
 
 
@@ -205,6 +224,95 @@ def test_qwen2_window_over_every_layer_is_our_window_size(tmp_path):
     assert max_logit_difference(ours, theirs, x) < 1e-4
     assert_same_greedy_tokens(ours, theirs, x[:, :5], new_tokens=16)
     assert max_logit_difference(hf.from_pretrained(tmp_path, window_size=0).eval(), theirs, x) > 0.1
+
+
+# -----------------------------------------------------------------------------
+# GPT-2's config fields: each that changes what GPT2LMHeadModel computes is computed here, or refused
+
+TINY_GPT2 = {  # three layers, so that scale_attn_by_inverse_layer_idx divides by 1, 2 and 3
+    "vocab_size": VOCAB,
+    "n_positions": 64,
+    "n_embd": 32,
+    "n_layer": 3,
+    "n_head": 4,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "attn_implementation": "eager",  # the only one that reorders and upcasts
+}
+GPT2_FIELDS = {  # name: (GPT2Config changes, the field that, left at its default, must give other logits)
+    "untied-head": ({"tie_word_embeddings": False}, "tie_word_embeddings"),
+    "unscaled-scores": ({"scale_attn_weights": False}, "scale_attn_weights"),
+    "scores-by-inverse-layer": ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    "reorder-and-upcast": ({"reorder_and_upcast_attn": True, "scale_attn_by_inverse_layer_idx": True}, None),
+    "n_inner-relu": ({"n_inner": 40, "activation_function": "relu"}, "activation_function"),
+    "relu2": ({"activation_function": "relu2"}, "activation_function"),
+    "gelu-exact": ({"activation_function": "gelu"}, "activation_function"),
+    "gelu_python": ({"activation_function": "gelu_python"}, "activation_function"),
+    "gelu_pytorch_tanh": ({"activation_function": "gelu_pytorch_tanh"}, None),  # the default's function
+    "gelu_fast": ({"activation_function": "gelu_fast"}, None),
+    "all-at-once": (
+        {
+            "tie_word_embeddings": False,
+            "scale_attn_weights": False,
+            "scale_attn_by_inverse_layer_idx": True,
+            "n_inner": 24,
+            "layer_norm_epsilon": 1e-2,
+            "activation_function": "gelu",
+        },
+        None,
+    ),
+}
+
+
+# float32 logits of three layers land within 3e-7 of transformers'; exact and tanh GELU differ by 7e-5 in these
+GPT2_TOLERANCE = 5e-6
+
+
+def saved_gpt2(path, changes):
+    """A random tiny GPT-2 with GPT2Config changes and large weights, saved to path."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(**{**TINY_GPT2, **changes})
+    model = with_large_weights(transformers.GPT2LMHeadModel(config))
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("case", GPT2_FIELDS)
+def test_gpt2_config_fields_load_to_transformers_logits(tmp_path, case):
+    changes, field = GPT2_FIELDS[case]
+    theirs = saved_gpt2(tmp_path, changes)
+    ours = hf.from_pretrained(tmp_path).eval()
+    x = ids(2, 64)
+    assert max_logit_difference(ours, theirs, x) < GPT2_TOLERANCE
+    assert_same_greedy_tokens(ours, theirs, x[:, :5])
+    if field is not None:  # read at its default, the field shows past 10x the tolerance: ignoring it would fail
+        config = json.loads((tmp_path / "config.json").read_text())
+        del config[field]
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert max_logit_difference(hf.from_pretrained(tmp_path).eval(), theirs, x) > 10 * GPT2_TOLERANCE
+
+
+def test_a_tied_gpt2_unties_on_request_into_a_head_of_its_own(tmp_path):
+    theirs = saved_gpt2(tmp_path, {})
+    ours = hf.from_pretrained(tmp_path, tie_embeddings=False).eval()
+    assert ours.lm_head.weight is not ours.body.wte.weight
+    assert torch.equal(ours.lm_head.weight, ours.body.wte.weight)  # a copy to fine-tune apart
+    assert max_logit_difference(ours, theirs, ids(2, 64)) < GPT2_TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("changes", "overrides", "message"),
+    [
+        ({"activation_function": "quick_gelu"}, {}, "activation_function='quick_gelu' is not implemented"),
+        ({"add_cross_attention": True}, {}, "add_cross_attention=True gives each block a cross-attention"),
+        ({"tie_word_embeddings": False}, {"tie_embeddings": True}, "tie_embeddings=True would drop it"),
+    ],
+)
+def test_a_gpt2_we_cannot_compute_is_a_one_line_error(tmp_path, changes, overrides, message):
+    saved_gpt2(tmp_path, changes)
+    with pytest.raises(ValueError) as err:
+        hf.from_pretrained(tmp_path, **overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 # -----------------------------------------------------------------------------
