@@ -1,11 +1,11 @@
 """
 The families people fine-tune into chat models, against transformers as the reference: Llama 3 (scaled rotary
-frequencies), Qwen2 and Qwen2.5 (biases on q, k and v), Qwen3 (qk_norm, a head_dim apart from hidden_size /
-heads), Mistral, and every GPT2Config field that changes GPT-2's function (an untied head, the attention scalings,
-n_inner, the activations). Random tiny models saved by save_pretrained load with hf.from_pretrained to transformers' logits (within
-1e-4) and greedy tokens; our models with those options export (export.export) to folders that transformers loads
-to our logits and greedy tokens, and from_pretrained reads back to the same model. Then what cannot be computed,
-refused in one line each, and head_dim in the model itself (cross-attention, the encoder, the FLOP count).
+frequencies), Qwen2 and Qwen2.5 (biases on q, k and v), Qwen3 (qk_norm, a head_dim apart from hidden_size / heads),
+Mistral, and every GPT2Config field that changes GPT-2's function (an untied head, the attention scalings, n_inner,
+the activations). Random tiny models saved by save_pretrained load with hf.from_pretrained to transformers' logits
+(within 1e-4) and greedy tokens; our models with those options export (export.export) to folders that transformers
+loads to our logits and greedy tokens, and from_pretrained reads back to the same model. Then what cannot be
+computed, refused in one line each, and head_dim in the model itself (cross-attention, the encoder, the FLOP count).
 """
 
 import json
