@@ -58,7 +58,7 @@ def llama_dir(shakespeare_path, tmp_path_factory) -> Path:
     A tiny random LlamaForCausalLM saved by transformers, with a tokenizer.json beside it: a byte-level BPE of 300 ids
     trained on the start of tiny Shakespeare, whose template puts bos (<s>, id 0) before every text as Llama's does.
     """
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())

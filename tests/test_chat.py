@@ -4,11 +4,10 @@ import json
 
 import pytest
 import tokenizers
+import transformers  # a dev dependency (requirements-dev.txt): the reference; missing, the suite fails
 
 import tokens
 from chat import BUILTIN_TOKENS, ChatFormat, conversation_problem, folder_chat, with_chat_tokens
-
-transformers = pytest.importorskip("transformers")  # a dev dependency (requirements-dev.txt): the reference
 
 # the special tokens of Llama 3's and of Qwen's (ChatML) templates, in one small byte-level BPE
 SPECIALS = [

@@ -209,8 +209,9 @@ def test_chat_options_on_the_command_line(tmp_path, capsys):
 
 
 def test_chat_from_parquet_through_datasets(tmp_path, caplog):
-    pq = pytest.importorskip("pyarrow.parquet")
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa  # datasets' own dependency
+    import pyarrow.parquet as pq
+
     bot = [{"role": "bot", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
     table = pa.table({"messages": [*GOOD, bot], "id": list(range(len(GOOD) + 1))})
     pq.write_table(table, tmp_path / "talk.parquet")
@@ -241,8 +242,9 @@ def test_a_dataset_folder_lends_its_characters(tmp_path, shakespeare_char_dir):
 
 
 def test_a_model_folders_own_template_and_exact_match_split(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers
+    import transformers
+
     bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
     bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = tokenizers.decoders.ByteLevel()

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import transformers  # a dev dependency (requirements-dev.txt): the reference; missing, the suite fails
 
 import eval as evaluation
 import export
@@ -21,8 +22,6 @@ from model import GPT, ModelConfig, build_model
 from sample import SampleConfig
 from tokens import GPT2_META, Tokenizer, huggingface_tokenizer, load_meta, tiktoken_encoding
 from train import TrainConfig
-
-transformers = pytest.importorskip("transformers")  # a dev dependency (requirements-dev.txt): the reference
 
 VOCAB = 101
 CHAR_META = {

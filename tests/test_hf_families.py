@@ -15,13 +15,12 @@ from dataclasses import asdict
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers  # a dev dependency (requirements-dev.txt): the reference; missing, the suite fails
 
 import export
 import hf
 from generate import generate
 from model import GPT, Attention, ModelConfig, build_model, llama3_frequencies, rope_tables
-
-transformers = pytest.importorskip("transformers")  # a dev dependency (requirements-dev.txt): the reference
 
 VOCAB = 101
 # a tiny model of each family; the cases vary the rest. max_position_embeddings becomes our block_size. No eos, so

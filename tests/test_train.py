@@ -1561,7 +1561,8 @@ def test_fsdp_refuses_muon_and_trains_whole_in_one_process(tmp_path, data_root, 
 @pytest.fixture(scope="session")
 def tiny_gpt2_dir(tmp_path_factory):
     """A 2-layer GPT-2 in the Hugging Face layout, standing in for the real weights offline."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     folder = tmp_path_factory.mktemp("tiny-gpt2")
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257)
     torch.manual_seed(0)
