@@ -17,7 +17,6 @@ import tokens
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint
 from data import Objective, mask_tokens
-from generate import beam_search
 from hf import from_pretrained
 
 # train.py's settings for a real checkpoint in a second or two: 2 layers, 32 wide, 32 positions
@@ -378,9 +377,42 @@ def test_hellaswag_equals_a_per_token_loop(gpt_dir, capsys, tmp_path):
 # Sequence to sequence
 
 
+def reference_beam_search(model, src, max_len, bos, eos, beam_size, length_penalty):
+    """
+    Beam search as a plain loop over hypotheses, float64 log-probabilities of the uncached forward: each step extends
+    every live hypothesis by every token and ranks the extensions; one ending at eos finishes if it ranks among the
+    first beam_size, and the beam_size best others go on. The best finished hypothesis, or one that ran out of steps,
+    by log p / ((5 + tokens with eos) / 6) ** length_penalty, wins. It stops once the best finished beats every live
+    hypothesis's log p over the largest penalty: log p only falls as a hypothesis grows, so none could win later.
+    """
+
+    def normalised(log_p, hyp):
+        return log_p / ((5 + len(hyp)) / 6) ** length_penalty
+
+    largest = max(((5 + n) / 6) ** length_penalty for n in (1, max_len))
+    live, finished = [(0.0, [])], []
+    for _ in range(max_len):
+        extensions = []
+        for log_p, hyp in live:
+            logits = model(src, torch.tensor([[bos, *hyp]]))[0][0, -1]
+            extensions += [(log_p + lp, [*hyp, t]) for t, lp in enumerate(logits.double().log_softmax(dim=-1).tolist())]
+        extensions.sort(key=lambda e: e[0], reverse=True)
+        live = []
+        for rank, (log_p, hyp) in enumerate(extensions):
+            if hyp[-1] == eos and rank < beam_size:
+                finished.append((normalised(log_p, hyp), hyp))
+            elif hyp[-1] != eos and len(live) < beam_size:
+                live.append((log_p, hyp))
+        if finished and max(finished)[0] >= max(log_p for log_p, _ in live) / largest:
+            break
+    else:  # out of steps: the live hypotheses compete with the finished ones
+        finished += [(normalised(log_p, hyp), hyp) for log_p, hyp in live]
+    return max(finished)[1]
+
+
 def reference_seq2seq(model, pairs, special, block_size, beam_size):
     """(exact matches, matching reference tokens, reference tokens, nats, targets) one pair at a time: greedy as an
-    argmax loop without a cache, beam search as the model's own on one source."""
+    argmax loop without a cache, beam search as reference_beam_search."""
     bos, eos = special["bos"], special["eos"]
     exact = correct = total = targets = 0
     nats = []
@@ -391,7 +423,9 @@ def reference_seq2seq(model, pairs, special, block_size, beam_size):
         nats += [-logp[i, t].item() for i, t in enumerate(reference)]
         targets += len(reference)
         if beam_size > 1:
-            output = beam_search(model, src, block_size, bos, eos, beam_size=beam_size)[0].tolist()
+            # at the command line's length penalty, as the run being checked
+            length_penalty = evaluation.EvalConfig.length_penalty
+            output = reference_beam_search(model, src, block_size, bos, eos, beam_size, length_penalty)
         else:
             output = [bos]
             while len(output) <= block_size and output[-1] != eos:
