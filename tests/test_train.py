@@ -477,6 +477,24 @@ def test_seq2seq_batch_pads_and_shifts():
     assert targets.tolist() == [[8, 9, 10, 11, 2], [8, 9, 2, -100, -100]]
 
 
+def test_windows_start_wherever_a_whole_window_fits_and_evenly():
+    """
+    Tokens 0..9, so that a window's first token is its offset: 28,000 windows of 4 start at each of the 7 offsets a
+    whole window fits at, the last (tokens 6-9) included, each 1/7 of the time within 5 binomial standard deviations
+    (a false failure about once in 10^6), and hold consecutive tokens. A GPT batch is one window shifted by one.
+    """
+    n, length, draws = 10, 4, 28_000
+    drawn = data.windows(np.arange(n, dtype=np.uint16), draws, length, torch.Generator().manual_seed(0))
+    assert drawn.dtype == torch.int64 and torch.equal(drawn - drawn[:, :1], torch.arange(length).expand(draws, -1))
+    counts, p = torch.bincount(drawn[:, 0], minlength=n).double(), 1 / (n - length + 1)
+    assert (counts[n - length + 1 :] == 0).all()
+    assert ((counts[: n - length + 1] / draws - p).abs() <= 5 * math.sqrt(p * (1 - p) / draws)).all()
+    generator = torch.Generator().manual_seed(0)
+    (x,), y = data.get_batch(np.arange(n, dtype=np.uint16), Objective("gpt", n), 100, length, generator)
+    assert x.shape == y.shape == (100, length) and torch.equal(y, x + 1)
+    assert y.max() == n - 1  # the last token is a target too
+
+
 @pytest.mark.parametrize("arch", ["gpt", "encoder", "encoder_decoder"])
 def test_batches_reach_the_device_from_dense_pinned_memory(monkeypatch, shakespeare_char_dir, data_root, arch):
     """
