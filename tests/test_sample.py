@@ -249,10 +249,23 @@ def test_cached_and_uncached_give_the_same_samples(gpt_dir, capsys, monkeypatch)
     assert used == [True, False]
 
 
-def test_bfloat16_autocast(gpt_dir, capsys):
-    args = ("--out_dir", gpt_dir, "--start", "ROMEO:", "--max_new_tokens=20", "--temperature=0")
-    code, out, _ = cli(capsys, *args, "--dtype=bfloat16", "--device=cpu")
-    assert code == 0 and out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 20 + 1
+def test_bfloat16_autocast(gpt_dir, capsys, monkeypatch):
+    """--dtype=bfloat16 generates under CPU autocast to bfloat16: its Linears give bfloat16 outputs; float32 none."""
+    outputs, generate_stream = [], sample.generate_stream
+
+    def spy(model, *args, **options):
+        # what a Linear of the model gives while the tokens are generated, inside sample.py's autocast context
+        hook = model.lm_head.register_forward_hook(lambda module, inputs, output: outputs.append(output.dtype))
+        yield from generate_stream(model, *args, **options)
+        hook.remove()
+
+    monkeypatch.setattr(sample, "generate_stream", spy)
+    args = ("--out_dir", gpt_dir, "--start", "ROMEO:", "--max_new_tokens=20", "--temperature=0", "--device=cpu")
+    for dtype in ("bfloat16", "float32"):
+        outputs.clear()
+        code, out, _ = cli(capsys, *args, f"--dtype={dtype}")
+        assert code == 0 and out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 20 + 1
+        assert outputs and set(outputs) == {getattr(torch, dtype)}
 
 
 def test_the_best_weights_by_default_and_errors_that_name_what_is_there(gpt_dir, capsys, tmp_path):
