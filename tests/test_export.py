@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import transformers  # a dev dependency (requirements-dev.txt): the reference; missing, the suite fails
+from hf_reference import assert_same_greedy_tokens, load_transformers, max_logit_difference, with_large_weights
 
 import eval as evaluation
 import export
@@ -17,7 +18,6 @@ import sample
 import train
 from checkpoint import load_checkpoint, save_checkpoint, weights_state
 from eval import EvalConfig
-from generate import generate
 from model import GPT, ModelConfig, build_model
 from sample import SampleConfig
 from tokens import GPT2_META, Tokenizer, huggingface_tokenizer, load_meta, tiktoken_encoding
@@ -37,40 +37,8 @@ def tiny(**changes):
     return ModelConfig(**{"vocab_size": VOCAB, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 32, **changes})
 
 
-def with_large_weights(model, seed=0):
-    """
-    model with N(0, 0.2) weights and N(1, 0.2) norm gains, in eval mode: the 0.02 init leaves logits so flat that a
-    mix-up (gate and up swapped, the wrong GELU, theta or eps) hides within the tolerance.
-    """
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(("norm" in name and name.endswith("weight")) + 0.2 * torch.randn(p.shape, generator=g))
-    return model.eval()
-
-
-def load_hf(folder):
-    """The exported folder as transformers loads it, in float32, after checking that every tensor found its place."""
-    hf, info = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
-    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
-    return hf.eval()
-
-
 def random_ids(*shape, vocab=VOCAB, seed=1):
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def max_logit_difference(model, hf, x):
-    with torch.no_grad():
-        return (model(x)[0] - hf(x).logits).abs().max().item()
-
-
-def assert_same_greedy_tokens(model, hf, prompt, new_tokens=8):
-    expected = hf.generate(
-        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
-    )
-    assert expected.shape == (prompt.size(0), prompt.size(1) + new_tokens)  # no early stop on an eos
-    assert torch.equal(generate(model, prompt, new_tokens, temperature=0), expected)
 
 
 # -----------------------------------------------------------------------------
@@ -99,10 +67,10 @@ def test_transformers_gives_our_logits_and_greedy_tokens(tmp_path, case):
     torch.manual_seed(0)
     model = with_large_weights(GPT(tiny(**CASES[case])))
     export.export(model, CHAR_META, tmp_path / "hf")
-    hf = load_hf(tmp_path / "hf")
+    hf = load_transformers(tmp_path / "hf")
     assert type(hf).__name__ == ("GPT2LMHeadModel" if case.startswith("gpt2") else "LlamaForCausalLM")
     assert max_logit_difference(model, hf, random_ids(2, 32)) < 1e-4
-    assert_same_greedy_tokens(model, hf, random_ids(2, 5, seed=2))
+    assert_same_greedy_tokens(model, hf, random_ids(2, 5, seed=2), new_tokens=8)
 
 
 def test_exact_gelu_is_not_gpt2s_tanh_gelu(tmp_path):
@@ -113,7 +81,7 @@ def test_exact_gelu_is_not_gpt2s_tanh_gelu(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["activation_function"] == "gelu"
     (tmp_path / "config.json").write_text(json.dumps({**config, "activation_function": "gelu_new"}))
-    assert max_logit_difference(model, load_hf(tmp_path), random_ids(2, 32)) > 1e-3
+    assert max_logit_difference(model, load_transformers(tmp_path), random_ids(2, 32)) > 1e-3
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -264,11 +232,11 @@ def test_cli_end_to_end_with_gpt2_bpe(tmp_path, capsys):
     assert export.cli([f"--out_dir={tmp_path / 'out'}", "--checkpoint=best.pt", f"--dest={dest}"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 1 and printed[0].startswith(f"wrote {dest}: GPT2LMHeadModel")
-    hf, tokenizer = load_hf(dest), transformers.AutoTokenizer.from_pretrained(dest)
+    hf, tokenizer = load_transformers(dest), transformers.AutoTokenizer.from_pretrained(dest)
     prompt = tokenizer("ROMEO: But, soft!", return_tensors="pt")["input_ids"]
     assert prompt[0].tolist() == Tokenizer.from_meta(GPT2_META).encode("ROMEO: But, soft!")
     assert max_logit_difference(model, hf, random_ids(2, 32, vocab=50304)) < 1e-4
-    assert_same_greedy_tokens(model, hf, prompt)
+    assert_same_greedy_tokens(model, hf, prompt, new_tokens=8)
 
 
 def test_cli_char_vocabulary_is_noted_and_kept_in_config_json(tmp_path, capsys):

@@ -16,26 +16,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers  # a dev dependency (requirements-dev.txt): the reference; missing, the suite fails
+from hf_reference import (
+    TINY_LLAMA,
+    VOCAB,
+    assert_same_greedy_tokens,
+    load_transformers,
+    max_logit_difference,
+    with_large_weights,
+)
 
 import export
 import hf
-from generate import generate
 from model import GPT, Attention, ModelConfig, build_model, llama3_frequencies, rope_tables
 
-VOCAB = 101
-# a tiny model of each family; the cases vary the rest. max_position_embeddings becomes our block_size. No eos, so
-# that generate never stops early; eager attention applies a sliding window in every transformers version.
-TINY = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 80,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 64,
-    "bos_token_id": None,
-    "eos_token_id": None,
-    "attn_implementation": "eager",
-}
 # Llama 3.1's scaling with an original context of 32 positions instead of 8192, so that a tiny model meets all three
 # of its cases: with head_dim 16 and theta 10000 the wavelengths are 6.3, 20, 63, 200... positions, so the first
 # channel pair turns more than high_freq_factor (4) times within 32 positions (kept), the second between 1 and 4
@@ -60,46 +53,10 @@ def ids(*shape, seed=0):
     return torch.randint(1, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def with_large_weights(model, seed=0):
-    """
-    model (ours or transformers') with N(0, 0.2) weights and biases, N(1, 0.2) norm gains, in eval mode: the 0.02
-    init leaves logits so flat that a mix-up (q and k norms swapped, a frequency left unscaled) hides within 1e-4.
-    """
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(("norm" in name and name.endswith("weight")) + 0.2 * torch.randn(p.shape, generator=g))
-    return model.eval()
-
-
-def max_logit_difference(ours, theirs, x):
-    with torch.no_grad():
-        return (ours(x)[0] - theirs(x).logits).abs().max().item()
-
-
-def assert_same_greedy_tokens(ours, theirs, prompt, new_tokens=14):
-    """transformers' greedy continuation is ours, with and without our KV cache."""
-    expected = theirs.generate(
-        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
-    )
-    assert expected.shape == (prompt.size(0), prompt.size(1) + new_tokens)  # no early stop on an eos
-    assert torch.equal(generate(ours, prompt, new_tokens, temperature=0), expected)
-    assert torch.equal(generate(ours, prompt, new_tokens, temperature=0, use_cache=False), expected)
-
-
-def load_transformers(folder):
-    """A folder as transformers loads it, in float32, after checking that every tensor found its place."""
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, output_loading_info=True
-    )
-    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
-    return model.eval()
-
-
 def saved_folder(path, config_class, changes, config_json=None):
     """A random tiny transformers model of config_class with large weights, saved to path; config_json patches it."""
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**{**TINY, **changes})
+    config = getattr(transformers, config_class)(**{**TINY_LLAMA, **changes})
     model = with_large_weights(transformers.AutoModelForCausalLM.from_config(config))
     model.save_pretrained(path)
     if config_json is not None:
