@@ -85,3 +85,9 @@ def llama_dir(shakespeare_path, tmp_path_factory) -> Path:
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save(str(folder / "tokenizer.json"))
     return folder
+
+
+@pytest.fixture(scope="session")
+def data_root(shakespeare_char_dir):
+    """The folder holding the prepared shakespeare_char, as train.py's data_dir takes it."""
+    return str(shakespeare_char_dir.parent)

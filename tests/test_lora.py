@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from tiny_run import TINY, tiny
 
 import export
 import hf
@@ -29,33 +30,8 @@ from parallel import Models, Runtime
 from train import TrainConfig, main
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = dict(
-    n_layer=2,
-    n_head=2,
-    n_embd=32,
-    block_size=32,
-    batch_size=8,
-    gradient_accumulation_steps=1,
-    eval_iters=2,
-    eval_interval=1000,
-    log_interval=1000,
-    device="cpu",
-    dtype="float32",
-    compile=False,
-    tensorboard=False,
-    learning_rate=3e-3,
-    min_lr=3e-4,
-    warmup_iters=0,
-    lr_decay_iters=100,
-    max_iters=4,
-)
 LORA = dict(lora_rank=4, lora_alpha=8.0)
 BUILTIN = ("system", "user", "assistant", "end_of_turn")
-
-
-def tiny(data_root, out_dir, **overrides):
-    settings = {**TINY, "dataset": "shakespeare_char", "data_dir": data_root, "out_dir": str(out_dir)}
-    return TrainConfig(**{**settings, **overrides})
 
 
 def tiny_gpt(vocab_size=20, **overrides):
@@ -79,15 +55,10 @@ def adapter_names(model):
 
 
 @pytest.fixture(scope="module")
-def data_root(shakespeare_char_dir):
-    return str(shakespeare_char_dir.parent)
-
-
-@pytest.fixture(scope="module")
 def base(data_root, tmp_path_factory):
     """A base run's best.pt: 4 steps of a 2-layer GPT on shakespeare_char, 128 wide."""
     out = tmp_path_factory.mktemp("base")
-    main(tiny(data_root, out, n_embd=128, n_head=4, eval_interval=4))
+    main(tiny(data_root, out, n_embd=128, n_head=4, eval_interval=4, max_iters=4))
     return out / "ckpt.pt"
 
 
@@ -95,7 +66,7 @@ def base(data_root, tmp_path_factory):
 def lora_run(data_root, base, tmp_path_factory):
     """A LoRA fine-tune of base: 4 steps at rank 4, evaluated (and saved) after 2; returns its out_dir."""
     out = tmp_path_factory.mktemp("lora")
-    main(tiny(data_root, out, init_from=str(base), eval_interval=2, **LORA))
+    main(tiny(data_root, out, init_from=str(base), eval_interval=2, max_iters=4, **LORA))
     return out
 
 
@@ -328,7 +299,7 @@ def test_lora_on_a_hugging_face_folder(llama_dir, tmp_path, capsys):
     folder = shutil.copytree(llama_dir, tmp_path / "llama")
     data = prepare_data.prepare("shakespeare", data_dir=tmp_path / "data", tokenizer=str(folder))
     settings = dict(dataset=data.name, data_dir=str(tmp_path / "data"), init_from=str(folder), **LORA)
-    main(tiny(str(tmp_path / "data"), tmp_path / "run", **{**settings, "block_size": 16}))
+    main(tiny(str(tmp_path / "data"), tmp_path / "run", **{**settings, "block_size": 16, "max_iters": 4}))
     record = load_checkpoint(tmp_path / "run" / "ckpt.pt")["lora"]
     assert record["base"]["source"] == "pretrained" and record["base"]["model_config"]["block_size"] == 16
     merged, _, _ = load_model("resume", out_dir=str(tmp_path / "run"), checkpoint="", dataset="", device="cpu")

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_run import TINY, tiny
 
 import checkpoint
 import data
@@ -63,26 +64,6 @@ CONFIGS = sorted((REPO / "configs").glob("*.py"))
 # the synthetic datasets the tests train on, each always prepared with the same options (so built once)
 REVERSE = {"num_train": 2000, "num_val": 200, "num_test": 100}
 SORT = {"num_train": 4000, "num_val": 200, "num_test": 100, "max_len": 4}
-TINY = dict(
-    n_layer=2,
-    n_head=2,
-    n_embd=32,
-    block_size=32,
-    batch_size=8,
-    gradient_accumulation_steps=1,
-    eval_iters=2,
-    eval_interval=1000,
-    log_interval=1000,
-    device="cpu",
-    dtype="float32",
-    compile=False,
-    tensorboard=False,
-    learning_rate=3e-3,
-    min_lr=3e-4,
-    warmup_iters=0,
-    lr_decay_iters=100,
-    max_iters=5,
-)
 SHRINK = [
     "--n_layer=2",
     "--n_head=2",
@@ -105,20 +86,10 @@ SHRINK = [
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.fixture(scope="session")
-def data_root(shakespeare_char_dir):
-    return str(shakespeare_char_dir.parent)
-
-
 @pytest.fixture
 def env(data_root):
     """The environment for train.py subprocesses: datasets from the session's data dir."""
     return {**os.environ, "NANOFORMER_DATA_DIR": data_root, "OMP_NUM_THREADS": "1"}
-
-
-def tiny(data_root, out_dir, **overrides):
-    settings = {**TINY, "dataset": "shakespeare_char", "data_dir": data_root, "out_dir": str(out_dir)}
-    return TrainConfig(**{**settings, **overrides})
 
 
 def ckpt_weights(path, key="weights"):
