@@ -16,28 +16,70 @@ Several configs are run in turns (run 1 of each, then run 2 of each, ...), so th
 over minutes hits them alike, and each gets a column of the table.
 """
 
+import contextlib
+import json
 import math
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
-from config import parse_config
+from config import one_line, parse_config
 from devices import DTYPES, autocast, resolve_dtype
 from generate import generate
+from parallel import make_runtime
 from prepare_data import bpe_batches, prepare, shakespeare_file
+from progress import resident_peak
 from tokens import data_root, load_meta, tiktoken_encoding
 
 # train.py runs with cwd=ROOT, so relative config paths work from any directory
 ROOT = Path(__file__).resolve().parent
+PARTS = ("train", "sample", "bpe", "memory", "step", "gpu")
+# nanoGPT's train.py beside ours (--nanogpt): GPT-2 124M's shape on its BPE tiny Shakespeare, 12 x 1024 x 4 per step,
+# as configs/gpt2.py --gradient_accumulation_steps=4 (its compile, bfloat16 and fused AdamW are its defaults on a GPU)
+NANOGPT_STEP = (
+    "config/train_gpt2.py --dataset=shakespeare --gradient_accumulation_steps=4 --eval_interval=1000000 "
+    "--eval_iters=1 --log_interval=1 --wandb_log=False"
+)
+# and its character-level recipe, which configs/shakespeare_gpu.py follows (val loss 1.47 on a GPU)
+NANOGPT_RACE = "config/train_shakespeare_char.py"
+# --parts=gpu: every GPU measurement in one call, most important first, each table printed when done:
+# 1. GPT-2 124M's shape as nanoGPT runs it (beside nanoGPT's own train.py), each change beside the same run without
+#    it, the modern recipe beside the 2019 one; profiled and planned. Cases 1 and 2 compile cold.
+# 2. configs/shakespeare_gpu.py from its launch to val loss 1.47, beside nanoGPT's recipe for it.
+# 3. both GPT-2 recipes at the configs' 40 micro-batches a step, and shakespeare_gpu's step with CUDA graphs and
+#    with regional compilation.
+GPT2 = "configs/gpt2.py --dataset=shakespeare --gradient_accumulation_steps=4"
+MODERN = "configs/gpt2_modern.py --dataset=shakespeare --gradient_accumulation_steps=4"
+GPU_CASES = ";".join(
+    [
+        GPT2,
+        f"{GPT2} --compile_regions=true",
+        GPT2,  # again, compiled from the cache case 1 left: the warm launch, and the step time's repeatability
+        f"{GPT2} --loss_chunk_mb=1024",  # the loss as before: chunks of 1 GiB, each but the last computed twice
+        f"{GPT2} --batch_size=24 --gradient_accumulation_steps=2",
+        MODERN,
+    ]
+)
+GPU_MORE_CASES = ";".join(
+    [
+        "configs/gpt2.py --dataset=shakespeare",  # 40 micro-batches, as the config trains
+        "configs/gpt2_modern.py --dataset=shakespeare",
+        "configs/shakespeare_gpu.py",
+        "configs/shakespeare_gpu.py --cuda_graphs=true",
+        "configs/shakespeare_gpu.py --compile_regions=true",
+    ]
+)
 
 
 @dataclass
@@ -57,17 +99,35 @@ class BenchConfig:
     bpe_size_mb: float = 10.0  # bpe: the text is repeated to about this many MB
     ranks: int = 2  # memory: torchrun processes, each run with DDP and with FSDP
     memory_iters: int = 3  # memory: training steps per run (then one evaluation and a save)
+    cases: str = (
+        ""  # step: ';'-separated cases "CONFIG [--key=value ...]", a column each; "": each --config + train_args
+    )
+    steps: int = 20  # step: timed optimizer steps per case (fewer if step_seconds runs out first; at least 3)
+    step_seconds: float = 10.0  # step: the most seconds of timed steps per case
+    warmup: int = 3  # step: untimed steps first (compilation, the allocator's first blocks)
+    profile: bool = False  # step: also profile 3 steps of each case: GPU busy share, time by kernel kind
+    cold: str = "1"  # step: the cases (1-based, comma-separated) that compile into an empty cache; the rest share one
+    case_timeout: float = 300.0  # step: seconds a case may take, from its launch, before it is stopped
+    plan: bool = False  # step: also train.py --plan each case on this machine: predicted peak and step time
+    nanogpt: str = ""  # a nanoGPT checkout to measure beside: its train.py at nanogpt_step (step) and nanogpt_race
+    nanogpt_step: str = NANOGPT_STEP  # step: nanoGPT's train.py arguments for its column ("": no column)
+    nanogpt_race: str = NANOGPT_RACE  # train: nanoGPT's train.py arguments, timed to target_loss ("": no column)
+    child: str = ""  # internal: the one case a child process measures (the step part starts one per case)
 
     def __post_init__(self):
         # checked before any run: a typo in parts would otherwise surface after minutes of training
-        unknown = set(self.parts.split(",")) - {"train", "sample", "bpe", "memory"}
+        unknown = set(self.parts.split(",")) - set(PARTS)
         if unknown:
-            raise ValueError(f"parts: unknown {', '.join(sorted(unknown))}; choose from train, sample, bpe, memory")
+            raise ValueError(f"parts: unknown {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
         resolve_dtype(self.dtype, sampling_device())  # one this machine cannot sample in (float16 on a CPU) fails now
-        if min(self.repeats, self.runs, self.memory_iters) < 1 or self.ranks < 2:
-            raise ValueError("runs, repeats and memory_iters must be at least 1, and ranks at least 2")
+        if min(self.repeats, self.runs, self.memory_iters, self.steps) < 1 or self.ranks < 2 or self.warmup < 1:
+            raise ValueError("runs, repeats, memory_iters, steps and warmup must be at least 1, and ranks at least 2")
+        if self.nanogpt and not (Path(self.nanogpt) / "train.py").is_file():
+            raise ValueError(f"nanogpt={self.nanogpt}: no train.py there; pass the folder of a nanoGPT checkout")
+        if not re.fullmatch(r"(\d+(,\d+)*)?", self.cold):
+            raise ValueError(f"cold={self.cold!r}: give case numbers, e.g. --cold=1,3 (or --cold= for none)")
         missing = [c for c in self.configs if not (ROOT / c).is_file()]
         if missing:
             raise ValueError(f"config {missing[0]} not found; pass --config=PATH[,PATH...] of train.py configs")
@@ -76,6 +136,13 @@ class BenchConfig:
     def configs(self):
         """The training configs, in the order of the table's columns."""
         return [c.strip() for c in self.config.split(",") if c.strip()]
+
+    @property
+    def step_cases(self):
+        """The step part's cases, each a train.py command line (a config, then overrides) as a list of words."""
+        if self.cases:
+            return [shlex.split(case) for case in self.cases.split(";") if case.strip()]
+        return [[config, *shlex.split(self.train_args)] for config in self.configs]
 
 
 def summary(values, fmt):
@@ -302,6 +369,338 @@ def bench_bpe(cfg, work):
     return rows
 
 
+# -----------------------------------------------------------------------------
+# The step harness: one process per case, the real training step timed on the device
+
+
+def measure_case(cfg):
+    """
+    In a child process: set up train.py's run of the case cfg.child (a config and overrides), take warmup steps,
+    then time up to cfg.steps steps of train.train_step (device events on a GPU), the optimizer's part of each on
+    its own, and optionally profile 3 more. Prints one line, "result: " and JSON, for the parent to read.
+    """
+    import train  # the training code, imported in the child only: the parent stays light
+
+    words = shlex.split(cfg.child)
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = [*words, f"--out_dir={out_dir}", "--tensorboard=false", "--overwrite=true"]
+        tcfg = parse_config(train.TrainConfig, args)
+        rt = make_runtime(tcfg)
+        with contextlib.ExitStack() as stack:
+            run = train.setup(tcfg, rt, stack)
+            result = time_steps(run, cfg, train)
+    print("result: " + json.dumps(result), flush=True)
+
+
+def time_steps(run, cfg, train):
+    """The measurements of measure_case on a set-up run: see step_rows for what each means."""
+    device = run.rt.device
+    clock = DeviceClock(device)
+    optimizer_spans = []
+    update_weights = train.update_weights
+
+    def timed_update(*args, **kwargs):  # the optimizer's part of a step (clipping, every optimizer, zero_grad)
+        with clock.span(optimizer_spans):
+            return update_weights(*args, **kwargs)
+
+    train.update_weights = timed_update
+    losses, spans, iteration = [], [], 0
+    step = train.train_step(run, iteration)
+    clock.synchronize()
+    first_step = time.time()  # wall clock: the parent subtracts its own reading from before the launch
+    graphs_after_warmup = None
+    begin = time.perf_counter()
+    while iteration + 1 < cfg.warmup + cfg.steps:
+        iteration += 1
+        if iteration == cfg.warmup:
+            clock.synchronize()
+            optimizer_spans.clear()
+            reset_peak_memory(device)
+            graphs_after_warmup = compiled_graphs()
+            begin = time.perf_counter()
+        timed = iteration >= cfg.warmup
+        with clock.span(spans if timed else []):
+            step = train.train_step(run, iteration)
+        losses.append(step.loss)
+        # at least 3 timed steps; then no more than step_seconds of them (40 micro-batches take a second a step)
+        if timed and len(spans) >= 3 and time.perf_counter() - begin > cfg.step_seconds:
+            break
+    clock.synchronize()
+    result = {
+        "ms": clock.milliseconds(spans),
+        "optimizer_ms": clock.milliseconds(optimizer_spans),
+        "tokens": step.tokens,
+        "flops": step.flops,
+        "peak_flops": run.progress.peak_flops,
+        "peak_mib": peak_memory(device) / 2**20,
+        "first_step": first_step,
+        "loss": float(losses[-1]) * run.rt.world_size,
+        "graphs": compiled_graphs(),
+        "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
+        "recompiled": compiled_graphs() - (graphs_after_warmup or 0),
+    }
+    if cfg.profile:
+        try:  # the timings stand without it
+            result["profile"] = profile_steps(run, iteration + 1, train, device)
+        except Exception as e:
+            result["profile_error"] = one_line(e)
+    train.update_weights = update_weights
+    return result
+
+
+class DeviceClock:
+    """Spans of device time: CUDA events on a GPU (read once at the end, no wait per step), the host clock elsewhere."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @contextlib.contextmanager
+    def span(self, spans):
+        start = self.now()
+        yield
+        spans.append((start, self.now()))
+
+    def synchronize(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def milliseconds(self, spans):
+        if self.cuda:
+            return [start.elapsed_time(end) for start, end in spans]
+        return [1000 * (end - start) for start, end in spans]
+
+
+def compiled_graphs():
+    """The graphs torch.compile has made in this process so far (each recompilation is one more)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def reset_peak_memory(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device):
+    """Bytes at the peak: CUDA's allocated memory since the last reset, else the process's resident set."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else resident_peak()
+
+
+# the kinds of work a profile's time is sorted into, by kernel (GPU) or operator (CPU) name; the first match wins
+KERNEL_KINDS = (
+    ("attention", r"flash|fmha|attention|sdpa|efficient_attention"),
+    ("matmul", r"gemm|xmma|nvjet|cutlass|sm90|sm80|\bmm\b|addmm|bmm|matmul|linear"),
+    ("optimizer", r"adam|multi_tensor|foreach|lerp|muon"),
+    ("communication", r"nccl|all_reduce|allreduce|reduce_scatter|all_gather"),
+    ("copies and fills", r"memcpy|memset|copy|fill|cat\b|elementwise_kernel"),
+    ("fused by Inductor", r"triton|cpp_fused|fused_"),
+)
+
+
+def kernel_kind(name):
+    """The KERNEL_KINDS kind of a kernel or operator name; "other" when none matches."""
+    lowered = name.lower()
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, lowered)), "other")
+
+
+def profile_steps(run, iteration, train, device, steps=3):
+    """
+    Profile `steps` training steps from iteration on: the wall time, the device's busy share of it (the kernels'
+    summed time on a GPU) and milliseconds per step by kind of kernel (operator, on a CPU).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        begin = time.perf_counter()
+        for i in range(steps):
+            train.train_step(run, iteration + i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - begin
+    kinds = {}
+    for event in prof.key_averages():
+        if device.type == "cuda":
+            # kernels: the events with device time of their own (CPU-side operators have none)
+            microseconds = event.self_device_time_total if event.device_type.name == "CUDA" else 0
+        else:  # leaves of the operator tree: their self time adds up to the busy time once
+            microseconds = event.self_cpu_time_total if event.key.startswith("aten::") else 0
+        if microseconds > 0:
+            kind = kernel_kind(event.key)
+            kinds[kind] = kinds.get(kind, 0.0) + microseconds / 1000 / steps
+    busy = sum(kinds.values()) * steps / 1000
+    return {"wall_ms": 1000 * wall / steps, "busy": busy / wall, "kinds": kinds}
+
+
+def step_run(cfg, words, index, work):
+    """
+    One case (train.py's words) measured in a child process: returns measure_case's result with "launch", the
+    seconds from before the launch to the end of the first step. Cases cfg.cold names compile into an empty cache.
+    """
+    command = [sys.executable, str(ROOT / "bench.py"), f"--child={shlex.join(words)}"]
+    command += [f"--steps={cfg.steps}", f"--warmup={cfg.warmup}", f"--step_seconds={cfg.step_seconds}"]
+    command += ["--profile=true"] if cfg.profile else []
+    cold = str(index + 1) in cfg.cold.split(",")
+    # Inductor's and Triton's caches: a case of its own (cold) or the one the others share
+    cache = work / (f"cache-case{index + 1}" if cold else "cache-shared")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton")}
+    begin = time.time()
+    try:  # a case that hangs (a deadlocked graph, say) must not take the whole benchmark's time
+        run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=cfg.case_timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within case_timeout={cfg.case_timeout:g} s"}
+    found = re.search(r"^result: (.*)$", run.stdout, re.M)
+    if run.returncode or not found:
+        tail = (run.stdout + run.stderr)[-1500:]
+        return {"error": f"exit status {run.returncode}: {one_line(tail)}"}
+    result = json.loads(found[1])
+    result["launch"] = result.pop("first_step") - begin
+    result["cold"] = cold
+    return result
+
+
+def planned(words):
+    """train.py --plan of a case on this machine: (predicted peak MiB, predicted ms a step), or None if it failed."""
+    command = [sys.executable, str(ROOT / "train.py"), *words, "--plan"]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    checkpointing = "True" if "--activation_checkpointing=true" in [w.lower() for w in words] else "False"
+    peak = re.search(rf"peak, activation_checkpointing={checkpointing}\s+([\d,.]+) MiB", run.stdout)
+    step = re.search(r"^step time\s+([\d,.]+) (ms|s)\b", run.stdout, re.M)
+    if run.returncode or not peak or not step:
+        return None
+    seconds = float(step[1].replace(",", "")) * (1 if step[2] == "s" else 1e-3)
+    return float(peak[1].replace(",", "")), 1000 * seconds
+
+
+def nanogpt_step(cfg, work):
+    """
+    nanoGPT's train.py at cfg.nanogpt_step, timed as it times itself (the host clock around each iteration, which
+    waits for the loss): its iterations after cfg.warmup, and the launch to its first iteration, compiled cold.
+    """
+    steps = cfg.warmup + cfg.steps
+    command = [sys.executable, "train.py", *shlex.split(cfg.nanogpt_step), f"--max_iters={steps}"]
+    command += [f"--out_dir={work / 'nanogpt-step'}"]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "cache-nanogpt")}
+    env["TRITON_CACHE_DIR"] = str(work / "cache-nanogpt" / "triton")
+    begin = time.time()
+    first, times, tokens = None, [], None
+    with subprocess.Popen(
+        command, cwd=cfg.nanogpt, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    ) as proc:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if m := re.match(r"tokens per iteration will be: ([\d,]+)", line):
+                tokens = int(m[1].replace(",", ""))
+            # nanoGPT's progress line: "iter 3: loss 9.1, time 110.20ms, mfu 38.1%"
+            if m := re.match(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms", line):
+                first = first or time.time() - begin
+                if int(m[1]) >= cfg.warmup:
+                    times.append(float(m[2]))
+    if proc.returncode or not times:
+        return {"error": f"exit status {proc.returncode}: {one_line(''.join(lines[-20:]))}"}
+    return {"ms": times, "launch": first, "cold": True, **({"tokens": tokens} if tokens else {})}
+
+
+def step_rows(cfg, results, plans):
+    """
+    The step table's rows, one value per case: the device time of a training step (median, spread), tokens/s and
+    MFU from it, the optimizer's share, the peak memory (CUDA's allocated; the process's resident set on a CPU)
+    and what --plan predicted for both, the launch to the end of the first step, the compiled graphs, the loss
+    after the last timed step, and with --profile the device's busy share and time by kind of kernel.
+    """
+    ok = [r for r in results if "error" not in r]
+    # nanoGPT computes the same model's FLOPs at the same shape: its MFU from the first case's FLOPs per token
+    per_token = next((r["flops"] / r["tokens"] for r in ok if r.get("flops")), 0)
+
+    def row(name, cell):
+        return name, [r["error"][:80] if "error" in r else cell(r) for r in results]
+
+    def tokens_per_second(r):
+        return [r.get("tokens", 1) / (ms / 1000) for ms in r["ms"]] if "tokens" in r else []
+
+    def mfu(r):
+        peak = r.get("peak_flops") or next((x["peak_flops"] for x in ok if x.get("peak_flops")), None)
+        flops = r.get("flops") or per_token * r.get("tokens", 0)
+        return summary([100 * flops / (ms / 1000) / peak for ms in r["ms"]], "{:.1f}") if peak and flops else "n/a"
+
+    rows = [
+        row("ms per step", lambda r: summary(r["ms"], "{:.1f}")),
+        row("tokens/s", lambda r: summary(tokens_per_second(r), "{:,.0f}") if "tokens" in r else "see ms"),
+        row("MFU %", mfu),
+        row("optimizer ms per step", lambda r: summary(r.get("optimizer_ms", []), "{:.2f}")),
+        row("peak memory MiB", lambda r: f"{r['peak_mib']:,.0f}" if "peak_mib" in r else "n/a"),
+    ]
+    if plans:
+        rows.append(("--plan: predicted peak MiB", [f"{p[0]:,.0f}" if p else "n/a" for p in plans]))
+        rows.append(("--plan: predicted ms per step", [f"{p[1]:.1f}" if p else "n/a" for p in plans]))
+    rows += [
+        row("launch to first step done, s", lambda r: f"{r['launch']:.1f} ({'cold' if r['cold'] else 'warm'})"),
+        row("graphs / breaks / recompiled in timing", lambda r: _graphs(r)),
+        row("train loss after the last step", lambda r: f"{r['loss']:.4f}" if "loss" in r else "n/a"),
+    ]
+    if any("profile" in r for r in ok):
+        rows.append(row("profile: device busy % of wall", lambda r: _profiled(r, lambda p: f"{100 * p['busy']:.0f}")))
+        for kind in [k for k, _ in KERNEL_KINDS] + ["other"]:
+            cell = lambda p, kind=kind: f"{p['kinds'].get(kind, 0.0):.1f}"  # noqa: E731
+            rows.append(row(f"profile: {kind} ms per step", lambda r, cell=cell: _profiled(r, cell)))
+    return rows
+
+
+def _graphs(r):
+    return f"{r['graphs']} / {r['graph_breaks']} / {r['recompiled']}" if "graphs" in r else "n/a"
+
+
+def _profiled(r, cell):
+    return cell(r["profile"]) if "profile" in r else r.get("profile_error", "n/a")[:80]
+
+
+def bench_steps(cfg, work):
+    """(header, rows): each step case (and nanoGPT's, with --nanogpt) measured in turn, then planned."""
+    cases = cfg.step_cases
+    results = []
+    for i, words in enumerate(cases):
+        print(f"step case {i + 1} of {len(cases)}: {shlex.join(words)}", flush=True)
+        results.append(step_run(cfg, words, i, work))
+        print(f"  {json.dumps({k: v for k, v in results[-1].items() if k != 'profile'})[:600]}", flush=True)
+    header = ["measure", *(f"{i + 1}: {shlex.join(words)}" for i, words in enumerate(cases))]
+    # planned side by side, after the timings (which they would disturb): each plan is one process on one core
+    with ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) // 2)) as pool:
+        plans = list(pool.map(planned, cases)) if cfg.plan else []
+    if cfg.nanogpt and cfg.nanogpt_step:
+        results.append(nanogpt_step(cfg, work))
+        header.append(f"nanoGPT: {cfg.nanogpt_step}")
+        plans += [None] if plans else []
+    return header, step_rows(cfg, results, plans)
+
+
+def nanogpt_race(cfg, work):
+    """
+    nanoGPT's train.py at cfg.nanogpt_race, from its launch to its first evaluation at or below cfg.target_loss
+    (then stopped: its run's best is not waited for). Returns (seconds, iteration, val loss) or None if never.
+    """
+    command = [sys.executable, "train.py", *shlex.split(cfg.nanogpt_race), f"--out_dir={work / 'nanogpt-race'}"]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "cache-nanogpt-race")}
+    env["TRITON_CACHE_DIR"] = str(work / "cache-nanogpt-race" / "triton")
+    begin = time.perf_counter()
+    with subprocess.Popen(
+        command, cwd=cfg.nanogpt, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    ) as proc:
+        for line in proc.stdout:
+            # nanoGPT's evaluation line: "step 250: train loss 1.9, val loss 2.0"
+            m = re.match(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", line)
+            if m and float(m[2]) <= cfg.target_loss:
+                proc.kill()
+                return time.perf_counter() - begin, int(m[1]), float(m[2])
+    return None
+
+
 def print_table(header, rows):
     """A Markdown table, ready to paste into the README or an issue; rows: (name, [one value per column])."""
     width = max(len(name) for name, _ in [(header[0], None), *rows])
@@ -311,30 +710,81 @@ def print_table(header, rows):
         print("| " + " | ".join([f"{name:<{width}}", *values]) + " |")
 
 
+def bench_gpu(cfg, work, show):
+    """--parts=gpu: the three stages of the GPU_CASES comment, each table shown as soon as it is measured."""
+    defaults = BenchConfig()
+    # options given on the command line keep their values
+    given = {
+        k: getattr(cfg, k)
+        for k in ("steps", "step_seconds", "warmup", "case_timeout")
+        if getattr(cfg, k) != getattr(defaults, k)
+    }
+    core = replace(defaults, **given, cases=cfg.cases or GPU_CASES, profile=True, plan=True, cold="1,2")
+    show(bench_steps(replace(core, nanogpt=cfg.nanogpt, nanogpt_step=cfg.nanogpt_step), work / "core"))
+    race = replace(defaults, config="configs/shakespeare_gpu.py", target_loss=1.47, runs=1, parts="train")
+    show(training_table(replace(race, nanogpt=cfg.nanogpt, nanogpt_race=cfg.nanogpt_race), work / "race"))
+    more = replace(defaults, **given, cases=GPU_MORE_CASES, profile=True, cold="")
+    show(bench_steps(more, work / "more"))
+
+
+def training_table(cfg, work):
+    """(header, rows) of cfg.runs training runs of each config, with nanoGPT's race beside where cfg says."""
+    work.mkdir(parents=True, exist_ok=True)
+    rows = bench_training(cfg, work)
+    race = cfg.nanogpt and cfg.nanogpt_race
+    if race:  # nanoGPT's run to the same target, its own column
+        rows = nanogpt_column(rows, nanogpt_race(cfg, work), cfg)
+    header = ["measure", *(f"{c} median (min-max)" for c in cfg.configs)]
+    return header + ([f"nanoGPT: {cfg.nanogpt_race}"] if race else []), rows
+
+
 def main(cfg):
     """Measure what cfg.parts names and print tables: each value a median with its spread, a column per config."""
+    if cfg.child:
+        return measure_case(cfg)
     parts = set(cfg.parts.split(","))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
-    print(f"device: {device}, torch {torch.__version__}")
-    # (header, rows) of each table; rows: (name, [one value per column]), or (name, value) for a single column
-    tables = []
-    columns = [f"{c} median (min-max)" for c in cfg.configs]
-    # runs, checkpoints and the bpe corpus live in a temporary folder, removed at the end
-    with tempfile.TemporaryDirectory() as work:
-        rows = bench_training(cfg, Path(work)) if "train" in parts else []
-        if "sample" in parts and cfg.out_dir:  # one given checkpoint: a table of its own
-            tables.append((["measure", f"{cfg.out_dir} median (min-max)"], bench_sampling(cfg, cfg.out_dir)))
-        elif "sample" in parts:  # each config's last training run's checkpoint, still in the temporary folder
-            by_config = [bench_sampling(cfg, Path(work) / f"config{i}-run{cfg.runs - 1}") for i in range(len(columns))]
-            rows += [(name, [rs[j][1] for rs in by_config]) for j, (name, _) in enumerate(by_config[0])]
-        if rows:
-            tables.insert(0, (["measure", *columns], rows))
-        if "bpe" in parts:  # the tokenizer's speed does not depend on a config
-            tables.append((["measure", "median (min-max)"], bench_bpe(cfg, Path(work))))
-        if "memory" in parts:
-            tables.append(bench_memory(cfg, Path(work)))
-    for header, rows in tables:
+    stamp = f"{device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+    print(f"device: {stamp}", flush=True)
+
+    def show(table):  # each table as soon as it is measured: a long benchmark cut short keeps what it has
+        header, rows = table
+        print(f"\n{stamp}")
         print_table(header, [(name, values if isinstance(values, list) else [values]) for name, values in rows])
+        print(flush=True)
+
+    # runs, checkpoints, compile caches and the bpe corpus live in a temporary folder, removed at the end
+    with tempfile.TemporaryDirectory() as work:
+        work = Path(work)
+        if "gpu" in parts:
+            bench_gpu(cfg, work, show)
+        if "step" in parts:  # before the training runs, which would warm the compile caches of cold cases
+            show(bench_steps(cfg, work / "step"))
+        if "train" in parts:
+            header, rows = training_table(cfg, work)
+            if "sample" in parts and not cfg.out_dir:  # each config's last run's checkpoint, still in work
+                by_config = [
+                    bench_sampling(cfg, work / f"config{i}-run{cfg.runs - 1}") for i in range(len(cfg.configs))
+                ]
+                rows += [(name, [rs[j][1] for rs in by_config]) for j, (name, _) in enumerate(by_config[0])]
+            show((header, rows))
+        if "sample" in parts and cfg.out_dir:  # one given checkpoint: a table of its own
+            show((["measure", f"{cfg.out_dir} median (min-max)"], bench_sampling(cfg, cfg.out_dir)))
+        if "bpe" in parts:  # the tokenizer's speed does not depend on a config
+            show((["measure", "median (min-max)"], bench_bpe(cfg, work)))
+        if "memory" in parts:
+            show(bench_memory(cfg, work))
+
+
+def nanogpt_column(rows, reached, cfg):
+    """The training table's rows with nanoGPT's column: its time to the target, the rest not measured (stopped)."""
+    target = f"seconds to val loss <= {cfg.target_loss}"
+    if reached is None:
+        mine = "never (its run ended first)"
+    else:
+        seconds, iteration, loss = reached
+        mine = f"{seconds:.1f} (iter {iteration}, val {loss:.4f})"
+    return [(name, values + [mine if name == target else "stopped at the target"]) for name, values in rows]
 
 
 def cli(argv):

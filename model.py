@@ -597,12 +597,22 @@ class Stack(nn.Module):
 # -----------------------------------------------------------------------------
 # Shared model machinery: init, head and loss, counting, optimizer
 
-# float32 logits the loss computes at a time (see TransformerModel.head_and_loss). On CPUs glibc serves allocations
-# below its 32 MiB mmap threshold from a heap it reuses, instead of mapping and zeroing fresh pages every step (with
-# GPT-2's vocabulary those page faults took a third of a CPU step); GPUs get larger chunks, so that the head's
-# matmuls stay large enough to be fast while the float32 copy of the logits stays bounded.
+# float32 logits the loss computes at a time (see TransformerModel.head_and_loss), unless a model's loss_chunk_bytes
+# says otherwise. On CPUs glibc serves allocations below its 32 MiB mmap threshold from a heap it reuses, instead of
+# mapping and zeroing fresh pages every step (with GPT-2's vocabulary those page faults took a third of a CPU step).
+# On a GPU train.py sizes the chunk from the memory free (loss_chunk_budget): a micro-batch's whole logits mostly fit,
+# and then no chunk is computed twice.
 LOSS_CHUNK_BYTES = 16 * 2**20
 ACCELERATOR_LOSS_CHUNK_BYTES = 2**30
+
+
+def loss_chunk_budget(free_bytes):
+    """
+    The loss chunk's bytes of float32 logits on a GPU with free_bytes of memory free: a quarter of it. Eager autograd
+    holds about three copies of a chunk's logits (the head's output, its float32 cast, the log-probabilities), and
+    the activations need the rest; compiled, the copies fuse away. The planner (plan.py) applies the same rule.
+    """
+    return free_bytes // 4
 
 
 def default_inits_discarded():
@@ -636,8 +646,9 @@ def init_normal(param, std):
 class TransformerModel(nn.Module):
     """What the three models share: GPT-2 initialisation, the head and loss, parameter and FLOP counts, AdamW."""
 
-    # the device type whose loss chunk size the head uses; None: its input's (plan.py traces a GPU's on a CPU)
-    loss_device_type = None
+    # float32 logits the loss computes at a time; None: LOSS_CHUNK_BYTES on a CPU, ACCELERATOR_LOSS_CHUNK_BYTES on
+    # other devices. train.py sets it from a GPU's free memory, plan.py from the planned GPU's
+    loss_chunk_bytes = None
 
     @torch.no_grad()
     def init_weights(self):
@@ -683,17 +694,20 @@ class TransformerModel(nn.Module):
     def head_and_loss(self, x, targets, label_smoothing, reduction, return_logits):
         """
         The head over x (B, T, C) and, given targets (B, T), the cross-entropy in float32, computed a chunk of
-        positions at a time so that the float32 logits are never whole (LOSS_CHUNK_BYTES). In training every chunk's
+        positions at a time so that the float32 logits are never whole (loss_chunk_bytes). In training every chunk's
         head and loss but the last run again in the backward instead of keeping their float32 log-probabilities, so
-        that those of one chunk at most are held at a time. reduction: "mean" over the targets that are not
-        IGNORE_INDEX, or "sum". Returns (logits (B, T, V) or None if not return_logits, loss).
+        that those of one chunk at most are held at a time; a micro-batch that fits one chunk is computed once.
+        reduction: "mean" over the targets that are not IGNORE_INDEX, or "sum". Returns (logits (B, T, V) or None if
+        not return_logits, loss).
         """
         if targets is None:
             return (self.head(x) if return_logits else None), None
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         # positions per chunk: as many as fit their float32 logits (4 bytes each of V) in the budget
-        budget = LOSS_CHUNK_BYTES if (self.loss_device_type or x.device.type) == "cpu" else ACCELERATOR_LOSS_CHUNK_BYTES
+        budget = self.loss_chunk_bytes
+        if budget is None:
+            budget = LOSS_CHUNK_BYTES if x.device.type == "cpu" else ACCELERATOR_LOSS_CHUNK_BYTES
         rows = max(1, budget // (4 * self.config.vocab_size))
         # Autograd would keep every chunk's float32 log-probabilities for the backward: B * T * V * 4 bytes in all
         # (2.5 GB for gpt2.py). Every chunk but the last runs again in the backward instead, from its inputs. The last

@@ -54,6 +54,8 @@ def make_runtime(cfg):
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(cfg.device, local_rank)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.cuda_graphs and device.type != "cuda":
+        raise ConfigError(f"cuda_graphs=True needs a CUDA GPU, not device {device}; drop --cuda_graphs")
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.fsdp and dtype == torch.float16:
         raise ConfigError(
@@ -181,12 +183,13 @@ def parallelize(model, cfg, rt, example):
     eval_model = evaluated
     if cfg.compile or cfg.compile is None and rt.device.type == "cuda":
         # fixed shapes (LM windows): graphs specialised to them; pairs vary in length: one dynamic graph
-        dynamic = None if cfg.arch == "encoder_decoder" else False
-        step = compile_model(step, example, rt, cfg.label_smoothing, dynamic=dynamic)
+        how = dict(dynamic=None if cfg.arch == "encoder_decoder" else False, regions=cfg.compile_regions)
+        how["mode"] = "reduce-overhead" if cfg.cuda_graphs else None
+        step = compile_model(step, example, rt, cfg.label_smoothing, **how)
         if isinstance(step, CompiledModel):
             # evaluation stays outside DDP and measures the average if there is one: compiled apart, unless it is
             # exactly what a step calls
-            eval_model = step if step.module is evaluated else CompiledModel(evaluated, dynamic)
+            eval_model = step if step.module is evaluated else CompiledModel(evaluated, **how)
     return Models(model, step, ddp, average, eval_model, defer_reduce=rt.fsdp and cfg.fsdp_defer_reduce)
 
 
@@ -253,12 +256,18 @@ class CompiledModel(nn.Module):
     torch.compile(module), falling back to the eager module with one warning if a compilation fails, whenever it
     happens: at the first call or at a later recompilation (evaluation mode, say). A backward graph is compiled at
     its first use, in loss.backward(): train.compute_gradients redoes such a step eagerly after calling fall_back.
+    regions: compile each Block and the loss instead of the whole model (compile_regions); mode: torch.compile's,
+    "reduce-overhead" for CUDA graphs.
     """
 
-    def __init__(self, module, dynamic=None):
+    def __init__(self, module, dynamic=None, regions=False, mode=None):
         super().__init__()
-        # the eager module is kept for the fallback; both share the same parameters
-        self.module, self.compiled, self.failed = module, torch.compile(module, dynamic=dynamic), False
+        self.module, self.failed = module, False  # the eager module is kept for the fallback; both share parameters
+        if regions:
+            compile_regions(module, dynamic=dynamic, mode=mode)
+            self.compiled = module  # the glue between the regions (embeddings, the final norm) runs eagerly
+        else:
+            self.compiled = torch.compile(module, dynamic=dynamic, mode=mode)
 
     def forward(self, *args, **kwargs):
         if not self.failed:
@@ -270,17 +279,37 @@ class CompiledModel(nn.Module):
 
     def fall_back(self, error):
         self.failed = True
+        compile_regions(self.module, enabled=False)  # a no-op unless the regions were compiled
         log(f"warning: torch.compile failed ({type(error).__name__}: {one_line(error)}); going on without it")
 
 
-def compile_model(model, example, rt, label_smoothing=0.0, dynamic=None):
+def compile_regions(module, enabled=True, **options):
+    """
+    Regional compilation: torch.compile each Block of module (a model, or DDP around one) and its loss, in place, or
+    with enabled=False undo that. The blocks share their code, so one graph serves them all: compiled once instead of
+    n_layer times over, which shortens the wait for the first step, for the same kernels within each block.
+    """
+    model = module.module if isinstance(module, DDP) else module
+    for block in model.modules():
+        if isinstance(block, Block):
+            if enabled:
+                block.compile(**options)
+            else:
+                block._compiled_call_impl = None  # what nn.Module.compile set: calls go to the eager forward again
+    if enabled:  # the head's matmul, soft-cap and cross-entropy fused, as whole-model compilation fuses them
+        model.chunk_loss = torch.compile(model.chunk_loss, **options)
+    else:
+        model.__dict__.pop("chunk_loss", None)  # the method again
+
+
+def compile_model(model, example, rt, label_smoothing=0.0, dynamic=None, regions=False, mode=None):
     """
     CompiledModel(model), tried on one forward and backward pass of example ((inputs, targets) on rt.device; the
     backward is compiled at its first call); if that fails, one warning and the eager model, on every rank if it
     failed on any. Running out of memory or a failed collective is no compile failure: it is raised. Under FSDP a
     backward that fails to compile leaves the ranks' gathers of weights half done: one line, no fallback.
     """
-    compiled = CompiledModel(model, dynamic)
+    compiled = CompiledModel(model, dynamic, regions, mode)
     inputs, targets = example
     # DDP's no_sync: the trial's backward exchanges nothing, so a rank whose backward fails to compile leaves no
     # other rank waiting in an all-reduce, and all can agree below

@@ -46,7 +46,7 @@ from checkpoint import is_checkpoint, load_checkpoint
 from config import ConfigError, one_line
 from data import Objective, make_objective, prepared_dataset
 from devices import peak_flops, pick_threads, resolve_dtype
-from model import IGNORE_INDEX, ModelConfig, build_model
+from model import IGNORE_INDEX, LOSS_CHUNK_BYTES, ModelConfig, build_model, loss_chunk_budget
 from parallel import Models, Runtime, shard_model, split_accumulation
 from progress import local_bytes, resident_peak, state_bytes
 
@@ -239,11 +239,22 @@ def example_batch(config, objective, batch_size):
     return (ids[:, :-1],), ids[:, 1:]
 
 
-def trace_step(cfg, rt, config, objective, batch_size, per_rank, gpu):
+def planned_loss_chunk(cfg, target):
+    """
+    The loss chunk train.py would use on target (its loss_chunk_bytes): loss_chunk_mb if given; on a GPU the rule
+    of model.loss_chunk_budget, applied to the memory a run finds free (FULL of it, less nothing yet allocated);
+    on a CPU the model's budget for CPUs.
+    """
+    if cfg.loss_chunk_mb:
+        return int(cfg.loss_chunk_mb * 2**20)
+    return loss_chunk_budget(int(FULL * target.memory)) if target.gpu else LOSS_CHUNK_BYTES
+
+
+def trace_step(cfg, rt, config, objective, batch_size, per_rank, target):
     """
     The Trace of this rank (rt.rank of rt.world_size, on the fake process group) running two training steps, of one
-    and of per_rank micro-batches of batch_size sequences, as train.py would, under FakeTensorMode. gpu: the loss is
-    cut into a GPU's chunks.
+    and of per_rank micro-batches of batch_size sequences, as train.py would, under FakeTensorMode on target's
+    device: its loss is cut into the chunks train.py would cut there (planned_loss_chunk).
     """
     from train import clip_gradients, make_optimizers, micro_step
 
@@ -256,7 +267,7 @@ def trace_step(cfg, rt, config, objective, batch_size, per_rank, gpu):
         # whole (fake) before FSDP shards it: its values are never read, so the run's initialisation of each rank's
         # shards from the meta device is not needed
         model = build_model(config)
-        model.loss_device_type = "cuda" if gpu else "cpu"
+        model.loss_chunk_bytes = planned_loss_chunk(cfg, target)
         model.set_activation_checkpointing(cfg.activation_checkpointing)
         average = None
         if rt.fsdp:
@@ -353,7 +364,7 @@ def make_plan(cfg):
         rt = Runtime(rank, rank, ranks, torch.device("cpu"), dtype, fsdp=fsdp)
         # a GPU's bfloat16 traced in a CPU's autocast, whose kernels warn of what they would not fuse there
         with fake_group(rank, ranks), warnings.catch_warnings(action="ignore", category=UserWarning):
-            return trace_step(run, rt, config, objective, batch_size, min(per_rank, 2), target.gpu)
+            return trace_step(run, rt, config, objective, batch_size, min(per_rank, 2), target)
 
     groups = rank_groups(config, ranks) if fsdp else [list(range(ranks))]
     traces = [trace(group[0], cfg.batch_size) for group in groups]

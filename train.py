@@ -63,7 +63,7 @@ from data import (
 from devices import DTYPES, keep_freed_memory, peak_flops, pick_threads
 from generate import decoded_pairs, decoded_replies
 from lora import TARGETS, LoRASettings, adapter_state, add_adapters
-from model import IGNORE_INDEX, MODEL_KEYS, ModelConfig, ModelSettings, build_model
+from model import IGNORE_INDEX, MODEL_KEYS, ModelConfig, ModelSettings, build_model, loss_chunk_budget
 from parallel import (
     CompiledModel,
     Models,
@@ -141,6 +141,9 @@ class TrainConfig(ModelSettings):
     device: str = "auto"  # 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype: str = "auto"  # 'float32', 'bfloat16', 'float16'; 'auto': bf16 (else fp16) on CUDA, float32 elsewhere
     compile: bool | None = None  # torch.compile the model; None: on for CUDA only
+    compile_regions: bool = False  # compile each block (once for all) and the loss, not the whole model: a faster start
+    cuda_graphs: bool = False  # compile with CUDA graphs (mode 'reduce-overhead'): small fixed-shape models on a GPU
+    loss_chunk_mb: float = 0.0  # float32 logits the loss computes at once, in MiB; 0: 16 on CPUs, on GPUs 1/4 of free
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~25% slower
     seed: int = 1337  # seeds data sampling, initialisation and dropout (dropout differs per rank)
     threads: int = 0  # CPU threads per process; 0: $OMP_NUM_THREADS, else the cores other jobs leave free
@@ -185,6 +188,7 @@ class TrainConfig(ModelSettings):
             "grad_clip",
             "min_lr",
             "lora_rank",
+            "loss_chunk_mb",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
@@ -196,6 +200,11 @@ class TrainConfig(ModelSettings):
             raise ConfigError(
                 "fsdp=True cannot train with optimizer='muon': Muon orthogonalises each whole matrix, which FSDP "
                 "splits over the ranks; use optimizer='adamw' with fsdp, or Muon without fsdp (DDP)"
+            )
+        if self.cuda_graphs and (self.compile is False or self.arch == "encoder_decoder"):
+            raise ConfigError(
+                "cuda_graphs=True replays compiled graphs of fixed shapes: it needs compile (not --compile=false) and "
+                "fixed-length batches (not arch='encoder_decoder'); drop --cuda_graphs"
             )
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"ema_decay must be in [0, 1) (0: off), got {self.ema_decay}")
@@ -336,7 +345,10 @@ def setup(cfg, rt, stack):
     data_meta = tokens.load_meta(folder)
     begin = start_run(cfg, data_meta, lazy=rt.fsdp)
     cfg = begin.cfg  # a checkpoint or pretrained weights decide the model settings
+    if cfg.cuda_graphs and begin.objective.chat:
+        raise ConfigError(f"cuda_graphs=True needs batches of one length, which chat data ({folder.name}) varies")
     splits = load_splits(folder, data_meta, cfg.block_size)
+    begin.model.loss_chunk_bytes = loss_chunk_bytes(cfg, rt.device)
 
     # a batch for compile's trial, drawn with a throwaway generator so that the training stream is untouched
     example = get_batch(splits["train"], begin.objective, cfg.batch_size, cfg.block_size, torch.Generator())
@@ -429,6 +441,19 @@ def out_dir_problem(cfg):
     # write to create entries in it, execute to enter it
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"out_dir={out_dir} cannot be written: {existing} is not writable by this user; choose another --out_dir"
+    return None
+
+
+def loss_chunk_bytes(cfg, device):
+    """
+    The bytes of float32 logits the loss computes at a time (TransformerModel.loss_chunk_bytes): loss_chunk_mb if
+    given; on a GPU a quarter of the memory free now, before the optimizers and activations, so that a micro-batch's
+    logits are mostly one chunk, computed once; None elsewhere (the model's CPU budget).
+    """
+    if cfg.loss_chunk_mb:
+        return int(cfg.loss_chunk_mb * 2**20)
+    if device.type == "cuda":
+        return loss_chunk_budget(torch.cuda.mem_get_info(device)[0])
     return None
 
 
