@@ -53,22 +53,19 @@ NANOGPT_STEP = (
 )
 # and its character-level recipe, which configs/shakespeare_gpu.py follows (val loss 1.47 on a GPU)
 NANOGPT_RACE = "config/train_shakespeare_char.py"
-# --parts=gpu: every GPU measurement in one call, most important first, each table printed when done:
-# 1. GPT-2 124M's shape as nanoGPT runs it (beside nanoGPT's own train.py), each change beside the same run without
-#    it, the modern recipe beside the 2019 one; profiled and planned. Cases 1 and 2 compile cold.
-# 2. configs/shakespeare_gpu.py from its launch to val loss 1.47, beside nanoGPT's recipe for it.
-# 3. both GPT-2 recipes at the configs' 40 micro-batches a step, and shakespeare_gpu's step with CUDA graphs and
-#    with regional compilation.
+# --parts=gpu: every GPU measurement in one call of about 9 minutes, most important first, each table printed when
+# done (plans need no GPU: train.py --plan --plan_device=H100 gives the same prediction on any machine):
+# 1. GPT-2 124M's shape as nanoGPT runs it, 12 x 1024 x 4 a step, beside nanoGPT's own train.py: ours compiled cold,
+#    then again from the cache it left (the warm launch), at batch 24, and the modern recipe; profiled.
+# 2. configs/shakespeare_gpu.py from its launch to val loss 1.47 (stopped there), beside nanoGPT's recipe for it.
+# 3. both GPT-2 recipes at the configs' 40 micro-batches a step, and shakespeare_gpu's step with CUDA graphs.
 GPT2 = "configs/gpt2.py --dataset=shakespeare --gradient_accumulation_steps=4"
-MODERN = "configs/gpt2_modern.py --dataset=shakespeare --gradient_accumulation_steps=4"
 GPU_CASES = ";".join(
     [
         GPT2,
-        f"{GPT2} --compile_regions=true",
-        GPT2,  # again, compiled from the cache case 1 left: the warm launch, and the step time's repeatability
-        f"{GPT2} --loss_chunk_mb=1024",  # the loss as before: chunks of 1 GiB, each but the last computed twice
+        GPT2,
         f"{GPT2} --batch_size=24 --gradient_accumulation_steps=2",
-        MODERN,
+        "configs/gpt2_modern.py --dataset=shakespeare --gradient_accumulation_steps=4",
     ]
 )
 GPU_MORE_CASES = ";".join(
@@ -77,7 +74,6 @@ GPU_MORE_CASES = ";".join(
         "configs/gpt2_modern.py --dataset=shakespeare",
         "configs/shakespeare_gpu.py",
         "configs/shakespeare_gpu.py --cuda_graphs=true",
-        "configs/shakespeare_gpu.py --compile_regions=true",
     ]
 )
 
@@ -87,6 +83,7 @@ class BenchConfig:
     config: str = "configs/shakespeare.py"  # the training config to measure; several, comma-separated: in turns
     runs: int = 3  # full training runs, for time-to-target and best loss (median and spread over them)
     target_loss: float = 1.88  # time-to-quality: seconds until the first evaluation at or below this val loss
+    stop_at_target: bool = False  # train: stop each run at its first evaluation at or below target_loss
     budget: float = 120.0  # best val loss among evaluations within this many seconds of the launch
     train_args: str = ""  # extra train.py overrides for every run, e.g. "--device=cpu --compile=true"
     parts: str = "train,sample"  # what to measure: train (the runs above), sample (speed of generation), bpe
@@ -106,7 +103,7 @@ class BenchConfig:
     step_seconds: float = 10.0  # step: the most seconds of timed steps per case
     warmup: int = 3  # step: untimed steps first (compilation, the allocator's first blocks)
     profile: bool = False  # step: also profile 3 steps of each case: GPU busy share, time by kernel kind
-    cold: str = "1"  # step: the cases (1-based, comma-separated) that compile into an empty cache; the rest share one
+    cold: str = ""  # step: cases (1-based, comma-separated) compiled in an empty cache of their own; the rest share one
     case_timeout: float = 300.0  # step: seconds a case may take, from its launch, before it is stopped
     plan: bool = False  # step: also train.py --plan each case on this machine: predicted peak and step time
     nanogpt: str = ""  # a nanoGPT checkout to measure beside: its train.py at nanogpt_step (step) and nanogpt_race
@@ -178,6 +175,9 @@ def timed_run(cfg, config, out_dir):
             # train.py's lines: 'eval N: ... val loss X', and progress lines holding '| N tok/s' and '| mfu X%'
             if m := re.match(r"eval (\d+): .*val loss ([\d.]+)", line):
                 evals.append((time.perf_counter() - begin, int(m[1]), float(m[2])))
+                if cfg.stop_at_target and evals[-1][2] <= cfg.target_loss:
+                    proc.kill()  # the time to the target is known; the rest of the run is not waited for
+                    return evals, speeds, mfus, time.perf_counter() - begin
             if m := re.search(r"\| ([\d,]+) tok/s", line):
                 speeds.append(float(m[1].replace(",", "")))
             if m := re.search(r"\| mfu ([\d.]+)%", line):
@@ -214,6 +214,9 @@ def bench_training(cfg, work):
     if any(s["mfus"] for s in stats):
         rows.append(row("MFU %", "mfus", "{:.1f}"))
     rows.append(row(f"seconds to val loss <= {cfg.target_loss}", "reached", "{:.1f}"))
+    if cfg.stop_at_target:  # the runs ended at the target: no best or final loss to report
+        rows.append(row("val loss at the stop", "finals", "{:.4f}"))
+        return rows
     rows.append(row(f"best val loss within {cfg.budget:.0f} s", "best", "{:.4f}"))
     rows.append(row("final val loss", "finals", "{:.4f}"))
     rows.append(row("wall seconds per run", "walls", "{:.1f}"))
@@ -494,12 +497,12 @@ def peak_memory(device):
 
 # the kinds of work a profile's time is sorted into, by kernel (GPU) or operator (CPU) name; the first match wins
 KERNEL_KINDS = (
+    ("fused by Inductor", r"^triton_|cpp_fused"),
     ("attention", r"flash|fmha|attention|sdpa|efficient_attention"),
     ("matmul", r"gemm|xmma|nvjet|cutlass|sm90|sm80|\bmm\b|addmm|bmm|matmul|linear"),
     ("optimizer", r"adam|multi_tensor|foreach|lerp|muon"),
     ("communication", r"nccl|all_reduce|allreduce|reduce_scatter|all_gather"),
     ("copies and fills", r"memcpy|memset|copy|fill|cat\b|elementwise_kernel"),
-    ("fused by Inductor", r"triton|cpp_fused|fused_"),
 )
 
 
@@ -524,7 +527,7 @@ def profile_steps(run, iteration, train, device, steps=3):
         if device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - begin
-    kinds = {}
+    kinds, times = {}, {}  # ms per step by kind, and by kernel
     for event in prof.key_averages():
         if device.type == "cuda":
             # kernels: the events with device time of their own (CPU-side operators have none)
@@ -534,21 +537,24 @@ def profile_steps(run, iteration, train, device, steps=3):
         if microseconds > 0:
             kind = kernel_kind(event.key)
             kinds[kind] = kinds.get(kind, 0.0) + microseconds / 1000 / steps
+            times[event.key[:100]] = microseconds / 1000 / steps
     busy = sum(kinds.values()) * steps / 1000
-    return {"wall_ms": 1000 * wall / steps, "busy": busy / wall, "kinds": kinds}
+    top = sorted(times.items(), key=lambda kv: -kv[1])[:25]  # the kernels that take the most time, for the log
+    return {"wall_ms": 1000 * wall / steps, "busy": busy / wall, "kinds": kinds, "top": top}
 
 
 def step_run(cfg, words, index, work):
     """
     One case (train.py's words) measured in a child process: returns measure_case's result with "launch", the
-    seconds from before the launch to the end of the first step. Cases cfg.cold names compile into an empty cache.
+    seconds from before the launch to the end of the first step, and "cold": whether its compile cache was empty.
+    Cases cfg.cold names get an empty cache of their own; the others share one, which the first of them fills.
     """
     command = [sys.executable, str(ROOT / "bench.py"), f"--child={shlex.join(words)}"]
     command += [f"--steps={cfg.steps}", f"--warmup={cfg.warmup}", f"--step_seconds={cfg.step_seconds}"]
     command += ["--profile=true"] if cfg.profile else []
-    cold = str(index + 1) in cfg.cold.split(",")
-    # Inductor's and Triton's caches: a case of its own (cold) or the one the others share
-    cache = work / (f"cache-case{index + 1}" if cold else "cache-shared")
+    # Inductor's and Triton's caches: a case's own or the one the others share
+    cache = work / (f"cache-case{index + 1}" if str(index + 1) in cfg.cold.split(",") else "cache-shared")
+    cold = not cache.exists()
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton")}
     begin = time.time()
     try:  # a case that hangs (a deadlocked graph, say) must not take the whole benchmark's time
@@ -668,7 +674,7 @@ def bench_steps(cfg, work):
     for i, words in enumerate(cases):
         print(f"step case {i + 1} of {len(cases)}: {shlex.join(words)}", flush=True)
         results.append(step_run(cfg, words, i, work))
-        print(f"  {json.dumps({k: v for k, v in results[-1].items() if k != 'profile'})[:600]}", flush=True)
+        print(f"  {json.dumps(results[-1])}", flush=True)  # every number, the profile's top kernels too
     header = ["measure", *(f"{i + 1}: {shlex.join(words)}" for i, words in enumerate(cases))]
     # planned side by side, after the timings (which they would disturb): each plan is one process on one core
     with ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) // 2)) as pool:
@@ -719,11 +725,11 @@ def bench_gpu(cfg, work, show):
         for k in ("steps", "step_seconds", "warmup", "case_timeout")
         if getattr(cfg, k) != getattr(defaults, k)
     }
-    core = replace(defaults, **given, cases=cfg.cases or GPU_CASES, profile=True, plan=True, cold="1,2")
+    core = replace(defaults, **given, cases=cfg.cases or GPU_CASES, profile=True)
     show(bench_steps(replace(core, nanogpt=cfg.nanogpt, nanogpt_step=cfg.nanogpt_step), work / "core"))
-    race = replace(defaults, config="configs/shakespeare_gpu.py", target_loss=1.47, runs=1, parts="train")
+    race = replace(defaults, config="configs/shakespeare_gpu.py", target_loss=1.47, runs=1, stop_at_target=True)
     show(training_table(replace(race, nanogpt=cfg.nanogpt, nanogpt_race=cfg.nanogpt_race), work / "race"))
-    more = replace(defaults, **given, cases=GPU_MORE_CASES, profile=True, cold="")
+    more = replace(defaults, **given, cases=GPU_MORE_CASES, profile=True)
     show(bench_steps(more, work / "more"))
 
 

@@ -14,7 +14,10 @@ the peak. FlopCounterMode counts the step's FLOPs, recomputation included.
 Arithmetic: DDP's buckets (gradient_as_bucket_view: every gradient held from the start), the KV cache, the step time
 (the model FLOPs train.py's MFU counts / (peak FLOP/s x MFU)) and the largest micro-batch that fits, from traces at
 two batch sizes.
-Not modelled: torch.compile's fusions (the trace is eager: its activations bound a compiled run's from above),
+Compiled on a GPU (its default), the loss's (positions, V) tensors are counted as Inductor keeps them (a chunk of
+logits in the compute dtype) and dropout as keeping nothing: GPT-2's peaks then come within 3% of the measured ones.
+Not modelled: torch.compile's other fusions (the trace is eager: its activations bound a compiled run's from above;
+29% above for configs/gpt2_modern.py, whose rotary, QK-norm and soft-cap copies Inductor fuses away),
 the CUDA context and caching allocator's fragmentation (a GPU counts as full at FULL of its memory), communication
 time. LoRA is refused: MemTracker hooks every weight's gradient, which frozen weights refuse.
 """
@@ -70,8 +73,10 @@ GPUS = {
     "RTX 4090": 24,
     "RTX 3090": 24,
 }
-# the MFU a plan assumes on a GPU: none has been measured for this project yet (the GPU issue's list)
-GPU_MFU = 0.40
+# the MFU a plan times GPU steps at, measured with bench.py --parts=gpu (docs/performance.md): configs/gpt2.py's
+# model at 12 x 1024 x 4 micro-batches a step, bf16, compiled, fused AdamW (torch 2.11, 2026-11-26). A GPU not
+# measured yet gets the H100's figure
+MEASURED_MFU = {"H100": 0.40}
 # on a CPU: the model FLOP/s of training over the float32 matmul rate measured when planning (cpu_matmul_flops); the
 # quick start's on 2 cores, 12.0 ms a step against 238 GFLOP/s (README, "Plan a run", which has the others)
 CPU_MFU = 0.65
@@ -121,8 +126,14 @@ def squeeze(name):
 def gpu_target(name, memory, flops, mfu):
     if flops is None:
         raise ConfigError(f"the peak FLOP/s of {name} is not known: give --plan_device one of {', '.join(GPUS)}")
-    source = "given" if mfu else "assumed: no GPU MFU measured yet"
-    return Target(name, memory, flops, mfu or GPU_MFU, source, gpu=True)
+    if mfu:
+        return Target(name, memory, flops, mfu, "given", gpu=True)
+    # the GPUS name this device's begins with, the longest ('NVIDIA H100 80GB HBM3' is an H100, 'H100 PCIe' its own)
+    known = [k for k in GPUS if squeeze(name).startswith(squeeze(k))]
+    key = max(known, key=len, default=None)
+    if key in MEASURED_MFU:
+        return Target(name, memory, flops, MEASURED_MFU[key], f"measured on an {key}", gpu=True)
+    return Target(name, memory, flops, MEASURED_MFU["H100"], "the H100's: none measured on this GPU", gpu=True)
 
 
 def cpu_matmul_flops(threads, n=1024, repeats=5):
@@ -263,10 +274,13 @@ def trace_step(cfg, rt, config, objective, batch_size, per_rank, target):
     n_targets = sum(int((t != IGNORE_INDEX).sum()) for _, t in batches) * rt.world_size
     # FSDP's mesh of ranks, made outside the fake mode: it reads its ranks' numbers
     mesh = init_device_mesh("cpu", (rt.world_size,)) if rt.fsdp else None
+    # Compiled on a GPU (the default there), dropout keeps nothing for the backward: Inductor draws its masks again
+    # from a seed, and attention's runs inside the fused kernel, where an eager CPU trace holds (B, H, T, T) scores
+    compiled = target.gpu and cfg.compile is not False
     with FakeTensorMode(allow_non_fake_inputs=True):
         # whole (fake) before FSDP shards it: its values are never read, so the run's initialisation of each rank's
         # shards from the meta device is not needed
-        model = build_model(config)
+        model = build_model(replace(config, dropout=0.0) if compiled else config)
         model.loss_chunk_bytes = planned_loss_chunk(cfg, target)
         model.set_activation_checkpointing(cfg.activation_checkpointing)
         average = None
@@ -307,14 +321,24 @@ def trace_step(cfg, rt, config, objective, batch_size, per_rank, target):
         use = state_bytes(model, optimizers)
     parts = {str(k.value) if hasattr(k, "value") else k: v for k, v in snapshot.items()}
     gathered = sum(parts.get(k, 0) for k in ("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter"))
+    # DDP's buckets hold every gradient from its start (gradient_as_bucket_view): those not alive at the peak
+    peak = parts["Total"] + (use["gradients"] - parts.get("Gradient", 0) if rt.world_size > 1 and not rt.fsdp else 0)
+    activations, vocab_bytes = parts.get("Activation", 0) + parts.get("Temp", 0), vocab.peak
+    if compiled:
+        # Compiled, the head's matmul, soft-cap and cross-entropy fuse: of the (positions, V) tensors that eager
+        # autograd holds (the head's output, its float32 copy, the log-probabilities, ...) the backward keeps the
+        # head's output alone, a chunk of it in the compute dtype. On an H100 (docs/performance.md) these two rules
+        # put GPT-2's predicted peaks within 3% of the compiled runs' (the eager trace's: 78% above)
+        rows = min(batch_size * config.block_size, max(1, planned_loss_chunk(cfg, target) // (4 * config.vocab_size)))
+        kept = rows * config.vocab_size * rt.dtype.itemsize
+        peak, activations, vocab_bytes = peak - vocab.peak + kept, activations - vocab.peak + kept, kept
     return Trace(
         **use,
         average=0 if average is None else local_bytes(average.parameters()),
-        # DDP's buckets hold every gradient from its start (gradient_as_bucket_view): those not alive at the peak
-        peak=parts["Total"] + (use["gradients"] - parts.get("Gradient", 0) if rt.world_size > 1 and not rt.fsdp else 0),
-        activations=parts.get("Activation", 0) + parts.get("Temp", 0),
+        peak=peak,
+        activations=activations,
         gathered=gathered,
-        vocab=vocab.peak,
+        vocab=vocab_bytes,
         micro_flops=micro_flops.get_total_flops() / len(batches),
         update_flops=update_flops.get_total_flops(),
     )
@@ -541,7 +565,13 @@ def describe(p):
         f"plan: {p.config.arch}, {params:,} parameters, on {ranks} x {p.target.name} "
         f"({p.target.memory / 2**30:,.0f} GiB each): {way}, {str(p.dtype)[6:]}, {cfg.optimizer}, "
         f"batch_size {cfg.batch_size} x {p.per_rank} micro-batch(es) per rank\n"
-        "traced eager under FakeTensorMode: torch.compile's fusions would lower the activations, not raise them\n"
+        + (
+            "traced eager under FakeTensorMode; compiled there: the loss's logits and dropout counted as Inductor keeps"
+            " them, other fusions would lower the activations further\n"
+            if p.target.gpu and cfg.compile is not False
+            else "traced eager under FakeTensorMode: torch.compile's fusions would lower the activations, not raise "
+            "them\n"
+        )
     )
 
 
