@@ -647,7 +647,7 @@ def step_rows(cfg, results, plans):
         rows.append(("--plan: predicted peak MiB", [f"{p[0]:,.0f}" if p else "n/a" for p in plans]))
         rows.append(("--plan: predicted ms per step", [f"{p[1]:.1f}" if p else "n/a" for p in plans]))
     rows += [
-        row("launch to first step done, s", lambda r: f"{r['launch']:.1f} ({'cold' if r['cold'] else 'warm'})"),
+        row("launch to first step done, s", lambda r: f"{r['launch']:.1f} ({_cache(r)})"),
         row("graphs / breaks / recompiled in timing", lambda r: _graphs(r)),
         row("train loss after the last step", lambda r: f"{r['loss']:.4f}" if "loss" in r else "n/a"),
     ]
@@ -657,6 +657,11 @@ def step_rows(cfg, results, plans):
             cell = lambda p, kind=kind: f"{p['kinds'].get(kind, 0.0):.1f}"  # noqa: E731
             rows.append(row(f"profile: {kind} ms per step", lambda r, cell=cell: _profiled(r, cell)))
     return rows
+
+
+def _cache(r):
+    """How a case compiled: from an empty cache (cold), from one filled before (warm), or not at all."""
+    return "no compile" if r.get("graphs") == 0 else "cold" if r["cold"] else "warm"
 
 
 def _graphs(r):

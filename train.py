@@ -77,7 +77,6 @@ from parallel import (
     raise_if_any_failed,
     split_accumulation,
 )
-from plan import make_plan, print_plan
 from progress import Clock, Progress, Scalars, Step, log_memory
 from start import restore, start_run
 
@@ -994,6 +993,10 @@ def cli(argv):
                 raise ConfigError(
                     "--plan runs in one process: use python train.py ... --plan --plan_ranks=N, not torchrun"
                 )
+            # imported here only: the planner's tracing tools (torch.distributed._tools, ...) take seconds to
+            # import, which a run's launch would otherwise wait for
+            from plan import make_plan, print_plan
+
             print_plan(make_plan(cfg))
         else:
             main(cfg)

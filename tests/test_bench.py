@@ -4,6 +4,8 @@ import itertools
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -40,7 +42,7 @@ def test_bench_bpe_prints_its_rows(tmp_path):
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = dict(line.strip("|").split("|")[:2] for line in run.stdout.splitlines()[2:])
+    rows = dict(line.strip("|").split("|")[:2] for line in run.stdout.splitlines() if line.startswith("| "))
     rows = {name.strip(): value.strip() for name, value in rows.items() if name.strip().startswith("BPE")}
     assert len(rows) in (2, 3) and any(", 1 thread (0.1 MB of corpus.txt)" in name for name in rows)
     assert all(re.fullmatch(r"[\d,]+ \([\d,]+-[\d,]+\)", value) for value in rows.values())
@@ -137,3 +139,78 @@ def test_summary_counts_runs_that_never_got_there_apart():
     assert bench.summary([inf, 4.0, 2.0], "{:.1f}") == "3.0 (2.0-4.0); never in 1 of 3 run(s)"
     assert bench.summary([inf, inf], "{:.1f}") == "never in 2 of 2 run(s)"
     assert bench.summary([], "{:.1f}") == "n/a"
+
+
+def test_the_step_harness_times_each_case_in_a_process_of_its_own(tmp_path, data_root):
+    """
+    --parts=step on the CPU: two cases, the loss computed whole and in chunks of 4 positions, each in a child process
+    that sets up train.py's run and times its real steps. A value per case in every row; the same seed and data give
+    the same loss however the loss is cut; nothing compiled on a CPU by default.
+    """
+    tiny = (
+        f"configs/shakespeare.py --data_dir={data_root} --n_layer=1 --n_embd=32 --n_head=2 --block_size=32 --threads=1"
+    )
+    cases = f"{tiny};{tiny} --loss_chunk_mb=0.0005"  # 524 bytes: 2 positions of 65 float32 logits a chunk
+    command = [sys.executable, str(REPO / "bench.py"), "--parts=step", f"--cases={cases}", "--steps=3", "--warmup=1"]
+    run = subprocess.run([*command, "--profile=true"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    table = {}
+    for line in run.stdout.splitlines():
+        if line.startswith("| "):
+            name, *values = [cell.strip() for cell in line.strip("|").split("|")]
+            table[name] = values
+    assert len(table["measure"]) == 2 and table["measure"][1].endswith("--loss_chunk_mb=0.0005")
+    for name in ("ms per step", "tokens/s", "optimizer ms per step"):
+        assert all(re.fullmatch(r"[\d,.]+ \([\d,.]+-[\d,.]+\)", v) for v in table[name]), (name, table[name])
+    assert table["MFU %"] == ["n/a", "n/a"]  # no peak FLOP/s for a CPU
+    assert all(v.endswith("(no compile)") for v in table["launch to first step done, s"])
+    assert table["graphs / breaks / recompiled in timing"] == ["0 / 0 / 0"] * 2
+    losses = table["train loss after the last step"]
+    assert losses[0] == losses[1] and float(losses[0]) > 1.0
+    assert all(float(v) > 0 for v in table["profile: matmul ms per step"])
+
+
+FAKE_NANOGPT = """
+import sys, time
+# nanoGPT's lines as its train.py prints them: the tokens per iteration, a progress line per iteration, evaluations
+print("tokens per iteration will be: 1,024", flush=True)
+if "--race" in sys.argv:
+    print("step 0: train loss 4.1000, val loss 4.1100", flush=True)
+    print("step 250: train loss 1.4000, val loss 1.4600", flush=True)
+    time.sleep(600)  # the bench stops it at the target instead of waiting
+for i in range(8):
+    print(f"iter {i}: loss 3.0000, time {100.0 + i:.2f}ms, mfu 12.00%", flush=True)
+"""
+
+
+def test_nanogpt_s_own_lines_are_read_and_its_race_stopped_at_the_target(tmp_path):
+    folder = tmp_path / "nanogpt"
+    folder.mkdir()
+    (folder / "train.py").write_text(FAKE_NANOGPT)
+    cfg = bench.BenchConfig(nanogpt=str(folder), nanogpt_step="config.py", warmup=3, steps=20, target_loss=1.47)
+    result = bench.nanogpt_step(cfg, tmp_path)
+    # the iterations after the 3 of warm-up; tokens per step as nanoGPT counts them
+    assert result["ms"] == [103.0, 104.0, 105.0, 106.0, 107.0] and result["tokens"] == 1024 and result["launch"] > 0
+    rows = dict(bench.step_rows(cfg, [result], []))
+    assert rows["tokens/s"] == ["9,752 (9,570-9,942)"]  # 1,024 tokens in 105 ms (107-103)
+    race = replace(cfg, nanogpt_race="config.py --race")
+    with ThreadPoolExecutor(1) as pool:
+        seconds, iteration, loss = pool.submit(bench.nanogpt_race, race, tmp_path).result(timeout=120)
+    assert (iteration, loss) == (250, 1.46) and 0 < seconds < 120
+
+
+def test_kernels_are_sorted_by_kind_as_an_h100_s_profile_names_them():
+    """Names from a profile of configs/shakespeare_gpu.py on an H100 (torch 2.11), and a CPU's operators."""
+    kinds = {
+        "triton_per_fused__to_copy_add_native_dropout_backward_native_layer_norm_backward_view_4": "fused by Inductor",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1_cga1x1x1_kernel0_": (
+            "attention"
+        ),
+        "nvjet_sm90_tst_192x128_64x5_1x2_h_bz_coopB_NNT": "matmul",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16>": "other",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>": "optimizer",
+        "Memcpy HtoD (Pinned -> Device)": "copies and fills",
+        "aten::addmm": "matmul",
+        "cpp_fused_add_native_layer_norm_0": "fused by Inductor",
+    }
+    assert {name: bench.kernel_kind(name) for name in kinds} == kinds

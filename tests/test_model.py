@@ -151,6 +151,38 @@ def test_chunked_loss_and_gradients_equal_cross_entropy_of_the_full_logits(arch,
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_a_model_s_loss_chunk_budget_replaces_the_device_s(arch, monkeypatch):
+    """
+    loss_chunk_bytes, which train.py sets from a GPU's free memory: a budget that holds the micro-batch's 28
+    positions runs the head once, with nothing recomputed in the backward; one of 5 positions cuts as the device's
+    budget of that size does (checked against the full logits above). Both give the same loss and gradients.
+    """
+    monkeypatch.setattr("model.LOSS_CHUNK_BYTES", 4 * V * 5)  # the CPU's budget: 5 positions of float32 logits
+    torch.manual_seed(0)
+    model = build_model(tiny(arch=arch, pad_token_id=PAD))
+    x = tokens(2, 14)
+    inputs = (tokens(2, 9, seed=1), x) if arch == "encoder_decoder" else (x,)
+    targets = tokens(2, 14, seed=2)
+    chunk_rows = []
+    model.lm_head.register_forward_hook(lambda module, args, out: chunk_rows.append(args[0].shape[:-1].numel()))
+
+    def step(budget):
+        model.loss_chunk_bytes, chunk_rows[:] = budget, []
+        model.zero_grad()
+        loss = model(*inputs, targets, reduction="sum", return_logits=False)[1]
+        loss.backward()
+        return loss, [p.grad.clone() for p in model.parameters()], chunk_rows[:]
+
+    whole, cut, default = step(4 * V * 28), step(4 * V * 5), step(None)
+    assert whole[2] == [28]  # once, in the forward
+    assert cut[2] == default[2] == [5, 5, 5, 5, 5, 3] + [5] * 5  # six chunks, all but the last again in the backward
+    for other in (cut, default):
+        torch.testing.assert_close(other[0], whole[0], rtol=1e-6, atol=0)
+        for got, want in zip(other[1], whole[1]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("logit_softcap", [0.0, 3.0])
 def test_training_keeps_one_chunk_of_logits_at_most(arch, logit_softcap, monkeypatch):
     """

@@ -23,12 +23,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from functorch.compile import aot_module_simplified, make_boxed_compiler
 from tiny_run import TINY, tiny
 
 import checkpoint
 import data
 import devices
 import parallel
+import plan
 import progress
 import start
 import tasks
@@ -2027,6 +2029,98 @@ def test_a_failed_recompilation_falls_back_to_eager(tmp_path, data_root, monkeyp
     assert out.count("warning: torch.compile failed") == 1 and len(graphs) == 2
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-6)
     assert [e["val"] for e in compiled["evals"]] == pytest.approx([e["val"] for e in eager["evals"]], rel=1e-6)
+
+
+def test_a_failed_regional_recompilation_falls_back_to_the_whole_eager_model(tmp_path, data_root, monkeypatch, capsys):
+    """
+    compile_regions: the blocks' graph (one for both blocks) and the loss's compile; the evaluation's recompilation
+    of the blocks fails: one warning, every region back to eager, and the eager run's numbers.
+    """
+    eager = main(tiny(data_root, tmp_path / "eager", max_iters=3, eval_interval=3))
+    real_compile, graphs = torch.compile, []
+    monkeypatch.setattr(
+        torch, "compile", lambda module, **kwargs: real_compile(module, backend=counting_backend(graphs, 2), **kwargs)
+    )
+    settings = dict(max_iters=3, eval_interval=3, compile=True, compile_regions=True)
+    compiled = main(tiny(data_root, tmp_path / "compiled", **settings))
+    out = capsys.readouterr().out
+    assert out.count("warning: torch.compile failed") == 1 and len(graphs) == 3
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-6)
+    assert [e["val"] for e in compiled["evals"]] == pytest.approx([e["val"] for e in eager["evals"]], rel=1e-6)
+
+
+@pytest.mark.parametrize("config", ["shakespeare", "reverse"])  # gpt, encoder_decoder (two lengths, dynamic)
+def test_regional_compilation_equals_eager_with_one_graph_for_every_block(config):
+    """
+    compile_regions: each block and the loss compiled (through AOTAutograd, as Inductor compiles, run as traced:
+    Inductor's kernels are checked on the whole model above), the embeddings between them eager. Losses and
+    gradients equal eager ones; the GPT's two blocks share one graph (two in all, with the loss's); with
+    enabled=False every region is eager again and nothing more compiles.
+    """
+    cfg, model, batches = shrunk_model_and_batches(REPO / "configs" / f"{config}.py")
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):  # AOTAutograd's forward and backward graphs, run as traced
+        graphs.append(gm)
+        as_traced = make_boxed_compiler(lambda graph, inputs: graph)
+        return aot_module_simplified(gm, example_inputs, fw_compiler=as_traced, bw_compiler=as_traced)
+
+    dynamic = None if cfg.arch == "encoder_decoder" else False
+    parallel.compile_regions(model, backend=backend, dynamic=dynamic)
+    for batch in (*batches, batches[0]):
+        inputs, targets = batch
+        losses = []
+        for m in (model, eager):
+            m.zero_grad()
+            loss = m(*inputs, targets, reduction="sum", return_logits=False)[1]
+            loss.backward()
+            losses.append(loss)
+        assert_close_at_scale(losses[0], losses[1], 1e-5, "loss")
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            assert_close_at_scale(p.grad, q.grad, 1e-5, f"{name}'s gradient")
+    if cfg.arch == "gpt":
+        assert len(graphs) == 2
+    parallel.compile_regions(model, enabled=False)
+    assert all(b._compiled_call_impl is None for b in model.modules() if isinstance(b, Block))
+    assert "chunk_loss" not in vars(model)
+    before = len(graphs)
+    model(*batches[0][0], batches[0][1])
+    assert len(graphs) == before
+
+
+def test_the_loss_chunk_follows_loss_chunk_mb_and_a_gpu_s_free_memory(monkeypatch):
+    """None on a CPU (the model's budget); a quarter of the free memory on a GPU; loss_chunk_mb anywhere. The planner
+    applies the same rule to the GPU it plans for, whose memory counts as free up to plan.FULL."""
+    cfg = TrainConfig()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * 2**30, 80 * 2**30))
+    assert train.loss_chunk_bytes(cfg, torch.device("cpu")) is None
+    assert train.loss_chunk_bytes(cfg, torch.device("cuda")) == 15 * 2**30
+    given = TrainConfig(loss_chunk_mb=64)
+    assert train.loss_chunk_bytes(given, torch.device("cpu")) == train.loss_chunk_bytes(given, torch.device("cuda"))
+    assert train.loss_chunk_bytes(given, torch.device("cpu")) == 64 * 2**20
+    h100, cpu = plan.find_target("H100", 0.0, 1), plan.Target("cpu", 2**34, 1e11, 0.5, "given", gpu=False)
+    assert plan.planned_loss_chunk(cfg, h100) == int(0.9 * 80 * 2**30) // 4
+    assert plan.planned_loss_chunk(cfg, cpu) == 16 * 2**20
+    assert plan.planned_loss_chunk(given, h100) == 64 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "cuda_graphs=True needs a CUDA GPU, not device cpu"),
+        (["--compile=false"], "it needs compile (not --compile=false)"),
+        (["--arch=encoder_decoder"], "fixed-length batches (not arch='encoder_decoder')"),
+    ],
+)
+def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_replay(tmp_path, data_root, capsys, args, message):
+    argv = [f"--{k}={v}" for k, v in TINY.items() if k != "compile"]
+    argv += ["--dataset=shakespeare_char", f"--data_dir={data_root}", f"--out_dir={tmp_path}", "--cuda_graphs=true"]
+    assert cli(argv + args) == 2
+    error = capsys.readouterr().err.strip()
+    assert message in error and len(error.splitlines()) == 1, error
+    assert not any(tmp_path.iterdir())
 
 
 def test_out_of_memory_while_compiling_is_reported_as_such(tmp_path, data_root, monkeypatch, capsys):
