@@ -1818,11 +1818,12 @@ def test_bench_prints_every_measure_for_each_config(tmp_path, env):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
-    assert lines[0].startswith("device: CPU") and lines[1].split("|")[2:4] == [
+    table = [line for line in lines if line.startswith("| ")]  # the header, then the rows (the rule is "|---")
+    assert lines[0].startswith("device: CPU") and table[0].split("|")[2:4] == [
         " configs/shakespeare.py median (min-max) ",
         f" {other} median (min-max) ",
     ]
-    rows = {cells[1].strip(): [c.strip() for c in cells[2:-1]] for cells in (line.split("|") for line in lines[3:])}
+    rows = {cells[1].strip(): [c.strip() for c in cells[2:-1]] for cells in (line.split("|") for line in table[1:])}
     number = r"[\d,.]+ \([\d,.]+-[\d,.]+\)"  # median (min-max)
     for name in ("training tokens/s (per progress line)", "seconds to val loss <= 10.0", "best val loss within 600 s"):
         assert len(rows[name]) == 2 and all(re.fullmatch(number, value) for value in rows[name]), (name, rows[name])
