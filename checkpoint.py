@@ -143,6 +143,7 @@ def training_state(
     train_seconds,
     optimizers,
     scaler,
+    budget_from=None,
     sampler_state,
     device,
     world_size,
@@ -167,8 +168,10 @@ def training_state(
         # float16's current loss scale; an empty dict when no scaler is in use
         "scaler": scaler.state_dict(),
         "rng": rng,
-        # the training time so far, for a time budget (max_minutes) to go on from
+        # the training time so far, for a time budget (max_minutes) to go on from, and where a changed budget's
+        # schedule went on from (progress.Clock)
         "train_seconds": train_seconds,
+        "budget_from": budget_from,
         # the data stream's generator as it was before the pending step's batches were drawn
         "sampler": {"generator": sampler_state},
     }

@@ -135,6 +135,12 @@ def resume(cfg, meta, lazy):
     averaged = "average" in (ckpt["shard_keys"] if "sharded" in ckpt else ckpt)
     if averaged and not cfg.ema_decay and not cfg.eval_only:
         log("note: training goes on from the un-averaged weights; their average is dropped (ema_decay=0)")
+    # said first thing, so that a run that goes on from a checkpoint never reads as a new one
+    trained = f", {spent / 60:.1f} minutes trained" if spent else ""
+    log(
+        f"{'evaluating' if cfg.eval_only else 'resuming'} {path} at iteration {ckpt['iter_num']:,} (best val loss "
+        f"{ckpt['best_val_loss']:.4f}{trained})"
+    )
     # a resumed run keeps the checkpoint's meta, which already has an encoder's [MASK] id
     objective = make_objective(cfg.arch, meta, cfg.mask_prob)[0]
     if "lora" in ckpt:  # its base, checked against the fingerprint taken when the run began, and the adapters

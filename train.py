@@ -22,6 +22,7 @@ import math
 import os
 import signal
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -77,7 +78,7 @@ from parallel import (
     raise_if_any_failed,
     split_accumulation,
 )
-from progress import Clock, Progress, Scalars, Step, log_memory
+from progress import Clock, Progress, Scalars, Step, log_memory, resumed_clock
 from start import restore, start_run
 
 
@@ -384,7 +385,7 @@ def setup(cfg, rt, stack):
         stop=stack.enter_context(StopRequest()),
         host_group=host_group,
         # started last, so that the time budget counts the loop's time: a resume goes on from the time saved
-        clock=Clock(0.0 if begin.ckpt is None else begin.ckpt.get("train_seconds", 0.0)),
+        clock=resumed_clock(begin.ckpt, cfg.max_minutes),
         lora=begin.lora,
         start_iter=0 if begin.ckpt is None else begin.ckpt["iter_num"],
         best_val_loss=math.inf if begin.ckpt is None else begin.ckpt["best_val_loss"],
@@ -600,7 +601,7 @@ def train_step(run, iter_num):
     # a time budget, the schedule follows whichever of the steps and the time is further along.
     lr = cfg.learning_rate
     if cfg.decay_lr:
-        time_used = seconds / (60 * cfg.max_minutes) if cfg.max_minutes else 0.0
+        time_used = run.clock.budget_used(seconds, cfg.max_minutes)
         decay_iters = cfg.lr_decay_iters or cfg.max_iters
         lr = get_lr(iter_num, lr, cfg.min_lr, cfg.warmup_iters, decay_iters, cfg.lr_schedule, time_used)
     lrs = {"adamw": lr, "muon": cfg.muon_lr * lr / cfg.learning_rate}
@@ -939,6 +940,7 @@ def save_training_state(run, iter_num):
         iter_num=iter_num,
         best_val_loss=run.best_val_loss,
         train_seconds=run.clock.seconds(),
+        budget_from=run.clock.budget_from,
         optimizers=run.optimizers,
         scaler=run.scaler,
         sampler_state=run.batches.resume_state,
@@ -982,11 +984,14 @@ def cli(argv):
     """
     try:
         cfg = parse_config(TrainConfig, argv)
-        # the defaults train GPT-2 on OpenWebText, which takes hours to download: never by accident
-        if not any(arg.endswith(".py") for arg in argv) and not any(arg.startswith("--dataset") for arg in argv):
+        # Without a config or --dataset the defaults train GPT-2 124M on OpenWebText (configs/gpt2.py's model, as
+        # nanoGPT's defaults do): when its data is prepared, never by starting a download of hours
+        default_run = not any(arg.endswith(".py") for arg in argv) and not any(a.startswith("--dataset") for a in argv)
+        if default_run and not cfg.plan and not tokens.is_prepared(tokens.dataset_dir(cfg.dataset, cfg.data_dir)):
             raise ConfigError(
-                "no config file or --dataset: name one, e.g. python train.py configs/shakespeare.py (two minutes "
-                "on a laptop) or configs/gpt2.py (GPT-2 124M on OpenWebText); --help lists every setting"
+                f"no config given, and the default run's data ({cfg.dataset}, GPT-2 124M's) is not prepared in "
+                f"{tokens.data_root(cfg.data_dir)}: prepare it with python prepare_data.py {cfg.dataset} (a download "
+                "of hours), or name a config, e.g. python train.py configs/shakespeare.py (two minutes on a laptop)"
             )
         if cfg.plan:
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -1001,27 +1006,42 @@ def cli(argv):
         else:
             main(cfg)
     except ConfigError as e:
-        # the same settings fail alike on every rank (and setup's checks share a rank's error): torchrun's ranks
-        # print it once
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"train.py: error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e), 2)
     except (FloatingPointError, OSError) as e:
-        print(f"train.py: error: {one_line(e)}", file=sys.stderr)
-        return 1
-    except torch.OutOfMemoryError:
-        print(
-            f"train.py: error: out of GPU memory with batch_size={cfg.batch_size}, block_size={cfg.block_size}: "
-            "lower batch_size (raising gradient_accumulation_steps keeps the step's size), block_size or the "
-            "model's size",
-            file=sys.stderr,
+        return fail(one_line(e), 1)
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+        # a CPU's allocation failure is a RuntimeError of its allocator's (or numpy's MemoryError): other
+        # RuntimeErrors are bugs, with their traceback
+        where = "GPU" if isinstance(e, torch.OutOfMemoryError) else "CPU"
+        if where == "CPU" and not isinstance(e, MemoryError) and "can't allocate memory" not in str(e):
+            raise
+        return fail(
+            f"out of {where} memory with batch_size={cfg.batch_size}, block_size={cfg.block_size}: lower batch_size "
+            "(raising gradient_accumulation_steps keeps the step's size), block_size or the model's size; "
+            "--plan predicts a run's peak and the largest micro-batch that fits, before it starts",
+            1,
         )
-        return 1
     except KeyboardInterrupt:  # before training started; during training a signal stops the run cleanly
         print("train.py: interrupted", file=sys.stderr)
         return 130
     return 0
 
+
+def fail(message, status):
+    """
+    Print `train.py: error: message` once and return status. Under torchrun, the first rank to exit makes torchrun
+    end the others: rank 0 prints at once, the other ranks only after ERROR_GRACE seconds, so that an error all
+    ranks meet (a setting, or one that setup shares among them) is printed by rank 0 alone, while rank 0 is still
+    there to print it, and an error of one rank alone still shows.
+    """
+    if int(os.environ.get("RANK", "0")):
+        time.sleep(ERROR_GRACE)
+    print(f"train.py: error: {message}", file=sys.stderr, flush=True)
+    return status
+
+
+# seconds a rank other than 0 waits before printing its error (fail)
+ERROR_GRACE = 5.0
 
 if __name__ == "__main__":
     sys.exit(cli(sys.argv[1:]))
