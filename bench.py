@@ -183,7 +183,7 @@ def timed_run(cfg, config, out_dir):
             if m := re.search(r"\| mfu ([\d.]+)%", line):
                 mfus.append(float(m[1]))
     if proc.returncode:
-        raise SystemExit(f"error: {' '.join(command)} failed with exit status {proc.returncode}")
+        raise SystemExit(f"bench.py: error: {' '.join(command)} failed with exit status {proc.returncode}")
     return evals, speeds, mfus, time.perf_counter() - begin
 
 
@@ -234,7 +234,9 @@ def memory_run(cfg, config, fsdp, out_dir):
     command += [f"--max_iters={steps}", f"--eval_interval={steps}", "--eval_iters=1", f"--log_interval={steps}"]
     run = subprocess.run(command + cfg.train_args.split(), cwd=ROOT, capture_output=True, text=True)
     if run.returncode:
-        raise SystemExit(f"error: {' '.join(command)} failed with exit status {run.returncode}:\n{run.stderr[-2000:]}")
+        raise SystemExit(
+            f"bench.py: error: {' '.join(command)} failed with exit status {run.returncode}:\n{run.stderr[-2000:]}"
+        )
     return memory_lines(run.stdout)
 
 
@@ -347,9 +349,9 @@ def bench_bpe(cfg, work):
         path = Path(cfg.bpe_input).expanduser() if cfg.bpe_input else shakespeare_file(None, data_root())
         text = path.read_text(encoding="utf-8")
     except (OSError, ValueError) as e:  # a missing file, a failed download, a file that is not UTF-8
-        raise SystemExit(f"error: {e}") from None
+        raise SystemExit(f"bench.py: error: {e}") from None
     if not text:
-        raise SystemExit(f"error: {path} is empty; pass a non-empty --bpe_input")
+        raise SystemExit(f"bench.py: error: {path} is empty; pass a non-empty --bpe_input")
     text *= max(1, round(cfg.bpe_size_mb * 1e6 / len(text)))  # repeated to a multi-megabyte corpus
     what = f"{len(text) / 1e6:.1f} MB of {path.name}"
     rows = []
@@ -803,7 +805,7 @@ def cli(argv):
     try:
         cfg = parse_config(BenchConfig, argv)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"bench.py: error: {e}", file=sys.stderr)
         return 2
     main(cfg)
     return 0

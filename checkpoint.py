@@ -25,6 +25,7 @@ any number of ranks with load_sharded.
 """
 
 import contextlib
+import difflib
 import json
 import math
 import os
@@ -452,6 +453,12 @@ def missing_checkpoint_hint(folder):
     there = sorted(p.name for p in folder.glob("*.pt")) if folder.is_dir() else []
     if there:
         return f"{folder} holds {', '.join(there)}: pick one with --checkpoint={there[0]}"
+    # a mistyped out_dir (out-shakespear): the run folder beside it that it most resembles
+    beside = folder.parent.iterdir() if folder.parent.is_dir() else []
+    runs = [p.name for p in beside if (p / "ckpt.pt").exists() or (p / "best.pt").exists()]
+    close = difflib.get_close_matches(folder.name, runs, n=1)
+    if close:
+        return f"did you mean --out_dir={folder.parent / close[0]}?"
     return "train one first (python train.py configs/shakespeare.py), or point --out_dir at the run's folder"
 
 

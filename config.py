@@ -123,6 +123,9 @@ def parse_text(text, hint, key):
         return text
     if bool in kinds and text.lower() in BOOL_WORDS:
         return BOOL_WORDS[text.lower()]
+    if kinds in ((bool,), (bool, type(None))):  # --overwrite=yes: say which words a switch takes
+        words = "true or false (or 1, 0" + (", None)" if type(None) in kinds else ")")
+        raise ConfigError(f"--{key} takes {words}, got {text!r}")
     try:
         # numbers, lists, dicts: the literals a config file may hold
         value = ast.literal_eval(text)
@@ -134,11 +137,26 @@ def parse_text(text, hint, key):
 def check_key(key, names, where):
     """key, if it names a field; else ConfigError from `where` with the closest name."""
     if key not in names:
+        if key == "config" and where == "command line":
+            raise ConfigError(
+                "a config file is named on its own, not with --config: e.g. train.py configs/shakespeare.py "
+                "--max_iters=100 (the file first, then the options that override it)"
+            )
         # a typo such as --learning_rte is answered with the key it most resembles
         close = difflib.get_close_matches(key, names, n=1)
         hint = f"did you mean '{close[0]}'?" if close else "--help lists every key"
         raise ConfigError(f"{where}: unknown key '{key}'; {hint}")
     return key
+
+
+def closest_path(arg):
+    """For a config file that does not exist: the config files it most resembles, or how options are written."""
+    here = Path(__file__).resolve().parent
+    # the configs shipped beside this file and the .py files of the folder arg names, as arg would spell them
+    folder = Path(arg).parent
+    candidates = {str(folder / p.name) for p in [*folder.glob("*.py"), *(here / folder).glob("*.py")]}
+    close = difflib.get_close_matches(arg, sorted(candidates), n=1, cutoff=0.75)
+    return f"did you mean {close[0]}?" if close else "options are written --key=value"
 
 
 def read_config_file(arg, names):
@@ -148,7 +166,7 @@ def read_config_file(arg, names):
     if not path.is_file() and not path.is_absolute() and (Path(__file__).resolve().parent / path).is_file():
         path = Path(__file__).resolve().parent / path  # so configs/x.py works from any working directory
     if not path.is_file():
-        raise ConfigError(f"config file {arg} not found (options are written --key=value)")
+        raise ConfigError(f"config file {arg} not found; {closest_path(arg)}")
     try:
         # parsed, never executed: a config file runs no code, and a syntax error names its line
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))

@@ -7,6 +7,7 @@ first if missing, by one rank while the others wait), its splits, and the stream
 step ahead on a background thread. train.py draws its batches here, eval.py its masked windows and pairs.
 """
 
+import difflib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -213,7 +214,13 @@ def prepared_dataset(name, data_dir, options):
             if options:
                 raise ValueError(f"data_options need one of the datasets {', '.join(prepare_data.DATASETS)}")
             if not folder.is_dir():
-                raise ValueError(f"not one of {', '.join(prepare_data.DATASETS)}, nor a folder in {folder.parent}")
+                # a typo (shakespear_char) is answered with the dataset or prepared folder it most resembles
+                there = [p.name for p in folder.parent.iterdir() if p.is_dir()] if folder.parent.is_dir() else []
+                close = difflib.get_close_matches(name, [*prepare_data.DATASETS, *there], n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                raise ValueError(
+                    f"not one of {', '.join(prepare_data.DATASETS)}, nor a folder in {folder.parent}{hint}"
+                )
             check_prepared(folder)
         # prepare() keeps outputs that are up to date for these options: with none, an intact folder is enough
         elif options or not is_prepared(folder):

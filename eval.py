@@ -655,10 +655,10 @@ def cli(argv):
         cfg = parse_config(EvalConfig, argv)
         main(cfg)
     except (ValueError, OSError, ImportError) as err:
-        print(f"error: {' '.join(str(err).splitlines())}", file=sys.stderr)
+        print(f"eval.py: error: {' '.join(str(err).splitlines())}", file=sys.stderr)
         return 2
     except torch.OutOfMemoryError:
-        print(f"error: out of memory with batch_size={cfg.batch_size}: lower --batch_size", file=sys.stderr)
+        print(f"eval.py: error: out of memory with batch_size={cfg.batch_size}: lower --batch_size", file=sys.stderr)
         return 1
     return 0
 

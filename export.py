@@ -298,7 +298,7 @@ def cli(argv):
     try:
         main(parse_config(ExportConfig, argv))
     except (ValueError, OSError) as err:
-        print(f"error: {' '.join(str(err).splitlines())}", file=sys.stderr)
+        print(f"export.py: error: {' '.join(str(err).splitlines())}", file=sys.stderr)
         return 2
     return 0
 

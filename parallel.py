@@ -6,6 +6,7 @@ then FSDP2 or DDP, then torch.compile, in that order, and returns the model unde
 
 import contextlib
 import copy
+import inspect
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -174,10 +175,13 @@ def parallelize(model, cfg, rt, example):
     else:
         model.to(rt.device)
         if rt.world_size > 1:
-            # no buffer needs broadcasting (the position tables are computed alike everywhere), and gradients that
-            # are views into DDP's buckets save a copy of them
+            # no buffer needs syncing before each forward (the position tables are computed alike everywhere), and
+            # gradients that are views into DDP's buckets save a copy of them. PyTorch 2.13 renamed the first
+            # option (forward_sync_buffers) and warns on every rank about the old name, which older versions need
             device_ids = [rt.device.index] if rt.device.type == "cuda" else None
-            ddp = DDP(model, device_ids=device_ids, broadcast_buffers=False, gradient_as_bucket_view=True)
+            renamed = "forward_sync_buffers" in inspect.signature(DDP).parameters
+            no_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
+            ddp = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, **no_sync)
     average = average_model(model, rt, cfg.seed) if cfg.ema_decay else None
     step, evaluated = ddp or model, model if average is None else average
     eval_model = evaluated

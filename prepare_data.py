@@ -1587,10 +1587,10 @@ def cli(argv):
         folder = prepare(args.dataset, data_dir=args.data_dir, force=args.force, **options)
         print(summary_line(folder))
     except (ValueError, OSError) as err:  # OSError: a missing or unwritable file, a failed download
-        print(f"error: {err}", file=sys.stderr)
+        print(f"prepare_data.py: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("error: interrupted; partial outputs were removed", file=sys.stderr)
+        print("prepare_data.py: error: interrupted; partial outputs were removed", file=sys.stderr)
         # 128 + SIGINT, as a shell reports Ctrl-C
         return 130
     return 0

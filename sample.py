@@ -511,7 +511,7 @@ def cli(argv):
         # config files and --key=value options into a SampleConfig, whose __post_init__ checks them
         main(parse_config(SampleConfig, argv))
     except (ValueError, OSError, ImportError) as err:
-        print(f"error: {' '.join(str(err).splitlines())}", file=sys.stderr)
+        print(f"sample.py: error: {' '.join(str(err).splitlines())}", file=sys.stderr)
         return 2
     return 0
 

@@ -339,7 +339,7 @@ def setup(cfg, rt, stack):
     Everything before the first step, in stages: the processes, the data, where the model starts (start.py), the
     model spread over the ranks (parallel.py) with its optimizers and a resume's state, the outputs. Returns a Run.
     """
-    per_rank, host_group, is_writer = join_processes(cfg, rt, stack)
+    per_rank, host_group, is_writer, threads_note = join_processes(cfg, rt, stack)
 
     folder = find_dataset(cfg, rt)
     data_meta = tokens.load_meta(folder)
@@ -365,6 +365,8 @@ def setup(cfg, rt, stack):
     batches = TrainBatches(splits["train"], begin.objective, cfg, generator, rt, per_rank)
     stack.callback(batches.close)
     describe_run(cfg, rt, folder.name, models.raw, per_rank, summary)
+    if threads_note:
+        log(threads_note)
     if begin.objective.chat:
         padding = padding_fraction(splits["train"], cfg.batch_size)
         log(f"chat batches: whole conversations of about one length, {padding:.1%} of their positions padding")
@@ -396,16 +398,17 @@ def setup(cfg, rt, stack):
 def join_processes(cfg, rt, stack):
     """
     The first stage: join the torchrun job, seed, set up the device and check out_dir, before any data or model.
-    Returns (micro-batches per rank, the host-side gloo group or None, whether this rank writes files).
+    Returns (micro-batches per rank, the host-side gloo group or None, whether this rank writes files, a note on the
+    CPU threads taken or None).
     """
     # checked before any process group or data: a bad setting fails at once
     per_rank = split_accumulation(cfg.gradient_accumulation_steps, rt.world_size)
+    # the cores other jobs leave free, shared among this machine's ranks (torchrun sets LOCAL_WORLD_SIZE); the note
+    # on how many is said with the run's description, after every check that could refuse the run
+    note = None
     if rt.device.type == "cpu":
-        # the cores other jobs leave free, shared among this machine's ranks (torchrun sets LOCAL_WORLD_SIZE)
         threads, note = pick_threads(cfg.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         torch.set_num_threads(threads)
-        if note:
-            log(note)
     if rt.device.type == "cuda":
         # this rank's GPU is the current one before anything uses CUDA (NCCL, allocations), or a context on GPU 0
         # would take its memory on every rank
@@ -417,7 +420,7 @@ def join_processes(cfg, rt, stack):
     # an unwritable out_dir is found now, not at the first save hours later; rank 0 alone writes, eval_only never
     is_writer = rt.rank == 0 and not cfg.eval_only
     raise_if_any_failed(out_dir_problem(cfg) if is_writer else None, rt.world_size)
-    return per_rank, host_group, is_writer
+    return per_rank, host_group, is_writer, note
 
 
 def out_dir_problem(cfg):

@@ -170,7 +170,7 @@ def test_chat_mistakes_are_one_line(chat_run, tmp_path, capsys):
     ]:
         assert sample.cli([f"--out_dir={root / 'out'}", *argv]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("error:") and message in err and err.count("\n") == 1
+        assert err.startswith("sample.py: error:") and message in err and err.count("\n") == 1
     # a model trained on plain text has no template to chat with
     plain = tmp_path / "plain"
     ckpt = load_checkpoint(root / "out" / "ckpt.pt")

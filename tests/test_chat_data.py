@@ -205,7 +205,7 @@ def test_chat_options_on_the_command_line(tmp_path, capsys):
     message = (
         f"{inputs / 'notes.txt'}: chat input files must be .jsonl, .json, .parquet, .arrow; leave it out of --input"
     )
-    assert capsys.readouterr().err == f"error: {message}\n"
+    assert capsys.readouterr().err == f"prepare_data.py: error: {message}\n"
 
 
 def test_chat_from_parquet_through_datasets(tmp_path, caplog):

@@ -447,7 +447,9 @@ def test_cli_error_is_one_line_and_exit_2(tmp_path):
     )
     assert result.returncode == 2
     assert (
-        result.stderr.startswith("error: input") and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+        result.stderr.startswith("prepare_data.py: error: input")
+        and result.stderr.count("\n") == 1
+        and "Traceback" not in result.stderr
     )
 
 
@@ -558,7 +560,7 @@ def test_hub_failure_is_one_clear_error(tmp_path, monkeypatch, capsys, name, opt
         assert "translation_en_de.tsv" in str(failed.value)  # the mirror file it would have used
     code = prepare_data.cli([name, "--data_dir", str(tmp_path)] + [f"--{k}={v}" for k, v in options.items()])
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("error: could not load") and err.count("\n") == 1
+    assert code == 2 and err.startswith("prepare_data.py: error: could not load") and err.count("\n") == 1
     assert leftovers(tmp_path) == []
 
 
@@ -1075,7 +1077,7 @@ def test_trained_bpe_mistakes_are_one_line(tmp_path, capsys, options, message):
     data = tmp_path / "data"
     assert prepare_data.cli(["text", f"--input={corpus}", f"--data_dir={data}", *options]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert err.count("\n") == 1 and err.startswith("prepare_data.py: error: ") and message in err, err
     assert not data.exists() or list(data.iterdir()) == []
 
 

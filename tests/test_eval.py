@@ -461,7 +461,7 @@ def test_seq2seq_exact_match_and_token_accuracy_equal_a_loop_over_pairs(
 
 def bad(capsys, *args):
     code, out, err = run(capsys, *args)
-    assert code == 2 and not out and err.count("\n") == 1 and err.startswith("error: "), (code, out, err)
+    assert code == 2 and not out and err.count("\n") == 1 and err.startswith("eval.py: error: "), (code, out, err)
     return err
 
 

@@ -267,7 +267,7 @@ def test_cli_mistakes_are_one_line_and_status_2(tmp_path, capsys, args, message)
         message = message.replace(f"={name}", f"={place}")
     assert export.cli(["--checkpoint=best.pt", *args]) == 2
     error = capsys.readouterr().err.strip()
-    assert len(error.splitlines()) == 1 and error.startswith("error: ") and message in error
+    assert len(error.splitlines()) == 1 and error.startswith("export.py: error: ") and message in error
     assert sorted(p.name for p in tmp_path.iterdir()) == ["encoder"]
 
 

@@ -572,7 +572,7 @@ def test_attention_without_matplotlib_says_how_to_get_it(gpt_dir, tmp_path, caps
     code, _, err = cli(
         capsys, "--out_dir", gpt_dir, "--start", "A", "--max_new_tokens=1", "--attention", tmp_path / "a.png"
     )
-    assert code == 2 and err == "error: --attention needs matplotlib: pip install matplotlib\n"
+    assert code == 2 and err == "sample.py: error: --attention needs matplotlib: pip install matplotlib\n"
 
 
 # -----------------------------------------------------------------------------
@@ -610,7 +610,7 @@ def broken_dirs(tmp_path_factory):
 def test_bad_option_or_prompt_is_one_line_and_exit_code_2(gpt_dir, capsys, args, message):
     code, out, err = cli(capsys, "--out_dir", gpt_dir, *args)
     assert code == 2 and out == ""
-    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert err.startswith("sample.py: error: ") and err.count("\n") == 1 and message in err, err
 
 
 @pytest.mark.parametrize(
@@ -625,7 +625,7 @@ def test_bad_option_or_prompt_is_one_line_and_exit_code_2(gpt_dir, capsys, args,
 def test_unusable_checkpoint_is_one_line_and_exit_code_2(broken_dirs, capsys, folder, name, message):
     code, out, err = cli(capsys, "--out_dir", broken_dirs / folder, "--checkpoint", name, "--start", "a")
     assert code == 2 and out == ""
-    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert err.startswith("sample.py: error: ") and err.count("\n") == 1 and message in err, err
 
 
 @pytest.mark.parametrize(
@@ -689,7 +689,7 @@ def test_bpe_checkpoint_without_tiktoken_files_is_one_line(tmp_path):
             timeout=120,
         )
     assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr
-    assert result.stderr.startswith("error: could not load tiktoken") and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("sample.py: error: could not load tiktoken") and result.stderr.count("\n") == 1
     assert "TIKTOKEN_CACHE_DIR" in result.stderr
 
 
@@ -717,7 +717,7 @@ def test_command_line_exit_code_and_no_traceback():
         [sys.executable, "sample.py", "--top_p=2"], capture_output=True, text=True, cwd=Path(sample.__file__).parent
     )
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr == "error: top_p must be in (0, 1], got 2.0\n"
+    assert result.stderr == "sample.py: error: top_p must be in (0, 1], got 2.0\n"
 
 
 def test_help_lists_every_option(capsys):

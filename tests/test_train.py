@@ -417,6 +417,45 @@ def test_a_changed_time_budget_decays_from_where_the_schedule_was():
     assert progress.Clock(0.0).budget_used(60.0, 0.0) == 0.0  # no budget
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["configs/shakespere.py"],
+            "config file configs/shakespere.py not found; did you mean configs/shakespeare.py?",
+        ),
+        (["--config", "configs/shakespeare.py"], "a config file is named on its own, not with --config"),
+        (["configs/shakespeare.py", "--overwrite=yes"], "--overwrite takes true or false (or 1, 0), got 'yes'"),
+        (["configs/shakespeare.py", "--compile=maybe"], "--compile takes true or false (or 1, 0, None), got 'maybe'"),
+        (["configs/shakespeare.py", "--dataset=shakespear_char"], "; did you mean shakespeare_char?"),
+        (["configs/shakespeare.py", "--init_from=resume", "--out_dir=run-a"], "did you mean --out_dir=run-b?"),
+    ],
+)
+def test_a_mistyped_path_name_or_switch_is_answered_with_what_was_meant(
+    tmp_path, data_root, monkeypatch, capsys, args, message
+):
+    """One line each, nothing written, the thread note (a busy machine here) never printed before a refusal."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run-b").mkdir()
+    (tmp_path / "run-b" / "ckpt.pt").write_bytes(b"")  # a run folder beside the mistyped one
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(devices, "busy_cores", lambda: 1.0)
+    assert cli([*args, f"--data_dir={data_root}", "--threads=0"]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("train.py: error: ") and message in err and err.count("\n") == 1, err
+    assert "thread" not in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run-b"]
+
+
+def test_the_thread_note_comes_with_the_run_s_description(tmp_path, data_root, monkeypatch, capsys):
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(devices, "busy_cores", lambda: 1.0)
+    main(tiny(data_root, tmp_path, threads=0, max_iters=1))
+    lines = capsys.readouterr().out.splitlines()
+    note = next(i for i, line in enumerate(lines) if "thread(s) per process: other jobs keep about 1" in line)
+    assert lines[0].startswith("gpt on shakespeare_char") and 0 < note < 4
+
+
 def test_threads_leave_busy_cores_to_other_jobs(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
@@ -1264,6 +1303,7 @@ def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, data_root,
     run = torchrun(args, env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "2 rank(s)" in run.stdout and "4 x 2 micro-batches x 2 rank(s)" in run.stdout
+    assert "FutureWarning" not in run.stderr, run.stderr[-3000:]  # DDP built with the current options
     ddp_losses = tensorboard_scalars(tmp_path / "ddp", "train/loss")
     assert sorted(ddp_losses) == [1, 2, 3, 4]
     single_losses = [single["losses"][i] for i in range(1, 5)]
@@ -1941,7 +1981,7 @@ def test_bench_refuses_a_config_that_does_not_exist(tmp_path):
         cwd=tmp_path,
     )
     assert run.returncode == 2 and run.stderr.strip() == (
-        "error: config configs/nope.py not found; pass --config=PATH[,PATH...] of train.py configs"
+        "bench.py: error: config configs/nope.py not found; pass --config=PATH[,PATH...] of train.py configs"
     )
 
 
