@@ -366,17 +366,35 @@ def load_gpt2(path, hf, overrides):
 
 
 def gpt2_weights(c, state):
-    """Our state dict (of ModelConfig c) as GPT2LMHeadModel's tensors (a tied head left out, as save_pretrained)."""
+    """
+    Our state dict (of ModelConfig c) as GPT2LMHeadModel's tensors (a tied head left out, as save_pretrained).
+    Grouped key/value heads (n_kv_head < n_head) become GPT-2's one key/value head per query head: each is repeated
+    for its group of query heads, which computes the same attention.
+    """
     hf = {}
     for theirs, ours in gpt2_names(c.n_layer, bias=True, tied=c.tie_embeddings).items():
         if ours in state:
             tensor = state[ours]
         else:  # GPT-2 always has biases: a bias=False model's are zero, which adds nothing
             tensor = torch.zeros(state[ours.removesuffix("bias") + "weight"].size(0))
+        if ours.endswith(("attn.qkv.weight", "attn.qkv.bias")) and c.n_kv_head != c.n_head:
+            tensor = every_head_its_own_kv(tensor, c)
         if conv1d_weight(theirs):
             tensor = tensor.t()
         hf[theirs if theirs == "lm_head.weight" else f"transformer.{theirs}"] = tensor
     return {name: owned(t) for name, t in hf.items()}
+
+
+def every_head_its_own_kv(qkv, c):
+    """
+    qkv's rows [W_q; W_k; W_v] (a weight, or a bias) with n_kv_head key and value heads of head_dim rows each, as
+    [W_q; W_k'; W_v'] with n_head of each: key/value head j repeated for query heads j * g to (j + 1) * g - 1, g =
+    n_head / n_kv_head, as attention reads the shared heads (Attention.attend).
+    """
+    D, group = c.head_dim, c.n_head // c.n_kv_head
+    q, k, v = qkv.split([c.n_head * D, c.n_kv_head * D, c.n_kv_head * D])
+    k, v = (t.unflatten(0, (c.n_kv_head, D)).repeat_interleave(group, dim=0).flatten(0, 1) for t in (k, v))
+    return torch.cat([q, k, v])
 
 
 def load_nanogpt(checkpoint, path):
@@ -667,10 +685,10 @@ PRETRAINED_LOADERS = {"gpt2": load_gpt2, **dict.fromkeys(LLAMA_FAMILIES, load_ll
 # the layouts in ModelConfig terms, for the message that refuses a model fitting none
 LAYOUTS = (
     "Exported are GPT-2's layout (pos_encoding='learned', norm='layernorm', activation 'gelu', 'gelu_tanh', 'relu' or "
-    "'relu2', n_kv_head=n_head, head_dim=n_embd/n_head, tied or not) and three rotary ones (pos_encoding='rope', "
-    "norm='rmsnorm', activation='swiglu', any n_kv_head, head_dim and Llama 3 rope_scaling, tied or not): Llama's "
-    "(bias or none), Qwen2's (qkv_bias) and Qwen3's (qk_norm, no bias); all pre-norm without logit_softcap or "
-    "window_size"
+    "'relu2', any n_kv_head (each head given its own), head_dim=n_embd/n_head, tied or not) and three rotary ones "
+    "(pos_encoding='rope', norm='rmsnorm', activation='swiglu', any n_kv_head, head_dim and Llama 3 rope_scaling, "
+    "tied or not): Llama's (bias or none), Qwen2's (qkv_bias) and Qwen3's (qk_norm, no bias); all pre-norm without "
+    "logit_softcap or window_size"
 )
 
 
@@ -706,11 +724,6 @@ def hf_layout(config):
                 "activation",
                 c.activation not in GPT2_ACTIVATION_NAMES,
                 "the GPT-2 layout that learned positions pick has no gated MLP",
-            ),
-            (
-                "n_kv_head",
-                c.n_kv_head != c.n_head,
-                f"GPT-2 has no grouped-query attention: n_kv_head must be n_head={c.n_head}",
             ),
             ("head_dim", c.head_dim * c.n_head != c.n_embd, "GPT-2's heads split n_embd among them"),
             ("qk_norm", c.qk_norm, "GPT-2 does not normalise queries and keys (Qwen3, a rotary layout, does)"),

@@ -5,6 +5,7 @@ greedy tokens; its AutoTokenizer must give tiktoken's ids. Then the refusals, th
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import hf
 import sample
 import train
 from checkpoint import load_checkpoint, save_checkpoint, weights_state
+from config import parse_config
 from eval import EvalConfig
 from model import GPT, ModelConfig, build_model
 from sample import SampleConfig
@@ -49,6 +51,9 @@ CASES = {  # name: ModelConfig changes
     "gpt2-nobias-gelu_tanh": {"bias": False, "activation": "gelu_tanh", "norm_eps": 1e-3, "d_ff": 48, "dropout": 0.1},
     "gpt2-relu-untied": {"activation": "relu", "tie_embeddings": False},
     "gpt2-relu2": {"activation": "relu2"},
+    # grouped key/value heads, each repeated for its query heads: the quick start's 2 of 4, and one for all
+    "gpt2-gqa": {"n_kv_head": 2, "bias": False, "activation": "relu"},
+    "gpt2-mqa-bias": {"n_kv_head": 1},
     "llama-gqa-untied": {
         **LLAMA,
         "n_kv_head": 2,
@@ -71,6 +76,23 @@ def test_transformers_gives_our_logits_and_greedy_tokens(tmp_path, case):
     assert type(hf).__name__ == ("GPT2LMHeadModel" if case.startswith("gpt2") else "LlamaForCausalLM")
     assert max_logit_difference(model, hf, random_ids(2, 32)) < 1e-4
     assert_same_greedy_tokens(model, hf, random_ids(2, 5, seed=2), new_tokens=8)
+
+
+def test_the_quick_start_s_model_exports_to_gpt2_s_layout(tmp_path):
+    """
+    configs/shakespeare.py's model as it trains (two key/value heads for four query heads): each key/value head
+    repeated for its two query heads, GPT2LMHeadModel computes its logits within 1e-5 and the same greedy tokens.
+    """
+    quick_start = Path(__file__).resolve().parent.parent / "configs" / "shakespeare.py"
+    config = parse_config(TrainConfig, [str(quick_start)]).model_config(VOCAB)
+    assert config.n_kv_head < config.n_head and hf.hf_layout(config) == "gpt2"
+    torch.manual_seed(0)
+    model = with_large_weights(GPT(config))
+    export.export(model, CHAR_META, tmp_path / "hf")
+    theirs = load_transformers(tmp_path / "hf")
+    assert type(theirs).__name__ == "GPT2LMHeadModel" and theirs.config.n_head == config.n_head
+    assert max_logit_difference(model, theirs, random_ids(2, config.block_size)) < 1e-5
+    assert_same_greedy_tokens(model, theirs, random_ids(2, 5, seed=2), new_tokens=8)
 
 
 def test_exact_gelu_is_not_gpt2s_tanh_gelu(tmp_path):
@@ -161,7 +183,6 @@ REFUSALS = [  # ModelConfig changes, the option the message must name
     ({"norm": "rmsnorm"}, "norm='rmsnorm'"),  # with learned positions
     ({**LLAMA, "activation": "gelu"}, "activation='gelu'"),  # with rope
     ({**LLAMA, "norm": "layernorm"}, "norm='layernorm'"),  # with rope
-    ({"n_kv_head": 2}, "n_kv_head=2"),  # GPT-2 has no grouped-query attention
 ]
 
 
@@ -176,10 +197,11 @@ def test_refusal_names_the_option_and_writes_nothing(tmp_path, changes, option):
 
 
 def test_every_option_in_the_way_is_named_at_once():
-    """RMSNorm and two key/value heads with learned positions: retraining must change both."""
+    """RMSNorm and a soft-cap with learned positions: retraining must change both."""
     with pytest.raises(ValueError) as err:
-        hf.hf_layout(tiny(norm="rmsnorm", n_kv_head=2))
-    assert str(err.value).startswith("cannot export norm='rmsnorm': ") and "; n_kv_head=2: " in str(err.value)
+        hf.hf_layout(tiny(norm="rmsnorm", logit_softcap=15.0))
+    message = str(err.value)
+    assert message.startswith("cannot export logit_softcap=15.0: ") and "; norm='rmsnorm': " in message
 
 
 # -----------------------------------------------------------------------------
