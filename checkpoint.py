@@ -144,6 +144,7 @@ def training_state(
     train_seconds,
     optimizers,
     scaler,
+    best_accuracy=None,
     budget_from=None,
     sampler_state,
     device,
@@ -169,6 +170,8 @@ def training_state(
         # float16's current loss scale; an empty dict when no scaler is in use
         "scaler": scaler.state_dict(),
         "rng": rng,
+        # best.pt's exact match, which a new best.pt must beat where the data has exact answers (else None)
+        "best_accuracy": best_accuracy,
         # the training time so far, for a time budget (max_minutes) to go on from, and where a changed budget's
         # schedule went on from (progress.Clock)
         "train_seconds": train_seconds,

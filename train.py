@@ -276,7 +276,8 @@ class Run:
     clock: Clock  # the run's training time, which max_minutes budgets
     lora: dict | None = None  # with lora_rank: the checkpoints' record of the adapters and their base (start.py)
     start_iter: int = 0
-    best_val_loss: float = math.inf
+    best_val_loss: float = math.inf  # the val loss of best.pt's evaluation
+    best_accuracy: float | None = None  # its exact match, where the data has exact answers (which then choose best.pt)
     resumed: bool = False
 
 
@@ -391,6 +392,7 @@ def setup(cfg, rt, stack):
         lora=begin.lora,
         start_iter=0 if begin.ckpt is None else begin.ckpt["iter_num"],
         best_val_loss=math.inf if begin.ckpt is None else begin.ckpt["best_val_loss"],
+        best_accuracy=None if begin.ckpt is None else begin.ckpt.get("best_accuracy"),
         resumed=begin.ckpt is not None,
     )
 
@@ -787,8 +789,7 @@ def evaluate_and_save(run, iter_num, last):
             f"the evaluation at iteration {iter_num} gave {result}; nothing saved, "
             "the last checkpoint is untouched. Lower learning_rate"
         )
-    # exact answers to decode: an encoder-decoder's targets, or a chat dataset's final replies when they are exact
-    if cfg.eval_accuracy_examples and (run.objective.arch == "encoder_decoder" or run.meta.get("exact_answers")):
+    if cfg.eval_accuracy_examples and has_exact_answers(run):
         result["accuracy"] = val_accuracy(run)
     # evaluation switched the model to eval mode; training needs its dropout back
     run.models.raw.train()
@@ -798,8 +799,8 @@ def evaluate_and_save(run, iter_num, last):
     # has: a fine-tune can make them worse. After a resume, its first evaluation just measures
     trained = iter_num > run.start_iter
     starting = iter_num == 0 and cfg.init_from != "scratch" and not run.resumed and not cfg.eval_only
-    if (trained or starting) and result["val"] < run.best_val_loss:
-        run.best_val_loss = result["val"]
+    if (trained or starting) and improves(result, run.best_val_loss, run.best_accuracy):
+        run.best_val_loss, run.best_accuracy = result["val"], result.get("accuracy")
         if rt.fsdp:
             check_shards_finite([run.models.kept], rt, iter_num)
         # under FSDP, gathered one tensor at a time onto rank 0's CPU: the optimizer's state is never gathered.
@@ -810,8 +811,9 @@ def evaluate_and_save(run, iter_num, last):
             state = weights_state(
                 weights, run.models.raw.config, cfg, run.meta, iter_num, run.best_val_loss, role, lora=run.lora
             )
+            state["best_accuracy"] = run.best_accuracy
             save_checkpoint(state, Path(cfg.out_dir) / "best.pt")
-        saved.append("best.pt")
+        saved.append("best.pt, by " + ("exact match" if "accuracy" in result else "val loss"))
     # after the last step main saves ckpt.pt anyway, with the final state
     if iter_num > run.start_iter and cfg.always_save_checkpoint and not last:
         save_training_state(run, iter_num)
@@ -823,6 +825,22 @@ def evaluate_and_save(run, iter_num, last):
         + (f" (saved {', '.join(saved)})" if saved else "")
     )
     return {"iter": iter_num, **result}
+
+
+def has_exact_answers(run):
+    """Whether the val data has exact answers to decode: an encoder-decoder's targets, or a chat dataset's replies."""
+    return run.objective.arch == "encoder_decoder" or bool(run.meta.get("exact_answers"))
+
+
+def improves(result, best_val_loss, best_accuracy):
+    """
+    Whether an evaluation's result beats best.pt's: by exact match where the data has exact answers (the model a
+    chat demo or a translation is shown at its best; the val loss breaks ties), else by the val loss.
+    """
+    if "accuracy" not in result:
+        return result["val"] < best_val_loss
+    best = -1.0 if best_accuracy is None else best_accuracy
+    return result["accuracy"] > best or result["accuracy"] == best and result["val"] < best_val_loss
 
 
 def eval_batch(data, objective, cfg, byte_lengths, pin, seed):
@@ -942,6 +960,7 @@ def save_training_state(run, iter_num):
         meta=run.meta,
         iter_num=iter_num,
         best_val_loss=run.best_val_loss,
+        best_accuracy=run.best_accuracy,
         train_seconds=run.clock.seconds(),
         budget_from=run.clock.budget_from,
         optimizers=run.optimizers,

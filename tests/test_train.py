@@ -785,6 +785,37 @@ def test_a_resume_keeps_the_best_val_loss_and_best_pt(tmp_path, data_root, monke
     assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
 
 
+def test_best_pt_is_the_best_exact_match_where_the_data_has_exact_answers(tmp_path, data_root, monkeypatch, capsys):
+    """
+    Evaluations whose val loss and exact match disagree (scripted: the lowest loss at 4, the best exact match at 6):
+    best.pt is 6's, chosen by exact match and said so, and a resume keeps it; data without exact answers keeps the
+    lowest val loss (4).
+    """
+    scripted = {0: (3.0, 0.0), 2: (2.0, 0.10), 4: (1.5, 0.05), 6: (1.8, 0.20), 8: (1.9, 0.20)}
+    evaluate_and_save, at = train.evaluate_and_save, []
+
+    def noting_the_iteration(run, iter_num, last):
+        at[:] = [iter_num]
+        return evaluate_and_save(run, iter_num, last)
+
+    monkeypatch.setattr(train, "evaluate_and_save", noting_the_iteration)
+    monkeypatch.setattr(train, "evaluate", lambda *args, **kwargs: {"train": 1.0, "val": scripted[at[0]][0]})
+    monkeypatch.setattr(train, "val_accuracy", lambda run: scripted[at[0]][1])
+    common = dict(max_iters=6, eval_interval=2, eval_accuracy_examples=4)
+    for exact, best_at in ((True, 6), (False, 4)):
+        monkeypatch.setattr(train, "has_exact_answers", lambda run, exact=exact: exact)
+        main(tiny(data_root, tmp_path / str(exact), **common))
+        best = load_checkpoint(tmp_path / str(exact) / "best.pt")
+        assert best["iter_num"] == best_at and best["best_val_loss"] == scripted[best_at][0]
+        assert best["best_accuracy"] == (scripted[best_at][1] if exact else None)
+        saving = [line for line in capsys.readouterr().out.splitlines() if "saved best.pt" in line]
+        metric = "exact match" if exact else "val loss"
+        assert saving[-1].startswith(f"eval {best_at}: ") and f"saved best.pt, by {metric}" in saving[-1]
+    # resumed to 8, whose exact match only ties 6's with a worse loss: best.pt stays 6's
+    main(tiny(data_root, tmp_path / "True", **{**common, "max_iters": 8, "init_from": "resume"}))
+    assert load_checkpoint(tmp_path / "True" / "best.pt")["iter_num"] == 6
+
+
 def stacked_cross_attention(weights):
     """weights as format 2 held them: each cross-attention's q and kv as one qkv, rows [W_q; W_k; W_v]."""
     out = {}
