@@ -121,8 +121,6 @@ class BenchConfig:
         resolve_dtype(self.dtype, sampling_device())  # one this machine cannot sample in (float16 on a CPU) fails now
         if min(self.repeats, self.runs, self.memory_iters, self.steps) < 1 or self.ranks < 2 or self.warmup < 1:
             raise ValueError("runs, repeats, memory_iters, steps and warmup must be at least 1, and ranks at least 2")
-        if self.nanogpt and not (Path(self.nanogpt) / "train.py").is_file():
-            raise ValueError(f"nanogpt={self.nanogpt}: no train.py there; pass the folder of a nanoGPT checkout")
         if not re.fullmatch(r"(\d+(,\d+)*)?", self.cold):
             raise ValueError(f"cold={self.cold!r}: give case numbers, e.g. --cold=1,3 (or --cold= for none)")
         missing = [c for c in self.configs if not (ROOT / c).is_file()]
@@ -755,6 +753,9 @@ def main(cfg):
     """Measure what cfg.parts names and print tables: each value a median with its spread, a column per config."""
     if cfg.child:
         return measure_case(cfg)
+    # checked before any run: a wrong folder would otherwise surface after minutes of measuring
+    if cfg.nanogpt and not (Path(cfg.nanogpt) / "train.py").is_file():
+        raise SystemExit(f"bench.py: error: nanogpt={cfg.nanogpt}: no train.py there; pass a nanoGPT checkout's folder")
     parts = set(cfg.parts.split(","))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     stamp = f"{device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
