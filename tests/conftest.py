@@ -1,7 +1,9 @@
 """Session-wide fixtures shared by the whole suite."""
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,23 @@ import torch
 
 # the project is a flat layout: make its modules importable however pytest is started
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def pytest_configure(config):
+    """
+    torch.compile's kernels cached in a folder of the session's own (children inherit it), unless one is named:
+    Inductor's shared cache (/tmp/torchinductor_USER) served kernels built under another ATEN_CPU_CAPABILITY to a
+    run under avx2, whose compiled steps then gave NaN; a fresh cache compiled them right. Set before collection:
+    importing the planner's tools fixes the folder for the whole process.
+    """
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        config.own_compile_cache = tempfile.mkdtemp(prefix="nanoformer-tests-inductor-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = config.own_compile_cache
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "own_compile_cache", None):
+        shutil.rmtree(config.own_compile_cache, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="session")
