@@ -2114,7 +2114,11 @@ def test_a_muon_step_is_muon_and_adamw_by_hand_and_skips_a_non_finite_gradient()
         assert skipped.item() == 0 and loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
         assert norm.item() == pytest.approx(ref_norm.item(), rel=1e-5)
         for (name, mine), theirs in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=name)
+            # Muon's matrices: a batched bfloat16 matmul may round an update element (at most ~0.5) one bfloat16
+            # ulp (2^-8) otherwise than torch.optim.Muon's per-matrix one, as test_muon allows: at lr 0.02, twice,
+            # under 1e-4 (measured: 0 with AVX-512 kernels, 2e-10 with AVX2, 3.9e-5 with ATEN_CPU_CAPABILITY=default)
+            atol = 1e-4 if hidden.fullmatch(name) else 1e-6
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=atol, msg=name)
 
     before = {k: v.clone() for k, v in model.state_dict().items()}
     states_before = [copy.deepcopy(opt.state_dict()) for opt in optimizers.values()]
