@@ -15,7 +15,7 @@ none but config.json and the weights.
 
 import json
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -692,12 +692,25 @@ LAYOUTS = (
 )
 
 
+# Export fails closed: every ModelConfig field must be one that changes nothing in a GPT's forward, one the layout
+# writes (config.json or the weights' shapes and values), or one layout_checks compares with what the layout
+# computes. A field in none of them (a new option, say) is refused unless it is at its default.
+NO_EFFECT = {"dropout", "zero_init_proj", "share_embeddings", "n_encoder_layer", "pad_token_id"}
+WRITTEN = {"arch", "vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "d_ff", "bias", "qkv_bias"}
+WRITTEN |= {"tie_embeddings", "norm_eps"}
+LAYOUT_WRITES = {
+    # learned positions: no rotation, so the rotary settings change nothing
+    "gpt2": WRITTEN | {"rope_theta", "rope_scaling"},
+    "llama": WRITTEN | {"head_dim", "rope_theta", "rope_scaling", "qk_norm"},
+}
+
+
 def hf_layout(config):
     """
     "gpt2", "llama", "qwen2" or "qwen3": the Hugging Face layout that computes exactly what a model of this
     ModelConfig does. ValueError naming every option that stops it, in one line: each needs retraining, so all are
-    named at once. Options that change nothing in a GPT's forward (dropout, zero_init_proj, share_embeddings,
-    pad_token_id, n_encoder_layer) export as they are.
+    named at once. Options that change nothing in a GPT's forward (NO_EFFECT) export as they are, and an option
+    this code does not know is refused unless it is at its default.
     """
     c = config
     if c.arch != "gpt":  # nothing else matters then
@@ -711,7 +724,22 @@ def hf_layout(config):
         layout = "qwen3"
     elif layout == "llama" and c.qkv_bias and not c.bias:
         layout = "qwen2"
-    checks = [  # (option, refused, why)
+    checks = layout_checks(c, layout)
+    refused = [f"{name}={getattr(c, name)!r}: {why}" for name, stops, why in checks if stops]
+    known = NO_EFFECT | LAYOUT_WRITES["gpt2" if layout == "gpt2" else "llama"] | {name for name, _, _ in checks}
+    refused += [
+        f"{f.name}={getattr(c, f.name)!r}: an option export does not know (only its default exports)"
+        for f in fields(c)
+        if f.name not in known and getattr(c, f.name) != f.default
+    ]
+    if refused:
+        raise ValueError(f"cannot export {'; '.join(refused)}. {LAYOUTS}")
+    return layout
+
+
+def layout_checks(c, layout):
+    """(option, refused, why) for each option of ModelConfig c that the layout computes one way only."""
+    checks = [
         ("norm_position", c.norm_position != "pre", "GPT-2, Llama and Qwen all normalise inside the residual branch"),
         ("pos_encoding", layout is None, "GPT-2 learns its positions and the others rotate q and k"),
         ("logit_softcap", c.logit_softcap > 0, "none of the layouts caps its logits"),
@@ -738,10 +766,7 @@ def hf_layout(config):
             ("bias", c.bias, "Qwen3, the layout that qk_norm picks, has no biases in its MLP"),
             ("qkv_bias", c.qkv_bias and not c.bias, "Qwen3's attention_bias would add one to o_proj as well"),
         ]
-    refused = [f"{name}={getattr(c, name)!r}: {why}" for name, stops, why in checks if stops]
-    if refused:
-        raise ValueError(f"cannot export {'; '.join(refused)}. {LAYOUTS}")
-    return layout
+    return checks
 
 
 def owned(t):

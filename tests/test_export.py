@@ -3,6 +3,7 @@ export.py against an independent reference: transformers loads each exported fol
 greedy tokens; its AutoTokenizer must give tiktoken's ids. Then the refusals, the folder handling, the command line.
 """
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -194,6 +195,49 @@ def test_refusal_names_the_option_and_writes_nothing(tmp_path, changes, option):
     message = str(err.value)
     assert message.startswith("cannot export ") and f"{option}:" in message and "\n" not in message
     assert list(tmp_path.iterdir()) == []
+
+
+def test_export_knows_every_model_setting_or_refuses_it():
+    """
+    Fails closed: every ModelConfig field is one that changes nothing in a GPT's forward, one the layout writes, or
+    one the layout's checks compare; a field added later and listed nowhere fails here, and export refuses it
+    unless it is at its default (a subclass with one more field stands for that future option).
+    """
+    for family, changes in (("gpt2", {}), ("llama", LLAMA), ("llama", {**LLAMA, "qk_norm": True})):
+        config = tiny(**changes)
+        checked = {name for name, _, _ in hf.layout_checks(config, hf.hf_layout(config))}
+        known = hf.NO_EFFECT | hf.LAYOUT_WRITES[family] | checked
+        assert [f.name for f in dataclasses.fields(ModelConfig) if f.name not in known] == [], family
+
+    @dataclasses.dataclass
+    class Later(ModelConfig):
+        new_option: int = 0
+
+    assert hf.hf_layout(Later(**dataclasses.asdict(tiny()))) == "gpt2"  # at its default: nothing changes
+    with pytest.raises(ValueError, match=r"^cannot export new_option=1: an option export does not know"):
+        hf.hf_layout(Later(**dataclasses.asdict(tiny()), new_option=1))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"dropout": 0.3},
+        {"zero_init_proj": True},
+        {"n_encoder_layer": 5},
+        {"pad_token_id": 0},
+        {"share_embeddings": True},
+    ],
+    ids=lambda changes: next(iter(changes)),
+)
+def test_what_export_passes_as_is_changes_nothing_in_a_gpt(changes):
+    """NO_EFFECT's settings: the same weights give the same logits (ids without the pad id) with and without them."""
+    assert set(changes) <= hf.NO_EFFECT
+    torch.manual_seed(0)
+    plain = GPT(tiny()).eval()
+    other = GPT(tiny(**changes)).eval()
+    other.load_state_dict(plain.state_dict())
+    x = random_ids(2, 16) % (VOCAB - 1) + 1
+    torch.testing.assert_close(other(x)[0], plain(x)[0], rtol=0, atol=0)
 
 
 def test_every_option_in_the_way_is_named_at_once():
