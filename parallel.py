@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import ConfigError, one_line
@@ -136,7 +136,6 @@ class Models:
         step     what a training step calls: raw, under DDP and/or compiled
         ddp      the DDP module inside step (gradient_sync turns its all-reduce off until the last micro-batch);
                  None without DDP
-        defer_reduce  under FSDP: gradient_sync keeps whole gradients until the last micro-batch (fsdp_defer_reduce)
         average  with ema_decay: the moving average of raw's weights (sharded alike), never trained; else None
         eval     what evaluation calls: the average if there is one, else raw compiled as step is; never DDP,
                  since ranks may evaluate different numbers of batches
@@ -147,7 +146,6 @@ class Models:
     ddp: DDP | None = None
     average: nn.Module | None = None
     eval: nn.Module | None = None
-    defer_reduce: bool = False
 
     @property
     def kept(self):
@@ -194,7 +192,7 @@ def parallelize(model, cfg, rt, example):
             # evaluation stays outside DDP and measures the average if there is one: compiled apart, unless it is
             # exactly what a step calls
             eval_model = step if step.module is evaluated else CompiledModel(evaluated, **how)
-    return Models(model, step, ddp, average, eval_model, defer_reduce=rt.fsdp and cfg.fsdp_defer_reduce)
+    return Models(model, step, ddp, average, eval_model)
 
 
 def shard_model(model, rt, seed, mesh=None):
@@ -241,13 +239,10 @@ def gradient_sync(models, enabled):
     """
     A context for one micro-batch's backward; enabled: it is the last of its step. DDP exchanges nothing until then
     (no_sync: its gradients add up on this rank), then all-reduces the sums. FSDP reduce-scatters every
-    micro-batch's gradients as they come, so that each rank only ever holds its shards; with defer_reduce it keeps
-    them whole until the last one instead (one reduce-scatter a step, 4 more bytes per parameter on every rank).
+    micro-batch's gradients as they come (nothing to do here), so that each rank only ever holds its shards.
     """
     if models.ddp is not None and not enabled:
         return models.ddp.no_sync()
-    if isinstance(models.raw, FSDPModule) and models.defer_reduce:
-        models.raw.set_requires_gradient_sync(enabled)
     return contextlib.nullcontext()
 
 

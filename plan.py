@@ -298,7 +298,7 @@ def trace_step(cfg, rt, config, objective, batch_size, per_rank, target):
             tracker.track_external(model, *optimizers.values())
         if average is not None:
             tracker.track_external(average)
-        models = Models(model, model, defer_reduce=rt.fsdp and cfg.fsdp_defer_reduce)
+        models = Models(model, model)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         loss_options = (cfg.label_smoothing, objective.chat)
         vocab = VocabTensors(config.vocab_size)
@@ -556,9 +556,7 @@ def describe(p):
     """The plan's opening lines: what runs where, how."""
     cfg, ranks = p.cfg, p.cfg.plan_ranks
     fsdp = cfg.fsdp and ranks > 1
-    way = (
-        "FSDP" + (", reduce deferred" if cfg.fsdp_defer_reduce else "") if fsdp else "DDP" if ranks > 1 else "1 process"
-    )
+    way = "FSDP" if fsdp else "DDP" if ranks > 1 else "1 process"
     with torch.device("meta"):
         params = build_model(p.config).num_params()
     return (

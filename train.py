@@ -137,7 +137,6 @@ class TrainConfig(ModelSettings):
     # system
     backend: str = "auto"  # DDP backend: 'auto' (nccl on CUDA, gloo otherwise), 'nccl' or 'gloo'
     fsdp: bool = False  # torchrun: shard weights, gradients and optimizer state over the ranks (FSDP2), not DDP
-    fsdp_defer_reduce: bool = False  # fsdp, accumulating: reduce-scatter once a step, holding whole fp32 gradients
     device: str = "auto"  # 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype: str = "auto"  # 'float32', 'bfloat16', 'float16'; 'auto': bf16 (else fp16) on CUDA, float32 elsewhere
     compile: bool | None = None  # torch.compile the model; None: on for CUDA only
