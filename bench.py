@@ -9,11 +9,14 @@ tokenization speed, and each rank's memory with DDP and with FSDP.
     python bench.py --parts=sample --out_dir=out-shakespeare
     python bench.py --parts=bpe                      # BPE tokens/s: 1 thread, all cores, prepare_data.py text
     python bench.py --parts=memory --train_args="--n_layer=8 --n_embd=512"  # per-rank memory, DDP vs FSDP
+    python bench.py --parts=step --cases="configs/gpt2.py;configs/gpt2.py --batch_size=24" --profile=true
+    python bench.py --parts=gpu --nanogpt=/path/to/nanoGPT   # every GPU measurement, beside nanoGPT's own runs
 
 Each training run is a real `python train.py CONFIG` process, timed from its launch, so compilation, data
 preparation and evaluation all count. Numbers vary from run to run: each is the median of several, with the spread.
 Several configs are run in turns (run 1 of each, then run 2 of each, ...), so that the machine's drift in speed
-over minutes hits them alike, and each gets a column of the table.
+over minutes hits them alike, and each gets a column of the table. The step part instead times train.py's own
+training step inside a process of its own for each case (docs/performance.md, "GPUs").
 """
 
 import contextlib
@@ -97,9 +100,7 @@ class BenchConfig:
     bpe_size_mb: float = 10.0  # bpe: the text is repeated to about this many MB
     ranks: int = 2  # memory: torchrun processes, each run with DDP and with FSDP
     memory_iters: int = 3  # memory: training steps per run (then one evaluation and a save)
-    cases: str = (
-        ""  # step: ';'-separated cases "CONFIG [--key=value ...]", a column each; "": each --config + train_args
-    )
+    cases: str = ""  # step: ';'-separated cases "CONFIG [--key=value ...]", a column each; "": --config + train_args
     steps: int = 20  # step: timed optimizer steps per case (fewer if step_seconds runs out first; at least 3)
     step_seconds: float = 10.0  # step: the most seconds of timed steps per case
     warmup: int = 3  # step: untimed steps first (compilation, the allocator's first blocks)
@@ -127,6 +128,9 @@ class BenchConfig:
         missing = [c for c in self.configs if not (ROOT / c).is_file()]
         if missing:
             raise ValueError(f"config {missing[0]} not found; pass --config=PATH[,PATH...] of train.py configs")
+        missing = [words[0] for words in self.step_cases if not words or not (ROOT / words[0]).is_file()]
+        if self.cases and missing:
+            raise ValueError(f"cases: config {missing[0]} not found; each case starts with a train.py config's path")
 
     @property
     def configs(self):
@@ -408,11 +412,10 @@ def time_steps(run, cfg, train):
             return update_weights(*args, **kwargs)
 
     train.update_weights = timed_update
-    losses, spans, iteration = [], [], 0
+    spans, iteration = [], 0
     step = train.train_step(run, iteration)
     clock.synchronize()
     first_step = time.time()  # wall clock: the parent subtracts its own reading from before the launch
-    graphs_after_warmup = None
     begin = time.perf_counter()
     while iteration + 1 < cfg.warmup + cfg.steps:
         iteration += 1
@@ -425,7 +428,6 @@ def time_steps(run, cfg, train):
         timed = iteration >= cfg.warmup
         with clock.span(spans if timed else []):
             step = train.train_step(run, iteration)
-        losses.append(step.loss)
         # at least 3 timed steps; then no more than step_seconds of them (40 micro-batches take a second a step)
         if timed and len(spans) >= 3 and time.perf_counter() - begin > cfg.step_seconds:
             break
@@ -438,10 +440,10 @@ def time_steps(run, cfg, train):
         "peak_flops": run.progress.peak_flops,
         "peak_mib": peak_memory(device) / 2**20,
         "first_step": first_step,
-        "loss": float(losses[-1]) * run.rt.world_size,
+        "loss": float(step.loss) * run.rt.world_size,  # the last step's
         "graphs": compiled_graphs(),
         "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
-        "recompiled": compiled_graphs() - (graphs_after_warmup or 0),
+        "recompiled": compiled_graphs() - graphs_after_warmup,  # the loop always passes the warm-up
     }
     if cfg.profile:
         try:  # the timings stand without it
@@ -615,7 +617,7 @@ def nanogpt_step(cfg, work):
     return {"ms": times, "launch": first, "cold": True, **({"tokens": tokens} if tokens else {})}
 
 
-def step_rows(cfg, results, plans):
+def step_rows(results, plans):
     """
     The step table's rows, one value per case: the device time of a training step (median, spread), tokens/s and
     MFU from it, the optimizer's share, the peak memory (CUDA's allocated; the process's resident set on a CPU)
@@ -630,7 +632,7 @@ def step_rows(cfg, results, plans):
         return name, [r["error"][:80] if "error" in r else cell(r) for r in results]
 
     def tokens_per_second(r):
-        return [r.get("tokens", 1) / (ms / 1000) for ms in r["ms"]] if "tokens" in r else []
+        return [r["tokens"] / (ms / 1000) for ms in r["ms"]]
 
     def mfu(r):
         peak = r.get("peak_flops") or next((x["peak_flops"] for x in ok if x.get("peak_flops")), None)
@@ -682,20 +684,22 @@ def bench_steps(cfg, work):
         results.append(step_run(cfg, words, i, work))
         print(f"  {json.dumps(results[-1])}", flush=True)  # every number, the profile's top kernels too
     header = ["measure", *(f"{i + 1}: {shlex.join(words)}" for i, words in enumerate(cases))]
-    # planned side by side, after the timings (which they would disturb): each plan is one process on one core
-    with ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) // 2)) as pool:
-        plans = list(pool.map(planned, cases)) if cfg.plan else []
+    plans = []
+    if cfg.plan:  # side by side, after the timings (which they would disturb): each plan is one process on one core
+        with ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) // 2)) as pool:
+            plans = list(pool.map(planned, cases))
     if cfg.nanogpt and cfg.nanogpt_step:
         results.append(nanogpt_step(cfg, work))
         header.append(f"nanoGPT: {cfg.nanogpt_step}")
         plans += [None] if plans else []
-    return header, step_rows(cfg, results, plans)
+    return header, step_rows(results, plans)
 
 
 def nanogpt_race(cfg, work):
     """
     nanoGPT's train.py at cfg.nanogpt_race, from its launch to its first evaluation at or below cfg.target_loss
-    (then stopped: its run's best is not waited for). Returns (seconds, iteration, val loss) or None if never.
+    (then stopped: its run's best is not waited for). Returns (seconds, iteration, val loss), or the exit status of
+    a run that ended without reaching it.
     """
     command = [sys.executable, "train.py", *shlex.split(cfg.nanogpt_race), f"--out_dir={work / 'nanogpt-race'}"]
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "cache-nanogpt-race")}
@@ -710,7 +714,7 @@ def nanogpt_race(cfg, work):
             if m and float(m[2]) <= cfg.target_loss:
                 proc.kill()
                 return time.perf_counter() - begin, int(m[1]), float(m[2])
-    return None
+    return proc.returncode
 
 
 def print_table(header, rows):
@@ -794,12 +798,12 @@ def main(cfg):
 def nanogpt_column(rows, reached, cfg):
     """The training table's rows with nanoGPT's column: its time to the target, the rest not measured (stopped)."""
     target = f"seconds to val loss <= {cfg.target_loss}"
-    if reached is None:
-        mine = "never (its run ended first)"
+    if isinstance(reached, int):  # its exit status: the run ended (or failed) first
+        mine, other = f"never: its run ended first, exit status {reached}", "not measured"
     else:
         seconds, iteration, loss = reached
-        mine = f"{seconds:.1f} (iter {iteration}, val {loss:.4f})"
-    return [(name, values + [mine if name == target else "stopped at the target"]) for name, values in rows]
+        mine, other = f"{seconds:.1f} (iter {iteration}, val {loss:.4f})", "stopped at the target"
+    return [(name, values + [mine if name == target else other]) for name, values in rows]
 
 
 def cli(argv):

@@ -107,7 +107,9 @@ def finite_weights(state, iter_num):
     return state
 
 
-def weights_state(weights, model_config, cfg, meta, iter_num, best_val_loss, role="weights", lora=None):
+def weights_state(
+    weights, model_config, cfg, meta, iter_num, best_val_loss, role="weights", lora=None, best_accuracy=None
+):
     """
     What best.pt holds: weights (a state dict) under its role, "weights" or, with ema_decay, "average"; the
     model's settings (a ModelConfig), the run's, the dataset's meta. weights None: all but the weights (a sharded
@@ -124,6 +126,8 @@ def weights_state(weights, model_config, cfg, meta, iter_num, best_val_loss, rol
         # where a resume goes on from, and the val loss a new best.pt must beat
         "iter_num": iter_num,
         "best_val_loss": best_val_loss,
+        # its exact match, which a new best.pt must beat where the data has exact answers (else None)
+        "best_accuracy": best_accuracy,
     }
     if weights is not None:
         # tensors keyed by parameter name, from the unwrapped model: no `module.` (DDP) or `_orig_mod.` prefix
@@ -166,12 +170,12 @@ def training_state(
         dist.all_gather_object(rng, mine)
     weights = None if sharded else model.state_dict() if lora is None else adapter_state(model)
     state = {
-        **weights_state(weights, model.config, cfg, meta, iter_num, best_val_loss, lora=lora),
+        **weights_state(
+            weights, model.config, cfg, meta, iter_num, best_val_loss, lora=lora, best_accuracy=best_accuracy
+        ),
         # float16's current loss scale; an empty dict when no scaler is in use
         "scaler": scaler.state_dict(),
         "rng": rng,
-        # best.pt's exact match, which a new best.pt must beat where the data has exact answers (else None)
-        "best_accuracy": best_accuracy,
         # the training time so far, for a time budget (max_minutes) to go on from, and where a changed budget's
         # schedule went on from (progress.Clock)
         "train_seconds": train_seconds,

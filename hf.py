@@ -696,8 +696,10 @@ LAYOUTS = (
 # writes (config.json or the weights' shapes and values), or one layout_checks compares with what the layout
 # computes. A field in none of them (a new option, say) is refused unless it is at its default.
 NO_EFFECT = {"dropout", "zero_init_proj", "share_embeddings", "n_encoder_layer", "pad_token_id"}
-WRITTEN = {"arch", "vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "d_ff", "bias", "qkv_bias"}
-WRITTEN |= {"tie_embeddings", "norm_eps"}
+WRITTEN = {
+    *("arch", "vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "d_ff", "bias", "qkv_bias"),
+    *("tie_embeddings", "norm_eps"),
+}
 LAYOUT_WRITES = {
     # learned positions: no rotation, so the rotary settings change nothing
     "gpt2": WRITTEN | {"rope_theta", "rope_scaling"},

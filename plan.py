@@ -261,6 +261,11 @@ def planned_loss_chunk(cfg, target):
     return loss_chunk_budget(int(FULL * target.memory)) if target.gpu else LOSS_CHUNK_BYTES
 
 
+def compiled_on(cfg, target):
+    """Whether the plan counts the run as compiled: on a GPU unless --compile=false (a CPU's plan stays eager)."""
+    return target.gpu and cfg.compile is not False
+
+
 def trace_step(cfg, rt, config, objective, batch_size, per_rank, target):
     """
     The Trace of this rank (rt.rank of rt.world_size, on the fake process group) running two training steps, of one
@@ -276,12 +281,12 @@ def trace_step(cfg, rt, config, objective, batch_size, per_rank, target):
     mesh = init_device_mesh("cpu", (rt.world_size,)) if rt.fsdp else None
     # Compiled on a GPU (the default there), dropout keeps nothing for the backward: Inductor draws its masks again
     # from a seed, and attention's runs inside the fused kernel, where an eager CPU trace holds (B, H, T, T) scores
-    compiled = target.gpu and cfg.compile is not False
+    compiled, chunk = compiled_on(cfg, target), planned_loss_chunk(cfg, target)
     with FakeTensorMode(allow_non_fake_inputs=True):
         # whole (fake) before FSDP shards it: its values are never read, so the run's initialisation of each rank's
         # shards from the meta device is not needed
         model = build_model(replace(config, dropout=0.0) if compiled else config)
-        model.loss_chunk_bytes = planned_loss_chunk(cfg, target)
+        model.loss_chunk_bytes = chunk
         model.set_activation_checkpointing(cfg.activation_checkpointing)
         average = None
         if rt.fsdp:
@@ -329,7 +334,7 @@ def trace_step(cfg, rt, config, objective, batch_size, per_rank, target):
         # autograd holds (the head's output, its float32 copy, the log-probabilities, ...) the backward keeps the
         # head's output alone, a chunk of it in the compute dtype. On an H100 (docs/performance.md) these two rules
         # put GPT-2's predicted peaks within 3% of the compiled runs' (the eager trace's: 78% above)
-        rows = min(batch_size * config.block_size, max(1, planned_loss_chunk(cfg, target) // (4 * config.vocab_size)))
+        rows = min(batch_size * config.block_size, max(1, chunk // (4 * config.vocab_size)))
         kept = rows * config.vocab_size * rt.dtype.itemsize
         peak, activations, vocab_bytes = peak - vocab.peak + kept, activations - vocab.peak + kept, kept
     return Trace(
@@ -566,7 +571,7 @@ def describe(p):
         + (
             "traced eager under FakeTensorMode; compiled there: the loss's logits and dropout counted as Inductor keeps"
             " them, other fusions would lower the activations further\n"
-            if p.target.gpu and cfg.compile is not False
+            if compiled_on(cfg, p.target)
             else "traced eager under FakeTensorMode: torch.compile's fusions would lower the activations, not raise "
             "them\n"
         )

@@ -808,9 +808,16 @@ def evaluate_and_save(run, iter_num, last):
         if rt.rank == 0:
             role = "weights" if run.models.average is None else "average"
             state = weights_state(
-                weights, run.models.raw.config, cfg, run.meta, iter_num, run.best_val_loss, role, lora=run.lora
+                weights,
+                run.models.raw.config,
+                cfg,
+                run.meta,
+                iter_num,
+                run.best_val_loss,
+                role,
+                lora=run.lora,
+                best_accuracy=run.best_accuracy,
             )
-            state["best_accuracy"] = run.best_accuracy
             save_checkpoint(state, Path(cfg.out_dir) / "best.pt")
         saved.append("best.pt, by " + ("exact match" if "accuracy" in result else "val loss"))
     # after the last step main saves ckpt.pt anyway, with the final state

@@ -59,6 +59,14 @@ def test_bench_refuses_an_unknown_part(tmp_path):
     assert run.returncode != 0 and "unknown tokens" in run.stderr and "Traceback" not in run.stderr
 
 
+def test_a_step_case_must_start_with_a_config_that_exists():
+    with pytest.raises(ValueError, match="cases: config configs/nope.py not found; each case starts with"):
+        bench.BenchConfig(cases="configs/shakespeare.py;configs/nope.py --n_layer=2")
+    assert bench.BenchConfig(cases="configs/shakespeare.py --n_layer=2").step_cases == [
+        ["configs/shakespeare.py", "--n_layer=2"]
+    ]
+
+
 def test_a_given_checkpoint_gets_its_own_sampling_table(monkeypatch, capsys):
     """--out_dir with several configs: the sampling rows are that checkpoint's, never under a config's column."""
     monkeypatch.setattr(bench, "bench_training", lambda cfg, work: [("training tokens/s", ["100 (1-2)", "200 (1-2)"])])
@@ -191,12 +199,19 @@ def test_nanogpt_s_own_lines_are_read_and_its_race_stopped_at_the_target(tmp_pat
     result = bench.nanogpt_step(cfg, tmp_path)
     # the iterations after the 3 of warm-up; tokens per step as nanoGPT counts them
     assert result["ms"] == [103.0, 104.0, 105.0, 106.0, 107.0] and result["tokens"] == 1024 and result["launch"] > 0
-    rows = dict(bench.step_rows(cfg, [result], []))
+    rows = dict(bench.step_rows([result], []))
     assert rows["tokens/s"] == ["9,752 (9,570-9,942)"]  # 1,024 tokens in 105 ms (107-103)
     race = replace(cfg, nanogpt_race="config.py --race")
     with ThreadPoolExecutor(1) as pool:
         seconds, iteration, loss = pool.submit(bench.nanogpt_race, race, tmp_path).result(timeout=120)
     assert (iteration, loss) == (250, 1.46) and 0 < seconds < 120
+    # a run that ends without reaching the target: its exit status, and the column says so
+    assert bench.nanogpt_race(replace(cfg, nanogpt_race="config.py"), tmp_path) == 0
+    rows = dict(bench.nanogpt_column([("seconds to val loss <= 1.47", []), ("val loss at the stop", [])], 0, cfg))
+    assert rows == {
+        "seconds to val loss <= 1.47": ["never: its run ended first, exit status 0"],
+        "val loss at the stop": ["not measured"],
+    }
 
 
 def test_kernels_are_sorted_by_kind_as_an_h100_s_profile_names_them():
