@@ -36,13 +36,14 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import load_checkpoint, model_from_checkpoint
+from checkpoint import load_checkpoint
 from config import one_line, parse_config
 from devices import DTYPES, autocast, resolve_dtype
 from generate import generate
 from parallel import make_runtime
 from prepare_data import bpe_batches, prepare, shakespeare_file
 from progress import resident_peak
+from start import model_from_checkpoint
 from tokens import data_root, load_meta, tiktoken_encoding
 
 # train.py runs with cwd=ROOT, so relative config paths work from any directory

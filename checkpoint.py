@@ -1,17 +1,17 @@
 """
-Checkpoints: what ckpt.pt and best.pt hold, written atomically and read with torch.load(weights_only=True); and a
-model to sample or evaluate from any source (a checkpoint, nanoGPT's, Hugging Face weights) with load_model.
+Checkpoints: what ckpt.pt and best.pt hold, written atomically (a file, or a sharded folder) and read with
+torch.load(weights_only=True); nanoGPT's checkpoints read as ours. start.py makes models of them.
 
     save_checkpoint(training_state(...), out_dir / "ckpt.pt")    # everything a resume needs
-    model = model_from_checkpoint(load_checkpoint("out/best.pt"))  # any script: the model, in eval mode
-    model, tokenizer, meta = load_model("resume", out_dir="out", checkpoint="", dataset="", device="cpu")
+    ckpt = load_checkpoint("out/best.pt")                        # start.model_from_checkpoint(ckpt): the model
 
 A checkpoint is a dict: format_version, model_config, train_config, meta (the dataset's meta.json, so a tokenizer
 can be rebuilt from the checkpoint alone), iter_num, best_val_loss, and the weights (state dicts of the plain
 model) named by their role: "weights", the trained weights, and with ema_decay "average", their moving average,
-which is what best.pt keeps, evaluations measure and sample.py uses (kept_weights picks it). ckpt.pt adds optimizer
-(AdamW's state dict), scaler, rng (every rank's generators), sampler (the data stream) and, with optimizer='muon',
-muon (Muon's state dict). Checkpoints of formats 1 and 2 are read as format 3 (upgrade).
+which is what best.pt keeps, evaluations measure and sample.py uses (kept_weights picks it). ckpt.pt adds
+optimizers (each optimizer's state dict under its name: "adamw", and with optimizer='muon' "muon"), scaler, rng
+(every rank's generators) and sampler (the data stream). Formats 1 and 2, of the repo's first days, are refused in
+one line naming the commit that still reads them.
 
 With LoRA (lora_rank), ckpt.pt and best.pt hold the adapters only, as "weights" (the trained tensors, small), and
 "lora": their settings, the token rows they train and their base (where it was loaded from, its model settings and
@@ -19,7 +19,7 @@ a fingerprint of its weights); model_from_checkpoint loads the base, checks it, 
 Such a checkpoint is format 4 and always one file, also under FSDP (AdamW's state of the adapters, whole).
 
 With fsdp, ckpt.pt is a folder instead, a sharded checkpoint (torch.distributed.checkpoint) that every rank writes
-its part of: weights, optimizer and average keyed by parameter name, and beside them state.pt, the rest of the
+its part of: weights, optimizers and average keyed by parameter name, and beside them state.pt, the rest of the
 dict above. load_checkpoint reads either kind; a folder's weights load whole into one process, or resharded into
 any number of ranks with load_sharded.
 """
@@ -30,7 +30,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import warnings
 from dataclasses import asdict
@@ -41,15 +40,20 @@ import torch
 import torch.distributed as dist
 
 from config import ConfigError, one_line
-from hf import download_from_hub, from_pretrained, load_nanogpt
-from lora import LoRASettings, adapter_state, add_adapters, fingerprint, grow_vocabulary, load_adapters, merge
-from model import ModelConfig, Stack, build_model
-from tokens import GPT2_META, Tokenizer, dataset_dir, load_meta, pretrained_meta
+from hf import load_nanogpt
+from lora import adapter_state
+from model import ModelConfig, build_model
+from tokens import GPT2_META
 
-# of checkpoints; a checkpoint with a larger number needs newer code. 2: train_model; 3: weights and average by role;
-# 4: LoRA adapters and their base. Only adapter checkpoints are written as 4: older code reads the others
-FORMAT_VERSION = 4
-PLAIN_FORMAT = 3
+# of checkpoints; a checkpoint with a larger number needs newer code. 3: weights and average by role; 4: LoRA
+# adapters and their base; 5: the optimizers' states by name (ckpt.pt only). Each file is written with the
+# lowest number that has what it holds, so that older code reads the others
+FORMAT_VERSION = 5
+PLAIN_FORMAT, LORA_FORMAT = 3, 4
+# formats 1 and 2, of the repo's first days ("model" and "train_model", cross-attention's q and kv stacked), are
+# refused in one line: OLD_FORMATS_COMMIT is the last commit that reads them
+OLDEST_FORMAT = 3
+OLD_FORMATS_COMMIT = "c78f975"
 STATE_FILE = "state.pt"  # in a sharded checkpoint's folder: all but the weights and the optimizer's state
 
 
@@ -77,7 +81,7 @@ def set_rng_state(state, device):
     np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     cuda = state["cuda"]
-    if isinstance(cuda, list):  # format 2 and before: one state per GPU the saving rank could see; ours is ours
+    if isinstance(cuda, list):  # format 3 as first written: one state per GPU the saving rank could see; ours is ours
         cuda = cuda[device.index] if device.type == "cuda" and device.index < len(cuda) else None
     # a GPU run resumed on a CPU restores the CPU generators only
     if cuda is not None and device.type == "cuda":
@@ -117,7 +121,7 @@ def weights_state(
     whose tensors weights then holds.
     """
     state = {
-        "format_version": PLAIN_FORMAT if lora is None else FORMAT_VERSION,
+        "format_version": PLAIN_FORMAT if lora is None else LORA_FORMAT,
         # settings as plain dicts: enough to rebuild the architecture (model_from_checkpoint) and the run
         "model_config": asdict(model_config),
         "train_config": asdict(cfg),
@@ -183,29 +187,26 @@ def training_state(
         # the data stream's generator as it was before the pending step's batches were drawn
         "sampler": {"generator": sampler_state},
     }
+    state["format_version"] = FORMAT_VERSION
     if sharded:
         return state
-    # AdamW's moments and step counts: without them a resume would restart its estimates from zero
-    state["optimizer"] = optimizers["adamw"].state_dict() if lora is None else whole_optimizer_state(model, optimizers)
-    if "muon" in optimizers:
-        # Muon's momentum buffers, beside AdamW's state (which then covers the parameters outside the blocks only)
-        state["muon"] = optimizers["muon"].state_dict()
+    # AdamW's moments and step counts, Muon's momentum: without them a resume would restart its estimates from zero
+    state["optimizers"] = {name: whole_optimizer_state(model, optimizer) for name, optimizer in optimizers.items()}
     if ema_model is not None:
         # what best.pt and sample.py use; training goes on from "weights", or the run would change
         state["average"] = finite_weights(ema_model.state_dict(), iter_num)
     return state
 
 
-def whole_optimizer_state(model, optimizers):
+def whole_optimizer_state(model, optimizer):
     """
-    AdamW's state_dict() as one process holding the whole model would have it, also under FSDP, where every rank
-    gathers its shards onto rank 0's CPU (the others get {}; call it on every rank): a LoRA run's ckpt.pt is one
-    file whatever the ranks, small since only the adapters have state. Muon is refused with LoRA (train.py).
+    optimizer.state_dict() as one process holding the whole model would have it, also under FSDP (a LoRA run's,
+    whose ckpt.pt is one file whatever the ranks, small since only the adapters have state), where every rank
+    gathers its shards onto rank 0's CPU (the others get {}; call it on every rank).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from torch.distributed.fsdp import FSDPModule
 
-    optimizer = optimizers["adamw"]
     if not isinstance(model, FSDPModule):
         return optimizer.state_dict()
     whole = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -219,17 +220,20 @@ def whole_optimizer_state(model, optimizers):
     }
 
 
-def sharded_state(model, *, ema_model, optimizer):
+def sharded_state(model, *, ema_model, optimizers):
     """
     The tensors of a sharded checkpoint, each rank's own part (DTensors under FSDP; whole tensors in a process that
-    holds the whole model): {"weights", "optimizer"[, "average"]} as in ckpt.pt, keyed by parameter name.
-    Saved as it is by save_sharded, or filled in by load_sharded. optimizer: AdamW (FSDP runs do not use Muon).
+    holds the whole model): {"weights", "optimizers": {name: state}[, "average"]} as in ckpt.pt, keyed by parameter
+    name. Saved as it is by save_sharded, or filled in by load_sharded.
     """
     # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     # the optimizer's state keyed by parameter names, not by its own numbering: it then fits any sharding
-    tensors = {"weights": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    tensors = {
+        "weights": get_model_state_dict(model),
+        "optimizers": {name: get_optimizer_state_dict(model, o) for name, o in optimizers.items()},
+    }
     if ema_model is not None:
         tensors["average"] = get_model_state_dict(ema_model)
     return tensors
@@ -352,10 +356,10 @@ def remove(path):
         path.unlink(missing_ok=True)
 
 
-def load_sharded(ckpt, model, *, optimizer, ema_model, role="weights"):
+def load_sharded(ckpt, model, *, optimizers, ema_model, role="weights"):
     """
-    Fill model (with the weights of `role`: "weights", or "average" to evaluate the average), optimizer (AdamW,
-    the one the run trains with: its state is created, then filled) and ema_model (or None: with the checkpoint's
+    Fill model (with the weights of `role`: "weights", or "average" to evaluate the average), optimizers ({name:
+    optimizer} the run trains with: their state is created, then filled) and ema_model (or None: with the checkpoint's
     average, else the weights just loaded) from the sharded checkpoint ckpt (load_checkpoint's dict). Each rank
     reads the parts its own shards need, however many ranks wrote it (torch.distributed.checkpoint reshards), or
     all of them in a process without FSDP.
@@ -370,14 +374,20 @@ def load_sharded(ckpt, model, *, optimizer, ema_model, role="weights"):
 
     keys = ckpt["shard_keys"]  # {role: the name its tensors have in the folder}
     weights = get_model_state_dict(model)
-    tensors = {keys[role]: weights, keys["optimizer"]: get_optimizer_state_dict(model, optimizer)}
+    states = {name: get_optimizer_state_dict(model, optimizer) for name, optimizer in optimizers.items()}
+    # format 3 held AdamW's state alone, as "optimizer"
+    tensors = {
+        keys[role]: weights,
+        **({"optimizers": states} if "optimizers" in keys else {"optimizer": states["adamw"]}),
+    }
     average = weights
     if ema_model is not None and "average" in keys and role != "average":
         average = tensors[keys["average"]] = get_model_state_dict(ema_model)
     # a single process (a resume without torchrun) reads every part itself
     read_shards(tensors, ckpt["sharded"], alone=not dist.is_initialized())
     set_model_state_dict(model, weights)
-    set_optimizer_state_dict(model, optimizer, tensors[keys["optimizer"]])
+    for name, optimizer in optimizers.items():
+        set_optimizer_state_dict(model, optimizer, states[name])
     if ema_model is not None:
         set_model_state_dict(ema_model, average)
 
@@ -419,7 +429,7 @@ def load_checkpoint(path, map_location="cpu", weights=True):
     folder, written with fsdp) gives the same dict with the kept weights ("average" if there is one, else
     "weights") read whole into this process (the optimizer's state is left on disk), or, with weights=False, no
     tensors at all; "sharded" then names the folder and "shard_keys" its tensors, for load_sharded.
-    A missing, corrupt or newer-format checkpoint raises ConfigError with a one-line message.
+    A missing, corrupt, newer-format or early-format (1, 2) checkpoint raises ConfigError with a one-line message.
     """
     path = Path(path)
     # a sharded save killed between its two renames left the previous checkpoint under this name
@@ -429,8 +439,9 @@ def load_checkpoint(path, map_location="cpu", weights=True):
     if path.is_dir():
         if not (path / STATE_FILE).is_file():
             raise ConfigError(f"{path} is a folder but not a sharded checkpoint: it has no {STATE_FILE}")
-        ckpt = upgrade(read_checkpoint(path / STATE_FILE, map_location, fallback=""), folder=True)
-        ckpt["sharded"] = path
+        ckpt = read_checkpoint(path / STATE_FILE, map_location, fallback="")
+        # {role: the name its tensors have in the folder}, for load_sharded
+        ckpt["sharded"], ckpt["shard_keys"] = path, {role: role for role in ckpt["sharded_keys"]}
         if weights:
             role = "average" if "average" in ckpt["shard_keys"] else "weights"
             ckpt[role] = sharded_weights(ckpt, ckpt["shard_keys"][role])
@@ -443,7 +454,7 @@ def load_checkpoint(path, map_location="cpu", weights=True):
         fallback = "; best.pt beside it still holds the best weights (sample.py --checkpoint=best.pt)"
     elif path.name != "ckpt.pt" and path.with_name("ckpt.pt").exists():
         fallback = "; ckpt.pt beside it may still be usable"
-    return upgrade(read_checkpoint(path, map_location, fallback))
+    return read_checkpoint(path, map_location, fallback)
 
 
 def run_checkpoint(out_dir, name=""):
@@ -490,95 +501,18 @@ def read_checkpoint(path, map_location, fallback):
     version = ckpt.get("format_version") if isinstance(ckpt, dict) else None
     if not isinstance(version, int):
         raise ConfigError(f"{path} is not a nanoformer checkpoint (it has no format_version)")
-    # "muon" needs no new format: an AdamW run's checkpoint is as before, and a Muon run's has its own key
     if version > FORMAT_VERSION:
         raise ConfigError(
             f"{path} has checkpoint format {version}, newer than this code's {FORMAT_VERSION}; update nanoformer"
         )
+    if version < OLDEST_FORMAT:
+        raise ConfigError(
+            f"{path} was written by an early nanoformer (checkpoint format {version}), a format this code no longer "
+            f"reads: read it with commit {OLD_FORMATS_COMMIT} (git checkout {OLD_FORMATS_COMMIT}), or start a new run"
+        )
+    if "optimizer" in ckpt:  # formats 3 and 4 held AdamW's state and Muon's under keys of their own
+        ckpt["optimizers"] = {"adamw": ckpt.pop("optimizer"), **({"muon": ckpt.pop("muon")} if "muon" in ckpt else {})}
     return ckpt
-
-
-def upgrade(ckpt, folder=False):
-    """
-    A checkpoint of any format as format 3, whose weights are named by role. Formats 1 and 2 kept the weights to use
-    as "model": the average where format 2's "train_model" held the trained weights, else the weights themselves.
-    folder: ckpt is a sharded checkpoint's state.pt, which gains "shard_keys": {role: the name its tensors have in
-    the folder}.
-    """
-    if folder and ckpt["format_version"] >= 3:
-        ckpt["shard_keys"] = {role: role for role in ckpt["sharded_keys"]}
-    elif folder:
-        ckpt["shard_keys"] = {"weights": "model", "optimizer": "optimizer"}
-        if "train_model" in ckpt.get("sharded_keys", ()):
-            ckpt["shard_keys"].update(weights="train_model", average="model")
-    # best.pt held only the weights to use: a run with a weight average saved the average there
-    averaged_best = "optimizer" not in ckpt and (ckpt.get("train_config") or {}).get("ema_decay", 0) > 0
-    if ckpt["format_version"] < 3 and "train_model" in ckpt:
-        ckpt["weights"], ckpt["average"] = ckpt.pop("train_model"), ckpt.pop("model")
-    elif ckpt["format_version"] < 3 and "model" in ckpt:
-        ckpt["average" if averaged_best else "weights"] = ckpt.pop("model")
-    for role in ("weights", "average"):
-        if ckpt["format_version"] < 3 and role in ckpt:
-            ckpt[role] = split_cross_attention(ckpt[role], ckpt["model_config"]["n_embd"])
-    return ckpt
-
-
-# before format 3, cross-attention's q and kv Linears were one, rows [W_q; W_k; W_v], as self-attention's qkv
-STACKED_CROSS = re.compile(r"(.*\.cross_attn)\.qkv\.(weight|bias)")
-SPLIT_CROSS = re.compile(r"(.*\.cross_attn)\.(q|kv)\.(weight|bias)")
-
-
-def stack_cross_attention(weights):
-    """Empty tensors shaped as a format-2 state dict of weights (each q and kv as one stacked qkv), for reading one."""
-    stacked = {}
-    for name, tensor in weights.items():
-        if split := SPLIT_CROSS.fullmatch(name):
-            prefix, part, kind = split.groups()
-            if part == "q":
-                rows = tensor.shape[0] + weights[f"{prefix}.kv.{kind}"].shape[0]
-                stacked[f"{prefix}.qkv.{kind}"] = tensor.new_empty(rows, *tensor.shape[1:])
-        else:
-            stacked[name] = tensor
-    return stacked
-
-
-def split_cross_attention(weights, n_embd):
-    """A state dict from before format 3 with each stacked cross_attn.qkv as its q (the first n_embd rows) and kv."""
-    split = {}
-    for name, tensor in weights.items():
-        if stacked := STACKED_CROSS.fullmatch(name):
-            prefix, kind = stacked.groups()
-            split[f"{prefix}.q.{kind}"], split[f"{prefix}.kv.{kind}"] = tensor[:n_embd], tensor[n_embd:]
-        else:
-            split[name] = tensor
-    return split
-
-
-def split_cross_attention_state(state, model, optimizer):
-    """
-    An optimizer's state_dict from before format 3, renumbered for optimizer (the same groups over model's
-    parameters, in which each stacked cross_attn.qkv is now a q and a kv), each stacked moment cut into q's rows and
-    kv's. The identity for models without cross-attention.
-    """
-    names = {id(p): n for n, p in model.named_parameters()}
-    new_state, groups, index = {}, [], 0
-    for group, saved in zip(optimizer.param_groups, state["param_groups"]):
-        new_names = [names[id(p)] for p in group["params"]]
-        # the names as they were then, in the saved order: q took the place of the stacked qkv, kv none
-        old_names = dict.fromkeys(SPLIT_CROSS.sub(r"\1.qkv.\3", n) for n in new_names)
-        position = dict(zip(old_names, saved["params"]))
-        for name in new_names:
-            moments = state["state"].get(position[SPLIT_CROSS.sub(r"\1.qkv.\3", name)])
-            if moments is not None and (cross := SPLIT_CROSS.fullmatch(name)):
-                rows = model.get_submodule(cross[1]).q.out_features
-                part = slice(None, rows) if cross[2] == "q" else slice(rows, None)
-                # own tensors, the step count too: a shared one would be counted up twice per step
-                moments = {k: (v[part] if v.dim() else v).clone() for k, v in moments.items()}
-            if moments is not None:
-                new_state[index] = moments
-            index += 1
-        groups.append({**saved, "params": list(range(index - len(new_names), index))})
-    return {"state": new_state, "param_groups": groups}
 
 
 def read_shards(tensors, path, alone):
@@ -652,112 +586,17 @@ def is_checkpoint(path):
 
 def sharded_weights(ckpt, key):
     """
-    The weights stored as key in the sharded checkpoint ckpt (its state.pt, upgraded), read whole into this
-    process: a state dict. Format 2 stored cross-attention's q and kv stacked: read so, then split.
+    The weights stored as key in the sharded checkpoint ckpt (its state.pt), read whole into this process: a state
+    dict.
     """
     config = ModelConfig.from_dict(ckpt["model_config"])
     # built without drawing any initial values (the meta device), then given memory for the checkpoint to fill
     with torch.device("meta"):
         model = build_model(config)
     weights = model.to_empty(device="cpu").state_dict()
-    if ckpt["format_version"] < 3:
-        weights = stack_cross_attention(weights)
     # this process reads every rank's part itself, whether or not it is one of several
     read_shards({key: weights}, ckpt["sharded"], alone=True)
-    return split_cross_attention(weights, config.n_embd) if ckpt["format_version"] < 3 else weights
-
-
-def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False):
-    """
-    (model in eval mode on device, its Tokenizer, its data's meta) for sampling and evaluation. init_from: "resume"
-    (out_dir/checkpoint), a checkpoint file or sharded folder (ours or nanoGPT's; dataset names the prepared data
-    of a nanoGPT character-level model's characters), else Hugging Face weights (a hub id or a folder). compile:
-    torch.compile the layer stacks, which generation calls.
-    """
-    if init_from == "resume" or is_checkpoint(init_from):
-        path = run_checkpoint(out_dir, checkpoint) if init_from == "resume" else Path(init_from).expanduser()
-        # to the CPU first: a checkpoint saved on a GPU loads on any machine; .to(device) below moves it
-        ckpt = load_checkpoint(path, map_location="cpu")
-        # nanoGPT's character-level checkpoints take their characters from the dataset named
-        named = load_meta(dataset_dir(dataset)) if dataset else None
-        meta = ckpt["meta"] or nanogpt_meta(ckpt, path, named, "name a prepared dataset with --dataset")
-        try:
-            model = model_from_checkpoint(ckpt)
-        except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit
-            raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
-    else:
-        folder = Path(init_from).expanduser()
-        if not folder.is_dir():
-            # a hub id: its config.json and tokenizer.json come down with the weights (or from the local cache)
-            folder = download_from_hub(init_from)
-        # Hugging Face weights come without a dataset: the folder's tokenizer.json, else GPT-2's BPE (GPT2_META) for
-        # GPT-2; read first, so that a folder without its tokenizer fails before the slow load
-        meta = pretrained_meta(folder)
-        model = from_pretrained(folder)
-    # eval: dropout off, so the same seed gives the same text
-    model.eval().to(device)
-    if compile:
-        # generation calls the layer stacks, not the model's forward, so those are what gets compiled
-        for module in model.modules():
-            if isinstance(module, Stack):
-                module.compile(dynamic=True)
-    # the tokenizer the data was prepared with, rebuilt from the checkpoint alone
-    return model, Tokenizer.from_meta(meta), meta
-
-
-def model_from_checkpoint(ckpt, **overrides):
-    """
-    The model a loaded checkpoint describes, with its weights, in eval mode. overrides: ModelConfig fields that
-    keep the weights, such as dropout for a new run from them. A LoRA checkpoint's: its base with the adapters
-    merged in, a plain model (what sample.py, eval.py and export.py use).
-    """
-    if "lora" in ckpt:
-        return merge(adapted_model(ckpt, **overrides)).eval()
-    # the architecture from the saved settings, then its weights: load_state_dict is strict, so a mismatch raises
-    model = build_model(ModelConfig.from_dict({**ckpt["model_config"], **overrides}))
-    model.load_state_dict(kept_weights(ckpt))
-    return model.eval()
-
-
-def adapted_model(ckpt, lora_dropout=0.0, **overrides):
-    """
-    A LoRA checkpoint's model, unmerged, to train on: its base (load_base), grown to the checkpoint's vocabulary
-    where the run grew it, with the checkpoint's adapters. overrides: ModelConfig fields for the base, as dropout.
-    """
-    record = ckpt["lora"]
-    # the run's own dropout, which may differ from the base's
-    model = load_base(record["base"], **{"dropout": ckpt["model_config"]["dropout"], **overrides})
-    if ckpt["model_config"]["vocab_size"] > model.config.vocab_size:
-        grow_vocabulary(model, ckpt["model_config"]["vocab_size"])
-    # the A matrices drawn here are overwritten: a generator of their own leaves the run's generators alone
-    settings = LoRASettings.from_record(record, lora_dropout)
-    add_adapters(model, settings, record["token_rows"], generator=torch.Generator())
-    load_adapters(model, ckpt["weights"])
-    return model
-
-
-def load_base(base, **overrides):
-    """
-    The plain model that LoRA adapters were trained on, from base (an adapter checkpoint's record of it: where it
-    came from, its settings, the fingerprint of its weights): a checkpoint file or folder, or Hugging Face weights.
-    ConfigError with one line if it is gone or has changed since.
-    """
-    where = base["init_from"]
-    fix = "put it back, or fine-tune again from the base you have"
-    if base["source"] == "checkpoint" and not is_checkpoint(where):
-        raise ConfigError(f"the adapters' base checkpoint {where} is not there (moved or deleted?): {fix}")
-    if base["source"] == "pretrained" and Path(where).is_absolute() and not Path(where).is_dir():
-        raise ConfigError(f"the adapters' base folder {where} is not there (moved or deleted?): {fix}")
-    if base["source"] == "checkpoint":
-        model = model_from_checkpoint(load_checkpoint(where), **overrides)
-    else:  # a folder or a hub id, cut to the positions the run used, as start.from_pretrained did
-        model = from_pretrained(where, **{"block_size": base["model_config"]["block_size"], **overrides})
-    if (found := fingerprint(model)) != base["fingerprint"]:
-        raise ConfigError(
-            f"the adapters' base {where} has changed since they were trained on it (its weights' fingerprint is "
-            f"{found}, not {base['fingerprint']}): {fix}"
-        )
-    return model
+    return weights
 
 
 def kept_weights(ckpt):

@@ -1,13 +1,14 @@
 """
-The data side of training. What a batch is for each architecture: a GPT's shifted windows, a masked LM's corrupted
-windows (BERT's 80/10/10), an encoder-decoder's padded (source, target) pairs, a GPT's padded conversations (chat
-data, loss on the assistant's tokens); the special ids each needs
-(Objective); the seeds that make a micro-batch depend on its seed alone. Then the dataset a run reads (prepared
-first if missing, by one rank while the others wait), its splits, and the stream of training batches, built one
-step ahead on a background thread. train.py draws its batches here, eval.py its masked windows and pairs.
+The data side of training. First the tasks, side by side: what differs between a GPT on text (CausalLM), an
+encoder on text (MaskedLM, BERT's 80/10/10 corruption), an encoder-decoder on pairs (Seq2Seq) and a GPT on
+conversations (Chat, the loss on the assistant's tokens): their splits, batches, counts, losses and exact answers.
+Then what a batch is for each, the seeds that make a micro-batch depend on its seed alone, the dataset a run reads
+(prepared first if missing, by one rank while the others wait) and the stream of training batches, built one step
+ahead on a background thread. train.py, eval.py and plan.py hold a Task and call its methods.
 """
 
 import difflib
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,58 +18,306 @@ import torch
 import torch.distributed as dist
 
 import prepare_data
+from chat import ChatFormat
 from config import ConfigError
+from generate import decoded_pairs, decoded_replies
 from model import IGNORE_INDEX
-from parallel import log, raise_if_any_failed
-from tokens import Conversations, check_prepared, dataset_dir, is_prepared, load_conversations, load_pairs, load_tokens
+from parallel import raise_if_any_failed
+from progress import log
+from tokens import (
+    Conversations,
+    check_prepared,
+    dataset_dir,
+    is_prepared,
+    load_conversations,
+    load_pairs,
+    load_tokens,
+    token_byte_lengths,
+)
 
 # how long the other ranks of a torchrun job wait while one prepares the dataset
 PREPARE_TIMEOUT = timedelta(days=2)
 
 
-@dataclass(frozen=True)
-class Objective:
-    """What a batch is for each architecture, and the special ids that needs."""
-
-    arch: str
-    data_vocab: int  # ids the dataset holds; masked LM draws its random replacements from these
-    mask_id: int | None = None
-    mask_prob: float = 0.15
-    pad_id: int | None = None
-    bos_id: int | None = None
-    eos_id: int | None = None
-    # a GPT on chat data: batches of whole conversations, right-padded. pad_id stays None, so that the model builds
-    # no key mask: causal attention never lets a real position see the padding after it
-    chat: bool = False
+# -----------------------------------------------------------------------------
+# The tasks: what differs between the kinds of training, side by side
 
 
-def make_objective(arch, meta, mask_prob):
-    """(Objective, model vocabulary size, meta to store in checkpoints) for arch on a dataset with this meta."""
-    if meta["kind"] == "chat" and arch != "gpt":
+class Task:
+    """
+    A kind of training, the one place where the kinds differ: causal LM (a GPT on text), masked LM (an encoder on
+    text), sequence to sequence (an encoder-decoder on pairs) and chat (a GPT on conversations). Each reads its
+    prepared splits, draws a micro-batch, counts its tokens, makes the batch that compile and the planner trace, and
+    computes its loss; train.py, eval.py and plan.py call these methods and never ask which task they train.
+    make_task picks the task of an architecture and a dataset.
+    """
+
+    kind = "lm"  # the prepared data it reads (meta["kind"])
+    varying = False  # batch lengths vary from batch to batch: one dynamic compiled graph, no CUDA graphs
+    exact_answers = False  # its val data has answers to decode and compare: exact match then chooses best.pt
+    bits_per_byte = False  # its targets spell text: evaluation reports the val loss in bits per byte too
+    pad_id = None  # the padding id whose keys the model masks (ModelConfig.pad_token_id)
+
+    def __init__(self, meta, label_smoothing=0.0):
+        self.meta = meta  # as the run's checkpoints store it
+        self.label_smoothing = label_smoothing  # of the training loss; evaluation's is plain cross-entropy
+
+    @property
+    def model_vocab(self):
+        """The model's vocabulary: the data's ids, for tiktoken's rounded up to a multiple of 64 (faster matmuls)."""
+        vocab = self.meta["vocab_size"]
+        return -(-vocab // 64) * 64 if self.meta["tokenizer"]["type"] == "tiktoken" else vocab
+
+    def load_split(self, folder, split, block_size):
+        """A split as batch() reads it: a memmap of token ids, its file staying on disk."""
+        tokens = load_tokens(folder / f"{split}.bin")
+        if len(tokens) <= block_size:  # a GPT's window is block_size + 1 tokens (inputs and targets)
+            raise ConfigError(
+                f"{folder.name}'s {split} split has {len(tokens):,} tokens, too few for block_size={block_size}: "
+                f"use block_size <= {len(tokens) - 1}, or a dataset with a longer {split} split"
+            )
+        return tokens
+
+    def batch(self, data, batch_size, block_size, generator):
+        """One micro-batch of a split drawn with generator: (model inputs tuple, targets), int64 CPU tensors."""
+        raise NotImplementedError
+
+    def example_batch(self, batch_size, block_size):
+        """
+        The longest micro-batch the run can draw, of fixed random ids (the random generators are left as they were),
+        every position a target: what compile tries and the planner traces.
+        """
+        ids = random_ids(self.meta["vocab_size"], (batch_size, block_size + 1))
+        return (ids[:, :-1],), ids[:, 1:]
+
+    def count_tokens(self, inputs, targets):
+        """Input tokens of a batch, padding left out: what tokens/s counts."""
+        return sum(x.numel() for x in inputs)
+
+    def text_bytes(self, targets):
+        """The UTF-8 bytes of text that a batch's targets spell (for bits_per_byte); 0 where they spell none."""
+        return 0
+
+    def to_device(self, inputs, targets, device):
+        """A batch on device (model_inputs), its lengths marked dynamic for torch.compile where they vary."""
+        return model_inputs(inputs, targets, device, self.varying)
+
+    def loss(self, model, inputs, targets, smoothed=True):
+        """The summed loss of a batch on its device; smoothed: with the training loss's label smoothing."""
+        smoothing = self.label_smoothing if smoothed else 0.0
+        return model(*inputs, targets, label_smoothing=smoothing, reduction="sum", return_logits=False)[1]
+
+    def answer_rows(self, split):
+        """The val examples whose answers exact match decodes, in order."""
+        raise NotImplementedError
+
+    def decoded(self, model, split, rows, batch_size, block_size):
+        """(output, reference) id lists of greedy decoding for examples `rows` of a split: exact match compares them."""
+        raise NotImplementedError
+
+    def describe(self, split, batch_size):
+        """A line on the training split's batches for the run's log, or None."""
+        return None
+
+
+class CausalLM(Task):
+    """A GPT predicting each next token of text: a window's inputs and targets are one window shifted by one."""
+
+    bits_per_byte = True
+
+    @functools.cached_property
+    def byte_lengths(self):
+        """The UTF-8 bytes each id stands for (tokens.token_byte_lengths), read at the first evaluation."""
+        return token_byte_lengths(self.meta)
+
+    def batch(self, data, batch_size, block_size, generator):
+        tokens = windows(data, batch_size, block_size + 1, generator)
+        return (tokens[:, :-1],), tokens[:, 1:]
+
+    def text_bytes(self, targets):
+        return int(self.byte_lengths[targets[targets != IGNORE_INDEX].numpy()].sum())
+
+
+class MaskedLM(Task):
+    """
+    An encoder predicting the tokens hidden in a window (BERT's corruption, mask_tokens). A dataset without a [MASK]
+    id gets one after its vocabulary, recorded in the meta the checkpoints store. data_vocab: the ids random
+    replacements are drawn from (default: the dataset's).
+    """
+
+    def __init__(self, meta, label_smoothing=0.0, mask_prob=0.15, data_vocab=None):
+        special = meta["special_tokens"]
+        self.data_vocab = meta["vocab_size"] if data_vocab is None else data_vocab
+        if "mask" not in special:
+            meta = {
+                **meta,
+                "vocab_size": meta["vocab_size"] + 1,
+                "special_tokens": {**special, "mask": self.data_vocab},
+            }
+        super().__init__(meta, label_smoothing)
+        self.mask_id, self.mask_prob = meta["special_tokens"]["mask"], mask_prob
+
+    def batch(self, data, batch_size, block_size, generator):
+        # the window is both the input (corrupted) and the targets (at the chosen positions)
+        inputs, targets = mask_tokens(windows(data, batch_size, block_size, generator), self, generator)
+        return (inputs,), targets
+
+    def example_batch(self, batch_size, block_size):
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(self.data_vocab, (batch_size, block_size), generator=generator)
+        chosen = torch.rand(ids.shape, generator=generator) < self.mask_prob  # the targets, as mask_tokens picks them
+        return (ids,), torch.where(chosen, ids, IGNORE_INDEX)
+
+
+class Seq2Seq(Task):
+    """An encoder-decoder translating a source into a target: padded (source, target) pairs of varying lengths."""
+
+    kind = "seq2seq"
+    varying = exact_answers = True
+
+    def __init__(self, meta, label_smoothing=0.0):
+        super().__init__(meta, label_smoothing)
+        special = meta["special_tokens"]
+        self.pad_id, self.bos_id, self.eos_id = special["pad"], special["bos"], special["eos"]
+
+    def load_split(self, folder, split, block_size):
+        """(Pairs, indices of the pairs that fit block_size)."""
+        pairs = load_pairs(folder, split)
+        fits = fitting_pairs(pairs, block_size)
+        if not len(fits):
+            raise ConfigError(f"no {split} pair of {folder.name} fits block_size={block_size}; raise block_size")
+        if len(fits) < len(pairs):
+            log(
+                f"note: {len(pairs) - len(fits):,} of {len(pairs):,} {split} pairs do not fit block_size={block_size}; "
+                "they are left out"
+            )
+        return pairs, fits
+
+    def batch(self, data, batch_size, block_size, generator):
+        pairs, usable = data
+        # random pairs among those that fit block_size (with replacement, like the windows)
+        rows = usable[torch.randint(len(usable), (batch_size,), generator=generator).numpy()]
+        src, tgt_in, targets = seq2seq_batch(pairs, rows, self)
+        return (src, tgt_in), targets
+
+    def example_batch(self, batch_size, block_size):
+        ids = random_ids(self.meta["vocab_size"], (batch_size, block_size + 1))
+        return (ids[:, :-1], ids[:, :-1].clone()), ids[:, 1:]
+
+    def count_tokens(self, inputs, targets):
+        return sum(int((x != self.pad_id).sum()) for x in inputs)
+
+    def answer_rows(self, split):
+        return split[1]
+
+    def decoded(self, model, split, rows, batch_size, block_size):
+        batches = (seq2seq_batch(split[0], rows[i : i + batch_size], self) for i in range(0, len(rows), batch_size))
+        return decoded_pairs(model, batches, self.bos_id, self.eos_id, max_len=block_size)
+
+
+class Chat(CausalLM):
+    """
+    A GPT on conversations, with the loss on the assistant's tokens: batches of whole conversations of about one
+    length, right-padded. pad_id stays None, so that the model builds no key mask: causal attention never lets a
+    real position see the padding after it. Data whose replies are exact (a quiz) is scored by exact match too.
+    """
+
+    kind = "chat"
+    varying = True
+
+    def __init__(self, meta, label_smoothing=0.0):
+        super().__init__(meta, label_smoothing)
+        self.exact_answers = bool(meta.get("exact_answers"))
+
+    def load_split(self, folder, split, block_size):
+        """A ChatSplit: the conversations that fit block_size + 1 ids, shortest first."""
+        conversations = load_conversations(folder, split)
+        lengths = np.diff(conversations.index)
+        # inputs and targets are a conversation's ids less one
+        fits = np.flatnonzero(lengths <= block_size + 1)
+        if not len(fits):
+            raise ConfigError(
+                f"no {split} conversation of {folder.name} fits block_size={block_size} (the shortest has "
+                f"{lengths.min() - 1:,} inputs); raise block_size"
+            )
+        if len(fits) < len(conversations):
+            log(
+                f"note: {len(conversations) - len(fits):,} of {len(conversations):,} {split} conversations do not fit "
+                f"block_size={block_size}; they are left out"
+            )
+        # a fixed seed: the order is the same on every rank and at every resume
+        tiebreak = np.random.default_rng(0).permutation(len(fits))
+        return ChatSplit(conversations, fits[np.lexsort((tiebreak, lengths[fits]))])
+
+    def batch(self, data, batch_size, block_size, generator):
+        inputs, targets = chat_batch(data.conversations, chat_rows(data, batch_size, generator))
+        return (inputs,), targets
+
+    def count_tokens(self, inputs, targets):
+        # a conversation's inputs end at its last loss target (prepare_data cuts what follows), and its padding after
+        real = targets != IGNORE_INDEX
+        last = targets.size(1) - 1 - real.flip(1).int().argmax(1)
+        return int((last + 1).sum())
+
+    def answer_rows(self, split):
+        return np.sort(split.order)  # the conversations in their file's order (the split keeps them by length)
+
+    def decoded(self, model, split, rows, batch_size, block_size):
+        # a reply ends at an end-of-turn
+        stop = ChatFormat.from_meta(self.meta).end_of_turn
+        return decoded_replies(model, (split.conversations[int(i)] for i in rows), stop)
+
+    def describe(self, split, batch_size):
+        padding = padding_fraction(split, batch_size)
+        return f"chat batches: whole conversations of about one length, {padding:.1%} of their positions padding"
+
+
+def make_task(arch, meta, mask_prob=0.15, label_smoothing=0.0):
+    """The Task of a model of arch trained on a dataset with this meta; ConfigError where they do not go together."""
+    task = task_class(arch, meta["kind"], meta.get("name", "this dataset"))
+    if task is MaskedLM:
+        return MaskedLM(meta, label_smoothing, mask_prob)
+    return task(meta, label_smoothing)
+
+
+def task_class(arch, kind, name):
+    """
+    The Task class of a model of arch on dataset `name`, whose data is of this kind (its meta["kind"]); ConfigError
+    where they do not go together.
+    """
+    if kind == "chat" and arch != "gpt":
         raise ConfigError(
-            f"{meta.get('name')} is chat data, which only arch=gpt trains on (a reply is the next tokens of the "
-            f"conversation); arch={arch} needs another dataset"
+            f"{name} is chat data, which only arch=gpt trains on (a reply is the next tokens of the conversation); "
+            f"arch={arch} needs another dataset"
         )
-    kind = "seq2seq" if arch == "encoder_decoder" else "chat" if meta["kind"] == "chat" else "lm"
-    if meta["kind"] != kind:
-        examples = "reverse, sort, num2words, translation" if kind == "seq2seq" else "shakespeare_char, shakespeare"
-        raise ConfigError(f"arch={arch} needs a {kind} dataset ({examples}); {meta.get('name')} is {meta['kind']}")
-    # the special ids each arch needs: pad, bos and eos to frame pairs; [MASK] for the encoder; none for a GPT
-    vocab, special = meta["vocab_size"], meta["special_tokens"]
-    if kind == "chat":
-        objective = Objective(arch, vocab, chat=True)
-    elif arch == "encoder_decoder":
-        objective = Objective(arch, vocab, pad_id=special["pad"], bos_id=special["bos"], eos_id=special["eos"])
-    elif arch == "encoder" and "mask" not in special:
-        # a new id after the vocabulary, recorded so the checkpoint's tokenizer knows it
-        meta = {**meta, "vocab_size": vocab + 1, "special_tokens": {**special, "mask": vocab}}
-        objective = Objective(arch, vocab, mask_id=vocab, mask_prob=mask_prob)
-    else:
-        objective = Objective(arch, vocab, mask_id=special.get("mask"), mask_prob=mask_prob)
-    model_vocab = meta["vocab_size"]
-    if meta["tokenizer"]["type"] == "tiktoken":
-        model_vocab = -(-model_vocab // 64) * 64  # 50257 -> 50304: faster matmuls; the data never holds the extra ids
-    return objective, model_vocab, meta
+    task = (
+        Seq2Seq
+        if arch == "encoder_decoder"
+        else MaskedLM
+        if arch == "encoder"
+        else Chat
+        if kind == "chat"
+        else CausalLM
+    )
+    if kind != task.kind:
+        examples = "reverse, sort, num2words, translation" if task is Seq2Seq else "shakespeare_char, shakespeare"
+        raise ConfigError(f"arch={arch} needs a {task.kind} dataset ({examples}); {name} is {kind}")
+    return task
+
+
+def random_ids(vocab_size, shape):
+    """Ids from a generator of a fixed seed: an example batch, the same at every call, moving no other generator."""
+    return torch.randint(vocab_size, shape, generator=torch.Generator().manual_seed(0))
+
+
+def fitting_pairs(pairs, block_size):
+    """The indices of pairs whose source fits block_size, and whose target with bos (or eos) does."""
+    lengths = np.diff(pairs.index, axis=0)  # (n, 2): source and target length of each pair
+    return np.flatnonzero((lengths[:, 0] <= block_size) & (lengths[:, 1] + 1 <= block_size))
+
+
+# -----------------------------------------------------------------------------
+# What a batch is, for each task
 
 
 def windows(tokens, batch_size, length, generator):
@@ -79,20 +328,20 @@ def windows(tokens, batch_size, length, generator):
     return torch.from_numpy(np.stack([tokens[s : s + length] for s in starts]).astype(np.int64))
 
 
-def mask_tokens(tokens, objective, generator):
+def mask_tokens(tokens, task, generator):
     """BERT's corruption of tokens (B, T): (inputs, targets), targets IGNORE_INDEX where nothing is to be predicted."""
     # (B, T) bool: the positions the model must predict
-    chosen = torch.rand(tokens.shape, generator=generator) < objective.mask_prob
+    chosen = torch.rand(tokens.shape, generator=generator) < task.mask_prob
     action = torch.rand(tokens.shape, generator=generator)  # < 0.8: [MASK], < 0.9: random token, else unchanged
     # drawn for every position, used only where action picks a random token; never [MASK] itself
-    random_tokens = torch.randint(objective.data_vocab, tokens.shape, generator=generator)
-    inputs = torch.where(chosen & (action < 0.8), objective.mask_id, tokens)
+    random_tokens = torch.randint(task.data_vocab, tokens.shape, generator=generator)
+    inputs = torch.where(chosen & (action < 0.8), task.mask_id, tokens)
     inputs = torch.where(chosen & (action >= 0.8) & (action < 0.9), random_tokens, inputs)
     # targets at every chosen position, the unchanged ones included: the model cannot tell which they are
     return inputs, torch.where(chosen, tokens, IGNORE_INDEX)
 
 
-def seq2seq_batch(pairs, rows, objective):
+def seq2seq_batch(pairs, rows, task):
     """
     Pairs `rows` as (src (B, S), tgt_in (B, T), targets (B, T)): tgt_in = [bos] + target, targets = target + [eos],
     right-padded with pad_id (IGNORE_INDEX in targets) to the longest of the batch.
@@ -101,20 +350,20 @@ def seq2seq_batch(pairs, rows, objective):
     # + 1: tgt_in has bos before the target, targets has eos after it
     S, T = max(len(s) for s, _ in examples), max(len(t) for _, t in examples) + 1
     # all padding at first; each row's real tokens then overwrite its start
-    src = torch.full((len(examples), S), objective.pad_id)
-    tgt_in = torch.full((len(examples), T), objective.pad_id)
+    src = torch.full((len(examples), S), task.pad_id)
+    tgt_in = torch.full((len(examples), T), task.pad_id)
     targets = torch.full((len(examples), T), IGNORE_INDEX)
     for b, (s, t) in enumerate(examples):
         s, t = torch.from_numpy(s.astype(np.int64)), torch.from_numpy(t.astype(np.int64))
         src[b, : len(s)] = s
-        tgt_in[b, 0], tgt_in[b, 1 : len(t) + 1] = objective.bos_id, t
-        targets[b, : len(t)], targets[b, len(t)] = t, objective.eos_id
+        tgt_in[b, 0], tgt_in[b, 1 : len(t) + 1] = task.bos_id, t
+        targets[b, : len(t)], targets[b, len(t)] = t, task.eos_id
     return src, tgt_in, targets
 
 
 @dataclass(frozen=True)
 class ChatSplit:
-    """A chat split as get_batch reads it: its conversations, and those that fit block_size, shortest first."""
+    """A chat split as Chat.batch reads it: its conversations, and those that fit block_size, shortest first."""
 
     conversations: Conversations
     # indices of the conversations that fit, by length; equal lengths in a fixed shuffled order, so that a file's
@@ -149,26 +398,6 @@ def chat_rows(split, batch_size, generator):
     return split.order[(start + np.arange(batch_size)) % len(split.order)]
 
 
-def get_batch(data, objective, batch_size, block_size, generator):
-    """One micro-batch of a split drawn with generator: (model inputs tuple, targets), int64 CPU tensors."""
-    if objective.chat:
-        inputs, targets = chat_batch(data.conversations, chat_rows(data, batch_size, generator))
-        return (inputs,), targets
-    if objective.arch == "encoder_decoder":
-        pairs, usable = data
-        # random pairs among those that fit block_size (with replacement, like the windows)
-        rows = usable[torch.randint(len(usable), (batch_size,), generator=generator).numpy()]
-        src, tgt_in, targets = seq2seq_batch(pairs, rows, objective)
-        return (src, tgt_in), targets
-    if objective.arch == "encoder":
-        # masked LM: the window is both the input (corrupted) and the targets (at the chosen positions)
-        inputs, targets = mask_tokens(windows(data, batch_size, block_size, generator), objective, generator)
-        return (inputs,), targets
-    # a GPT predicts each next token: inputs and targets are the same window shifted by one, (B, block_size) each
-    tokens = windows(data, batch_size, block_size + 1, generator)
-    return (tokens[:, :-1],), tokens[:, 1:]
-
-
 def micro_seeds(generator, n):
     """Seeds for the next n micro-batches: a micro-batch depends only on its seed, whichever rank draws it."""
     return torch.randint(2**62, (n,), generator=generator).tolist()
@@ -177,16 +406,6 @@ def micro_seeds(generator, n):
 def count_targets(targets):
     """How many positions of targets hold a real target: what a step's mean loss divides by."""
     return int((targets != IGNORE_INDEX).sum())
-
-
-def count_tokens(inputs, targets, objective):
-    """Input tokens of a batch, padding left out: what tokens/s counts."""
-    if objective.chat:
-        # a conversation's inputs end at its last loss target (prepare_data cuts what follows), and its padding after
-        real = targets != IGNORE_INDEX
-        last = targets.size(1) - 1 - real.flip(1).int().argmax(1)
-        return int((last + 1).sum())
-    return sum(x.numel() if objective.pad_id is None else int((x != objective.pad_id).sum()) for x in inputs)
 
 
 def padding_fraction(split, batch_size):
@@ -253,66 +472,9 @@ def find_dataset(cfg, rt):
     return folder
 
 
-def load_splits(folder, meta, block_size):
-    """
-    train and val data: token memmaps (LM), (Pairs, indices of the pairs that fit block_size) (seq2seq), or a
-    ChatSplit (chat).
-    """
-    splits = {}
-    for split in ("train", "val"):
-        if meta["kind"] == "chat":
-            splits[split] = chat_split(folder, split, block_size)
-            continue
-        if meta["kind"] == "lm":
-            # a memmap: the file stays on disk, and each batch reads only the windows it draws
-            splits[split] = load_tokens(folder / f"{split}.bin")
-            if len(splits[split]) <= block_size:  # a GPT's window is block_size + 1 tokens (inputs and targets)
-                raise ConfigError(
-                    f"{folder.name}'s {split} split has {len(splits[split]):,} tokens, too few for "
-                    f"block_size={block_size}: use block_size <= {len(splits[split]) - 1}, or a "
-                    f"dataset with a longer {split} split"
-                )
-            continue
-        # seq2seq: pairs.index is (n + 1, 2), the offsets of each pair's source and target in two flat arrays
-        pairs = load_pairs(folder, split)
-        lengths = np.diff(pairs.index, axis=0)  # (n, 2): source and target length of each pair
-        # the decoder reads bos + target and predicts target + eos: target + 1 positions
-        fits = np.flatnonzero((lengths[:, 0] <= block_size) & (lengths[:, 1] + 1 <= block_size))
-        if not len(fits):
-            raise ConfigError(f"no {split} pair of {folder.name} fits block_size={block_size}; raise block_size")
-        if len(fits) < len(pairs):
-            log(
-                f"note: {len(pairs) - len(fits):,} of {len(pairs):,} {split} pairs do not fit block_size={block_size}; "
-                "they are left out"
-            )
-        splits[split] = (pairs, fits)
-    return splits
-
-
-def chat_split(folder, split, block_size):
-    """The ChatSplit of a chat dataset's split: its conversations that fit block_size + 1 ids, shortest first."""
-    conversations = load_conversations(folder, split)
-    lengths = np.diff(conversations.index)
-    # inputs and targets are a conversation's ids less one
-    fits = np.flatnonzero(lengths <= block_size + 1)
-    if not len(fits):
-        raise ConfigError(
-            f"no {split} conversation of {folder.name} fits block_size={block_size} (the shortest has "
-            f"{lengths.min() - 1:,} inputs); raise block_size"
-        )
-    if len(fits) < len(conversations):
-        log(
-            f"note: {len(conversations) - len(fits):,} of {len(conversations):,} {split} conversations do not fit "
-            f"block_size={block_size}; they are left out"
-        )
-    # a fixed seed: the order is the same on every rank and at every resume
-    tiebreak = np.random.default_rng(0).permutation(len(fits))
-    return ChatSplit(conversations, fits[np.lexsort((tiebreak, lengths[fits]))])
-
-
 def gpt_window(inputs, targets):
     """
-    The (B, T + 1) window a GPT batch's inputs (B, T) and targets (B, T) are two views of, as get_batch and
+    The (B, T + 1) window a GPT batch's inputs (B, T) and targets (B, T) are two views of, as CausalLM.batch and
     pinned make them (inputs its first T columns, targets its last T); None for any other batch.
     """
     window = inputs[0]._base if len(inputs) == 1 else None  # _base: the tensor a view looks into
@@ -341,17 +503,16 @@ def pinned(inputs, targets):
 def model_inputs(inputs, targets, device, varying=False):
     """
     A batch on device: (inputs tuple, targets). Pinned host memory (see pinned) lets the copy overlap with GPU
-    work; a GPT's window is copied once and sliced on the device. Sequence-to-sequence batches (src, tgt), and chat
-    batches (varying=True: objective.chat), vary in length from batch to batch: their lengths are marked dynamic, so
-    torch.compile builds one graph for all of them instead of recompiling for each new length.
+    work; a GPT's window is copied once and sliced on the device. varying (Task.varying: pairs, conversations):
+    dimension 1, the length, varies from batch to batch and is marked dynamic, so that torch.compile builds one
+    graph for all of them instead of recompiling for each new length.
     """
     window = gpt_window(inputs, targets)
     if window is not None:
         window = window.to(device, non_blocking=window.is_pinned())
         return (window[:, :-1],), window[:, 1:]
     moved = [x.to(device, non_blocking=x.is_pinned()) for x in (*inputs, targets)]
-    # (src (B, S), tgt_in (B, T)) or a chat batch's (inputs (B, T),): dimension 1 is the length, which varies by batch
-    if len(inputs) == 2 or varying:
+    if varying:
         for x in moved:
             torch._dynamo.maybe_mark_dynamic(x, 1)
     return tuple(moved[:-1]), moved[-1]
@@ -365,8 +526,8 @@ class TrainBatches:
     `generator` for the micro-batches of all ranks: the stream is the same on any number of ranks.
     """
 
-    def __init__(self, data, objective, cfg, generator, rt, per_rank):
-        self.data, self.objective, self.cfg, self.pin = data, objective, cfg, rt.device.type == "cuda"
+    def __init__(self, data, task, cfg, generator, rt, per_rank):
+        self.data, self.task, self.cfg, self.pin = data, task, cfg, rt.device.type == "cuda"
         self.generator, self.rank, self.per_rank, self.world_size = generator, rt.rank, per_rank, rt.world_size
         # one worker: the next step's batches are built in order while this step runs, never further ahead
         self.pool = ThreadPoolExecutor(max_workers=1)
@@ -382,10 +543,10 @@ class TrainBatches:
 
     def build(self, seeds):
         """(micro-batches, real targets, input tokens) for these seeds; runs on the background thread."""
-        cfg, objective = self.cfg, self.objective
+        cfg, task = self.cfg, self.task
         batches = [
             # a fresh generator per micro-batch: its contents depend on its seed alone
-            get_batch(self.data, objective, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(s))
+            task.batch(self.data, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(s))
             for s in seeds
         ]
         # pinned (page-locked) memory lets the copy to the GPU run asynchronously (non_blocking)
@@ -393,7 +554,7 @@ class TrainBatches:
             batches = [pinned(inputs, targets) for inputs, targets in batches]
         # counted here on the CPU, so the training loop never waits for a count on the GPU
         n_targets = sum(count_targets(targets) for _, targets in batches)
-        return batches, n_targets, sum(count_tokens(inputs, targets, objective) for inputs, targets in batches)
+        return batches, n_targets, sum(task.count_tokens(inputs, targets) for inputs, targets in batches)
 
     def peek(self):
         """(micro-batches, real targets, input tokens) of the next step, without taking it."""

@@ -1,6 +1,6 @@
 """
 Where a script runs and in which precision: the `device` and `dtype` settings of train.py and sample.py resolved
-for this machine, autocast for mixed precision, and the peak FLOP/s of known GPUs (for MFU).
+for this machine, autocast for mixed precision, and the GPUs known by name: memory, peak FLOP/s (for MFU), bf16.
 """
 
 import ctypes
@@ -8,6 +8,7 @@ import os
 import re
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,16 +37,20 @@ def resolve_device(name, local_rank):
     return device
 
 
-def resolve_dtype(name, device):
-    """The torch dtype for dtype setting `name` on device ('auto' resolved); ConfigError where it cannot run."""
+def resolve_dtype(name, device, native_bf16=None, gpu="this GPU"):
+    """
+    The torch dtype for dtype setting `name` on device ('auto' resolved); ConfigError where it cannot run.
+    native_bf16: whether the GPU (named gpu in messages) computes bfloat16 natively; None: ask this machine's.
+    """
     # V100s and T4s run bfloat16 only by emulation (slowly): they count as having none, and get float16 + scaler
-    native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    if native_bf16 is None:
+        native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if name == "auto":
         name = "float32" if device.type != "cuda" else "bfloat16" if native_bf16 else "float16"
     if name == "float16" and device.type != "cuda":
         raise ConfigError(f"dtype=float16 needs CUDA (its gradient scaler); on {device.type} use bfloat16 or float32")
     if name == "bfloat16" and device.type == "cuda" and not native_bf16:
-        raise ConfigError("this GPU has no native bfloat16; use --dtype=float16")
+        raise ConfigError(f"{gpu} has no native bfloat16; use --dtype=float16")
     return getattr(torch, name)
 
 
@@ -108,28 +113,44 @@ def keep_freed_memory():
     mallopt(m_trim_threshold, 1 << 30)  # and up to 1 GiB of freed heap is kept rather than returned
 
 
-# Peak dense bf16 tensor-core FLOP/s with float32 accumulation (what training runs; no sparsity) from the vendors' data
-# sheets, keyed by a pattern searched in the name torch.cuda.get_device_name returns. Tried in order: a variant comes
-# before the family name it contains.
-PEAK_FLOPS = (
-    (r"\bH100 PCIe\b", 756e12),  # "NVIDIA H100 PCIe"
-    (r"\b(H100|H200) NVL\b", 835e12),  # "NVIDIA H100 NVL", "NVIDIA H200 NVL"
-    (r"\b(H100|H200|GH200)\b", 989e12),  # SXM: "NVIDIA H100 80GB HBM3", "NVIDIA H200"; the GH200 superchip
-    (r"\bA100\b", 312e12),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB"
-    (r"\bA10G\b", 70e12),
-    (r"\bA10\b", 125e12),
-    (r"\bL40S\b", 362e12),
-    (r"\bL40\b", 181e12),
-    (r"\bL4\b", 121e12),
-    (r"\bV100-PCIE\b", 112e12),  # fp16 for V100 and T4, which have no bf16. "Tesla V100-PCIE-32GB"
-    (r"\bV100S\b", 130e12),  # "Tesla V100S-PCIE-32GB"
-    (r"\bV100\b", 125e12),  # "Tesla V100-SXM2-16GB"
-    (r"\bT4\b", 65e12),  # "Tesla T4"
+@dataclass(frozen=True)
+class GPU:
+    """A GPU that MFU is measured on and plans are made for (--plan_device)."""
+
+    name: str  # as --plan_device names it
+    pattern: str  # searched in the name torch.cuda.get_device_name returns
+    memory_gib: int  # from the vendor's data sheet
+    flops: float  # peak dense bf16 tensor-core FLOP/s with float32 accumulation (what training runs; no sparsity)
+    bf16: bool = True  # False: bfloat16 only by emulation, so float16 with a gradient scaler (and fp16's peak)
+
+
+# From the vendors' data sheets. Tried in order by a device's name: a variant comes before the family name it
+# contains (a later entry of the same family, the 40 GB A100 say, is there for plans by name only)
+GPUS = (
+    GPU("H100 PCIe", r"\bH100 PCIe\b", 80, 756e12),  # "NVIDIA H100 PCIe"
+    GPU("H100 NVL", r"\bH100 NVL\b", 94, 835e12),  # "NVIDIA H100 NVL"
+    GPU("H200 NVL", r"\bH200 NVL\b", 141, 835e12),
+    GPU("H100", r"\bH100\b", 80, 989e12),  # SXM: "NVIDIA H100 80GB HBM3"
+    GPU("H200", r"\bH200\b", 141, 989e12),  # "NVIDIA H200"
+    GPU("GH200", r"\bGH200\b", 96, 989e12),  # the Grace Hopper superchip's GPU, the H100 SXM's
+    GPU("A100", r"\bA100\b", 80, 312e12),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB"
+    GPU("A100 40GB", r"\bA100\b", 40, 312e12),
+    GPU("A10G", r"\bA10G\b", 24, 70e12),
+    GPU("A10", r"\bA10\b", 24, 125e12),
+    GPU("L40S", r"\bL40S\b", 48, 362e12),
+    GPU("L40", r"\bL40\b", 48, 181e12),
+    GPU("L4", r"\bL4\b", 24, 121e12),
+    # fp16 for Volta and Turing, which have no bf16
+    GPU("V100 PCIe", r"\bV100-PCIE\b", 32, 112e12, bf16=False),  # "Tesla V100-PCIE-32GB"
+    GPU("V100S", r"\bV100S\b", 32, 130e12, bf16=False),  # "Tesla V100S-PCIE-32GB"
+    GPU("V100", r"\bV100\b", 32, 125e12, bf16=False),  # "Tesla V100-SXM2-16GB"
+    GPU("V100 16GB", r"\bV100\b", 16, 125e12, bf16=False),
+    GPU("T4", r"\bT4\b", 16, 65e12, bf16=False),  # "Tesla T4"
     # GeForce, from NVIDIA's architecture whitepapers (Ada Lovelace, appendix table of the RTX 4090; Ampere GA102,
     # appendix A, RTX 3090): "Peak BF16 Tensor TFLOPS with FP32 Accumulate" 165.2 and 71 dense. The doubled figures
     # beside them (330.3, 142) accumulate in FP16; the halved ones (82.6, 35.6) are the TF32 and CUDA-core FP32 rates.
-    (r"\bRTX 4090\b", 165.2e12),  # "NVIDIA GeForce RTX 4090"
-    (r"\bRTX 3090\b", 71e12),
+    GPU("RTX 4090", r"\bRTX 4090\b", 24, 165.2e12),  # "NVIDIA GeForce RTX 4090"
+    GPU("RTX 3090", r"\bRTX 3090\b", 24, 71e12),
 )
 
 # Streaming multiprocessors of the whole GPU, for the GPUs that MIG splits into slices ("NVIDIA H100 80GB HBM3 MIG
@@ -140,11 +161,11 @@ WHOLE_GPU_MULTIPROCESSORS = ((r"\bH100 PCIe\b", 114), (r"\b(H100|H200|GH200)\b",
 
 def peak_flops(device_name, multiprocessors=None):
     """
-    Peak dense bf16 FLOP/s of a GPU from its torch.cuda.get_device_name(); None for one not in PEAK_FLOPS.
+    Peak dense bf16 FLOP/s of a GPU from its torch.cuda.get_device_name(); None for one not in GPUS.
     A MIG slice gets the whole GPU's peak times its share of the streaming multiprocessors: multiprocessors is the
     slice's own count (torch.cuda.get_device_properties(device).multi_processor_count); None without it.
     """
-    peak = next((peak for pattern, peak in PEAK_FLOPS if re.search(pattern, device_name)), None)
+    peak = next((gpu.flops for gpu in GPUS if re.search(gpu.pattern, device_name)), None)
     if peak is None or not re.search(r"\bMIG\b", device_name):
         return peak
     whole = next((count for pattern, count in WHOLE_GPU_MULTIPROCESSORS if re.search(pattern, device_name)), None)

@@ -26,12 +26,13 @@ from tqdm import tqdm
 
 import prepare_data
 from chat import model_format
-from checkpoint import load_model, run_checkpoint
+from checkpoint import run_checkpoint
 from config import parse_config
-from data import Objective, chat_batch, mask_tokens, seq2seq_batch
+from data import MaskedLM, Seq2Seq, chat_batch, fitting_pairs, mask_tokens, seq2seq_batch, task_class
 from devices import DTYPES, autocast, resolve_device, resolve_dtype
 from generate import decoded_pairs, decoded_replies, start_ids
 from model import IGNORE_INDEX
+from start import load_model
 from tokens import (
     MIRROR_ENV,
     dataset_dir,
@@ -134,7 +135,7 @@ def lm_loss(model, tokens, byte_lengths, *, block_size, stride, batch_size, limi
     return {"windows": len(starts), "tokens": count, "bytes": n_bytes, "nats": nats}
 
 
-def masked_loss(model, tokens, objective, *, block_size, batch_size, seed, limit=None, progress=False):
+def masked_loss(model, tokens, task, *, block_size, batch_size, seed, limit=None, progress=False):
     """
     An encoder's summed cross-entropy at the masked positions of tokens, cut into windows of block_size, each masked
     as in training (mask_tokens: mask_prob of the positions, 80% shown as [MASK], 10% a random token, 10% unchanged)
@@ -153,7 +154,7 @@ def masked_loss(model, tokens, objective, *, block_size, batch_size, seed, limit
             masked = []
             for k in batch:
                 window = torch.from_numpy(tokens[starts[k] : starts[k] + block_size].astype(np.int64))
-                masked.append(mask_tokens(window[None], objective, torch.Generator().manual_seed(seed + k)))
+                masked.append(mask_tokens(window[None], task, torch.Generator().manual_seed(seed + k)))
             inputs, targets = (torch.cat(parts) for parts in zip(*masked))
             count += int((targets != IGNORE_INDEX).sum())
             _, loss = model(inputs.to(device), targets.to(device), reduction="sum", return_logits=False)
@@ -225,11 +226,11 @@ def evaluate_lm(model, tokenizer, meta, cfg, progress):
     if model.config.arch == "encoder":
         mask_id = meta["special_tokens"]["mask"]
         # train.py appends [MASK] after the dataset's ids: its random replacements are drawn from the ids below it
-        objective = Objective("encoder", data_vocab=mask_id, mask_id=mask_id, mask_prob=cfg.mask_prob)
+        task = MaskedLM(meta, mask_prob=cfg.mask_prob, data_vocab=mask_id)
         counts = masked_loss(
             model,
             tokens,
-            objective,
+            task,
             block_size=block,
             batch_size=cfg.batch_size,
             seed=cfg.seed,
@@ -281,7 +282,7 @@ def evaluate_lm(model, tokenizer, meta, cfg, progress):
 # Sequence to sequence: exact match and token accuracy
 
 
-def seq2seq_scores(model, pairs, rows, objective, *, block_size, beam_size, length_penalty, batch_size, progress):
+def seq2seq_scores(model, pairs, rows, task, *, block_size, beam_size, length_penalty, batch_size, progress):
     """
     Decode the sources of pairs `rows` (greedily, or by beam search) and compare with the references, target + eos.
     Returns {"pairs", "exact", "correct_tokens", "reference_tokens", "nats", "targets"}: the outputs equal to their
@@ -290,7 +291,7 @@ def seq2seq_scores(model, pairs, rows, objective, *, block_size, beam_size, leng
     """
     device = next(model.parameters()).device
     scores = dict.fromkeys(("exact", "correct_tokens", "reference_tokens", "nats", "targets"), 0)
-    batches = [seq2seq_batch(pairs, rows[i : i + batch_size], objective) for i in range(0, len(rows), batch_size)]
+    batches = [seq2seq_batch(pairs, rows[i : i + batch_size], task) for i in range(0, len(rows), batch_size)]
     for src, tgt_in, targets in batches:
         _, loss = model(src.to(device), tgt_in.to(device), targets.to(device), reduction="sum", return_logits=False)
         scores["nats"] += loss.item()
@@ -298,8 +299,8 @@ def seq2seq_scores(model, pairs, rows, objective, *, block_size, beam_size, leng
     outputs = decoded_pairs(
         model,
         batches,
-        objective.bos_id,
-        objective.eos_id,
+        task.bos_id,
+        task.eos_id,
         max_len=block_size,
         beam_size=beam_size,
         length_penalty=length_penalty,
@@ -319,20 +320,14 @@ def evaluate_seq2seq(model, meta, cfg, progress):
     folder = dataset_folder(cfg, meta)
     pairs = load_pairs(folder, split)
     block = model.config.block_size
-    lengths = np.diff(pairs.index, axis=0)  # (n, 2): each pair's source and target length
-    # as in training: the source within block_size, and bos + target (or target + eos) too
-    rows = np.flatnonzero((lengths[:, 0] <= block) & (lengths[:, 1] + 1 <= block))
+    rows = fitting_pairs(pairs, block)  # as in training
     if not len(rows):
         raise ValueError(f"no {split} pair of {folder.name} fits the model's block_size={block}")
-    special = meta["special_tokens"]
-    objective = Objective(
-        "encoder_decoder", meta["vocab_size"], pad_id=special["pad"], bos_id=special["bos"], eos_id=special["eos"]
-    )
     scores = seq2seq_scores(
         model,
         pairs,
         rows[: cfg.limit],
-        objective,
+        Seq2Seq(meta),
         block_size=block,
         beam_size=cfg.beam_size,
         length_penalty=cfg.length_penalty,
@@ -574,28 +569,30 @@ def evaluate_hellaswag(model, tokenizer, items, cfg, path, progress):
 # The command line
 
 
+# what each task scores, and the architectures it scores: a model's task, "auto", is its training task's (data.Task)
+TASK_ARCHS = {
+    "lm": ("text with a GPT or an encoder", ("gpt", "encoder")),
+    "seq2seq": ("decoded pairs with an encoder-decoder", ("encoder_decoder",)),
+    "chat": ("a GPT's replies", ("gpt",)),
+    "hellaswag": ("endings by a causal language model's likelihood", ("gpt",)),
+}
+# the options that apply to one task only (given: changed from their defaults)
+TASK_OPTIONS = {"exact_match": "chat", "beam_size": "seq2seq", "length_penalty": "seq2seq", "stride": "lm"}
+
+
 def check_task(cfg, arch, meta):
     """The task that cfg asks of a model of this arch and meta ("auto" resolved); ValueError for one it cannot do."""
-    task = cfg.task
-    if task == "auto":
-        task = "seq2seq" if arch == "encoder_decoder" else "chat" if meta.get("kind") == "chat" else "lm"
-    if task == "chat" and arch != "gpt":
-        raise ValueError(f"task=chat scores a GPT's replies; this checkpoint's arch is {arch}")
-    if cfg.exact_match is not None and task != "chat":
-        raise ValueError(f"--exact_match applies to task=chat (a chat model's replies), not to task={task}")
-    if task == "hellaswag" and arch != "gpt":
-        raise ValueError(
-            f"HellaSwag scores endings by a causal language model's likelihood; this checkpoint's arch is {arch}"
-        )
-    if task == "seq2seq" and arch != "encoder_decoder":
-        raise ValueError(
-            f"task=seq2seq decodes with an encoder-decoder; this checkpoint's arch is {arch}: use --task=lm"
-        )
-    if task == "lm" and arch == "encoder_decoder":
-        raise ValueError("task=lm scores text with a GPT or an encoder; an encoder-decoder takes --task=seq2seq")
-    if task != "seq2seq" and (cfg.beam_size != 1 or cfg.length_penalty != EvalConfig.length_penalty):
-        raise ValueError(f"--beam_size and --length_penalty apply to seq2seq, not to task={task}")
-    if cfg.stride is not None and (task != "lm" or arch != "gpt"):
+    task = (
+        task_class(arch, meta.get("kind", "lm"), meta.get("name", "its data")).kind if cfg.task == "auto" else cfg.task
+    )
+    scores, archs = TASK_ARCHS[task]
+    if arch not in archs:
+        instead = next(name for name, (_, takes) in TASK_ARCHS.items() if arch in takes)
+        raise ValueError(f"task={task} scores {scores}; this checkpoint's arch is {arch}: use --task={instead}")
+    for name, applies in TASK_OPTIONS.items():
+        if getattr(cfg, name) != getattr(EvalConfig, name) and task != applies:
+            raise ValueError(f"--{name} applies to task={applies}, not to task={task}")
+    if cfg.stride is not None and arch != "gpt":
         raise ValueError("--stride applies to a GPT's language modelling (task=lm) only")
     if task == "hellaswag" and cfg.split is not None:
         raise ValueError("HellaSwag reads its jsonl file (--input), not a --split")

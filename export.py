@@ -32,10 +32,11 @@ from pathlib import Path
 import tokenizers
 from safetensors.torch import save_file
 
-from checkpoint import load_checkpoint, model_from_checkpoint, move_into_place, run_checkpoint
+from checkpoint import load_checkpoint, move_into_place, run_checkpoint
 from config import parse_config
 from hf import hf_layout, to_hf
 from model import ModelConfig
+from start import model_from_checkpoint
 from tokens import END_OF_TEXT, EXPORT_KEY, TOKENIZER_JSON, tiktoken_encoding
 
 WEIGHTS = "model.safetensors"

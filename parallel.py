@@ -21,13 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from config import ConfigError, one_line
 from devices import autocast, resolve_device, resolve_dtype
 from model import Block, build_model
-
-
-def log(message):
-    """Print on rank 0 only (torchrun sets RANK); flushed so piped logs stay current."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(message, flush=True)
-
+from progress import log
 
 # -----------------------------------------------------------------------------
 # Processes
@@ -153,14 +147,14 @@ class Models:
         return self.raw if self.average is None else self.average
 
 
-def parallelize(model, cfg, rt, example):
+def parallelize(model, cfg, rt, task):
     """
     Models for training `model` (on the CPU, or on the meta device under FSDP) on this process's ranks, made in
     this order, as torchtitan's parallelize does:
       1. activation checkpointing, if cfg says so: each block recomputed in the backward;
       2. FSDP2 (fsdp under torchrun): each block, then the root, sharded over the ranks; or DDP (torchrun without
          fsdp), which also gives every rank rank 0's initial weights; or neither, in one process;
-      3. torch.compile (cfg.compile; None: on CUDA only), tried on example, (inputs, targets) on rt.device.
+      3. torch.compile (cfg.compile; None: on CUDA only), tried on the task's example batch (data.Task).
          DDP is compiled, not wrapped around a compiled model: then its graph is split at the gradient buckets,
          so each bucket's all-reduce starts while the backward of the layers before it still runs;
       4. with ema_decay, the weight average: a copy, sharded alike.
@@ -184,10 +178,10 @@ def parallelize(model, cfg, rt, example):
     step, evaluated = ddp or model, model if average is None else average
     eval_model = evaluated
     if cfg.compile or cfg.compile is None and rt.device.type == "cuda":
-        # fixed shapes (LM windows): graphs specialised to them; pairs vary in length: one dynamic graph
-        how = dict(dynamic=None if cfg.arch == "encoder_decoder" else False, regions=cfg.compile_regions)
+        # fixed shapes (windows): graphs specialised to them; pairs and conversations vary in length: one dynamic graph
+        how = dict(dynamic=None if task.varying else False, regions=cfg.compile_regions)
         how["mode"] = "reduce-overhead" if cfg.cuda_graphs else None
-        step = compile_model(step, example, rt, cfg.label_smoothing, **how)
+        step = compile_model(step, task, cfg.batch_size, cfg.block_size, rt, **how)
         if isinstance(step, CompiledModel):
             # evaluation stays outside DDP and measures the average if there is one: compiled apart, unless it is
             # exactly what a step calls
@@ -254,7 +248,7 @@ class CompiledModel(nn.Module):
     """
     torch.compile(module), falling back to the eager module with one warning if a compilation fails, whenever it
     happens: at the first call or at a later recompilation (evaluation mode, say). A backward graph is compiled at
-    its first use, in loss.backward(): train.compute_gradients redoes such a step eagerly after calling fall_back.
+    its first use, in loss.backward(): train.accumulate_gradients turns a failure there into a one-line error.
     regions: compile each Block and the loss instead of the whole model (compile_regions); mode: torch.compile's,
     "reduce-overhead" for CUDA graphs.
     """
@@ -301,15 +295,16 @@ def compile_regions(module, enabled=True, **options):
         model.__dict__.pop("chunk_loss", None)  # the method again
 
 
-def compile_model(model, example, rt, label_smoothing=0.0, dynamic=None, regions=False, mode=None):
+def compile_model(model, task, batch_size, block_size, rt, dynamic=None, regions=False, mode=None):
     """
-    CompiledModel(model), tried on one forward and backward pass of example ((inputs, targets) on rt.device; the
-    backward is compiled at its first call); if that fails, one warning and the eager model, on every rank if it
-    failed on any. Running out of memory or a failed collective is no compile failure: it is raised. Under FSDP a
-    backward that fails to compile leaves the ranks' gathers of weights half done: one line, no fallback.
+    CompiledModel(model), tried on one forward and backward pass of the task's example batch with the training
+    step's exact call (the backward is compiled at its first call); if that fails, one warning and the eager model,
+    on every rank if it failed on any. Running out of memory or a failed collective is no compile failure: it is
+    raised. Under FSDP a backward that fails to compile leaves the ranks' gathers of weights half done: one line, no
+    fallback.
     """
     compiled = CompiledModel(model, dynamic, regions, mode)
-    inputs, targets = example
+    inputs, targets = task.to_device(*task.example_batch(batch_size, block_size), rt.device)
     # DDP's no_sync: the trial's backward exchanges nothing, so a rank whose backward fails to compile leaves no
     # other rank waiting in an all-reduce, and all can agree below
     no_sync = model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()
@@ -318,9 +313,7 @@ def compile_model(model, example, rt, label_smoothing=0.0, dynamic=None, regions
         with torch.random.fork_rng(devices=[rt.device.index] if rt.device.type == "cuda" else []), no_sync:
             with rt.autocast():
                 # the training step's exact call, so that training reuses this graph instead of compiling another
-                _, loss = compiled(
-                    *inputs, targets, label_smoothing=label_smoothing, reduction="sum", return_logits=False
-                )
+                loss = task.loss(compiled, inputs, targets)
             loss.backward()
     except (torch.OutOfMemoryError, dist.DistError):
         raise

@@ -29,6 +29,7 @@ import re
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -47,32 +48,13 @@ import prepare_data
 import tokens
 from checkpoint import is_checkpoint, load_checkpoint
 from config import ConfigError, one_line
-from data import Objective, make_objective, prepared_dataset
-from devices import peak_flops, pick_threads, resolve_dtype
-from model import IGNORE_INDEX, LOSS_CHUNK_BYTES, ModelConfig, build_model, loss_chunk_budget
+from data import Task, count_targets, prepared_dataset
+from devices import GPUS, peak_flops, pick_threads, resolve_dtype
+from model import LOSS_CHUNK_BYTES, ModelConfig, build_model, loss_chunk_budget
 from parallel import Models, Runtime, shard_model, split_accumulation
 from progress import local_bytes, resident_peak, state_bytes
+from start import task_of
 
-# GPUs a plan can be made for: memory in GiB from the vendors' data sheets; the peak FLOP/s is devices.PEAK_FLOPS'
-GPUS = {
-    "H100": 80,  # SXM
-    "H100 PCIe": 80,
-    "H100 NVL": 94,
-    "H200": 141,
-    "GH200": 96,
-    "A100": 80,
-    "A100 40GB": 40,
-    "A10G": 24,
-    "A10": 24,
-    "L40S": 48,
-    "L40": 48,
-    "L4": 24,
-    "V100": 32,
-    "V100 16GB": 16,
-    "T4": 16,
-    "RTX 4090": 24,
-    "RTX 3090": 24,
-}
 # the MFU a plan times GPU steps at, measured with bench.py --parts=gpu (docs/performance.md): configs/gpt2.py's
 # model at 12 x 1024 x 4 micro-batches a step, bf16, compiled, fused AdamW (torch 2.11, 2026-11-26). A GPU not
 # measured yet gets the H100's figure
@@ -96,6 +78,7 @@ class Target:
     mfu: float
     mfu_source: str
     gpu: bool
+    bf16: bool = True  # computes bfloat16 natively (devices.GPU.bf16)
 
 
 def find_target(name, mfu, ranks):
@@ -103,8 +86,8 @@ def find_target(name, mfu, ranks):
     if name in ("", "auto"):
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         if name != "cpu":
-            props = torch.cuda.get_device_properties(0)
-            return gpu_target(name, props.total_memory, peak_flops(name, props.multi_processor_count), mfu)
+            props, bf16 = torch.cuda.get_device_properties(0), torch.cuda.is_bf16_supported(including_emulation=False)
+            return gpu_target(name, props.total_memory, peak_flops(name, props.multi_processor_count), mfu, bf16)
     if name.lower() == "cpu":
         # this CPU's float32 matmul rate with the threads each of the ranks would get
         threads = pick_threads(0, ranks)[0]
@@ -112,10 +95,15 @@ def find_target(name, mfu, ranks):
         source = f"the quick start's, of matmuls measured now on {threads} thread(s)"
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
         return Target("cpu", memory, measured, mfu or CPU_MFU, "given" if mfu else source, gpu=False)
-    key = {squeeze(k): k for k in GPUS}.get(squeeze(name))
-    if key is None:
-        raise ConfigError(f"plan_device={name!r} is not a device plans know; use cpu or one of {', '.join(GPUS)}")
-    return gpu_target(key, GPUS[key] * 2**30, peak_flops(key), mfu)
+    gpu = next((gpu for gpu in GPUS if squeeze(gpu.name) == squeeze(name)), None)
+    if gpu is None:
+        raise ConfigError(f"plan_device={name!r} is not a device plans know; use cpu or one of {gpu_names()}")
+    return gpu_target(gpu.name, gpu.memory_gib * 2**30, gpu.flops, mfu, gpu.bf16)
+
+
+def gpu_names():
+    """The GPUs plans know, for a message."""
+    return ", ".join(gpu.name for gpu in GPUS)
 
 
 def squeeze(name):
@@ -123,17 +111,18 @@ def squeeze(name):
     return re.sub(r"[\s_-]|nvidia|geforce", "", name.lower())
 
 
-def gpu_target(name, memory, flops, mfu):
+def gpu_target(name, memory, flops, mfu, bf16=True):
+    """The Target of a GPU of this name (a devices.GPUS name, or CUDA's for this machine's), memory and peak."""
     if flops is None:
-        raise ConfigError(f"the peak FLOP/s of {name} is not known: give --plan_device one of {', '.join(GPUS)}")
+        raise ConfigError(f"the peak FLOP/s of {name} is not known: give --plan_device one of {gpu_names()}")
     if mfu:
-        return Target(name, memory, flops, mfu, "given", gpu=True)
+        return Target(name, memory, flops, mfu, "given", gpu=True, bf16=bf16)
     # the GPUS name this device's begins with, the longest ('NVIDIA H100 80GB HBM3' is an H100, 'H100 PCIe' its own)
-    known = [k for k in GPUS if squeeze(name).startswith(squeeze(k))]
+    known = [gpu.name for gpu in GPUS if squeeze(name).startswith(squeeze(gpu.name))]
     key = max(known, key=len, default=None)
     if key in MEASURED_MFU:
-        return Target(name, memory, flops, MEASURED_MFU[key], f"measured on an {key}", gpu=True)
-    return Target(name, memory, flops, MEASURED_MFU["H100"], "the H100's: none measured on this GPU", gpu=True)
+        return Target(name, memory, flops, MEASURED_MFU[key], f"measured on an {key}", gpu=True, bf16=bf16)
+    return Target(name, memory, flops, MEASURED_MFU["H100"], "the H100's: none measured on this GPU", True, bf16)
 
 
 def cpu_matmul_flops(threads, n=1024, repeats=5):
@@ -177,10 +166,13 @@ def planned_meta(cfg):
 
 
 def planned_config(cfg, meta):
-    """(ModelConfig, Objective) of the run: from its settings, its checkpoint or its Hugging Face folder."""
-    objective, vocab_size, meta = make_objective(cfg.arch, meta, cfg.mask_prob)
+    """
+    (ModelConfig, Task) of the run: from its settings, its checkpoint's or its Hugging Face folder's config.json,
+    without reading any weights (start.start_run would load them).
+    """
+    task = task_of(cfg, meta)
     if cfg.init_from == "scratch":
-        return cfg.model_config(vocab_size, objective.pad_id), objective
+        return cfg.model_config(task.model_vocab, task.pad_id), task
     if cfg.init_from == "resume" or is_checkpoint(cfg.init_from) or cfg.init_from.endswith(".pt"):
         path = Path(cfg.out_dir) / "ckpt.pt" if cfg.init_from == "resume" else Path(cfg.init_from)
         config = ModelConfig.from_dict(load_checkpoint(path, weights=False)["model_config"])
@@ -194,7 +186,7 @@ def planned_config(cfg, meta):
             raise ConfigError(f"init_from={cfg.init_from}: {one_line(e)}") from None
     if cfg.arch == "gpt" and cfg.init_from != "resume":  # grown for chat tokens beyond the model's (start.fit_to_data)
         config = replace(config, vocab_size=max(config.vocab_size, meta["vocab_size"]))
-    return config, objective
+    return config, task
 
 
 # -----------------------------------------------------------------------------
@@ -238,18 +230,6 @@ class VocabTensors(TorchDispatchMode):
         return out
 
 
-def example_batch(config, objective, batch_size):
-    """The longest micro-batch the run can draw: (inputs tuple, targets), every position a target."""
-    B, T = batch_size, config.block_size
-    ids = torch.randint(config.vocab_size - 1, (B, T + 1))
-    if objective.arch == "encoder_decoder":
-        return (ids[:, :-1], ids[:, 1:]), ids[:, 1:].clone()
-    if objective.arch == "encoder":  # the targets at mask_prob of the positions
-        targets = torch.where(torch.rand(B, T) < objective.mask_prob, ids[:, :-1], IGNORE_INDEX)
-        return (ids[:, :-1],), targets
-    return (ids[:, :-1],), ids[:, 1:]
-
-
 def planned_loss_chunk(cfg, target):
     """
     The loss chunk train.py would use on target (its loss_chunk_bytes): loss_chunk_mb if given; on a GPU the rule
@@ -266,17 +246,15 @@ def compiled_on(cfg, target):
     return target.gpu and cfg.compile is not False
 
 
-def trace_step(cfg, rt, config, objective, batch_size, per_rank, target):
+def trace_step(cfg, rt, config, task, batch_size, per_rank, target, train):
     """
     The Trace of this rank (rt.rank of rt.world_size, on the fake process group) running two training steps, of one
-    and of per_rank micro-batches of batch_size sequences, as train.py would, under FakeTensorMode on target's
-    device: its loss is cut into the chunks train.py would cut there (planned_loss_chunk).
+    and of per_rank micro-batches of batch_size sequences, with train.py's own functions (train, a TrainStep), under
+    FakeTensorMode on target's device: its loss is cut into the chunks train.py would cut there (planned_loss_chunk).
     """
-    from train import clip_gradients, make_optimizers, micro_step
-
     # real (small) batches: the fake mode takes them in as inputs
-    batches = [example_batch(config, objective, batch_size) for _ in range(per_rank)]
-    n_targets = sum(int((t != IGNORE_INDEX).sum()) for _, t in batches) * rt.world_size
+    batches = [task.example_batch(batch_size, config.block_size)] * per_rank
+    n_targets = sum(count_targets(t) for _, t in batches) * rt.world_size
     # FSDP's mesh of ranks, made outside the fake mode: it reads its ranks' numbers
     mesh = init_device_mesh("cpu", (rt.world_size,)) if rt.fsdp else None
     # Compiled on a GPU (the default there), dropout keeps nothing for the backward: Inductor draws its masks again
@@ -295,9 +273,9 @@ def trace_step(cfg, rt, config, objective, batch_size, per_rank, target):
                 average = shard_model(build_model(config), rt, cfg.seed, mesh).requires_grad_(False)
         elif cfg.ema_decay:
             average = build_model(config).requires_grad_(False)
-        optimizers, _ = make_optimizers(model, cfg, rt)
+        optimizers, _ = train.make_optimizers(model, cfg, rt)
         if rt.fsdp:
-            tracker = FSDPMemTracker(model, optimizers["adamw"])
+            tracker = FSDPMemTracker(model, *optimizers.values())  # FSDP trains with AdamW alone
         else:
             tracker = MemTracker()
             tracker.track_external(model, *optimizers.values())
@@ -305,7 +283,6 @@ def trace_step(cfg, rt, config, objective, batch_size, per_rank, target):
             tracker.track_external(average)
         models = Models(model, model)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
-        loss_options = (cfg.label_smoothing, objective.chat)
         vocab = VocabTensors(config.vocab_size)
         micro_flops, update_flops = FlopCounterMode(display=False), FlopCounterMode(display=False)
         with tracker:
@@ -314,11 +291,11 @@ def trace_step(cfg, rt, config, objective, batch_size, per_rank, target):
             for step, batches_now in enumerate((batches[:1], batches)):
                 for i, batch in enumerate(batches_now):
                     with vocab, micro_flops if step else contextlib.nullcontext():
-                        micro_step(models, batch, i == len(batches_now) - 1, n_targets, scaler, rt, *loss_options)
+                        train.micro_step(models, task, batch, i == len(batches_now) - 1, n_targets, scaler, rt)
                     # MemTracker takes one forward pass of a model per iteration: a micro-batch is one
                     tracker.reset_mod_stats()
                 with vocab, update_flops if step else contextlib.nullcontext():
-                    clip_gradients(list(model.parameters()), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+                    train.clip_gradients(list(model.parameters()), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
                     for optimizer in optimizers.values():
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
@@ -359,7 +336,7 @@ class Plan:
 
     cfg: object  # the run's TrainConfig
     config: ModelConfig
-    objective: Objective
+    task: Task
     target: Target
     dtype: torch.dtype
     per_rank: int  # micro-batches per rank
@@ -370,8 +347,20 @@ class Plan:
     baseline: int  # on a CPU, this process's interpreter and libraries (the memory line counts them); else 0
 
 
-def make_plan(cfg):
-    """The Plan of the run cfg describes on cfg.plan_ranks ranks of cfg.plan_device: traced, nothing trains."""
+@dataclass(frozen=True)
+class TrainStep:
+    """train.py's functions that a plan traces: passed in by train.py, which plan.py does not import."""
+
+    make_optimizers: Callable
+    micro_step: Callable
+    clip_gradients: Callable
+
+
+def make_plan(cfg, train):
+    """
+    The Plan of the run cfg describes on cfg.plan_ranks ranks of cfg.plan_device, its training step traced with
+    train.py's functions (train, a TrainStep): nothing trains.
+    """
     # the interpreter and libraries, measured before any data is read or prepared
     baseline = resident_peak()
     ranks = cfg.plan_ranks
@@ -384,7 +373,7 @@ def make_plan(cfg):
     target = find_target(cfg.plan_device, cfg.plan_mfu, ranks)
     dtype = planned_dtype(cfg, target)
     fsdp = cfg.fsdp and ranks > 1
-    config, objective = planned_config(cfg, planned_meta(cfg))
+    config, task = planned_config(cfg, planned_meta(cfg))
     baseline = 0 if target.gpu else baseline
 
     # the second step runs two micro-batches (if it has two): the second adds to the first's gradients
@@ -393,14 +382,14 @@ def make_plan(cfg):
         rt = Runtime(rank, rank, ranks, torch.device("cpu"), dtype, fsdp=fsdp)
         # a GPU's bfloat16 traced in a CPU's autocast, whose kernels warn of what they would not fuse there
         with fake_group(rank, ranks), warnings.catch_warnings(action="ignore", category=UserWarning):
-            return trace_step(run, rt, config, objective, batch_size, min(per_rank, 2), target)
+            return trace_step(run, rt, config, task, batch_size, min(per_rank, 2), target, train)
 
     groups = rank_groups(config, ranks) if fsdp else [list(range(ranks))]
     traces = [trace(group[0], cfg.batch_size) for group in groups]
     return Plan(
         cfg=cfg,
         config=config,
-        objective=objective,
+        task=task,
         target=target,
         dtype=dtype,
         per_rank=per_rank,
@@ -422,18 +411,13 @@ def print_plan(p):
 
 
 def planned_dtype(cfg, target):
-    """The dtype the run computes in on the target, as devices.resolve_dtype would pick it there."""
-    if not target.gpu:
-        return resolve_dtype(cfg.dtype, torch.device("cpu"))
-    # V100s and T4s have no bfloat16: float16 with a gradient scaler, as on such a GPU
-    no_bf16 = target.name in ("V100", "V100 16GB", "T4")
-    if cfg.dtype == "auto":
-        return torch.float16 if no_bf16 else torch.bfloat16
-    if cfg.dtype == "bfloat16" and no_bf16:
-        raise ConfigError(f"{target.name} has no native bfloat16; plan with --dtype=float16")
-    if cfg.dtype == "float16" and cfg.fsdp and cfg.plan_ranks > 1:
+    """The dtype the run computes in on the target: devices.resolve_dtype's choice there, and FSDP's refusal."""
+    dtype = resolve_dtype(
+        cfg.dtype, torch.device("cuda" if target.gpu else "cpu"), native_bf16=target.bf16, gpu=target.name
+    )
+    if dtype == torch.float16 and cfg.fsdp and cfg.plan_ranks > 1:
         raise ConfigError("fsdp=True computes in bfloat16 or float32, not float16; use --dtype=bfloat16 or DDP")
-    return getattr(torch, cfg.dtype)
+    return dtype
 
 
 @contextlib.contextmanager
@@ -522,7 +506,7 @@ def time_rows(p):
     with torch.device("meta"):
         model = build_model(p.config)
     micro_batches = ranks * p.per_rank  # over all ranks
-    model_flops = model.training_flops(*example_batch(p.config, p.objective, cfg.batch_size)[0]) * micro_batches
+    model_flops = model.training_flops(*p.task.example_batch(cfg.batch_size, p.config.block_size)[0]) * micro_batches
     traced_flops = (p.traces[0].micro_flops * p.per_rank + p.traces[0].update_flops) * ranks
     seconds = model_flops / (ranks * target.flops * target.mfu)
     tokens = cfg.batch_size * p.config.block_size * micro_batches

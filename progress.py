@@ -1,11 +1,13 @@
 """
-What a run reports while it trains: a progress line every log_interval steps (loss, learning rate, gradient norm,
-ms/iter, tokens/s, MFU on known GPUs, time left), TensorBoard (and W&B) scalars, and at the end each rank's memory.
-Step losses stay on the device until a progress line or an evaluation reads them back.
+What a run reports: its lines (log, printed by rank 0 alone); while it trains, a progress line every log_interval
+steps (loss, learning rate, gradient norm, ms/iter, tokens/s, MFU on known GPUs, time left) and TensorBoard (and
+W&B) scalars; at the end each rank's memory. Step losses stay on the device until a progress line or an evaluation
+reads them back.
 """
 
 import contextlib
 import math
+import os
 import re
 import sys
 import time
@@ -17,7 +19,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from config import ConfigError
-from parallel import log
+
+
+def log(message):
+    """Print on rank 0 only (torchrun sets RANK); flushed so piped logs stay current."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, flush=True)
 
 
 @dataclass

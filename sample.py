@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from chat import model_format
-from checkpoint import load_model
 from config import parse_config
 from devices import DTYPES, autocast, resolve_device, resolve_dtype
 from generate import ChatSession, check_sampling_args, generate_stream, start_ids, translate, until_stop
+from start import load_model
 from tasks import solve
 
 MASK = "[MASK]"  # what the encoder's prompt writes where a token is to be filled in

@@ -19,30 +19,23 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 import hf
 import tokens
 from checkpoint import (
-    adapted_model,
     is_checkpoint,
+    kept_weights,
     load_checkpoint,
     load_sharded,
-    model_from_checkpoint,
     nanogpt_meta,
+    run_checkpoint,
     set_rng_state,
-    split_cross_attention_state,
 )
 from config import ConfigError, one_line, read_config_file
-from data import Objective, make_objective
-from lora import LoRASettings, add_adapters, describe, fingerprint, grow_vocabulary
-from model import MODEL_KEYS, ModelConfig, build_model
-from parallel import log
+from data import Task, make_task
+from lora import LoRASettings, add_adapters, describe, fingerprint, grow_vocabulary, load_adapters, merge
+from model import MODEL_KEYS, ModelConfig, Stack, build_model
+from progress import log
 
 CONFIGS = Path(__file__).resolve().parent / "configs"  # the shipped configs, to name one that fits a checkpoint
 
@@ -53,7 +46,7 @@ class Start:
 
     cfg: object  # the run's TrainConfig, with the model settings of the weights it starts from
     model: nn.Module  # in training mode, on the CPU, or on the meta device (lazy) for FSDP to fill
-    objective: Objective
+    task: Task
     meta: dict  # the tokenizer's meta that the run's checkpoints store (an encoder's includes its [MASK] id)
     ckpt: dict | None = None  # resume: the checkpoint it goes on from (a sharded one without its tensors)
     lora: dict | None = None  # with LoRA: the checkpoints' record of the adapters and their base (fit_to_data)
@@ -75,11 +68,16 @@ def start_run(cfg, meta, lazy=False):
 
 def from_scratch(cfg, meta, lazy):
     """New weights, drawn from the generator torch.manual_seed set."""
-    # the meta may gain a [MASK] id (an encoder's), which the checkpoints then store
-    objective, vocab_size, meta = make_objective(cfg.arch, meta, cfg.mask_prob)
+    # the task's meta may gain a [MASK] id (an encoder's), which the checkpoints then store
+    task = task_of(cfg, meta)
     with torch.device("meta") if lazy else contextlib.nullcontext():
-        model = build_model(cfg.model_config(vocab_size, objective.pad_id))
-    return Start(cfg, model, objective, meta)
+        model = build_model(cfg.model_config(task.model_vocab, task.pad_id))
+    return Start(cfg, model, task, task.meta)
+
+
+def task_of(cfg, meta):
+    """The Task of cfg's architecture on a dataset with this meta, with cfg's settings for it."""
+    return make_task(cfg.arch, meta, cfg.mask_prob, cfg.label_smoothing)
 
 
 def resume(cfg, meta, lazy):
@@ -117,13 +115,6 @@ def resume(cfg, meta, lazy):
         )
     # the checkpoint's settings completed with today's defaults: a checkpoint older than a setting lacks it
     config = ModelConfig.from_dict(ckpt["model_config"])
-    if "sharded" in ckpt and ckpt["format_version"] < 3 and config.arch == "encoder_decoder":
-        # its optimizer state is keyed by the stacked cross-attention's names, which no longer exist
-        raise ConfigError(
-            f"{path} is a sharded encoder-decoder checkpoint of format {ckpt['format_version']}, whose optimizer "
-            f"state this code cannot reshard: start a new run from its weights with --init_from={path} and "
-            "another --out_dir (AdamW's moments restart)"
-        )
     # settings the user gave (not left at their defaults) that the checkpoint overrides; None resolved first
     defaults, given, saved = {f.name: f.default for f in fields(cfg)}, asdict(cfg.model_config(1)), asdict(config)
     changed = [f"{k}={saved[k]!r}" for k in MODEL_KEYS if getattr(cfg, k) != defaults[k] and given[k] != saved[k]]
@@ -142,14 +133,14 @@ def resume(cfg, meta, lazy):
         f"{ckpt['best_val_loss']:.4f}{trained})"
     )
     # a resumed run keeps the checkpoint's meta, which already has an encoder's [MASK] id
-    objective = make_objective(cfg.arch, meta, cfg.mask_prob)[0]
+    task = task_of(cfg, meta)
     if "lora" in ckpt:  # its base, checked against the fingerprint taken when the run began, and the adapters
-        return Start(cfg, adapted_model(ckpt, cfg.lora_dropout).train(), objective, ckpt["meta"], ckpt, ckpt["lora"])
+        return Start(cfg, adapted_model(ckpt, cfg.lora_dropout).train(), task, ckpt["meta"], ckpt, ckpt["lora"])
     with torch.device("meta") if lazy and "sharded" in ckpt else contextlib.nullcontext():
         model = build_model(config)
     if "sharded" not in ckpt:
         model.load_state_dict(ckpt["average" if averaged and cfg.eval_only else "weights"])
-    return Start(cfg, model.train(), objective, ckpt["meta"], ckpt)
+    return Start(cfg, model.train(), task, ckpt["meta"], ckpt)
 
 
 def with_lora_settings(cfg, record):
@@ -211,10 +202,10 @@ def from_checkpoint(cfg, meta):
     # its architecture and weights; dropout is the new run's (0 to evaluate, 0.1 to fine-tune on little data)
     model = model_from_checkpoint(ckpt, dropout=cfg.dropout).train()
     cfg = with_model_settings(cfg, model.config)
-    # the objective from the dataset, the meta to save from the checkpoint (an encoder's holds its [MASK] id); a chat
+    # the task from the dataset, the meta to save from the checkpoint (an encoder's holds its [MASK] id); a chat
     # fine-tune's from its data, whose chat tokens and template sample.py --chat needs
-    kept_meta = meta if meta["kind"] == "chat" else saved_meta
-    return Start(cfg, model, make_objective(cfg.arch, meta, cfg.mask_prob)[0], kept_meta)
+    task = task_of(cfg, meta)
+    return Start(cfg, model, task, meta if task.kind == "chat" else saved_meta)
 
 
 def from_pretrained(cfg, meta):
@@ -265,8 +256,8 @@ def from_pretrained(cfg, meta):
         model = hf.from_pretrained(folder, dropout=cfg.dropout, block_size=cfg.block_size)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"init_from={name}: {one_line(e)}") from None
-    objective, _, meta = make_objective(cfg.arch, meta, cfg.mask_prob)
-    return Start(with_model_settings(cfg, model.config), model, objective, meta)
+    task = task_of(cfg, meta)
+    return Start(with_model_settings(cfg, model.config), model, task, task.meta)
 
 
 def fit_to_data(begin, meta):
@@ -334,15 +325,18 @@ def restore(ckpt, models, *, optimizers, scaler, generator, cfg, rt):
     AdamW's state and the average, each rank reading what its shards need), and last each rank's random
     generators, so that nothing after draws from them before training does. models: parallel.Models.
     """
+    # imported here, not at the top: half a second of every script's start that only a resume needs
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     sharded = "sharded" in ckpt
-    if not sharded and rt.fsdp:
-        # a checkpoint file from a run without FSDP: whole tensors, of which each rank keeps its shards
-        state = saved_optimizer_state(ckpt, "optimizer", models.raw, optimizers["adamw"])
-        load_whole_optimizer_state(models.raw, optimizers["adamw"], state)
-    elif not sharded:
-        optimizers["adamw"].load_state_dict(saved_optimizer_state(ckpt, "optimizer", models.raw, optimizers["adamw"]))
-    if "muon" in optimizers:
-        optimizers["muon"].load_state_dict(saved_optimizer_state(ckpt, "muon", models.raw, optimizers["muon"]))
+    # this run's peak learning rates, which the checkpoint's groups would replace: a resume may change them
+    peaks = {name: [group["initial_lr"] for group in o.param_groups] for name, o in optimizers.items()}
+    if not sharded:
+        for name, optimizer in optimizers.items():
+            if rt.fsdp:  # a file from a run without FSDP: whole tensors, of which each rank keeps its shards
+                load_whole_optimizer_state(models.raw, optimizer, ckpt["optimizers"][name])
+            else:
+                optimizer.load_state_dict(ckpt["optimizers"][name])
     if scaler.is_enabled() and ckpt["scaler"]:
         scaler.load_state_dict(ckpt["scaler"])
     generator.set_state(ckpt["sampler"]["generator"])
@@ -354,7 +348,10 @@ def restore(ckpt, models, *, optimizers, scaler, generator, cfg, rt):
     if sharded:
         # eval_only evaluates what best.pt would hold: the average, if there is one
         role = "average" if cfg.eval_only and "average" in ckpt["shard_keys"] else "weights"
-        load_sharded(ckpt, models.raw, optimizer=optimizers["adamw"], ema_model=models.average, role=role)
+        load_sharded(ckpt, models.raw, optimizers=optimizers, ema_model=models.average, role=role)
+    for name, optimizer in optimizers.items():
+        for group, peak in zip(optimizer.param_groups, peaks[name]):
+            group["initial_lr"] = peak
     # each rank's own generators (dropout) back as they were, in rank order, if the rank count is unchanged
     if len(ckpt["rng"]) == rt.world_size:
         set_rng_state(ckpt["rng"][rt.rank], rt.device)
@@ -365,18 +362,17 @@ def restore(ckpt, models, *, optimizers, scaler, generator, cfg, rt):
         )
 
 
-def saved_optimizer_state(ckpt, key, model, optimizer):
-    """The state_dict of an optimizer saved under key in a checkpoint file, for optimizer over model's parameters."""
-    if ckpt["format_version"] < 3:  # cross-attention's stacked moments, split as its weights were (upgrade)
-        return split_cross_attention_state(ckpt[key], model, optimizer)
-    return ckpt[key]
-
-
 def load_whole_optimizer_state(model, optimizer, state):
     """
-    AdamW's state_dict() from a run without FSDP (ckpt.pt as a file) into optimizer over the FSDP-sharded model:
-    its parameters renumbered as names, each rank then keeping its shards.
+    An optimizer's state_dict() from a run without FSDP (ckpt.pt as a file) into optimizer over the FSDP-sharded
+    model: its parameters renumbered as names, each rank then keeping its shards.
     """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
     # the names in the order of the optimizer's own numbering (the same in both runs: configure_optimizers's)
     names = [name for group in get_optimizer_state_dict(model, optimizer)["param_groups"] for name in group["params"]]
     by_name = {
@@ -384,3 +380,100 @@ def load_whole_optimizer_state(model, optimizer, state):
         "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]],
     }
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+# -----------------------------------------------------------------------------
+# A model from any source, to sample, evaluate or export, or as a LoRA run's base
+
+
+def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False):
+    """
+    (model in eval mode on device, its Tokenizer, its data's meta) for sampling and evaluation. init_from: "resume"
+    (out_dir/checkpoint), a checkpoint file or sharded folder (ours or nanoGPT's; dataset names the prepared data
+    of a nanoGPT character-level model's characters), else Hugging Face weights (a hub id or a folder). compile:
+    torch.compile the layer stacks, which generation calls.
+    """
+    if init_from == "resume" or is_checkpoint(init_from):
+        path = run_checkpoint(out_dir, checkpoint) if init_from == "resume" else Path(init_from).expanduser()
+        # to the CPU first: a checkpoint saved on a GPU loads on any machine; .to(device) below moves it
+        ckpt = load_checkpoint(path, map_location="cpu")
+        # nanoGPT's character-level checkpoints take their characters from the dataset named
+        named = tokens.load_meta(tokens.dataset_dir(dataset)) if dataset else None
+        meta = ckpt["meta"] or nanogpt_meta(ckpt, path, named, "name a prepared dataset with --dataset")
+        try:
+            model = model_from_checkpoint(ckpt)
+        except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit
+            raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
+    else:
+        folder = Path(init_from).expanduser()
+        if not folder.is_dir():
+            # a hub id: its config.json and tokenizer.json come down with the weights (or from the local cache)
+            folder = hf.download_from_hub(init_from)
+        # Hugging Face weights come without a dataset: the folder's tokenizer.json, else GPT-2's BPE (GPT2_META) for
+        # GPT-2; read first, so that a folder without its tokenizer fails before the slow load
+        meta = tokens.pretrained_meta(folder)
+        model = hf.from_pretrained(folder)
+    # eval: dropout off, so the same seed gives the same text
+    model.eval().to(device)
+    if compile:
+        # generation calls the layer stacks, not the model's forward, so those are what gets compiled
+        for module in model.modules():
+            if isinstance(module, Stack):
+                module.compile(dynamic=True)
+    # the tokenizer the data was prepared with, rebuilt from the checkpoint alone
+    return model, tokens.Tokenizer.from_meta(meta), meta
+
+
+def model_from_checkpoint(ckpt, **overrides):
+    """
+    The model a loaded checkpoint describes, with its weights, in eval mode. overrides: ModelConfig fields that
+    keep the weights, such as dropout for a new run from them. A LoRA checkpoint's: its base with the adapters
+    merged in, a plain model (what sample.py, eval.py and export.py use).
+    """
+    if "lora" in ckpt:
+        return merge(adapted_model(ckpt, **overrides)).eval()
+    # the architecture from the saved settings, then its weights: load_state_dict is strict, so a mismatch raises
+    model = build_model(ModelConfig.from_dict({**ckpt["model_config"], **overrides}))
+    model.load_state_dict(kept_weights(ckpt))
+    return model.eval()
+
+
+def adapted_model(ckpt, lora_dropout=0.0, **overrides):
+    """
+    A LoRA checkpoint's model, unmerged, to train on: its base (load_base), grown to the checkpoint's vocabulary
+    where the run grew it, with the checkpoint's adapters. overrides: ModelConfig fields for the base, as dropout.
+    """
+    record = ckpt["lora"]
+    # the run's own dropout, which may differ from the base's
+    model = load_base(record["base"], **{"dropout": ckpt["model_config"]["dropout"], **overrides})
+    if ckpt["model_config"]["vocab_size"] > model.config.vocab_size:
+        grow_vocabulary(model, ckpt["model_config"]["vocab_size"])
+    # the A matrices drawn here are overwritten: a generator of their own leaves the run's generators alone
+    settings = LoRASettings.from_record(record, lora_dropout)
+    add_adapters(model, settings, record["token_rows"], generator=torch.Generator())
+    load_adapters(model, ckpt["weights"])
+    return model
+
+
+def load_base(base, **overrides):
+    """
+    The plain model that LoRA adapters were trained on, from base (an adapter checkpoint's record of it: where it
+    came from, its settings, the fingerprint of its weights): a checkpoint file or folder, or Hugging Face weights.
+    ConfigError with one line if it is gone or has changed since.
+    """
+    where = base["init_from"]
+    fix = "put it back, or fine-tune again from the base you have"
+    if base["source"] == "checkpoint" and not is_checkpoint(where):
+        raise ConfigError(f"the adapters' base checkpoint {where} is not there (moved or deleted?): {fix}")
+    if base["source"] == "pretrained" and Path(where).is_absolute() and not Path(where).is_dir():
+        raise ConfigError(f"the adapters' base folder {where} is not there (moved or deleted?): {fix}")
+    if base["source"] == "checkpoint":
+        model = model_from_checkpoint(load_checkpoint(where), **overrides)
+    else:  # a folder or a hub id, cut to the positions the run used, as start.from_pretrained did
+        model = hf.from_pretrained(where, **{"block_size": base["model_config"]["block_size"], **overrides})
+    if (found := fingerprint(model)) != base["fingerprint"]:
+        raise ConfigError(
+            f"the adapters' base {where} has changed since they were trained on it (its weights' fingerprint is "
+            f"{found}, not {base['fingerprint']}): {fix}"
+        )
+    return model

@@ -27,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -35,7 +34,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import tokens
-from chat import ChatFormat
 from checkpoint import (
     all_finite,
     nonfinite_weights,
@@ -48,23 +46,10 @@ from checkpoint import (
     write_json,
 )
 from config import ConfigError, one_line, parse_config
-from data import (
-    Objective,
-    TrainBatches,
-    count_targets,
-    find_dataset,
-    get_batch,
-    load_splits,
-    micro_seeds,
-    model_inputs,
-    padding_fraction,
-    pinned,
-    seq2seq_batch,
-)
+from data import Task, TrainBatches, count_targets, find_dataset, micro_seeds, pinned
 from devices import DTYPES, keep_freed_memory, peak_flops, pick_threads
-from generate import decoded_pairs, decoded_replies
 from lora import TARGETS, LoRASettings, adapter_state, add_adapters
-from model import IGNORE_INDEX, MODEL_KEYS, ModelConfig, ModelSettings, build_model, loss_chunk_budget
+from model import MODEL_KEYS, ModelConfig, ModelSettings, build_model, loss_chunk_budget
 from parallel import (
     CompiledModel,
     Models,
@@ -72,13 +57,12 @@ from parallel import (
     all_reduce,
     gradient_sync,
     init_distributed,
-    log,
     make_runtime,
     parallelize,
     raise_if_any_failed,
     split_accumulation,
 )
-from progress import Clock, Progress, Scalars, Step, log_memory, resumed_clock
+from progress import Clock, Progress, Scalars, Step, log, log_memory, resumed_clock
 from start import restore, start_run
 
 
@@ -150,7 +134,7 @@ class TrainConfig(ModelSettings):
     # planning (plan.py): predict instead of train
     plan: bool = False  # print each rank's predicted memory and the step time of this run, then exit: nothing trains
     plan_ranks: int = 1  # plan: the ranks (GPUs) the run would use; each gets gradient_accumulation_steps / plan_ranks
-    plan_device: str = "auto"  # plan: 'cpu', a GPU (H100, A100, L4, ...: plan.GPUS), 'auto': this machine's
+    plan_device: str = "auto"  # plan: 'cpu', a GPU (H100, A100, L4, ...: devices.GPUS), 'auto': this machine's
     plan_mfu: float = 0.0  # plan: the model FLOPs utilisation to time steps at; 0: CPU_MFU on a CPU, else 40%
 
     def __post_init__(self):
@@ -200,10 +184,9 @@ class TrainConfig(ModelSettings):
                 "fsdp=True cannot train with optimizer='muon': Muon orthogonalises each whole matrix, which FSDP "
                 "splits over the ranks; use optimizer='adamw' with fsdp, or Muon without fsdp (DDP)"
             )
-        if self.cuda_graphs and (self.compile is False or self.arch == "encoder_decoder"):
+        if self.cuda_graphs and self.compile is False:
             raise ConfigError(
-                "cuda_graphs=True replays compiled graphs of fixed shapes: it needs compile (not --compile=false) and "
-                "fixed-length batches (not arch='encoder_decoder'); drop --cuda_graphs"
+                "cuda_graphs=True replays compiled graphs: it needs compile (not --compile=false); drop --cuda_graphs"
             )
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"ema_decay must be in [0, 1) (0: off), got {self.ema_decay}")
@@ -262,12 +245,11 @@ class Run:
     rt: Runtime
     models: Models  # the model under the name of each use: see parallel.Models
     ema_pairs: tuple  # with a weight average: (its parameters, the trained ones), for update_ema; else ()
-    optimizers: dict  # {"adamw": AdamW} or, with optimizer='muon', {"adamw": AdamW, "muon": Muon}
+    optimizers: dict  # {name: optimizer}: {"adamw": AdamW}, with optimizer='muon' also "muon": Muon
     scaler: torch.amp.GradScaler
-    objective: Objective
+    task: Task  # what is trained: its batches, loss and evaluation extras (data.py)
     batches: TrainBatches  # the training stream
-    splits: dict  # "train" and "val" data, as get_batch reads them
-    byte_lengths: np.ndarray | None  # GPT: the UTF-8 bytes of each token id, for val_bpb; else None
+    splits: dict  # "train" and "val" data, as the task's batch() reads them
     meta: dict  # the tokenizer's meta, as checkpoints store it
     progress: Progress
     stop: "StopRequest"  # defined with setup's stages below
@@ -344,15 +326,13 @@ def setup(cfg, rt, stack):
     folder = find_dataset(cfg, rt)
     data_meta = tokens.load_meta(folder)
     begin = start_run(cfg, data_meta, lazy=rt.fsdp)
-    cfg = begin.cfg  # a checkpoint or pretrained weights decide the model settings
-    if cfg.cuda_graphs and begin.objective.chat:
-        raise ConfigError(f"cuda_graphs=True needs batches of one length, which chat data ({folder.name}) varies")
-    splits = load_splits(folder, data_meta, cfg.block_size)
+    cfg, task = begin.cfg, begin.task  # a checkpoint or pretrained weights decide the model settings
+    if cfg.cuda_graphs and task.varying:
+        raise ConfigError(f"cuda_graphs=True needs batches of one length, which {folder.name}'s vary; drop it")
+    splits = {split: task.load_split(folder, split, cfg.block_size) for split in ("train", "val")}
     begin.model.loss_chunk_bytes = loss_chunk_bytes(cfg, rt.device)
 
-    # a batch for compile's trial, drawn with a throwaway generator so that the training stream is untouched
-    example = get_batch(splits["train"], begin.objective, cfg.batch_size, cfg.block_size, torch.Generator())
-    models = parallelize(begin.model, cfg, rt, model_inputs(*example, rt.device, varying=begin.objective.chat))
+    models = parallelize(begin.model, cfg, rt, task)
     if rt.device.type == "cpu":
         keep_freed_memory()  # for the training steps' buffers, now that the data is prepared and the model built
     optimizers, summary = make_optimizers(models.raw, cfg, rt)
@@ -362,14 +342,12 @@ def setup(cfg, rt, stack):
     if begin.ckpt is not None:
         restore(begin.ckpt, models, optimizers=optimizers, scaler=scaler, generator=generator, cfg=cfg, rt=rt)
 
-    batches = TrainBatches(splits["train"], begin.objective, cfg, generator, rt, per_rank)
+    batches = TrainBatches(splits["train"], task, cfg, generator, rt, per_rank)
     stack.callback(batches.close)
     describe_run(cfg, rt, folder.name, models.raw, per_rank, summary)
-    if threads_note:
-        log(threads_note)
-    if begin.objective.chat:
-        padding = padding_fraction(splits["train"], cfg.batch_size)
-        log(f"chat batches: whole conversations of about one length, {padding:.1%} of their positions padding")
+    for note in (threads_note, task.describe(splits["train"], cfg.batch_size)):
+        if note:
+            log(note)
     return Run(
         cfg=cfg,
         rt=rt,
@@ -378,10 +356,9 @@ def setup(cfg, rt, stack):
         ema_pairs=() if models.average is None else (list(models.average.parameters()), list(models.raw.parameters())),
         optimizers=optimizers,
         scaler=scaler,
-        objective=begin.objective,
+        task=task,
         batches=batches,
         splits=splits,
-        byte_lengths=tokens.token_byte_lengths(data_meta) if cfg.arch == "gpt" else None,
         meta=begin.meta,
         progress=open_outputs(cfg, rt, is_writer, models.raw.config, begin.meta, stack),
         stop=stack.enter_context(StopRequest()),
@@ -608,24 +585,14 @@ def train_step(run, iter_num):
         time_used = run.clock.budget_used(seconds, cfg.max_minutes)
         decay_iters = cfg.lr_decay_iters or cfg.max_iters
         lr = get_lr(iter_num, lr, cfg.min_lr, cfg.warmup_iters, decay_iters, cfg.lr_schedule, time_used)
-    lrs = {"adamw": lr, "muon": cfg.muon_lr * lr / cfg.learning_rate}
-    for name, optimizer in run.optimizers.items():
+    for optimizer in run.optimizers.values():
         for group in optimizer.param_groups:
-            group["lr"] = lrs[name]
+            group["lr"] = group["initial_lr"] * lr / cfg.learning_rate  # each group's peak (Muon's is muon_lr)
 
     # Forward and backward: the gradient of the mean loss over the step's targets (at least 1: a step whose
     # batches hold no real target must not divide by zero)
     n_targets = max(n_targets, 1)
-    loss = compute_gradients(
-        models,
-        run.optimizers,
-        micro_batches,
-        n_targets=n_targets,
-        scaler=run.scaler,
-        rt=rt,
-        label_smoothing=cfg.label_smoothing,
-        varying=run.objective.chat,
-    )
+    loss = accumulate_gradients(models, run.task, micro_batches, n_targets, run.scaler, rt)
 
     # The update: clipped, and skipped where the gradient is not finite; then the average follows the weights
     grad_norm, skipped = update_weights(models.raw, run.optimizers, run.scaler, cfg.grad_clip)
@@ -658,55 +625,38 @@ def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters, schedule="co
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
-def compute_gradients(models, optimizers, batches, *, n_targets, scaler, rt, label_smoothing=0.0, varying=False):
-    """
-    accumulate_gradients, with the rare path around it: a recompiled graph's backward is compiled at its first use,
-    inside backward(); if that fails, the model goes on in eager mode and the step is done again.
-    """
-    try:
-        return accumulate_gradients(models, batches, n_targets, scaler, rt, label_smoothing, varying)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as e:
-        if not isinstance(models.step, CompiledModel) or models.step.failed or isinstance(e, dist.DistError):
-            raise
-        if rt.world_size > 1:
-            # DDP's reducer is left mid-step, FSDP holds gradients zero_grad does not reach, and a redo on this rank
-            # alone would pair its collectives with the other ranks' next step
-            raise ConfigError(f"torch.compile failed in a backward ({one_line(e)}); run with --compile=false") from None
-        models.step.fall_back(e)
-    for optimizer in optimizers.values():
-        optimizer.zero_grad(set_to_none=True)
-    return accumulate_gradients(models, batches, n_targets, scaler, rt, label_smoothing, varying)  # errors recur
-
-
-def accumulate_gradients(models, batches, n_targets, scaler, rt, label_smoothing=0.0, varying=False):
+def accumulate_gradients(models, task, batches, n_targets, scaler, rt):
     """
     Forward and backward over this rank's micro-batches with models.step (micro_step, one at a time); returns their
-    summed loss. The ranks exchange gradients after the last micro-batch only.
+    summed loss. The ranks exchange gradients after the last micro-batch only. A compiled graph's backward is
+    compiled at its first use, inside backward(): a failure there (after a recompilation) ends the run with one line.
     """
     total = torch.zeros((), device=rt.device)
-    for i, batch in enumerate(batches):
-        # a device tensor: adding to it never waits for the GPU
-        total += micro_step(models, batch, i == len(batches) - 1, n_targets, scaler, rt, label_smoothing, varying)
+    try:
+        for i, batch in enumerate(batches):
+            # a device tensor: adding to it never waits for the GPU
+            total += micro_step(models, task, batch, i == len(batches) - 1, n_targets, scaler, rt)
+    except (torch.OutOfMemoryError, dist.DistError):
+        raise
+    except Exception as e:
+        if not isinstance(models.step, CompiledModel) or models.step.failed:
+            raise
+        raise ConfigError(f"torch.compile failed in a backward ({one_line(e)}); run with --compile=false") from None
     return total
 
 
-def micro_step(models, batch, last, n_targets, scaler, rt, label_smoothing=0.0, varying=False):
+def micro_step(models, task, batch, last, n_targets, scaler, rt):
     """
     Forward and backward of one micro-batch ((inputs, targets) on the CPU); last: the step's last, after which the
     ranks exchange gradients. Returns its summed loss, detached. The summed loss is divided by n_targets, the real
     targets of the whole step on all ranks, and multiplied by world_size to undo the ranks' average: the gradient is
-    that of the mean over every target of the step, not a mean of per-micro-batch means. varying: batches whose
-    length varies (chat), marked dynamic for torch.compile.
+    that of the mean over every target of the step, not a mean of per-micro-batch means.
     """
     with gradient_sync(models, enabled=last):
-        inputs, targets = model_inputs(*batch, rt.device, varying)
+        inputs, targets = task.to_device(*batch, rt.device)
         with rt.autocast():
             # the model sums the loss itself, in chunks of positions: the (B, T, V) logits never exist whole
-            _, loss = models.step(
-                *inputs, targets, label_smoothing=label_smoothing, reduction="sum", return_logits=False
-            )
+            loss = task.loss(models.step, inputs, targets)
         # / n_targets: this micro-batch's part of the step's mean loss; * world_size: undoes the ranks' average
         scaler.scale(loss * (rt.world_size / n_targets)).backward()
     return loss.detach()
@@ -782,13 +732,13 @@ def evaluate_and_save(run, iter_num, last):
     (unless always_save_checkpoint is off; the end of the run saves it anyway). Returns the evaluation's record.
     """
     cfg, rt = run.cfg, run.rt
-    result = evaluate(run.models.eval, run.splits, run.objective, cfg, rt, run.byte_lengths)
+    result = evaluate(run.models.eval, run.splits, run.task, cfg, rt)
     if not all(map(math.isfinite, result.values())):
         raise FloatingPointError(
             f"the evaluation at iteration {iter_num} gave {result}; nothing saved, "
             "the last checkpoint is untouched. Lower learning_rate"
         )
-    if cfg.eval_accuracy_examples and has_exact_answers(run):
+    if cfg.eval_accuracy_examples and run.task.exact_answers:
         result["accuracy"] = val_accuracy(run)
     # evaluation switched the model to eval mode; training needs its dropout back
     run.models.raw.train()
@@ -833,11 +783,6 @@ def evaluate_and_save(run, iter_num, last):
     return {"iter": iter_num, **result}
 
 
-def has_exact_answers(run):
-    """Whether the val data has exact answers to decode: an encoder-decoder's targets, or a chat dataset's replies."""
-    return run.objective.arch == "encoder_decoder" or bool(run.meta.get("exact_answers"))
-
-
 def improves(result, best_val_loss, best_accuracy):
     """
     Whether an evaluation's result beats best.pt's: by exact match where the data has exact answers (the model a
@@ -849,24 +794,23 @@ def improves(result, best_val_loss, best_accuracy):
     return result["accuracy"] > best or result["accuracy"] == best and result["val"] < best_val_loss
 
 
-def eval_batch(data, objective, cfg, byte_lengths, pin, seed):
+def eval_batch(data, task, cfg, pin, seed):
     """
     (inputs, targets, real targets, UTF-8 bytes they stand for) of the evaluation batch of this seed; pinned for the
     GPU if pin. Counted here, on the CPU, so that no batch waits for the GPU.
     """
-    inputs, targets = get_batch(data, objective, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(seed))
-    n_bytes = 0 if byte_lengths is None else int(byte_lengths[targets[targets != IGNORE_INDEX].numpy()].sum())
-    n_targets = count_targets(targets)
+    inputs, targets = task.batch(data, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(seed))
+    n_bytes, n_targets = task.text_bytes(targets), count_targets(targets)
     return (*pinned(inputs, targets), n_targets, n_bytes) if pin else (inputs, targets, n_targets, n_bytes)
 
 
 @torch.no_grad()
-def evaluate(model, splits, objective, cfg, rt, byte_lengths=None):
+def evaluate(model, splits, task, cfg, rt):
     """
     Mean cross-entropy per real target over eval_iters batches of each split, the batches shared out over the ranks
-    and the sums added over all of them. Fixed seeds: every evaluation sees the same batches. byte_lengths (the
-    UTF-8 bytes each id stands for, tokens.token_byte_lengths): also "val_bpb", the val loss in bits per byte of
-    the text its targets cover, which compares across tokenizers.
+    and the sums added over all of them. Fixed seeds: every evaluation sees the same batches. A task whose targets
+    spell text (Task.bits_per_byte): also "val_bpb", the val loss in bits per byte of the text its targets cover,
+    which compares across tokenizers.
     """
     model.eval()
     losses = {}
@@ -879,21 +823,21 @@ def evaluate(model, splits, objective, cfg, rt, byte_lengths=None):
         # with one batch fewer (eval_iters not a multiple of the ranks) runs one more that is not counted
         rounds = -(-len(seeds) // rt.world_size) if rt.fsdp else len(mine)
         counted = [r < len(mine) for r in range(rounds)]
-        build = functools.partial(eval_batch, data, objective, cfg, byte_lengths, rt.device.type == "cuda")
+        build = functools.partial(eval_batch, data, task, cfg, rt.device.type == "cuda")
         total, count, n_bytes = torch.zeros((), device=rt.device), 0, 0
         # the batches are built (and pinned, on CUDA) on a background thread while the device computes
         with ThreadPoolExecutor(max_workers=1) as pool:
             batches = pool.map(build, [mine[r] if counted[r] else seeds[0] for r in range(rounds)])
             for (inputs, targets, batch_targets, batch_bytes), counts in zip(batches, counted):
                 count, n_bytes = count + batch_targets * counts, n_bytes + batch_bytes * counts
-                inputs, targets = model_inputs(inputs, targets, rt.device, objective.chat)
+                inputs, targets = task.to_device(inputs, targets, rt.device)
                 with rt.autocast():
-                    _, loss = model(*inputs, targets, reduction="sum", return_logits=False)
+                    loss = task.loss(model, inputs, targets, smoothed=False)
                 total += loss.float() * counts
         # sums over the ranks, then one division: the mean over every target, however they were shared out
         total, count, n_bytes = all_reduce([total, count, n_bytes], rt).tolist()
         losses[split] = total / max(count, 1)
-        if byte_lengths is not None and split == "val":
+        if task.bits_per_byte and split == "val":
             # nats summed over the targets, in bits, per byte of the text they spell
             losses["val_bpb"] = total / (math.log(2) * max(n_bytes, 1))
     if rt.fsdp:
@@ -904,21 +848,15 @@ def evaluate(model, splits, objective, cfg, rt, byte_lengths=None):
 
 def val_accuracy(run):
     """
-    Exact match of greedy decoding on the first eval_accuracy_examples val pairs (or chat conversations, whose final
-    replies are decoded from the turns before them), with the kept model. Under FSDP
-    rank 0 decodes them all with the weights gathered: decoding stops at different steps on different ranks,
-    and a sharded model's every forward pass is a collective.
+    Exact match of greedy decoding on the first eval_accuracy_examples val examples whose answers the task decodes
+    (pairs, or chat conversations whose final replies are decoded from the turns before them), with the kept model.
+    Under FSDP rank 0 decodes them all with the weights gathered: decoding stops at different steps on different
+    ranks, and a sharded model's every forward pass is a collective.
     """
-    cfg, rt = run.cfg, run.rt
-    if run.objective.chat:
-        # the conversations in their file's order (the split keeps them by length); a reply ends at an end-of-turn
-        examples, usable = run.splits["val"].conversations, np.sort(run.splits["val"].order)
-        stop = ChatFormat.from_meta(run.meta).end_of_turn
-    else:
-        (examples, usable), stop = run.splits["val"], ()
-    rows = usable[: cfg.eval_accuracy_examples]
+    cfg, rt, split = run.cfg, run.rt, run.splits["val"]
+    rows = run.task.answer_rows(split)[: cfg.eval_accuracy_examples]
     if not rt.fsdp:
-        return exact_match(run.models.kept, examples, rows, run.objective, cfg, rt, stop)
+        return exact_match(run.models.kept, run.task, split, rows, cfg, rt)
     weights, correct = whole_weights(run.models.kept, rt), 0.0
     if rt.rank == 0:
         with torch.random.fork_rng(devices=[]):  # its initial values are overwritten: they must not move rank 0's RNG
@@ -928,25 +866,20 @@ def val_accuracy(run):
         model.load_state_dict(weights)
         # a Runtime of one process: exact_match then decodes every pair, in autocast where FSDP would cast
         one = Runtime(device=rt.device, dtype=rt.dtype)
-        correct = exact_match(model.to(rt.device), examples, rows, run.objective, cfg, one, stop)
+        correct = exact_match(model.to(rt.device), run.task, split, rows, cfg, one)
     return all_reduce([correct], rt).item()
 
 
 @torch.no_grad()
-def exact_match(model, examples, rows, objective, cfg, rt, stop_tokens=()):
+def exact_match(model, task, split, rows, cfg, rt):
     """
-    Fraction of the examples `rows` whose greedy decoding equals the reference exactly, over all ranks: pairs
-    (at most cfg.block_size tokens), or chat conversations whose final reply is decoded up to one of stop_tokens.
+    Fraction of the examples `rows` of a split whose greedy decoding (task.decoded: pairs of at most
+    cfg.block_size tokens, chat replies up to an end-of-turn) equals the reference exactly, over all ranks.
     """
     model.eval()
     mine = rows[rt.rank :: rt.world_size]  # rank r decodes every world_size-th example
     with rt.autocast():
-        if objective.arch == "encoder_decoder":
-            starts = range(0, len(mine), cfg.batch_size)
-            batches = (seq2seq_batch(examples, mine[i : i + cfg.batch_size], objective) for i in starts)
-            decoded = decoded_pairs(model, batches, objective.bos_id, objective.eos_id, max_len=cfg.block_size)
-        else:
-            decoded = decoded_replies(model, (examples[int(i)] for i in mine), stop_tokens)
+        decoded = task.decoded(model, split, mine, cfg.batch_size, cfg.block_size)
         correct = sum(output == reference for output, reference in decoded)
     correct, total = all_reduce([correct, len(mine)], rt).tolist()
     return correct / max(total, 1)
@@ -980,7 +913,7 @@ def save_training_state(run, iter_num):
     path = Path(run.cfg.out_dir) / "ckpt.pt"
     if sharded:
         check_shards_finite([m for m in (run.models.raw, run.models.average) if m is not None], run.rt, iter_num)
-        tensors = sharded_state(run.models.raw, ema_model=run.models.average, optimizer=run.optimizers["adamw"])
+        tensors = sharded_state(run.models.raw, ema_model=run.models.average, optimizers=run.optimizers)
         save_sharded(tensors, state, path, run.rt.rank)
     # every rank built the state (gathering the RNG states is a collective); one writes it
     elif run.rt.rank == 0:
@@ -1027,10 +960,10 @@ def cli(argv):
                     "--plan runs in one process: use python train.py ... --plan --plan_ranks=N, not torchrun"
                 )
             # imported here only: the planner's tracing tools (torch.distributed._tools, ...) take seconds to
-            # import, which a run's launch would otherwise wait for
-            from plan import make_plan, print_plan
+            # import, which a run's launch would otherwise wait for. It traces this file's own step functions
+            from plan import TrainStep, make_plan, print_plan
 
-            print_plan(make_plan(cfg))
+            print_plan(make_plan(cfg, TrainStep(make_optimizers, micro_step, clip_gradients)))
         else:
             main(cfg)
     except ConfigError as e:

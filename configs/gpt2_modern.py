@@ -3,8 +3,9 @@
 # GPT-2 speedrun and the Llama family changed since: rotary positions, RMSNorm, QK-norm, ReLU-squared MLPs,
 # zero-initialised residual projections, an untied head, a tanh logit soft-cap, no biases, and Muon for the
 # blocks' matrices. The speedrun reached GPT-2's validation loss in about 1B tokens instead of 10B, so this
-# trains 5B tokens (10,000 steps) instead of 300B. Not yet run on a GPU here: the learning rates are the
-# references' (Muon 0.02 with its "original" shape scaling, AdamW at GPT-2's 6e-4 for embeddings, head and gains).
+# trains 5B tokens (10,000 steps) instead of 300B. The learning rates are the references', not tuned here (Muon
+# 0.02 with its "original" shape scaling, AdamW at GPT-2's 6e-4 for embeddings, head and gains); the step's speed
+# and what has not been measured yet are in docs/performance.md.
 out_dir = "out-gpt2-modern"
 dataset = "openwebtext"
 

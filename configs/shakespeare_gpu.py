@@ -1,11 +1,10 @@
 # Character-level tiny Shakespeare on one GPU: 6 layers, 384 wide, 256 characters of context (10.7M parameters).
-# Aims at val loss <= 1.47 in 5000 iterations (a few minutes on an A100/H100).
+# Aims at val loss <= 1.47 in 5000 iterations (a few minutes on an A100/H100; timings in docs/performance.md).
 out_dir = "out-shakespeare-gpu"
 dataset = "shakespeare_char"
 eval_interval = 250
-# 50 batches of each split: 2 x 50 forward passes every 250 steps cost ~13% of training's FLOPs (200 cost ~53%). The
-# estimate's noise, measured on the CPU quick start's model over 120 val batches of 64 x 256 characters: sd 0.018 a
-# batch, so 0.0025 for the mean of 50 (0.0013 of 200), far below the 1.47 target's margin; every evaluation reads
+# 50 batches of each split: 2 x 50 forward passes every 250 steps cost ~13% of training's FLOPs (200 cost ~53%), and
+# the mean's noise stays far below the 1.47 target's margin (measured in docs/performance.md); every evaluation reads
 # the same batches, so the run's evaluations compare with each other without that noise
 eval_iters = 50
 log_interval = 10

@@ -13,8 +13,9 @@ import eval as evaluate
 import prepare_data
 import sample
 import train
-from checkpoint import load_checkpoint, model_from_checkpoint
+from checkpoint import load_checkpoint
 from config import parse_config
+from start import model_from_checkpoint
 from tokens import Tokenizer, load_conversations, load_meta
 
 QUESTIONS = ["abc", "bca", "cab", "aab", "bba", "cca", "abab", "baba", "acca", "caac", "bcb", "aca"]

@@ -311,13 +311,14 @@ def chat_dir(tmp_path_factory):
 
 def test_chat_batches_match_an_explicit_loop(chat_dir):
     meta = load_meta(chat_dir)
-    objective, model_vocab, _ = data.make_objective("gpt", meta, 0.15)
-    assert objective.chat and objective.pad_id is None and model_vocab == meta["vocab_size"]
-    split = data.load_splits(chat_dir, meta, block_size=64)["train"]
+    task = data.make_task("gpt", meta)
+    assert isinstance(task, data.Chat) and task.varying and task.pad_id is None
+    assert task.model_vocab == meta["vocab_size"]
+    split = task.load_split(chat_dir, "train", 64)
     conversations = split.conversations
     lengths = np.diff(conversations.index)
     for seed in range(5):
-        (inputs,), targets = data.get_batch(split, objective, 8, 64, torch.Generator().manual_seed(seed))
+        (inputs,), targets = task.batch(split, 8, 64, torch.Generator().manual_seed(seed))
         rows = data.chat_rows(split, 8, torch.Generator().manual_seed(seed))
         # neighbours in length order: at most one step back, where the order wraps around
         assert sum(np.diff(lengths[rows]) < 0) <= 1
@@ -331,16 +332,16 @@ def test_chat_batches_match_an_explicit_loop(chat_dir):
                 [i if f else IGNORE_INDEX for i, f in zip(ids[1:], flags[1:])] + [IGNORE_INDEX] * pad
             )
         assert inputs.tolist() == expected_inputs and targets.tolist() == expected_targets
-        assert data.count_tokens((inputs,), targets, objective) == sum(lengths[rows] - 1)
+        assert task.count_tokens((inputs,), targets) == sum(lengths[rows] - 1)
 
 
 def test_a_micro_batch_depends_on_its_seed_only(chat_dir):
     meta = load_meta(chat_dir)
-    objective = data.make_objective("gpt", meta, 0.15)[0]
-    split = data.load_splits(chat_dir, meta, block_size=64)["train"]
+    task = data.make_task("gpt", meta)
+    split = task.load_split(chat_dir, "train", 64)
 
     def batch(seed):
-        return data.get_batch(split, objective, 4, 64, torch.Generator().manual_seed(seed))
+        return task.batch(split, 4, 64, torch.Generator().manual_seed(seed))
 
     first = batch(7)
     others = [batch(seed) for seed in range(20)]  # draws in between change nothing
@@ -352,15 +353,15 @@ def test_a_micro_batch_depends_on_its_seed_only(chat_dir):
 
 def test_padding_fraction_counts_every_start(chat_dir):
     meta = load_meta(chat_dir)
-    objective = data.make_objective("gpt", meta, 0.15)[0]
-    split = data.load_splits(chat_dir, meta, block_size=64)["val"]
+    task = data.make_task("gpt", meta)
+    split = task.load_split(chat_dir, "val", 64)
     n, B = len(split.order), 6
     padding = positions = 0
     for start in range(n):
         rows = [split.order[(start + i) % n] for i in range(B)]
         inputs, targets = data.chat_batch(split.conversations, rows)
         positions += inputs.numel()
-        padding += inputs.numel() - data.count_tokens((inputs,), targets, objective)
+        padding += inputs.numel() - task.count_tokens((inputs,), targets)
     assert data.padding_fraction(split, B) == pytest.approx(padding / positions)
 
 
@@ -368,14 +369,15 @@ def test_chat_data_fits_block_size_or_says_so(chat_dir, capsys):
     meta = load_meta(chat_dir)
     lengths = np.diff(load_conversations(chat_dir, "train").index)
     block = int(np.median(lengths))
-    split = data.load_splits(chat_dir, meta, block_size=block)["train"]
+    task = data.make_task("gpt", meta)
+    split = task.load_split(chat_dir, "train", block)
     assert sorted(split.order.tolist()) == np.flatnonzero(lengths <= block + 1).tolist()
     assert "do not fit block_size" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="fits block_size=2"):
-        data.load_splits(chat_dir, meta, block_size=2)
+        task.load_split(chat_dir, "train", 2)
     for arch in ("encoder", "encoder_decoder"):
         with pytest.raises(ConfigError, match="only arch=gpt"):
-            data.make_objective(arch, meta, 0.15)
+            data.make_task(arch, meta)
 
 
 # ----------------------------------------------------------------------------- the Shakespeare quiz

@@ -15,9 +15,10 @@ import eval as evaluation
 import prepare_data
 import tokens
 import train
-from checkpoint import load_checkpoint, model_from_checkpoint
-from data import Objective, mask_tokens
+from checkpoint import load_checkpoint
+from data import MaskedLM, mask_tokens
 from hf import from_pretrained
+from start import model_from_checkpoint
 
 # train.py's settings for a real checkpoint in a second or two: 2 layers, 32 wide, 32 positions
 TINY = dict(
@@ -286,10 +287,10 @@ def test_encoder_masked_loss_is_deterministic_and_equals_a_float64_loop(encoder_
     # each window of 32 masked by its own generator, seeded by seed + its index, as in training
     ids = torch.tensor(tokenizer.encode(text))
     mask = meta["special_tokens"]["mask"]
-    objective = Objective("encoder", data_vocab=mask, mask_id=mask, mask_prob=0.3)
+    task = MaskedLM(meta, mask_prob=0.3, data_vocab=mask)
     nats = []
     for k, start in enumerate(range(0, len(ids), 32)):
-        inputs, targets = mask_tokens(ids[None, start : start + 32], objective, torch.Generator().manual_seed(1337 + k))
+        inputs, targets = mask_tokens(ids[None, start : start + 32], task, torch.Generator().manual_seed(1337 + k))
         logp = model(inputs)[0][0].double().log_softmax(dim=-1)
         for position in (targets[0] != -100).nonzero()[:, 0].tolist():
             nats.append(-logp[position, targets[0, position]].item())

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from tiny_run import TINY, tiny
 
+import data
 import export
 import hf
 import lora
@@ -22,11 +23,12 @@ import sample
 import start
 import tokens
 import train
-from checkpoint import adapted_model, load_checkpoint, load_model, model_from_checkpoint
+from checkpoint import load_checkpoint
 from generate import generate
 from lora import LoRALinear, LoRASettings, add_adapters, grow_vocabulary, merge
 from model import ModelConfig, build_model
 from parallel import Models, Runtime
+from start import adapted_model, load_model, model_from_checkpoint
 from train import TrainConfig, main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -158,9 +160,8 @@ def test_only_the_adapters_change_and_only_they_have_gradients_and_optimizer_sta
     batches = [((w[:, :-1],), w[:, 1:]) for w in windows]
     for _ in range(3):
         models = Models(raw=model, step=model)
-        train.compute_gradients(
-            models, optimizers, batches, n_targets=128, scaler=torch.amp.GradScaler("cpu", enabled=False), rt=Runtime()
-        )
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        train.accumulate_gradients(models, data.CausalLM({}), batches, 128, scaler, Runtime())
         assert all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
         train.update_weights(model, optimizers, torch.amp.GradScaler("cpu", enabled=False), grad_clip=1.0)
     trained = dict(model.named_parameters())
@@ -187,7 +188,7 @@ def test_a_lora_run_saves_small_adapters_that_name_their_base(lora_run, base, ca
     assert record["base"]["fingerprint"] == lora.fingerprint(base_model)
     assert all(k.endswith(("lora_a", "lora_b")) for k in ckpt["weights"])
     # AdamW's state covers the adapters and nothing else
-    state = ckpt["optimizer"]["state"]
+    state = ckpt["optimizers"]["adamw"]["state"]
     assert sorted(tuple(s["exp_avg"].shape) for s in state.values()) == sorted(
         tuple(t.shape) for t in ckpt["weights"].values()
     )
@@ -347,7 +348,7 @@ def test_ddp_and_fsdp_train_the_adapters_as_one_process(data_root, base, tmp_pat
     # kernels) grow where that is tiny, as in test_train's FSDP comparison
     for k in one["weights"]:
         torch.testing.assert_close(two["weights"][k], one["weights"][k], rtol=1e-3, atol=3e-5)
-    assert [len(o["optimizer"]["state"]) for o in (one, two)] == [len(one["weights"])] * 2
+    assert [len(o["optimizers"]["adamw"]["state"]) for o in (one, two)] == [len(one["weights"])] * 2
 
 
 # -----------------------------------------------------------------------------

@@ -7,14 +7,13 @@ import itertools
 import json
 import math
 import re
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hf_reference import TINY_LLAMA, VOCAB, assert_same_greedy_tokens, max_logit_difference, with_large_weights
 
-from checkpoint import upgrade
 from devices import peak_flops
 from generate import beam_search, generate, sample_next, translate
 from hf import from_pretrained
@@ -1261,16 +1260,15 @@ def test_kv_cache_and_generation_with_each_option(options):
     assert torch.equal(got, expected[:, 1:])
 
 
-def reference_attention_options(attn, x, allowed, context=None, rope_theta=None, qkv=None):
+def reference_attention_options(attn, x, allowed, context=None, rope_theta=None):
     """
     float64 loop like reference_attention, with the options spelled out: q and k of each head divided by their
     root mean square over D and multiplied by the norms' gains, then (self-attention with rope_theta) turned by
-    the rotary angles; query head h reads key/value head h // (n_head / n_kv_head). qkv: (weight, bias) of the rows
-    [W_q; W_k; W_v] to read instead of the attention's own.
+    the rotary angles; query head h reads key/value head h // (n_head / n_kv_head).
     """
     C, H, G = x.size(-1), attn.n_head, attn.n_kv_head
     D = C // H
-    w, b = stacked_qkv(attn) if qkv is None else (t.double() for t in qkv)
+    w, b = stacked_qkv(attn)
     kv_in = x if context is None else context
     q = (x.double() @ w[:C].T + b[:C]).unflatten(-1, (H, D))  # (B, T, H, D)
     k = (kv_in.double() @ w[C : C + G * D].T + b[C : C + G * D]).unflatten(-1, (G, D))
@@ -1324,38 +1322,6 @@ def test_qk_norm_and_grouped_query_attention_against_float64_loop():
         expected = reference_attention_options(attn, x, allowed, context=ctx, rope_theta=theta).float()
         for need_weights in (False, True):
             got = attn(x, ctx, key_mask=km, rope=tables, need_weights=need_weights)[0]
-            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-
-
-def test_a_stacked_cross_attention_of_an_older_checkpoint_loads_as_its_q_and_kv():
-    """
-    Checkpoints from before cross-attention had its own q and kv Linears hold both stacked as cross_attn.qkv, rows
-    [W_q; W_k; W_v]: W_q applied to the decoder's stream, W_k and W_v to the encoder's output. Such a state dict
-    loads strictly, and each cross-attention then computes what those stacked rows compute (the float64 loop).
-    """
-    torch.manual_seed(0)
-    config = tiny(arch="encoder_decoder", n_head=4, n_kv_head=2, qk_norm=True, pad_token_id=PAD)
-    old = perturbed(build_model(config)).state_dict()
-    g = torch.Generator().manual_seed(1)
-    for i in range(config.n_layer):  # the old layout: one stacked Linear of C + 2 * n_kv_head * D rows
-        prefix = f"decoder.blocks.{i}.cross_attn"
-        for p in ("weight", "bias"):
-            del old[f"{prefix}.q.{p}"], old[f"{prefix}.kv.{p}"]
-        old[f"{prefix}.qkv.weight"] = 0.3 * torch.randn(32 + 2 * 16, 32, generator=g)
-        old[f"{prefix}.qkv.bias"] = 0.3 * torch.randn(32 + 2 * 16, generator=g)
-    model = build_model(config).eval()
-    # what a format-2 checkpoint file held; upgrade splits the stacked rows, and a strict load finds every tensor
-    upgraded = upgrade({"format_version": 2, "model": old, "model_config": asdict(config)})
-    model.load_state_dict(upgraded["weights"])
-    x, context = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
-    key_mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
-    for i, block in enumerate(model.decoder.blocks):
-        stacked = old[f"decoder.blocks.{i}.cross_attn.qkv.weight"], old[f"decoder.blocks.{i}.cross_attn.qkv.bias"]
-        expected = reference_attention_options(
-            block.cross_attn, x, lambda b, t, s: key_mask[b, s].item(), context=context, qkv=stacked
-        ).float()
-        for need_weights in (False, True):
-            got = block.cross_attn(x, context, key_mask=key_mask, need_weights=need_weights)[0]
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 

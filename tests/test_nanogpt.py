@@ -13,9 +13,10 @@ import torch.nn.functional as F
 import sample
 import tokens
 import train
-from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint, weights_state
+from checkpoint import load_checkpoint, save_checkpoint, weights_state
 from generate import generate
 from model import ModelConfig, build_model
+from start import model_from_checkpoint
 
 # nanoGPT's GPT-2 layout, per block: its module names -> ours
 NANOGPT_BLOCK = {

@@ -17,9 +17,9 @@ import torch
 
 import plan
 from config import ConfigError, parse_config
-from devices import peak_flops
+from devices import GPUS, peak_flops
 from model import ModelConfig, build_model
-from train import TrainConfig, cli
+from train import TrainConfig, cli, clip_gradients, make_optimizers, micro_step
 
 REPO = Path(__file__).resolve().parent.parent
 # the measured peak (the process's resident set) exceeds the traced one by what the allocator keeps: -4% to -10% on
@@ -65,7 +65,7 @@ def env(shakespeare_char_dir):
 
 def plan_of(args, monkeypatch, env):
     monkeypatch.setenv("NANOFORMER_DATA_DIR", env["NANOFORMER_DATA_DIR"])
-    return plan.make_plan(parse_config(TrainConfig, args))
+    return plan.make_plan(parse_config(TrainConfig, args), plan.TrainStep(make_optimizers, micro_step, clip_gradients))
 
 
 def planned_mib(output, label):
@@ -152,8 +152,8 @@ def test_kv_cache_is_what_decoding_block_size_positions_holds():
 
 
 def test_every_planned_gpu_has_its_peak_and_is_found_however_spelled():
-    for name in plan.GPUS:
-        assert peak_flops(name) is not None, name
+    for gpu in GPUS:
+        assert peak_flops(gpu.name) is not None and plan.find_target(gpu.name.lower(), 0.0, 1).name == gpu.name
     target = plan.find_target("nvidia h100-pcie", 0.0, 1)
     assert (target.name, target.memory, target.flops) == ("H100 PCIe", 80 * 2**30, 756e12)
     # MFU measured on an H100 SXM (bench.py --parts=gpu): the PCIe card, not measured, is timed at that figure
@@ -167,7 +167,10 @@ def test_every_planned_gpu_has_its_peak_and_is_found_however_spelled():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--plan_device=H900"], "plan_device='H900' is not a device plans know; use cpu or one of H100,"),
+        (
+            ["--plan_device=H900"],
+            "plan_device='H900' is not a device plans know; use cpu or one of H100 PCIe, H100 NVL,",
+        ),
         (["--plan_ranks=3", "--gradient_accumulation_steps=4"], "does not divide among 3 ranks"),
         (["--plan_ranks=0"], "plan_ranks must be at least 1"),
         (["--plan_device=T4", "--dtype=bfloat16"], "T4 has no native bfloat16"),

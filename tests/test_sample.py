@@ -19,6 +19,7 @@ import torch
 import checkpoint
 import prepare_data
 import sample
+import start
 import tokens
 import train
 from config import parse_config
@@ -82,7 +83,7 @@ def seq2seq_dir(reverse_dir, tmp_path_factory):
 
 def load(out_dir):
     ckpt = checkpoint.load_checkpoint(Path(out_dir) / "ckpt.pt")
-    return checkpoint.model_from_checkpoint(ckpt), tokens.Tokenizer.from_meta(ckpt["meta"]), ckpt["meta"]
+    return start.model_from_checkpoint(ckpt), tokens.Tokenizer.from_meta(ckpt["meta"]), ckpt["meta"]
 
 
 def cli(capsys, *args):
