@@ -156,7 +156,7 @@ def folder_chat(folder):
     closer = closing_token(TemplateChat(source, names, tokenizer, end_of_turn=()))
     eos = [tokenizer.token_to_id(names["eos_token"])] if "eos_token" in names else []
     # Llama 3.1's instruct config lists several: end of text, end of message (tool calls), end of turn
-    model_eos = tokens.model_config(folder).get("eos_token_id") if (folder / "config.json").is_file() else None
+    model_eos = folder_json(folder / "config.json").get("eos_token_id")
     model_eos = model_eos if isinstance(model_eos, list) else [model_eos]
     # in order of preference, each once; None is an eos string the tokenizer lacks, or no eos_token_id
     end_of_turn = list(dict.fromkeys(i for i in [closer, *eos, *model_eos] if isinstance(i, int)))

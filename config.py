@@ -193,12 +193,12 @@ def read_config_file(arg, names):
     return assignments
 
 
-def parse_config(cls, argv):
+def parse_config(cls, argv, config_files=True):
     """
     Build dataclass cls from argv: config files (`key = value` literals, read with ast, so no code runs) and
     --key=value or --key value overrides, applied in order, each value typed by its field; a dict option is merged
     into the dict before it (a config file's), its keys winning. --help prints every key with its default and doc
-    and exits. Raises ConfigError naming the bad file line, key or value.
+    and exits. Raises ConfigError naming the bad file line, key or value; config_files=False refuses files.
     """
     # {field name: type}, string annotations resolved to real types (`int | None`) for coerce
     hints = typing.get_type_hints(cls)
@@ -211,6 +211,8 @@ def parse_config(cls, argv):
             raise SystemExit(0)
         # a word without -- is a config file, applied now so that later options override it
         if not arg.startswith("--"):
+            if not config_files:  # a script that takes only options after its own words (prepare_data.py NAME)
+                raise ConfigError(f"unexpected argument {arg!r}; options are written --key=value")
             for key, value, where in read_config_file(arg, list(hints)):
                 values[key] = coerce(value, hints[key], where)
             continue

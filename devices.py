@@ -63,8 +63,8 @@ def pick_threads(requested, local_ranks):
     """
     (intra-op threads for this process, why: a line to log or None). requested > 0 wins; then OMP_NUM_THREADS
     (torchrun sets 1 per rank); else the cores of this machine that other jobs are not using (busy_cores), shared
-    among the local_ranks processes. On a busy machine, threads that wait for a taken core make
-    every op wait for the slowest one: the quick start next to one other job ran 24x slower with 2 threads on 2 cores.
+    among the local_ranks processes. On a busy machine, threads that wait for a taken core make every op wait for
+    the slowest one (docs/training.md#devices-and-threads has the measurements).
     """
     if requested > 0:
         return requested, None

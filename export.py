@@ -34,10 +34,10 @@ from safetensors.torch import save_file
 
 from checkpoint import load_checkpoint, move_into_place, run_checkpoint
 from config import parse_config
-from hf import hf_layout, to_hf
+from hf import EXPORT_KEY, hf_layout, to_hf
 from model import ModelConfig
 from start import model_from_checkpoint
-from tokens import END_OF_TEXT, EXPORT_KEY, TOKENIZER_JSON, tiktoken_encoding
+from tokens import END_OF_TEXT, TOKENIZER_JSON, tiktoken_encoding
 
 WEIGHTS = "model.safetensors"
 # every name an export may write: a --dest holding only these, with our config.json, is an earlier export

@@ -20,7 +20,11 @@ from pathlib import Path
 
 import torch
 
+import tokens
 from model import GPT, ROPE_SCALING_KEYS, ModelConfig
+
+# config.json's entry of what export.py keeps of a checkpoint (its model settings and the meta of its data)
+EXPORT_KEY = "nanoformer"
 
 # -----------------------------------------------------------------------------
 # A Hugging Face folder: from the hub, its weights
@@ -80,6 +84,76 @@ def read_state_dict(path):
         else:
             state.update(torch.load(path / shard, map_location="cpu", weights_only=True))
     return state
+
+
+# -----------------------------------------------------------------------------
+# Reading a model folder: its config.json, and the meta of the text its model reads
+
+
+def folder_config(folder):
+    """The config.json of a Hugging Face model folder, as a dict; a missing or malformed file raises one line."""
+    path = Path(folder).expanduser() / "config.json"
+    config = tokens.read_json(path, missing="a Hugging Face model folder holds config.json (save_pretrained writes it)")
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a model config (a JSON object)")
+    return config
+
+
+def pretrained_meta(folder):
+    """The meta (kind, tokenizer, vocab_size, special_tokens) of the text a Hugging Face model folder's model reads.
+
+    A folder export.py wrote: the meta it kept in config.json (exported_meta). Else its tokenizer.json when it holds
+    one (huggingface_tokenizer); GPT-2's BPE (tokens.GPT2_META) for a GPT-2 without one. Another model's folder without
+    one raises FileNotFoundError saying to put the model's tokenizer.json there.
+    """
+    folder = Path(folder).expanduser()
+    config = folder_config(folder)
+    model_type = config.get("model_type")
+    if model_type is None:  # most likely a train.py out_dir, which holds a config.json of its own
+        raise ValueError(
+            f"{folder} is not a Hugging Face model folder (its config.json has no model_type); "
+            f"a folder train.py wrote is read with --init_from=resume --out_dir={folder}"
+        )
+    # before the folder's tokenizer.json: a character vocabulary has none, and GPT-2's BPE reads exactly as it was
+    # trained through tiktoken, not through the tokenizer.json converted from it
+    if EXPORT_KEY in config:
+        return exported_meta(folder, config[EXPORT_KEY])
+    if (folder / tokens.TOKENIZER_JSON).is_file():
+        return {"kind": "lm", **tokens.huggingface_tokenizer(folder)}
+    if model_type == "gpt2":
+        return tokens.GPT2_META
+    raise FileNotFoundError(
+        f"{folder} has no {tokens.TOKENIZER_JSON}, which a {model_type} model needs to read and write text: "
+        f"put the model's {tokens.TOKENIZER_JSON} (from the same Hugging Face repository) in the folder"
+    )
+
+
+def exported_meta(folder, ours):
+    """
+    The meta of the data an exported model was trained on: `ours`, config.json's EXPORT_KEY entry in folder, holds
+    it as the checkpoint did, except a tokenizer.json's text, which is the folder's file ({"type": "huggingface",
+    "file": "tokenizer.json"}) and is read back here, byte for byte as the dataset stored it.
+    """
+    where = f"{folder / 'config.json'} ({EXPORT_KEY}.meta)"
+    meta = ours.get("meta") if isinstance(ours, dict) else None
+    if not isinstance(meta, dict) or any(key not in meta for key in ("tokenizer", "vocab_size", "special_tokens")):
+        raise ValueError(f"{where} lacks the tokenizer, vocab_size or special_tokens export.py writes; export again")
+    spec = meta["tokenizer"]
+    if not (isinstance(spec, dict) and spec.get("type") == "huggingface" and "file" in spec):
+        return meta
+    # only a name within the folder: the meta names the file export.py wrote beside it
+    file = folder / Path(spec["file"]).name
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{file} not found: {where} says the model reads it; copy the exported folder whole"
+        ) from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{file} is not UTF-8 text, so not a {tokens.TOKENIZER_JSON}") from None
+    # a damaged file is named now, not by the Tokenizer of a later step
+    tokens.parse_tokenizer_json(text, file)
+    return {**meta, "tokenizer": {"type": "huggingface", "json": text}}
 
 
 # -----------------------------------------------------------------------------

@@ -599,7 +599,7 @@ class Stack(nn.Module):
 
 # float32 logits the loss computes at a time (see TransformerModel.head_and_loss), unless a model's loss_chunk_bytes
 # says otherwise. On CPUs glibc serves allocations below its 32 MiB mmap threshold from a heap it reuses, instead of
-# mapping and zeroing fresh pages every step (with GPT-2's vocabulary those page faults took a third of a CPU step).
+# mapping and zeroing fresh pages every step (docs/performance.md, "What moved the numbers").
 # On a GPU train.py sizes the chunk from the memory free (loss_chunk_budget): a micro-batch's whole logits mostly fit,
 # and then no chunk is computed twice.
 LOSS_CHUNK_BYTES = 16 * 2**20

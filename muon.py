@@ -7,7 +7,7 @@ by shape and decoupled weight decay) and reads and writes the same state_dict, b
 - orthogonalises all matrices of one shape at once, as one (N, rows, cols) batch: a few batched matmuls per shape
   instead of about 24 kernels per matrix launched from Python; torch.compile'd by default on CUDA;
 - in a dtype chosen by device: bfloat16 on CUDA (as PyTorch and modded-nanogpt), float32 elsewhere, since CPUs
-  without native bfloat16 emulate it (the quick start's step took 15 times longer on such a CPU);
+  without native bfloat16 emulate it, many times slower (docs/performance.md, "The modern recipe on 2 CPU cores");
 - skips a step on the device: like fused AdamW it takes a gradient scaler's found_inf (nonzero: skip) and then
   leaves weights and momentum as they were, without the host waiting to read the flag.
 """

@@ -15,9 +15,9 @@ Arithmetic: DDP's buckets (gradient_as_bucket_view: every gradient held from the
 (the model FLOPs train.py's MFU counts / (peak FLOP/s x MFU)) and the largest micro-batch that fits, from traces at
 two batch sizes.
 Compiled on a GPU (its default), the loss's (positions, V) tensors are counted as Inductor keeps them (a chunk of
-logits in the compute dtype) and dropout as keeping nothing: GPT-2's peaks then come within 3% of the measured ones.
-Not modelled: torch.compile's other fusions (the trace is eager: its activations bound a compiled run's from above;
-29% above for configs/gpt2_modern.py, whose rotary, QK-norm and soft-cap copies Inductor fuses away),
+logits in the compute dtype) and dropout as keeping nothing (docs/performance.md#gpus compares the peaks with
+measured ones). Not modelled: torch.compile's other fusions (the trace is eager: its activations bound a compiled
+run's from above, most for configs/gpt2_modern.py, whose rotary, QK-norm and soft-cap copies Inductor fuses away),
 the CUDA context and caching allocator's fragmentation (a GPU counts as full at FULL of its memory), communication
 time. LoRA is refused: MemTracker hooks every weight's gradient, which frozen weights refuse.
 """
@@ -55,12 +55,11 @@ from parallel import Models, Runtime, shard_model, split_accumulation
 from progress import local_bytes, resident_peak, state_bytes
 from start import task_of
 
-# the MFU a plan times GPU steps at, measured with bench.py --parts=gpu (docs/performance.md): configs/gpt2.py's
-# model at 12 x 1024 x 4 micro-batches a step, bf16, compiled, fused AdamW (torch 2.11, 2026-11-26). A GPU not
-# measured yet gets the H100's figure
+# the MFU a plan times GPU steps at, measured with bench.py --parts=gpu (docs/performance.md#gpus): configs/gpt2.py's
+# model at 12 x 1024 x 4 micro-batches a step, bf16, compiled, fused AdamW. A GPU not measured yet gets the H100's
 MEASURED_MFU = {"H100": 0.40}
-# on a CPU: the model FLOP/s of training over the float32 matmul rate measured when planning (cpu_matmul_flops); the
-# quick start's on 2 cores, 12.0 ms a step against 238 GFLOP/s (README, "Plan a run", which has the others)
+# on a CPU: the model FLOP/s of training over the float32 matmul rate measured when planning (cpu_matmul_flops), the
+# quick start's on 2 cores, the calibration of README.md's "Plan a run" table
 CPU_MFU = 0.65
 # a GPU counts as full at this share of its memory: the CUDA context, cuDNN/cuBLAS workspaces and the caching
 # allocator's fragmentation take the rest
@@ -309,8 +308,7 @@ def trace_step(cfg, rt, config, task, batch_size, per_rank, target, train):
     if compiled:
         # Compiled, the head's matmul, soft-cap and cross-entropy fuse: of the (positions, V) tensors that eager
         # autograd holds (the head's output, its float32 copy, the log-probabilities, ...) the backward keeps the
-        # head's output alone, a chunk of it in the compute dtype. On an H100 (docs/performance.md) these two rules
-        # put GPT-2's predicted peaks within 3% of the compiled runs' (the eager trace's: 78% above)
+        # head's output alone, a chunk of it in the compute dtype (docs/performance.md#gpus: predicted and measured)
         rows = min(batch_size * config.block_size, max(1, chunk // (4 * config.vocab_size)))
         kept = rows * config.vocab_size * rt.dtype.itemsize
         peak, activations, vocab_bytes = peak - vocab.peak + kept, activations - vocab.peak + kept, kept

@@ -10,9 +10,9 @@ beside its final place and renamed into place only when complete, so an interrup
 never leaves a folder that looks prepared.
 """
 
-import argparse
 import codecs
 import contextlib
+import difflib
 import functools
 import glob
 import hashlib
@@ -28,7 +28,7 @@ import sys
 import urllib.request
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, make_dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -42,7 +42,7 @@ from chat import (
     folder_chat,
     with_chat_tokens,
 )
-from config import BOOL_WORDS, OPTIONS_USAGE, help_line, one_line
+from config import BOOL_WORDS, OPTIONS_USAGE, ConfigError, help_line, one_line, parse_config
 from tasks import CHARS, MAX_NUMBER, QUIZ_BLOCK, distinct_sources, quiz_conversations, random_source, solve
 from tokens import (
     BYTE_TOKENS,
@@ -143,6 +143,12 @@ class Option:
         if self.fraction and not 0 < value < 1:
             raise ValueError(f"{dataset}: --{self.name} must be between 0 and 1, got {value}")
         return value
+
+    @property
+    def hint(self):
+        """The field type config.py reads the command line's value as: bool for a yes/no option, `| None` if unset."""
+        kind = bool if self.type is boolean else self.type
+        return kind | None if self.default is None else kind
 
     def recorded(self, value):
         """What the up-to-date record keeps of a resolved value: the value, or for a file its sha256."""
@@ -1408,6 +1414,15 @@ RECIPES: dict[str, Recipe] = {
 DATASETS = {name: recipe.description for name, recipe in RECIPES.items()}  # name -> description, for messages
 
 
+def recipe_of(name):
+    """RECIPES[name]; an unknown name raises ValueError naming the closest one and every one."""
+    if name not in RECIPES:
+        close = difflib.get_close_matches(name, RECIPES, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown dataset {name!r}; {hint}choose one of: {', '.join(RECIPES)}")
+    return RECIPES[name]
+
+
 # ----------------------------------------------------------------------------- preparing
 
 
@@ -1457,9 +1472,7 @@ def prepare(name, /, data_dir=None, force=False, **options):
     ValueError, FileNotFoundError or DownloadError (an OSError) with a one-line message;
     nothing half-written is left behind.
     """
-    recipe = RECIPES.get(name)
-    if recipe is None:
-        raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
+    recipe = recipe_of(name)
     # every option of the recipe, converted and checked, defaults filled in
     opts = resolve_options(name, recipe.options, options)
     root = data_root(data_dir)
@@ -1509,57 +1522,55 @@ def prepare(name, /, data_dir=None, force=False, **options):
 # ----------------------------------------------------------------------------- command line
 
 
-def build_parser():
-    """The command line's parser: one subcommand per dataset, with that dataset's options."""
-    parser = argparse.ArgumentParser(
-        prog="prepare_data.py",
-        usage=f"%(prog)s NAME {OPTIONS_USAGE}",
-        description="Prepare a dataset as token files under <data_dir>/<name>/.",
-        epilog=f"Offline: --input=PATH, ${MIRROR_ENV} (a local mirror folder), $TIKTOKEN_CACHE_DIR. "
-        f"Output root: --data_dir, else ${DATA_DIR_ENV}, else data/ beside this script.",
-    )
-    # --data_dir and --force belong to every dataset: each subcommand inherits them. Every option's help is
-    # suppressed, and listed instead as the other scripts' --help lists theirs (help_line): --key=value
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--data_dir", help=argparse.SUPPRESS)
-    common.add_argument("--force", action="store_true", help=argparse.SUPPRESS)
-    common_lines = [
-        help_line(
-            "--data_dir=DIR", f"root of the dataset folders (default: ${DATA_DIR_ENV} or data/ beside this script)"
-        ),
-        help_line("--force", "rebuild even if up to date, and replace data from another tokenizer"),
-    ]
-    # one subcommand per dataset, so `NAME --help` lists only that dataset's options
-    commands = parser.add_subparsers(dest="dataset", metavar="NAME", required=True)
-    for name, recipe in RECIPES.items():
-        # an option without a default shows its name as the value to give: --input=INPUT
-        lines = [
-            help_line(f"--{o.name}={o.name.upper() if o.default is None else o.default}", o.help)
-            for o in recipe.options
+# what every dataset takes besides its own options; prepare() takes them as keywords too
+COMMON_OPTIONS = (
+    Option("data_dir", str, None, f"the datasets' root folder (default: ${DATA_DIR_ENV} or data/ beside this script)"),
+    Option("force", boolean, False, "rebuild even if up to date, and replace data from another tokenizer"),
+)
+
+
+def overview():
+    """--help without a dataset: the usage, then every dataset with its description."""
+    return "\n".join(
+        [
+            f"usage: prepare_data.py NAME {OPTIONS_USAGE}",
+            "",
+            "Prepare a dataset as token files under <data_dir>/<name>/; prepare_data.py NAME --help lists its options.",
+            "",
+            *[help_line(name, recipe.description) for name, recipe in RECIPES.items()],
+            "",
+            f"Offline: --input=PATH, ${MIRROR_ENV} (a local mirror folder), $TIKTOKEN_CACHE_DIR. "
+            f"Output root: --data_dir, else ${DATA_DIR_ENV}, else data/ beside this script.",
         ]
-        sub = commands.add_parser(
-            name,
-            parents=[common],
-            help=recipe.description,
-            # the parent's usage would otherwise come first: "prepare_data.py NAME [...] text"
-            prog=f"prepare_data.py {name}",
-            usage=f"%(prog)s {OPTIONS_USAGE}",
-            description="\n".join([recipe.description, "", *lines, *common_lines]),
-            # the lines as laid out above, not rewrapped into one paragraph
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        for option in recipe.options:
-            # SUPPRESS below: an option not given is absent from args, so prepare() applies the recipe's default
-            # and checks in one place, for the command line and train.py alike
-            sub.add_argument(
-                f"--{option.name}",
-                type=option.type,
-                default=argparse.SUPPRESS,
-                # an option that also takes a path is checked by Option.resolve, which knows about the path
-                choices=None if option.file else option.choices or None,
-                help=argparse.SUPPRESS,
-            )
-    return parser
+    )
+
+
+def dataset_help(name):
+    """NAME --help: the dataset's options as typed, each with its default (or the value's name) and its help."""
+    options = (*RECIPES[name].options, *COMMON_OPTIONS)
+    lines = [help_line(f"--{o.name}={o.name.upper() if o.default is None else o.default}", o.help) for o in options]
+    return "\n".join([f"usage: prepare_data.py {name} {OPTIONS_USAGE}", "", RECIPES[name].description, "", *lines])
+
+
+def parse_args(argv):
+    """
+    (dataset name, prepare()'s keywords) from `NAME --key=value ...`: the options after the name are read by
+    config.parse_config, as every script's are, into a dataclass of that dataset's options. --help prints and exits;
+    a mistake raises ConfigError (a ValueError), an unknown name ValueError.
+    """
+    if argv[:1] in (["-h"], ["--help"]):
+        print(overview())
+        raise SystemExit(0)
+    if not argv or argv[0].startswith("-"):
+        raise ConfigError(f"name a dataset first, one of: {', '.join(RECIPES)} (--help says what each is)")
+    name, args = argv[0], argv[1:]
+    fields = [(o.name, o.hint, o.default) for o in (*recipe_of(name).options, *COMMON_OPTIONS)]
+    if "-h" in args or "--help" in args:
+        print(dataset_help(name))
+        raise SystemExit(0)
+    # the words after NAME are options only: a path given without --input is refused, never read as a config file
+    settings = parse_config(make_dataclass(name, fields), args, config_files=False)
+    return name, asdict(settings)
 
 
 def summary_line(folder):
@@ -1578,14 +1589,10 @@ def summary_line(folder):
 
 
 def cli(argv):
-    """The command line; returns the exit status: errors print one line and give 2 (argparse's own exit for bad
-    options)."""
-    args = build_parser().parse_args(argv)
+    """The command line; returns the exit status: errors print one line and give 2."""
     try:
-        # what remains are the dataset's own options, exactly those given on the command line
-        options = {k: v for k, v in vars(args).items() if k not in ("dataset", "data_dir", "force")}
-        folder = prepare(args.dataset, data_dir=args.data_dir, force=args.force, **options)
-        print(summary_line(folder))
+        name, settings = parse_args(argv)
+        print(summary_line(prepare(name, **settings)))
     except (ValueError, OSError) as err:  # OSError: a missing or unwritable file, a failed download
         print(f"prepare_data.py: error: {err}", file=sys.stderr)
         return 2

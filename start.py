@@ -227,13 +227,13 @@ def from_pretrained(cfg, meta):
             folder = hf.download_from_hub(name)
         # the ids the model was trained on, read before the slow load: an export's meta, its tokenizer.json, or
         # GPT-2's BPE
-        trained_on = tokens.pretrained_meta(folder)
-        config = tokens.model_config(folder)
+        trained_on = hf.pretrained_meta(folder)
+        config = hf.folder_config(folder)
     except (OSError, ValueError) as e:
         raise ConfigError(f"init_from={name}: {one_line(e)}") from None
     accepted = [trained_on["tokenizer"]]
     # export.py's folders read what their meta says (a GPT-2 layout may hold a character-level model)
-    exported = tokens.EXPORT_KEY in config
+    exported = hf.EXPORT_KEY in config
     gpt2 = config.get("model_type") == "gpt2" and not exported
     if gpt2:
         # GPT-2 reads GPT-2 BPE however the data was prepared: with tiktoken, or with its own tokenizer.json
@@ -411,7 +411,7 @@ def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False
             folder = hf.download_from_hub(init_from)
         # Hugging Face weights come without a dataset: the folder's tokenizer.json, else GPT-2's BPE (GPT2_META) for
         # GPT-2; read first, so that a folder without its tokenizer fails before the slow load
-        meta = tokens.pretrained_meta(folder)
+        meta = hf.pretrained_meta(folder)
         model = hf.from_pretrained(folder)
     # eval: dropout off, so the same seed gives the same text
     model.eval().to(device)

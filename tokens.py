@@ -49,7 +49,6 @@ R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tikto
 # a Hugging Face tokenizer's file (the `tokenizers` library's format), on its own or in a model folder
 TOKENIZER_JSON = "tokenizer.json"
 # config.json's key for what export.py adds to a Hugging Face folder: the model's settings and its data's meta
-EXPORT_KEY = "nanoformer"
 # the end-of-text token of GPT-2's BPE, and of the byte-level BPEs trained here (train_byte_level_bpe)
 END_OF_TEXT = "<|endoftext|>"
 # a byte-level BPE starts from one token for each byte value, so that any text encodes
@@ -649,7 +648,7 @@ def train_byte_level_bpe(texts, vocab_size):
     return bpe.to_str(), {"eot": bpe.token_to_id(END_OF_TEXT)}
 
 
-# ----------------------------------------------------------------------------- Hugging Face model folders
+# ----------------------------------------------------------------------------- Hugging Face tokenizer files
 
 
 def tokenizer_json_file(path):
@@ -674,15 +673,6 @@ def read_json(path, missing, fix=""):
         raise ValueError(f"{path} is not valid JSON ({one_line(err)}){fix}") from None
 
 
-def model_config(folder):
-    """The config.json of a Hugging Face model folder, as a dict; a missing or malformed file raises one line."""
-    path = Path(folder).expanduser() / "config.json"
-    config = read_json(path, missing="a Hugging Face model folder holds config.json (save_pretrained writes it)")
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} is not a model config (a JSON object)")
-    return config
-
-
 def huggingface_tokenizer(path):
     """meta.json's tokenizer, vocab_size and special_tokens for the Hugging Face tokenizer at `path`.
 
@@ -697,7 +687,9 @@ def huggingface_tokenizer(path):
     except UnicodeDecodeError:
         raise ValueError(f"{file} is not UTF-8 text, so not a {TOKENIZER_JSON}") from None
     vocab_size = parse_tokenizer_json(text, file).get_vocab_size()
-    config = model_config(file.parent) if (file.parent / "config.json").is_file() else {}
+    config = read_json(file.parent / "config.json", missing="") if (file.parent / "config.json").is_file() else {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{file.parent / 'config.json'} is not a model config (a JSON object)")
     special = {}
     for name in ("bos", "eos"):
         value = config.get(f"{name}_token_id")
@@ -714,63 +706,6 @@ def huggingface_tokenizer(path):
             )
         special[name] = value
     return {"tokenizer": {"type": "huggingface", "json": text}, "vocab_size": vocab_size, "special_tokens": special}
-
-
-def pretrained_meta(folder):
-    """The meta (kind, tokenizer, vocab_size, special_tokens) of the text a Hugging Face model folder's model reads.
-
-    A folder export.py wrote: the meta it kept in config.json (exported_meta). Else its tokenizer.json when it holds
-    one (huggingface_tokenizer); GPT-2's BPE (GPT2_META) for a GPT-2 without one. Another model's folder without
-    one raises FileNotFoundError saying to put the model's tokenizer.json there.
-    """
-    folder = Path(folder).expanduser()
-    config = model_config(folder)
-    model_type = config.get("model_type")
-    if model_type is None:  # most likely a train.py out_dir, which holds a config.json of its own
-        raise ValueError(
-            f"{folder} is not a Hugging Face model folder (its config.json has no model_type); "
-            f"a folder train.py wrote is read with --init_from=resume --out_dir={folder}"
-        )
-    # before the folder's tokenizer.json: a character vocabulary has none, and GPT-2's BPE reads exactly as it was
-    # trained through tiktoken, not through the tokenizer.json converted from it
-    if EXPORT_KEY in config:
-        return exported_meta(folder, config[EXPORT_KEY])
-    if (folder / TOKENIZER_JSON).is_file():
-        return {"kind": "lm", **huggingface_tokenizer(folder)}
-    if model_type == "gpt2":
-        return GPT2_META
-    raise FileNotFoundError(
-        f"{folder} has no {TOKENIZER_JSON}, which a {model_type} model needs to read and write text: "
-        f"put the model's {TOKENIZER_JSON} (from the same Hugging Face repository) in the folder"
-    )
-
-
-def exported_meta(folder, ours):
-    """
-    The meta of the data an exported model was trained on: `ours`, config.json's EXPORT_KEY entry in folder, holds
-    it as the checkpoint did, except a tokenizer.json's text, which is the folder's file ({"type": "huggingface",
-    "file": "tokenizer.json"}) and is read back here, byte for byte as the dataset stored it.
-    """
-    where = f"{folder / 'config.json'} ({EXPORT_KEY}.meta)"
-    meta = ours.get("meta") if isinstance(ours, dict) else None
-    if not isinstance(meta, dict) or any(key not in meta for key in ("tokenizer", "vocab_size", "special_tokens")):
-        raise ValueError(f"{where} lacks the tokenizer, vocab_size or special_tokens export.py writes; export again")
-    spec = meta["tokenizer"]
-    if not (isinstance(spec, dict) and spec.get("type") == "huggingface" and "file" in spec):
-        return meta
-    # only a name within the folder: the meta names the file export.py wrote beside it
-    file = folder / Path(spec["file"]).name
-    try:
-        text = file.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"{file} not found: {where} says the model reads it; copy the exported folder whole"
-        ) from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{file} is not UTF-8 text, so not a {TOKENIZER_JSON}") from None
-    # a damaged file is named now, not by the Tokenizer of a later step
-    parse_tokenizer_json(text, file)
-    return {**meta, "tokenizer": {"type": "huggingface", "json": text}}
 
 
 # ----------------------------------------------------------------------------- dataset folders

@@ -472,7 +472,7 @@ def describe_run(cfg, rt, dataset, model, per_rank, optimizer_summary):
     log_schedule_notes(cfg)
     log(optimizer_summary)
     if cfg.optimizer == "muon" and rt.device.type == "cpu":
-        # measured on the quick start (2 cores, alone): 22 ms a step against about 17 ms with AdamW
+        # docs/performance.md, "The modern recipe on 2 CPU cores"
         log(
             "note: Muon orthogonalises in float32 on a CPU: about 1.3x an AdamW step here; optimizer='adamw' is "
             "the faster choice on CPUs"
@@ -710,7 +710,7 @@ def update_ema(averages, weights, decay, step):
     after a learning-rate decay, without the decay.
     """
     d = min(decay, (1 + step) / (10 + step))
-    with torch.no_grad():  # one fused lerp over all tensors (what torch.optim.swa_utils uses): 3x faster than a loop
+    with torch.no_grad():  # one fused lerp over all tensors (what torch.optim.swa_utils uses), faster than a loop
         torch._foreach_lerp_(averages, weights, 1 - d)
 
 

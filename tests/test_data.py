@@ -423,10 +423,9 @@ def test_bad_text_inputs(tmp_path):
 def test_unknown_dataset_names_the_valid_ones(capsys):
     with pytest.raises(ValueError, match="choose one of: " + ", ".join(DATASETS)):
         prepare("shakespear")
-    with pytest.raises(SystemExit) as exit_info:  # argparse's own exit: the name is not a choice
-        prepare_data.cli(["shakespear"])
+    assert prepare_data.cli(["shakespear"]) == 2
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and all(name in err for name in DATASETS)
+    assert err.count("\n") == 1 and "did you mean 'shakespeare'?" in err and all(name in err for name in DATASETS)
 
 
 def test_help_lists_every_dataset(capsys):
@@ -1095,10 +1094,31 @@ def test_prepare_data_help_spells_options_as_the_other_scripts_do(capsys):
     assert "--input INPUT" not in out  # argparse's own spelling
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "name a dataset first, one of: shakespeare_char, shakespeare, "),
+        (["--data_dir=x", "sort"], "name a dataset first"),
+        (["sort", "--num_trian=5"], "unknown key 'num_trian'; did you mean 'num_train'?"),
+        (["sort", "--num_train=many"], "--num_train must be int, got 'many'"),
+        (["sort", "--num_train"], "--num_train needs a value"),
+        (["sort", "--force=maybe"], "--force takes true or false"),
+        (["text", "books.txt"], "unexpected argument 'books.txt'; options are written --key=value"),
+    ],
+)
+def test_prepare_data_command_line_mistakes_are_one_line(capsys, argv, message):
+    # each is refused while reading the command line, before anything is prepared
+    assert prepare_data.cli(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("prepare_data.py: error: ") and err.count("\n") == 1 and message in err, err
+
+
 def test_prepare_data_takes_both_spellings(tmp_path, capsys):
     spaced = ["sort", "--data_dir", str(tmp_path / "a"), "--num_train", "50", "--num_val", "5", "--num_test", "5"]
     joined = ["sort", f"--data_dir={tmp_path / 'b'}", "--num_train=50", "--num_val=5", "--num_test=5"]
     assert prepare_data.cli(spaced) == 0 and prepare_data.cli(joined) == 0
+    # bool words, and a bare --force: rebuilt, the same files
+    assert prepare_data.cli([*spaced, "--force", "TRUE"]) == 0 and prepare_data.cli([*joined, "--force"]) == 0
     assert load_meta(tmp_path / "a" / "sort")["pairs"] == load_meta(tmp_path / "b" / "sort")["pairs"]
     assert (tmp_path / "a" / "sort" / "train_src.bin").read_bytes() == (
         tmp_path / "b" / "sort" / "train_src.bin"

@@ -17,7 +17,7 @@ import tokens
 import train
 from checkpoint import load_checkpoint
 from data import MaskedLM, mask_tokens
-from hf import from_pretrained
+from hf import from_pretrained, pretrained_meta
 from start import model_from_checkpoint
 
 # train.py's settings for a real checkpoint in a second or two: 2 layers, 32 wide, 32 positions
@@ -258,7 +258,7 @@ def test_cli_on_a_split_and_on_a_file(gpt_dir, shakespeare_char_dir, capsys, tmp
 def test_hugging_face_weights_score_every_byte_of_a_file(llama_dir, capsys, tmp_path):
     """A Llama folder with a byte-level tokenizer.json: bos goes first, so every token and byte of the text counts."""
     model = from_pretrained(llama_dir).eval()
-    tokenizer = tokens.Tokenizer.from_meta(tokens.pretrained_meta(llama_dir))
+    tokenizer = tokens.Tokenizer.from_meta(pretrained_meta(llama_dir))
     text = MULTILINGUAL * 3
     (tmp_path / "text.txt").write_text(text, encoding="utf-8")
     result = run_json(capsys, "--init_from", llama_dir, "--input", tmp_path / "text.txt")

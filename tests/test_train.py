@@ -37,19 +37,13 @@ import start
 import tasks
 import tokens
 import train
-from checkpoint import (
-    kept_weights,
-    load_checkpoint,
-    model_from_checkpoint,
-    move_into_place,
-    save_checkpoint,
-)
+from checkpoint import kept_weights, load_checkpoint, move_into_place, save_checkpoint
 from config import ConfigError, parse_config
 from data import CausalLM, MaskedLM, Seq2Seq, mask_tokens, seq2seq_batch
 from generate import translate
 from model import IGNORE_INDEX, MODEL_KEYS, Block, ModelConfig, build_model
 from parallel import Models, Runtime, split_accumulation
-from start import start_run
+from start import model_from_checkpoint, start_run
 from train import (
     TrainConfig,
     accumulate_gradients,
