@@ -57,8 +57,8 @@ NANOGPT_STEP = (
 )
 # and its character-level recipe, which configs/shakespeare_gpu.py follows (val loss 1.47 on a GPU)
 NANOGPT_RACE = "config/train_shakespeare_char.py"
-# --parts=gpu: every GPU measurement in one call (its length: docs/performance.md#gpus), most important first, each table printed when done (plans need no GPU: train.py
-# --plan --plan_device=H100 gives the same prediction on any machine):
+# --parts=gpu: every GPU measurement in one call (its length: docs/performance.md#gpus), most important first, each
+# table printed when done (plans need no GPU: train.py --plan --plan_device=H100 gives the same prediction anywhere):
 # 1. GPT-2 124M's shape as nanoGPT runs it, 12 x 1024 x 4 a step, beside nanoGPT's own train.py: ours compiled cold,
 #    then again from the cache it left (the warm launch), at batch 24, and the modern recipe; profiled.
 # 2. configs/shakespeare_gpu.py from its launch to val loss 1.47 (stopped there), beside nanoGPT's recipe for it.
