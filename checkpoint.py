@@ -26,7 +26,6 @@ any number of ranks with load_sharded.
 
 import contextlib
 import difflib
-import json
 import math
 import os
 import random
@@ -414,13 +413,6 @@ def save_checkpoint(state, path):
         # a write that failed halfway leaves its temporary file; failing to remove it is not the error to report
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-
-
-def write_json(obj, path):
-    """Write obj to path as indented JSON, replacing it atomically (config.json beside the checkpoints)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def load_checkpoint(path, map_location="cpu", weights=True):

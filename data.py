@@ -202,7 +202,10 @@ class Seq2Seq(Task):
 
     def example_batch(self, batch_size, block_size):
         ids = random_ids(self.meta["vocab_size"], (batch_size, block_size + 1))
-        return (ids[:, :-1], ids[:, :-1].clone()), ids[:, 1:]
+        # the source one shorter, and each tensor dense as a real batch's: sizes (and strides) that differ get a
+        # symbol each in compile's dynamic graph, where equal ones would share one, and the first batch of unequal
+        # lengths would compile again
+        return (ids[:, 1:-1].contiguous(), ids[:, :-1].contiguous()), ids[:, 1:].contiguous()
 
     def count_tokens(self, inputs, targets):
         return sum(int((x != self.pad_id).sum()) for x in inputs)

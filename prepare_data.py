@@ -107,7 +107,7 @@ class Option:
     """One option of a dataset: `--NAME VALUE` on the command line, NAME=VALUE as a keyword of prepare()."""
 
     name: str
-    type: type  # the given value is converted with this: int, float or str
+    type: type  # the given value is converted with this: int, float, str or boolean
     default: object  # None: not set; the builder decides what that means
     help: str
     affects_output: bool = True  # False: left out of the record that decides whether outputs are up to date
@@ -1527,50 +1527,37 @@ COMMON_OPTIONS = (
     Option("data_dir", str, None, f"the datasets' root folder (default: ${DATA_DIR_ENV} or data/ beside this script)"),
     Option("force", boolean, False, "rebuild even if up to date, and replace data from another tokenizer"),
 )
+OFFLINE = (
+    f"Offline: --input=PATH, ${MIRROR_ENV} (a local mirror folder), $TIKTOKEN_CACHE_DIR. "
+    f"Output root: --data_dir, else ${DATA_DIR_ENV}, else data/ beside this script."
+)
 
 
-def overview():
-    """--help without a dataset: the usage, then every dataset with its description."""
-    return "\n".join(
-        [
-            f"usage: prepare_data.py NAME {OPTIONS_USAGE}",
-            "",
-            "Prepare a dataset as token files under <data_dir>/<name>/; prepare_data.py NAME --help lists its options.",
-            "",
-            *[help_line(name, recipe.description) for name, recipe in RECIPES.items()],
-            "",
-            f"Offline: --input=PATH, ${MIRROR_ENV} (a local mirror folder), $TIKTOKEN_CACHE_DIR. "
-            f"Output root: --data_dir, else ${DATA_DIR_ENV}, else data/ beside this script.",
-        ]
-    )
-
-
-def dataset_help(name):
-    """NAME --help: the dataset's options as typed, each with its default (or the value's name) and its help."""
-    options = (*RECIPES[name].options, *COMMON_OPTIONS)
-    lines = [help_line(f"--{o.name}={o.name.upper() if o.default is None else o.default}", o.help) for o in options]
-    return "\n".join([f"usage: prepare_data.py {name} {OPTIONS_USAGE}", "", RECIPES[name].description, "", *lines])
+def help_text(name=None):
+    """--help: every dataset with its description; NAME --help: that dataset's options as typed, with defaults."""
+    if name is None:
+        usage, about = "NAME", "Prepare a dataset as token files under <data_dir>/<name>/ (NAME --help: its options)."
+        lines = [help_line(dataset, recipe.description) for dataset, recipe in RECIPES.items()]
+    else:
+        usage, about = name, RECIPES[name].description
+        # an option without a default shows its name as the value to give: --input=INPUT
+        options = (*RECIPES[name].options, *COMMON_OPTIONS)
+        lines = [help_line(f"--{o.name}={o.name.upper() if o.default is None else o.default}", o.help) for o in options]
+    return "\n".join([f"usage: prepare_data.py {usage} {OPTIONS_USAGE}", "", about, "", *lines, "", OFFLINE])
 
 
 def parse_args(argv):
-    """
-    (dataset name, prepare()'s keywords) from `NAME --key=value ...`: the options after the name are read by
-    config.parse_config, as every script's are, into a dataclass of that dataset's options. --help prints and exits;
-    a mistake raises ConfigError (a ValueError), an unknown name ValueError.
-    """
-    if argv[:1] in (["-h"], ["--help"]):
-        print(overview())
+    """(dataset name, prepare()'s keywords) from `NAME --key=value ...`, the options read by config.parse_config."""
+    name = argv[0] if argv and not argv[0].startswith("-") else None
+    recipe = recipe_of(name) if name else None  # an unknown name is refused, --help or not
+    if "-h" in argv or "--help" in argv:
+        print(help_text(name))
         raise SystemExit(0)
-    if not argv or argv[0].startswith("-"):
+    if name is None:
         raise ConfigError(f"name a dataset first, one of: {', '.join(RECIPES)} (--help says what each is)")
-    name, args = argv[0], argv[1:]
-    fields = [(o.name, o.hint, o.default) for o in (*recipe_of(name).options, *COMMON_OPTIONS)]
-    if "-h" in args or "--help" in args:
-        print(dataset_help(name))
-        raise SystemExit(0)
-    # the words after NAME are options only: a path given without --input is refused, never read as a config file
-    settings = parse_config(make_dataclass(name, fields), args, config_files=False)
-    return name, asdict(settings)
+    # a dataclass of the dataset's options; the words after NAME are options only, never config files
+    fields = [(o.name, o.hint, o.default) for o in (*recipe.options, *COMMON_OPTIONS)]
+    return name, asdict(parse_config(make_dataclass(name, fields), argv[1:], config_files=False))
 
 
 def summary_line(folder):

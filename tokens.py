@@ -663,6 +663,12 @@ def tokenizer_json_file(path):
     return file
 
 
+def write_json(obj, path):
+    """Write obj to path as indented JSON, replacing it atomically (meta.json, config.json beside checkpoints)."""
+    with atomic_output(path) as f:
+        f.write((json.dumps(obj, indent=1) + "\n").encode("utf-8"))
+
+
 def read_json(path, missing, fix=""):
     """The JSON in file path; one-line errors: FileNotFoundError saying `missing`, ValueError ending with `fix`."""
     try:

@@ -43,7 +43,6 @@ from checkpoint import (
     sharded_state,
     training_state,
     weights_state,
-    write_json,
 )
 from config import ConfigError, one_line, parse_config
 from data import Task, TrainBatches, count_targets, find_dataset, micro_seeds, pinned
@@ -513,7 +512,7 @@ def open_outputs(cfg, rt, is_writer, model_config, meta, stack):
         out_dir.mkdir(parents=True, exist_ok=True)
         # the run's settings in readable JSON beside the checkpoints, for people and tools without torch
         run_config = {"train_config": asdict(cfg), "model_config": asdict(model_config), "meta": meta}
-        write_json({**run_config, "world_size": rt.world_size}, out_dir / "config.json")
+        tokens.write_json({**run_config, "world_size": rt.world_size}, out_dir / "config.json")
     # this GPU's peak bf16 FLOP/s, for MFU (a MIG slice's share of it); None where unknown
     peak = None
     if rt.device.type == "cuda":

@@ -2,7 +2,7 @@
 The docs check: every command in the shell blocks of README.md and docs/*.md is read by the script it names, so no
 page drifts from the code. Nothing is trained or run: each `python X.py ...` (or `torchrun ... train.py ...`) line
 is checked for a script that exists, config files that exist, and options that its own parser accepts with values
-of the right type (config.parse_config with the script's config class; prepare_data.py's argparse parser). Links
+of the right type (config.parse_config with the script's config class; prepare_data.parse_args, which builds one). Links
 between the pages must point to files and headings that exist.
 
 Commands that start a run must each write into a folder of their own, since train.py refuses to start a run into a
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL = ("sh", "bash", "shell", "console")
 
-# each script's config class, which its cli() fills with config.parse_config; prepare_data.py uses argparse
+# each script's config class, which its cli() fills with config.parse_config; prepare_data.py builds one per dataset
 CONFIG_CLASSES = {
     "train.py": ("train", "TrainConfig"),
     "sample.py": ("sample", "SampleConfig"),
@@ -147,7 +147,7 @@ def parse(script, args):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
             if script == "prepare_data.py":
-                return importlib.import_module("prepare_data").build_parser().parse_args(args)
+                return importlib.import_module("prepare_data").parse_args(args)
             module, name = CONFIG_CLASSES[script]
             return parse_config(getattr(importlib.import_module(module), name), args)
         except SystemExit as e:

@@ -819,7 +819,7 @@ def test_best_pt_is_the_best_exact_match_where_the_data_has_exact_answers(tmp_pa
     monkeypatch.setattr(train, "val_accuracy", lambda run: scripted[at[0]][1])
     common = dict(max_iters=6, eval_interval=2, eval_accuracy_examples=4)
     for exact, best_at in ((True, 6), (False, 4)):
-        monkeypatch.setattr(train, "has_exact_answers", lambda run, exact=exact: exact)
+        monkeypatch.setattr(data.CausalLM, "exact_answers", exact)
         main(tiny(data_root, tmp_path / str(exact), **common))
         best = load_checkpoint(tmp_path / str(exact) / "best.pt")
         assert best["iter_num"] == best_at and best["best_val_loss"] == scripted[best_at][0]
@@ -1872,13 +1872,14 @@ def test_every_shipped_config_compiles_to_one_graph_that_never_recompiles(config
     train step and evaluation (warm-up), train / evaluate / train again compiles nothing new.
     """
     cfg, model, batches = shrunk_model_and_batches(config)
-    varying = config.stem.startswith("chat_")  # chat batches vary in length, as pairs do
+    # conversations and pairs vary in length (Task.varying), windows do not
+    varying = config.stem.startswith("chat_") or cfg.arch == "encoder_decoder"
     call = {"label_smoothing": cfg.label_smoothing, "reduction": "sum", "return_logits": False}
     inputs, targets = data.model_inputs(*batches[0], torch.device("cpu"), varying)
     explanation = torch._dynamo.explain(model)(*inputs, targets, **call)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     torch._dynamo.reset()
-    dynamic = None if cfg.arch == "encoder_decoder" or varying else False
+    dynamic = None if varying else False
     compiled = torch.compile(model, backend="eager", dynamic=dynamic)
 
     def train_then_evaluate(batch):
@@ -2086,7 +2087,7 @@ def test_a_muon_step_is_muon_and_adamw_by_hand_and_skips_a_non_finite_gradient()
 
 def test_resuming_with_another_optimizer_is_a_one_line_error(tmp_path, data_root):
     main(tiny(data_root, tmp_path, max_iters=1, optimizer="muon"))
-    assert "muon" in load_checkpoint(tmp_path / "ckpt.pt")
+    assert "muon" in load_checkpoint(tmp_path / "ckpt.pt")["optimizers"]
     with pytest.raises(ConfigError, match="optimizer='muon': resume it with --optimizer=muon"):
         main(tiny(data_root, tmp_path, max_iters=2, init_from="resume"))
 
@@ -2243,7 +2244,6 @@ def test_the_loss_chunk_follows_loss_chunk_mb_and_a_gpu_s_free_memory(monkeypatc
     [
         ([], "cuda_graphs=True needs a CUDA GPU, not device cpu"),
         (["--compile=false"], "it needs compile (not --compile=false)"),
-        (["--arch=encoder_decoder"], "fixed-length batches (not arch='encoder_decoder')"),
     ],
 )
 def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_replay(tmp_path, data_root, capsys, args, message):
@@ -2253,6 +2253,16 @@ def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_replay(tmp_path, 
     error = capsys.readouterr().err.strip()
     assert message in error and len(error.splitlines()) == 1, error
     assert not any(tmp_path.iterdir())
+
+
+def test_cuda_graphs_are_refused_for_batches_of_varying_length(tmp_path, data_root, monkeypatch):
+    """Pairs (and conversations) vary in length: refused once the data says so, before any model is parallelized."""
+    monkeypatch.setattr(train, "make_runtime", lambda cfg: Runtime())  # past the check for a CUDA GPU
+    monkeypatch.setattr(train, "parallelize", None)  # never reached
+    settings = dict(arch="encoder_decoder", dataset="reverse", data_options=REVERSE, compile=None, cuda_graphs=True)
+    cfg = tiny(data_root, tmp_path, **settings)
+    with pytest.raises(ConfigError, match="cuda_graphs=True needs batches of one length, which reverse's vary"):
+        main(cfg)
 
 
 def test_out_of_memory_while_compiling_is_reported_as_such(tmp_path, data_root, monkeypatch, capsys):
