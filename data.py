@@ -48,8 +48,10 @@ class Task:
     A kind of training, the one place where the kinds differ: causal LM (a GPT on text), masked LM (an encoder on
     text), sequence to sequence (an encoder-decoder on pairs) and chat (a GPT on conversations). Each reads its
     prepared splits, draws a micro-batch, counts its tokens, makes the batch that compile and the planner trace, and
-    computes its loss; train.py, eval.py and plan.py call these methods and never ask which task they train.
-    make_task picks the task of an architecture and a dataset.
+    computes its loss; train.py, eval.py and plan.py call these methods and never ask which task they train. A task
+    with exact_answers also gives answer_rows(split), the val examples in order, and decoded(model, split, rows,
+    batch_size, block_size), their greedy outputs beside the references. make_task picks the task of an architecture
+    and a dataset.
     """
 
     kind = "lm"  # the prepared data it reads (meta["kind"])
@@ -106,14 +108,6 @@ class Task:
         """The summed loss of a batch on its device; smoothed: with the training loss's label smoothing."""
         smoothing = self.label_smoothing if smoothed else 0.0
         return model(*inputs, targets, label_smoothing=smoothing, reduction="sum", return_logits=False)[1]
-
-    def answer_rows(self, split):
-        """The val examples whose answers exact match decodes, in order."""
-        raise NotImplementedError
-
-    def decoded(self, model, split, rows, batch_size, block_size):
-        """(output, reference) id lists of greedy decoding for examples `rows` of a split: exact match compares them."""
-        raise NotImplementedError
 
     def describe(self, split, batch_size):
         """A line on the training split's batches for the run's log, or None."""
@@ -183,15 +177,7 @@ class Seq2Seq(Task):
     def load_split(self, folder, split, block_size):
         """(Pairs, indices of the pairs that fit block_size)."""
         pairs = load_pairs(folder, split)
-        fits = fitting_pairs(pairs, block_size)
-        if not len(fits):
-            raise ConfigError(f"no {split} pair of {folder.name} fits block_size={block_size}; raise block_size")
-        if len(fits) < len(pairs):
-            log(
-                f"note: {len(pairs) - len(fits):,} of {len(pairs):,} {split} pairs do not fit block_size={block_size}; "
-                "they are left out"
-            )
-        return pairs, fits
+        return pairs, kept(fitting_pairs(pairs, block_size), len(pairs), f"{split} pair", folder, block_size)
 
     def batch(self, data, batch_size, block_size, generator):
         pairs, usable = data
@@ -202,9 +188,8 @@ class Seq2Seq(Task):
 
     def example_batch(self, batch_size, block_size):
         ids = random_ids(self.meta["vocab_size"], (batch_size, block_size + 1))
-        # the source one shorter, and each tensor dense as a real batch's: sizes (and strides) that differ get a
-        # symbol each in compile's dynamic graph, where equal ones would share one, and the first batch of unequal
-        # lengths would compile again
+        # the source one shorter, each tensor dense: equal sizes (or strides) would share a symbol in compile's
+        # dynamic graph, and the first batch of unequal lengths would compile again
         return (ids[:, 1:-1].contiguous(), ids[:, :-1].contiguous()), ids[:, 1:].contiguous()
 
     def count_tokens(self, inputs, targets):
@@ -238,16 +223,8 @@ class Chat(CausalLM):
         lengths = np.diff(conversations.index)
         # inputs and targets are a conversation's ids less one
         fits = np.flatnonzero(lengths <= block_size + 1)
-        if not len(fits):
-            raise ConfigError(
-                f"no {split} conversation of {folder.name} fits block_size={block_size} (the shortest has "
-                f"{lengths.min() - 1:,} inputs); raise block_size"
-            )
-        if len(fits) < len(conversations):
-            log(
-                f"note: {len(conversations) - len(fits):,} of {len(conversations):,} {split} conversations do not fit "
-                f"block_size={block_size}; they are left out"
-            )
+        shortest = f" (the shortest has {lengths.min() - 1:,} inputs)"
+        kept(fits, len(conversations), f"{split} conversation", folder, block_size, shortest)
         # a fixed seed: the order is the same on every rank and at every resume
         tiebreak = np.random.default_rng(0).permutation(len(fits))
         return ChatSplit(conversations, fits[np.lexsort((tiebreak, lengths[fits]))])
@@ -306,6 +283,15 @@ def task_class(arch, kind, name):
         examples = "reverse, sort, num2words, translation" if task is Seq2Seq else "shakespeare_char, shakespeare"
         raise ConfigError(f"arch={arch} needs a {task.kind} dataset ({examples}); {name} is {kind}")
     return task
+
+
+def kept(fits, total, what, folder, block_size, why=""):
+    """fits, the examples of a split that fit block_size, said of in a note where some do not; ConfigError if none."""
+    if not len(fits):
+        raise ConfigError(f"no {what} of {folder.name} fits block_size={block_size}{why}; raise block_size")
+    if len(fits) < total:
+        log(f"note: {total - len(fits):,} of {total:,} {what}s do not fit block_size={block_size}; they are left out")
+    return fits
 
 
 def random_ids(vocab_size, shape):

@@ -7,10 +7,10 @@ CONFIG describes, on a named GPU and number of ranks, from a laptop: nothing is 
     python train.py configs/shakespeare.py --plan                      # this machine, one process
 
 Traced: the run's own model (from its settings, its checkpoint's or its Hugging Face folder's config), FSDP2's
-sharding on a fake process group of plan_ranks ranks, the optimizers and two training steps of train.py's micro_step
-run under FakeTensorMode, whose tensors have shapes and dtypes but no memory or values. PyTorch's MemTracker
-(FSDPMemTracker under FSDP) follows every tensor's storage: parameters, gradients, optimizer state, activations and
-the peak. FlopCounterMode counts the step's FLOPs, recomputation included.
+sharding on a fake process group of plan_ranks ranks, the optimizers and two training steps of train.py's own
+micro_step and update_weights, run under FakeTensorMode, whose tensors have shapes and dtypes but no memory or
+values. PyTorch's MemTracker (FSDPMemTracker under FSDP) follows every tensor's storage: parameters, gradients,
+optimizer state, activations and the peak. FlopCounterMode counts the step's FLOPs, recomputation included.
 Arithmetic: DDP's buckets (gradient_as_bucket_view: every gradient held from the start), the KV cache, the step time
 (the model FLOPs train.py's MFU counts / (peak FLOP/s x MFU)) and the largest micro-batch that fits, from traces at
 two batch sizes.
@@ -294,10 +294,7 @@ def trace_step(cfg, rt, config, task, batch_size, per_rank, target, train):
                     # MemTracker takes one forward pass of a model per iteration: a micro-batch is one
                     tracker.reset_mod_stats()
                 with vocab, update_flops if step else contextlib.nullcontext():
-                    train.clip_gradients(list(model.parameters()), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-                    for optimizer in optimizers.values():
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
+                    train.update_weights(model, optimizers, scaler, cfg.grad_clip)
         snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
         use = state_bytes(model, optimizers)
     parts = {str(k.value) if hasattr(k, "value") else k: v for k, v in snapshot.items()}
@@ -351,7 +348,7 @@ class TrainStep:
 
     make_optimizers: Callable
     micro_step: Callable
-    clip_gradients: Callable
+    update_weights: Callable
 
 
 def make_plan(cfg, train):

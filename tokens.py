@@ -136,28 +136,6 @@ class TokenWriter:
         return self.count
 
 
-def write_tokens(path, tokens, vocab_size):
-    """Atomically write token ids to a token file and return how many were written.
-
-    `tokens` is one sequence of ids (a numpy array, or a list/tuple of ints) or an
-    iterable of such chunks, which is streamed. The dtype is uint16 when vocab_size <=
-    65,536 and uint32 otherwise; an id outside 0..vocab_size-1 raises ValueError and
-    leaves nothing on disk.
-    """
-    path = Path(path)
-    # one sequence or a stream of chunks? An array, or a list/tuple that is empty or starts with an int, is one
-    # sequence; anything else (a generator, a list of arrays) is iterated as chunks
-    single = isinstance(tokens, np.ndarray) or (
-        isinstance(tokens, (list, tuple)) and (not tokens or isinstance(tokens[0], (int, np.integer)))
-    )
-    with atomic_output(path) as f:
-        writer = TokenWriter(f, vocab_size)
-        for chunk in [tokens] if single else tokens:
-            writer.write(chunk)
-        # inside the block: the header must be written before atomic_output syncs and renames the file
-        return writer.finish()
-
-
 def read_header(path):
     """(numpy dtype of the ids, vocab size, token count) from a token file's header, checked against the file.
 

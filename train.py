@@ -962,7 +962,7 @@ def cli(argv):
             # import, which a run's launch would otherwise wait for. It traces this file's own step functions
             from plan import TrainStep, make_plan, print_plan
 
-            print_plan(make_plan(cfg, TrainStep(make_optimizers, micro_step, clip_gradients)))
+            print_plan(make_plan(cfg, TrainStep(make_optimizers, micro_step, update_weights)))
         else:
             main(cfg)
     except ConfigError as e:

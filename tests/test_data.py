@@ -32,6 +32,7 @@ from tasks import solve
 from tokens import (
     DownloadError,
     Tokenizer,
+    TokenWriter,
     check_prepared,
     dataset_dir,
     is_prepared,
@@ -39,7 +40,6 @@ from tokens import (
     load_pairs,
     load_tokens,
     tiktoken_encoding,
-    write_tokens,
 )
 
 EOT = 50256
@@ -192,14 +192,23 @@ def test_gpt2_is_read_as_r50k_base_and_warns_only_without_it(monkeypatch, caplog
 # ----------------------------------------------------------------------------- token files
 
 
+def write_tokens(path, chunks, vocab_size):
+    """A token file written as prepare_data.py writes one (TokenWriter in atomic_output); returns the ids written."""
+    with tokens.atomic_output(path) as f:
+        writer = TokenWriter(f, vocab_size)
+        for chunk in chunks:
+            writer.write(chunk)
+        return writer.finish()
+
+
 def test_header_and_dtypes(tmp_path):
     small = tmp_path / "small.bin"
-    assert write_tokens(small, np.arange(65), vocab_size=65) == 65
+    assert write_tokens(small, [np.arange(65)], vocab_size=65) == 65
     assert header(small) == (b"NFTOKENS", 1, 2, 65, 65)
     assert np.frombuffer(small.read_bytes()[32:], "<u2").tolist() == list(range(65))
 
     edge = tmp_path / "edge.bin"  # 65,536 ids still fit uint16
-    write_tokens(edge, [0, 65535], vocab_size=65536)
+    write_tokens(edge, [[0, 65535]], vocab_size=65536)
     assert header(edge)[2] == 2 and load_tokens(edge).tolist() == [0, 65535]
 
     big = tmp_path / "big.bin"  # a made-up 70,000-id vocabulary: uint32, nothing wraps
@@ -224,13 +233,13 @@ def test_header_and_dtypes(tmp_path):
 )
 def test_write_tokens_refuses_ids_that_do_not_fit(tmp_path, tokens, vocab_size, message):
     with pytest.raises(ValueError, match=message):
-        write_tokens(tmp_path / "x.bin", tokens, vocab_size)
+        write_tokens(tmp_path / "x.bin", [tokens], vocab_size)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_load_tokens_rejects_damaged_files(tmp_path):
     good = tmp_path / "good.bin"
-    write_tokens(good, np.arange(100), vocab_size=100)
+    write_tokens(good, [np.arange(100)], vocab_size=100)
     raw = good.read_bytes()
     cases = {
         "bad magic": b"NOTTOKEN" + raw[8:],

@@ -19,7 +19,7 @@ import plan
 from config import ConfigError, parse_config
 from devices import GPUS, peak_flops
 from model import ModelConfig, build_model
-from train import TrainConfig, cli, clip_gradients, make_optimizers, micro_step
+from train import TrainConfig, cli, make_optimizers, micro_step, update_weights
 
 REPO = Path(__file__).resolve().parent.parent
 # the measured peak (the process's resident set) exceeds the traced one by what the allocator keeps: -4% to -10% on
@@ -65,7 +65,7 @@ def env(shakespeare_char_dir):
 
 def plan_of(args, monkeypatch, env):
     monkeypatch.setenv("NANOFORMER_DATA_DIR", env["NANOFORMER_DATA_DIR"])
-    return plan.make_plan(parse_config(TrainConfig, args), plan.TrainStep(make_optimizers, micro_step, clip_gradients))
+    return plan.make_plan(parse_config(TrainConfig, args), plan.TrainStep(make_optimizers, micro_step, update_weights))
 
 
 def planned_mib(output, label):
