@@ -142,6 +142,18 @@ class ModelConfig(ModelSettings):
             raise ValueError(f"unknown model config keys: {', '.join(sorted(unknown))}")
         return cls(**d)
 
+    def kv_cache_bytes(self, dtype):
+        """
+        Bytes of the KV cache (KVCache) that sampling one sequence of block_size positions fills: keys and values of
+        every layer's self-attention (with a sliding window, the window - 1 kept positions and the newest one), and
+        an encoder-decoder's cross-attention over a block_size source; an encoder samples nothing.
+        """
+        if self.arch == "encoder":
+            return 0
+        positions = self.block_size if not self.window_size else min(self.block_size, self.window_size)
+        positions += self.block_size if self.arch == "encoder_decoder" else 0
+        return self.n_layer * 2 * self.n_kv_head * self.head_dim * positions * dtype.itemsize
+
 
 # the names of the settings a user picks (TrainConfig's model settings); the vocabulary and padding id are the data's
 MODEL_KEYS = tuple(f.name for f in fields(ModelSettings))

@@ -478,21 +478,8 @@ def memory_rows(p):
     # the other setting traced on rank 0: the other groups differ from it by their shards alone
     delta = p.other.peak - traces[0].peak
     rows.append((f"peak, activation_checkpointing={not ac}", [mib(t.peak + p.baseline + delta) for t in traces]))
-    rows.append(("KV cache to sample one block_size sequence", [mib(kv_cache_bytes(p.config, p.dtype))] * len(traces)))
+    rows.append(("KV cache to sample one block_size sequence", [mib(p.config.kv_cache_bytes(p.dtype))] * len(traces)))
     return rows
-
-
-def kv_cache_bytes(config, dtype):
-    """
-    Bytes of the KV cache (model.KVCache) that sampling one sequence of block_size positions fills: keys and values of
-    every layer's self-attention (with a sliding window, the window - 1 kept positions and the newest one), and an
-    encoder-decoder's cross-attention over a block_size source.
-    """
-    if config.arch == "encoder":
-        return 0
-    positions = config.block_size if not config.window_size else min(config.block_size, config.window_size)
-    positions += config.block_size if config.arch == "encoder_decoder" else 0
-    return config.n_layer * 2 * config.n_kv_head * config.head_dim * positions * dtype.itemsize
 
 
 def time_rows(p):

@@ -215,11 +215,13 @@ def from_pretrained(cfg, meta):
     tokenizer its meta names. Their size decides the model settings.
     """
     name, folder = cfg.init_from, Path(cfg.init_from).expanduser()
-    # a hub id is refused before any download where no pretrained model could fit: char-level ids, another arch
-    if not folder.is_dir() and (cfg.arch != "gpt" or meta["tokenizer"]["type"] == "char"):
+    # refused before any download: the weights are a causal LM's, and no pretrained model reads char-level ids
+    if cfg.arch != "gpt":
+        raise ConfigError(f"init_from={name} holds a causal LM: it needs arch='gpt', not arch={cfg.arch!r}")
+    if not folder.is_dir() and meta["tokenizer"]["type"] == "char":
         raise ConfigError(
-            f"init_from={name} needs arch='gpt' and data in the model's token ids: a GPT-2 BPE dataset "
-            "(e.g. dataset='shakespeare') for GPT-2, else one prepared with its tokenizer.json (--tokenizer)"
+            f"init_from={name} needs data in the model's token ids: a GPT-2 BPE dataset (e.g. dataset='shakespeare') "
+            "for GPT-2, else one prepared with its tokenizer.json (--tokenizer)"
         )
     try:
         if not folder.is_dir():
@@ -238,11 +240,9 @@ def from_pretrained(cfg, meta):
     if gpt2:
         # GPT-2 reads GPT-2 BPE however the data was prepared: with tiktoken, or with its own tokenizer.json
         accepted.append(tokens.GPT2_META["tokenizer"])
-    # the weights only fit a causal LM on the token ids they were trained on
-    if gpt2 and (cfg.arch != "gpt" or meta["tokenizer"] not in accepted):
-        raise ConfigError(f"init_from={name} needs arch='gpt' and a GPT-2 BPE dataset (e.g. dataset='shakespeare')")
-    if cfg.arch != "gpt":
-        raise ConfigError(f"init_from={name} holds a causal LM: it needs arch='gpt', not arch={cfg.arch!r}")
+    # the weights only fit the token ids they were trained on
+    if gpt2 and meta["tokenizer"] not in accepted:
+        raise ConfigError(f"init_from={name} needs a GPT-2 BPE dataset (e.g. dataset='shakespeare')")
     if exported and meta["tokenizer"] not in accepted:
         # its meta names the dataset it was trained on, as a checkpoint's does
         raise other_ids(folder, trained_on, meta, cfg)

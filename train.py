@@ -91,7 +91,7 @@ class TrainConfig(ModelSettings):
     data_options: dict = field(default_factory=dict)  # prepare_data.py options, e.g. {'input': 'x.tsv'}; CLI's merge in
     gradient_accumulation_steps: int = 40  # micro-batches per step over all ranks together: a multiple of the ranks
     batch_size: int = 12  # sequences per micro-batch per rank
-    # objective
+    # task (data.py)
     mask_prob: float = 0.15  # encoder: fraction of tokens to predict; 80% shown as [MASK], 10% random, 10% unchanged
     label_smoothing: float = 0.0  # 0.1 in the 2017 paper; evaluation losses are always plain cross-entropy
     eval_accuracy_examples: int = 200  # val pairs (or chat replies with exact answers) greedily decoded: exact match

@@ -148,7 +148,7 @@ def test_kv_cache_is_what_decoding_block_size_positions_holds():
             t.untyped_storage().data_ptr(): t.untyped_storage() for pair in cache for c in pair if c for t in (c.k, c.v)
         }
         held = sum(s.nbytes() for s in storages.values())
-        assert plan.kv_cache_bytes(config, torch.float32) == held
+        assert config.kv_cache_bytes(torch.float32) == held
 
 
 def test_every_planned_gpu_has_its_peak_and_is_found_however_spelled():
