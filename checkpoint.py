@@ -16,7 +16,7 @@ one line naming the commit that still reads them.
 With LoRA (lora_rank), ckpt.pt and best.pt hold the adapters only, as "weights" (the trained tensors, small), and
 "lora": their settings, the token rows they train and their base (where it was loaded from, its model settings and
 a fingerprint of its weights); model_from_checkpoint loads the base, checks it, and merges the adapters into it.
-Such a checkpoint is format 4 and always one file, also under FSDP (AdamW's state of the adapters, whole).
+Such a checkpoint is one file, also under FSDP (AdamW's state of the adapters, whole): best.pt is format 4.
 
 With fsdp, ckpt.pt is a folder instead, a sharded checkpoint (torch.distributed.checkpoint) that every rank writes
 its part of: weights, optimizers and average keyed by parameter name, and beside them state.pt, the rest of the
@@ -52,8 +52,8 @@ PLAIN_FORMAT, LORA_FORMAT = 3, 4
 # formats 1 and 2, of the repo's first days ("model" and "train_model", cross-attention's q and kv stacked), are
 # refused in one line: OLD_FORMATS_COMMIT is the last commit that reads them
 OLDEST_FORMAT = 3
-OLD_FORMATS_COMMIT = "c78f975"
-STATE_FILE = "state.pt"  # in a sharded checkpoint's folder: all but the weights and the optimizer's state
+OLD_FORMATS_COMMIT = "c78f975ac3b32fa5adf6932ebeae1d7ad92e24fb"
+STATE_FILE = "state.pt"  # in a sharded checkpoint's folder: all but the weights and the optimizers' states
 
 
 def rng_state(device):
@@ -374,11 +374,12 @@ def load_sharded(ckpt, model, *, optimizers, ema_model, role="weights"):
     keys = ckpt["shard_keys"]  # {role: the name its tensors have in the folder}
     weights = get_model_state_dict(model)
     states = {name: get_optimizer_state_dict(model, optimizer) for name, optimizer in optimizers.items()}
-    # format 3 held AdamW's state alone, as "optimizer"
-    tensors = {
-        keys[role]: weights,
-        **({"optimizers": states} if "optimizers" in keys else {"optimizer": states["adamw"]}),
-    }
+    if "optimizers" in keys:
+        tensors = {keys[role]: weights, "optimizers": states}
+    else:  # format 3 held AdamW's state alone, as "optimizer", its groups without the peak (start.restore sets it)
+        for group in states["adamw"]["param_groups"]:
+            del group["initial_lr"]
+        tensors = {keys[role]: weights, "optimizer": states["adamw"]}
     average = weights
     if ema_model is not None and "average" in keys and role != "average":
         average = tensors[keys["average"]] = get_model_state_dict(ema_model)
@@ -500,7 +501,7 @@ def read_checkpoint(path, map_location, fallback):
     if version < OLDEST_FORMAT:
         raise ConfigError(
             f"{path} was written by an early nanoformer (checkpoint format {version}), a format this code no longer "
-            f"reads: read it with commit {OLD_FORMATS_COMMIT} (git checkout {OLD_FORMATS_COMMIT}), or start a new run"
+            f"reads: read it with the code of git checkout {OLD_FORMATS_COMMIT}, or start a new run"
         )
     if "optimizer" in ckpt:  # formats 3 and 4 held AdamW's state and Muon's under keys of their own
         ckpt["optimizers"] = {"adamw": ckpt.pop("optimizer"), **({"muon": ckpt.pop("muon")} if "muon" in ckpt else {})}

@@ -26,6 +26,7 @@ from parallel import raise_if_any_failed
 from progress import log
 from tokens import (
     Conversations,
+    Pairs,
     check_prepared,
     dataset_dir,
     is_prepared,
@@ -59,9 +60,10 @@ class Task:
     exact_answers = False  # its val data has answers to decode and compare: exact match then chooses best.pt
     bits_per_byte = False  # its targets spell text: evaluation reports the val loss in bits per byte too
     pad_id = None  # the padding id whose keys the model masks (ModelConfig.pad_token_id)
+    saves_data_meta = False  # a fine-tune saves its data's meta (chat: tokens, template), not its checkpoint's
 
-    def __init__(self, meta, label_smoothing=0.0):
-        self.meta = meta  # as the run's checkpoints store it
+    def __init__(self, meta, *, label_smoothing=0.0):
+        self.meta = meta  # the dataset's (an encoder's with its [MASK] id)
         self.label_smoothing = label_smoothing  # of the training loss; evaluation's is plain cross-entropy
 
     @property
@@ -86,8 +88,8 @@ class Task:
 
     def example_batch(self, batch_size, block_size):
         """
-        The longest micro-batch the run can draw, of fixed random ids (the random generators are left as they were),
-        every position a target: what compile tries and the planner traces.
+        The longest micro-batch the run can draw (Seq2Seq's source one shorter), of fixed random ids (the random
+        generators are left as they were), every position a target: what compile tries and the planner traces.
         """
         ids = random_ids(self.meta["vocab_size"], (batch_size, block_size + 1))
         return (ids[:, :-1],), ids[:, 1:]
@@ -139,7 +141,7 @@ class MaskedLM(Task):
     replacements are drawn from (default: the dataset's).
     """
 
-    def __init__(self, meta, label_smoothing=0.0, mask_prob=0.15, data_vocab=None):
+    def __init__(self, meta, *, label_smoothing=0.0, mask_prob=0.15, data_vocab=None):
         special = meta["special_tokens"]
         self.data_vocab = meta["vocab_size"] if data_vocab is None else data_vocab
         if "mask" not in special:
@@ -148,7 +150,7 @@ class MaskedLM(Task):
                 "vocab_size": meta["vocab_size"] + 1,
                 "special_tokens": {**special, "mask": self.data_vocab},
             }
-        super().__init__(meta, label_smoothing)
+        super().__init__(meta, label_smoothing=label_smoothing)
         self.mask_id, self.mask_prob = meta["special_tokens"]["mask"], mask_prob
 
     def batch(self, data, batch_size, block_size, generator):
@@ -169,21 +171,22 @@ class Seq2Seq(Task):
     kind = "seq2seq"
     varying = exact_answers = True
 
-    def __init__(self, meta, label_smoothing=0.0):
-        super().__init__(meta, label_smoothing)
+    def __init__(self, meta, *, label_smoothing=0.0):
+        super().__init__(meta, label_smoothing=label_smoothing)
         special = meta["special_tokens"]
         self.pad_id, self.bos_id, self.eos_id = special["pad"], special["bos"], special["eos"]
 
     def load_split(self, folder, split, block_size):
-        """(Pairs, indices of the pairs that fit block_size)."""
+        """A PairSplit: the pairs, and those that fit block_size."""
         pairs = load_pairs(folder, split)
-        return pairs, kept(fitting_pairs(pairs, block_size), len(pairs), f"{split} pair", folder, block_size)
+        return PairSplit(
+            pairs, usable_rows(fitting_pairs(pairs, block_size), len(pairs), f"{split} pair", folder, block_size)
+        )
 
     def batch(self, data, batch_size, block_size, generator):
-        pairs, usable = data
         # random pairs among those that fit block_size (with replacement, like the windows)
-        rows = usable[torch.randint(len(usable), (batch_size,), generator=generator).numpy()]
-        src, tgt_in, targets = seq2seq_batch(pairs, rows, self)
+        rows = data.usable[torch.randint(len(data.usable), (batch_size,), generator=generator).numpy()]
+        src, tgt_in, targets = seq2seq_batch(data.pairs, rows, self)
         return (src, tgt_in), targets
 
     def example_batch(self, batch_size, block_size):
@@ -196,10 +199,11 @@ class Seq2Seq(Task):
         return sum(int((x != self.pad_id).sum()) for x in inputs)
 
     def answer_rows(self, split):
-        return split[1]
+        return split.usable
 
     def decoded(self, model, split, rows, batch_size, block_size):
-        batches = (seq2seq_batch(split[0], rows[i : i + batch_size], self) for i in range(0, len(rows), batch_size))
+        starts = range(0, len(rows), batch_size)
+        batches = (seq2seq_batch(split.pairs, rows[i : i + batch_size], self) for i in starts)
         return decoded_pairs(model, batches, self.bos_id, self.eos_id, max_len=block_size)
 
 
@@ -211,10 +215,10 @@ class Chat(CausalLM):
     """
 
     kind = "chat"
-    varying = True
+    varying = saves_data_meta = True
 
-    def __init__(self, meta, label_smoothing=0.0):
-        super().__init__(meta, label_smoothing)
+    def __init__(self, meta, *, label_smoothing=0.0):
+        super().__init__(meta, label_smoothing=label_smoothing)
         self.exact_answers = bool(meta.get("exact_answers"))
 
     def load_split(self, folder, split, block_size):
@@ -224,7 +228,7 @@ class Chat(CausalLM):
         # inputs and targets are a conversation's ids less one
         fits = np.flatnonzero(lengths <= block_size + 1)
         shortest = f" (the shortest has {lengths.min() - 1:,} inputs)"
-        kept(fits, len(conversations), f"{split} conversation", folder, block_size, shortest)
+        usable_rows(fits, len(conversations), f"{split} conversation", folder, block_size, shortest)
         # a fixed seed: the order is the same on every rank and at every resume
         tiebreak = np.random.default_rng(0).permutation(len(fits))
         return ChatSplit(conversations, fits[np.lexsort((tiebreak, lengths[fits]))])
@@ -232,6 +236,11 @@ class Chat(CausalLM):
     def batch(self, data, batch_size, block_size, generator):
         inputs, targets = chat_batch(data.conversations, chat_rows(data, batch_size, generator))
         return (inputs,), targets
+
+    def example_batch(self, batch_size, block_size):
+        # dense, as chat_batch makes them: a window's strides would give compile's graph guards real batches fail
+        (inputs,), targets = super().example_batch(batch_size, block_size)
+        return (inputs.contiguous(),), targets.contiguous()
 
     def count_tokens(self, inputs, targets):
         # a conversation's inputs end at its last loss target (prepare_data cuts what follows), and its padding after
@@ -256,8 +265,8 @@ def make_task(arch, meta, mask_prob=0.15, label_smoothing=0.0):
     """The Task of a model of arch trained on a dataset with this meta; ConfigError where they do not go together."""
     task = task_class(arch, meta["kind"], meta.get("name", "this dataset"))
     if task is MaskedLM:
-        return MaskedLM(meta, label_smoothing, mask_prob)
-    return task(meta, label_smoothing)
+        return MaskedLM(meta, label_smoothing=label_smoothing, mask_prob=mask_prob)
+    return task(meta, label_smoothing=label_smoothing)
 
 
 def task_class(arch, kind, name):
@@ -270,23 +279,19 @@ def task_class(arch, kind, name):
             f"{name} is chat data, which only arch=gpt trains on (a reply is the next tokens of the conversation); "
             f"arch={arch} needs another dataset"
         )
-    task = (
-        Seq2Seq
-        if arch == "encoder_decoder"
-        else MaskedLM
-        if arch == "encoder"
-        else Chat
-        if kind == "chat"
-        else CausalLM
-    )
+    # each architecture's task; a GPT's depends on its data
+    task = {"encoder_decoder": Seq2Seq, "encoder": MaskedLM}.get(arch, Chat if kind == "chat" else CausalLM)
     if kind != task.kind:
         examples = "reverse, sort, num2words, translation" if task is Seq2Seq else "shakespeare_char, shakespeare"
         raise ConfigError(f"arch={arch} needs a {task.kind} dataset ({examples}); {name} is {kind}")
     return task
 
 
-def kept(fits, total, what, folder, block_size, why=""):
-    """fits, the examples of a split that fit block_size, said of in a note where some do not; ConfigError if none."""
+def usable_rows(fits, total, what, folder, block_size, why=""):
+    """
+    fits, the rows of the `total` examples of a split that fit block_size, with a note saying how many do not;
+    ConfigError if none does (why: what the message adds).
+    """
     if not len(fits):
         raise ConfigError(f"no {what} of {folder.name} fits block_size={block_size}{why}; raise block_size")
     if len(fits) < total:
@@ -348,6 +353,14 @@ def seq2seq_batch(pairs, rows, task):
         tgt_in[b, 0], tgt_in[b, 1 : len(t) + 1] = task.bos_id, t
         targets[b, : len(t)], targets[b, len(t)] = t, task.eos_id
     return src, tgt_in, targets
+
+
+@dataclass(frozen=True)
+class PairSplit:
+    """A split of pairs as Seq2Seq.batch reads it: its pairs, and the indices of those that fit block_size."""
+
+    pairs: Pairs
+    usable: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -496,7 +509,7 @@ def model_inputs(inputs, targets, device, varying=False):
     dimension 1, the length, varies from batch to batch and is marked dynamic, so that torch.compile builds one
     graph for all of them instead of recompiling for each new length.
     """
-    window = gpt_window(inputs, targets)
+    window = None if varying else gpt_window(inputs, targets)
     if window is not None:
         window = window.to(device, non_blocking=window.is_pinned())
         return (window[:, :-1],), window[:, 1:]

@@ -122,19 +122,23 @@ class GPU:
     memory_gib: int  # from the vendor's data sheet
     flops: float  # peak dense bf16 tensor-core FLOP/s with float32 accumulation (what training runs; no sparsity)
     bf16: bool = True  # False: bfloat16 only by emulation, so float16 with a gradient scaler (and fp16's peak)
+    # streaming multiprocessors of the whole GPU, where MIG splits it into slices ("NVIDIA H100 80GB HBM3 MIG
+    # 1g.10gb"), each computing with its own share of them. The "Ng" of a profile's name is only nominal: on an H100
+    # a 1g.10gb slice has 16 of the 132, a 1g.20gb 26, a 7g.80gb all 132; on an A100 a 7g.40gb has 98 of the 108
+    multiprocessors: int | None = None
 
 
 # From the vendors' data sheets. Tried in order by a device's name: a variant comes before the family name it
 # contains (a later entry of the same family, the 40 GB A100 say, is there for plans by name only)
 GPUS = (
-    GPU("H100 PCIe", r"\bH100 PCIe\b", 80, 756e12),  # "NVIDIA H100 PCIe"
-    GPU("H100 NVL", r"\bH100 NVL\b", 94, 835e12),  # "NVIDIA H100 NVL"
-    GPU("H200 NVL", r"\bH200 NVL\b", 141, 835e12),
-    GPU("H100", r"\bH100\b", 80, 989e12),  # SXM: "NVIDIA H100 80GB HBM3"
-    GPU("H200", r"\bH200\b", 141, 989e12),  # "NVIDIA H200"
-    GPU("GH200", r"\bGH200\b", 96, 989e12),  # the Grace Hopper superchip's GPU, the H100 SXM's
-    GPU("A100", r"\bA100\b", 80, 312e12),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB"
-    GPU("A100 40GB", r"\bA100\b", 40, 312e12),
+    GPU("H100 PCIe", r"\bH100 PCIe\b", 80, 756e12, multiprocessors=114),  # "NVIDIA H100 PCIe"
+    GPU("H100 NVL", r"\bH100 NVL\b", 94, 835e12, multiprocessors=132),  # "NVIDIA H100 NVL"
+    GPU("H200 NVL", r"\bH200 NVL\b", 141, 835e12, multiprocessors=132),
+    GPU("H100", r"\bH100\b", 80, 989e12, multiprocessors=132),  # SXM: "NVIDIA H100 80GB HBM3"
+    GPU("H200", r"\bH200\b", 141, 989e12, multiprocessors=132),  # "NVIDIA H200"
+    GPU("GH200", r"\bGH200\b", 96, 989e12, multiprocessors=132),  # the Grace Hopper superchip's GPU, the H100 SXM's
+    GPU("A100", r"\bA100\b", 80, 312e12, multiprocessors=108),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB"
+    GPU("A100 40GB", r"\bA100\b", 40, 312e12, multiprocessors=108),
     GPU("A10G", r"\bA10G\b", 24, 70e12),
     GPU("A10", r"\bA10\b", 24, 125e12),
     GPU("L40S", r"\bL40S\b", 48, 362e12),
@@ -153,11 +157,6 @@ GPUS = (
     GPU("RTX 3090", r"\bRTX 3090\b", 24, 71e12),
 )
 
-# Streaming multiprocessors of the whole GPU, for the GPUs that MIG splits into slices ("NVIDIA H100 80GB HBM3 MIG
-# 1g.10gb"): a slice computes with its own share of them. The "Ng" of a profile's name is only nominal: on an H100 a
-# 1g.10gb slice has 16 of the 132, a 1g.20gb 26, a 7g.80gb all 132; on an A100 a 7g.40gb has 98 of the 108.
-WHOLE_GPU_MULTIPROCESSORS = ((r"\bH100 PCIe\b", 114), (r"\b(H100|H200|GH200)\b", 132), (r"\bA100\b", 108))
-
 
 def peak_flops(device_name, multiprocessors=None):
     """
@@ -165,8 +164,8 @@ def peak_flops(device_name, multiprocessors=None):
     A MIG slice gets the whole GPU's peak times its share of the streaming multiprocessors: multiprocessors is the
     slice's own count (torch.cuda.get_device_properties(device).multi_processor_count); None without it.
     """
-    peak = next((gpu.flops for gpu in GPUS if re.search(gpu.pattern, device_name)), None)
-    if peak is None or not re.search(r"\bMIG\b", device_name):
-        return peak
-    whole = next((count for pattern, count in WHOLE_GPU_MULTIPROCESSORS if re.search(pattern, device_name)), None)
-    return peak * multiprocessors / whole if whole and multiprocessors else None
+    gpu = next((gpu for gpu in GPUS if re.search(gpu.pattern, device_name)), None)
+    if gpu is None or not re.search(r"\bMIG\b", device_name):
+        return None if gpu is None else gpu.flops
+    whole = gpu.multiprocessors
+    return gpu.flops * multiprocessors / whole if whole and multiprocessors else None

@@ -569,7 +569,8 @@ def evaluate_hellaswag(model, tokenizer, items, cfg, path, progress):
 # The command line
 
 
-# what each task scores, and the architectures it scores: a model's task, "auto", is its training task's (data.Task)
+# what each task scores, and the architectures it scores. "auto" is the kind of data the model trained on, as its
+# training task (data.Task.kind) has it: "lm" for a GPT or an encoder on text, "seq2seq" for pairs, "chat"
 TASK_ARCHS = {
     "lm": ("text with a GPT or an encoder", ("gpt", "encoder")),
     "seq2seq": ("decoded pairs with an encoder-decoder", ("encoder_decoder",)),

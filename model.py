@@ -844,8 +844,7 @@ class TransformerModel(nn.Module):
         {"adamw": AdamW}, or with optimizer="muon" {"adamw": AdamW, "muon": Muon}: Muon for block_matrices(), AdamW
         for the rest (embeddings, head, norms, biases, the encoder's transform). AdamW decays matrices and embeddings
         (dim >= 2) and not biases and norm gains; Muon decays all its matrices. Fused AdamW where PyTorch has it
-        (CUDA, and CPU since 2.4). Every parameter group keeps its peak learning rate as "initial_lr", which the
-        training loop's schedule scales. Returns (optimizers, one-line summary).
+        (CUDA, and CPU since 2.4). Returns (optimizers, one-line summary).
         """
         params = [p for p in self.parameters() if p.requires_grad]
         hidden = {id(p) for p in self.block_matrices()} if optimizer == "muon" else set()
@@ -873,8 +872,6 @@ class TransformerModel(nn.Module):
                 "with weight decay "
                 f"({sum(p.numel() for p in muon):,} params); {summary} (embeddings, head, norms, biases)"
             )
-        for group in (group for optimizer in optimizers.values() for group in optimizer.param_groups):
-            group["initial_lr"] = group["lr"]
         return optimizers, summary
 
     def new_cache(self):

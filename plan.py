@@ -183,7 +183,7 @@ def planned_config(cfg, meta):
             )
         except (OSError, ValueError) as e:
             raise ConfigError(f"init_from={cfg.init_from}: {one_line(e)}") from None
-    if cfg.arch == "gpt" and cfg.init_from != "resume":  # grown for chat tokens beyond the model's (start.fit_to_data)
+    if cfg.init_from != "resume":  # grown for chat tokens beyond the model's (start.fit_to_data)
         config = replace(config, vocab_size=max(config.vocab_size, meta["vocab_size"]))
     return config, task
 
@@ -369,6 +369,8 @@ def make_plan(cfg, train):
     dtype = planned_dtype(cfg, target)
     fsdp = cfg.fsdp and ranks > 1
     config, task = planned_config(cfg, planned_meta(cfg))
+    if cfg.cuda_graphs and task.varying:  # as train.py's setup refuses it
+        raise ConfigError(f"cuda_graphs=True needs batches of one length, which {cfg.dataset}'s vary; drop it")
     baseline = 0 if target.gpu else baseline
 
     # the second step runs two micro-batches (if it has two): the second adds to the first's gradients
@@ -411,7 +413,10 @@ def planned_dtype(cfg, target):
         cfg.dtype, torch.device("cuda" if target.gpu else "cpu"), native_bf16=target.bf16, gpu=target.name
     )
     if dtype == torch.float16 and cfg.fsdp and cfg.plan_ranks > 1:
-        raise ConfigError("fsdp=True computes in bfloat16 or float32, not float16; use --dtype=bfloat16 or DDP")
+        raise ConfigError(
+            "fsdp=True computes in bfloat16 or float32, not float16; use --dtype=bfloat16, or DDP (--fsdp=false) on "
+            "GPUs without bfloat16"
+        )
     return dtype
 
 

@@ -1,6 +1,7 @@
 """
-How a training run starts, and how a resumed run gets its state back. Four ways to start, each a function of
-(settings, the dataset's meta) returning a Start; start_run() picks one by init_from:
+Where a model comes from: how a training run starts, how a resumed run gets its state back, and a model from any
+source for sampling, evaluation and export (load_model). Four ways to start, each a function of (settings, the
+dataset's meta) returning a Start; start_run() picks one by init_from:
 
     from_scratch      init_from='scratch': new weights, the model settings from the config
     resume            init_from='resume': out_dir/ckpt.pt, to go on exactly where the run stopped
@@ -10,7 +11,9 @@ How a training run starts, and how a resumed run gets its state back. Four ways 
 Weights from a checkpoint or Hugging Face decide the model's settings: the Start's settings carry them. A new run
 from such weights is then fitted to its data (fit_to_data): the vocabulary grown for chat tokens beyond the model's,
 and with lora_rank the base frozen and LoRA adapters added (lora.py). Once the model is on its devices and the
-optimizers exist, restore() puts a resume's state back, in one place.
+optimizers exist, restore() puts a resume's state back, in one place. load_model gives sample.py, eval.py and
+export.py the same sources as models in eval mode: a checkpoint (ours, a LoRA run's on its base, nanoGPT's) or
+Hugging Face weights.
 """
 
 import contextlib
@@ -202,10 +205,10 @@ def from_checkpoint(cfg, meta):
     # its architecture and weights; dropout is the new run's (0 to evaluate, 0.1 to fine-tune on little data)
     model = model_from_checkpoint(ckpt, dropout=cfg.dropout).train()
     cfg = with_model_settings(cfg, model.config)
-    # the task from the dataset, the meta to save from the checkpoint (an encoder's holds its [MASK] id); a chat
-    # fine-tune's from its data, whose chat tokens and template sample.py --chat needs
+    # the task from the dataset, the meta to save from the checkpoint (an encoder's holds its [MASK] id), or from
+    # the data where the task says so (chat: its tokens and template, which sample.py --chat needs)
     task = task_of(cfg, meta)
-    return Start(cfg, model, task, meta if task.kind == "chat" else saved_meta)
+    return Start(cfg, model, task, meta if task.saves_data_meta else saved_meta)
 
 
 def from_pretrained(cfg, meta):
@@ -271,7 +274,8 @@ def fit_to_data(begin, meta):
     base_vocab = model.config.vocab_size
     # the base as load_base will load it again to resume or sample: where from, its settings, its weights' fingerprint
     base = lora_base(cfg, model) if cfg.lora_rank else None
-    if cfg.arch == "gpt" and meta["vocab_size"] > base_vocab:
+    # only chat data (a GPT's) has ids beyond its model's: other data shares its checkpoint's tokenizer (other_ids)
+    if meta["vocab_size"] > base_vocab:
         grow_vocabulary(model, meta["vocab_size"])
         head = "" if model.lm_head.weight is model.body.wte.weight else " and head"
         log(
@@ -320,9 +324,10 @@ def with_model_settings(cfg, config):
 
 def restore(ckpt, models, *, optimizers, scaler, generator, cfg, rt):
     """
-    Put a resumed run's state back, in this order: the optimizers' state (Adam's moments, Muon's momentum), the
-    loss scale, the data stream's position (generator), the weight average, a sharded checkpoint's weights (with
-    AdamW's state and the average, each rank reading what its shards need), and last each rank's random
+    Put a resumed run's state back, in this order: the optimizers' states (Adam's moments, Muon's momentum), each
+    group keeping this run's peak learning rate, the loss scale, the data stream's position (generator), the weight
+    average, a sharded checkpoint's weights (with the optimizers' states and the average, each rank reading what its
+    shards need), and last each rank's random
     generators, so that nothing after draws from them before training does. models: parallel.Models.
     """
     # imported here, not at the top: half a second of every script's start that only a resume needs

@@ -48,7 +48,6 @@ MIRROR_ENV = "NANOFORMER_DATA_MIRROR"
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 # a Hugging Face tokenizer's file (the `tokenizers` library's format), on its own or in a model folder
 TOKENIZER_JSON = "tokenizer.json"
-# config.json's key for what export.py adds to a Hugging Face folder: the model's settings and its data's meta
 # the end-of-text token of GPT-2's BPE, and of the byte-level BPEs trained here (train_byte_level_bpe)
 END_OF_TEXT = "<|endoftext|>"
 # a byte-level BPE starts from one token for each byte value, so that any text encodes
@@ -626,7 +625,7 @@ def train_byte_level_bpe(texts, vocab_size):
     return bpe.to_str(), {"eot": bpe.token_to_id(END_OF_TEXT)}
 
 
-# ----------------------------------------------------------------------------- Hugging Face tokenizer files
+# ----------------------------------------------------------------------------- JSON, and Hugging Face tokenizer files
 
 
 def tokenizer_json_file(path):
@@ -642,7 +641,7 @@ def tokenizer_json_file(path):
 
 
 def write_json(obj, path):
-    """Write obj to path as indented JSON, replacing it atomically (meta.json, config.json beside checkpoints)."""
+    """Write obj to path as indented JSON, replacing it atomically (train.py's config.json beside the checkpoints)."""
     with atomic_output(path) as f:
         f.write((json.dumps(obj, indent=1) + "\n").encode("utf-8"))
 

@@ -440,12 +440,16 @@ def loss_chunk_bytes(cfg, device):
 def make_optimizers(model, cfg, rt):
     """
     ({name: optimizer}, a one-line summary) over model's parallelized (sharded, on device) parameters: AdamW, and
-    with optimizer='muon' Muon for the blocks' matrices; weight decay on matrices and embeddings only.
+    with optimizer='muon' Muon for the blocks' matrices; weight decay on matrices and embeddings only. Every
+    parameter group keeps its peak learning rate as "initial_lr", which train_step's schedule scales.
     """
     betas = (cfg.beta1, cfg.beta2)
-    return model.configure_optimizers(
+    optimizers, summary = model.configure_optimizers(
         cfg.weight_decay, cfg.learning_rate, betas, rt.device.type, optimizer=cfg.optimizer, muon_lr=cfg.muon_lr
     )
+    for group in (group for optimizer in optimizers.values() for group in optimizer.param_groups):
+        group["initial_lr"] = group["lr"]
+    return optimizers, summary
 
 
 def describe_run(cfg, rt, dataset, model, per_rank, optimizer_summary):
@@ -586,7 +590,7 @@ def train_step(run, iter_num):
         lr = get_lr(iter_num, lr, cfg.min_lr, cfg.warmup_iters, decay_iters, cfg.lr_schedule, time_used)
     for optimizer in run.optimizers.values():
         for group in optimizer.param_groups:
-            group["lr"] = group["initial_lr"] * lr / cfg.learning_rate  # each group's peak (Muon's is muon_lr)
+            group["lr"] = lr * (group["initial_lr"] / cfg.learning_rate)  # each group's peak (Muon's is muon_lr)
 
     # Forward and backward: the gradient of the mean loss over the step's targets (at least 1: a step whose
     # batches hold no real target must not divide by zero)
@@ -627,20 +631,12 @@ def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters, schedule="co
 def accumulate_gradients(models, task, batches, n_targets, scaler, rt):
     """
     Forward and backward over this rank's micro-batches with models.step (micro_step, one at a time); returns their
-    summed loss. The ranks exchange gradients after the last micro-batch only. A compiled graph's backward is
-    compiled at its first use, inside backward(): a failure there (after a recompilation) ends the run with one line.
+    summed loss. The ranks exchange gradients after the last micro-batch only.
     """
     total = torch.zeros((), device=rt.device)
-    try:
-        for i, batch in enumerate(batches):
-            # a device tensor: adding to it never waits for the GPU
-            total += micro_step(models, task, batch, i == len(batches) - 1, n_targets, scaler, rt)
-    except (torch.OutOfMemoryError, dist.DistError):
-        raise
-    except Exception as e:
-        if not isinstance(models.step, CompiledModel) or models.step.failed:
-            raise
-        raise ConfigError(f"torch.compile failed in a backward ({one_line(e)}); run with --compile=false") from None
+    for i, batch in enumerate(batches):
+        # a device tensor: adding to it never waits for the GPU
+        total += micro_step(models, task, batch, i == len(batches) - 1, n_targets, scaler, rt)
     return total
 
 
@@ -657,8 +653,23 @@ def micro_step(models, task, batch, last, n_targets, scaler, rt):
             # the model sums the loss itself, in chunks of positions: the (B, T, V) logits never exist whole
             loss = task.loss(models.step, inputs, targets)
         # / n_targets: this micro-batch's part of the step's mean loss; * world_size: undoes the ranks' average
-        scaler.scale(loss * (rt.world_size / n_targets)).backward()
+        backward(scaler.scale(loss * (rt.world_size / n_targets)), models.step)
     return loss.detach()
+
+
+def backward(loss, step_model):
+    """
+    loss.backward(). A compiled graph's backward is compiled at its first use, in here: a failure then (after a
+    recompilation) leaves the step half done, and ends the run with one line.
+    """
+    try:
+        loss.backward()
+    except (torch.OutOfMemoryError, dist.DistError):
+        raise
+    except Exception as e:
+        if not isinstance(step_model, CompiledModel) or step_model.failed:
+            raise
+        raise ConfigError(f"the compiled backward failed ({one_line(e)}); run with --compile=false") from e
 
 
 def update_weights(model, optimizers, scaler, grad_clip):

@@ -16,7 +16,7 @@ import torch
 import data
 import prepare_data
 from config import ConfigError
-from model import IGNORE_INDEX
+from model import IGNORE_INDEX, ModelConfig, build_model
 from prepare_data import prepare
 from tokens import Tokenizer, check_prepared, final_reply, load_conversations, load_meta
 
@@ -469,3 +469,18 @@ def test_shakespeare_chat_is_deterministic_held_out_and_right(tmp_path, shakespe
             assert decode(final_reply(ids, targets)[1]) == f"{turns[-1][1]}<end_of_turn>"
     # val asks nothing train asks (the follow-up's words are the same, its line is not)
     assert questions["val"] & questions["train"] <= {"And the next?"}
+
+
+def test_compile_tries_the_graph_that_conversations_of_any_length_reuse(chat_dir):
+    """compile's trial on the task's example batch builds one dynamic graph: real batches, shorter, compile nothing."""
+    task = data.make_task("gpt", load_meta(chat_dir))
+    split = task.load_split(chat_dir, "train", 64)
+    model = build_model(ModelConfig(vocab_size=task.model_vocab, block_size=64, n_layer=1, n_head=2, n_embd=16))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", dynamic=None)  # as parallel.py compiles varying batches
+    task.loss(compiled, *task.to_device(*task.example_batch(4, 64), torch.device("cpu"))).backward()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(3):
+            batch = task.batch(split, 4, 64, torch.Generator().manual_seed(seed))
+            assert batch[1].size(1) < 64  # shorter than the trial's
+            task.loss(compiled, *task.to_device(*batch, torch.device("cpu"))).backward()
