@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from config import ConfigError
 
@@ -249,6 +248,8 @@ class Scalars:
 
 def local_bytes(tensors):
     """The bytes of tensors that this rank holds: of a DTensor, its local part."""
+    from torch.distributed.tensor import DTensor  # here: half a second of every import of this file (log) otherwise
+
     return sum(t.numel() * t.element_size() for t in (x.to_local() if isinstance(x, DTensor) else x for x in tensors))
 
 
