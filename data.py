@@ -19,10 +19,9 @@ import torch.distributed as dist
 
 import prepare_data
 from chat import ChatFormat
-from config import ConfigError
+from config import ConfigError, log
 from generate import decoded_pairs, decoded_replies
 from model import IGNORE_INDEX
-from progress import log
 from tokens import (
     Conversations,
     Pairs,

@@ -18,10 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from config import ConfigError, one_line
+from config import ConfigError, log, one_line
 from devices import autocast, resolve_device, resolve_dtype
 from model import Block, build_model
-from progress import log
 
 # -----------------------------------------------------------------------------
 # Processes

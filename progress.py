@@ -1,13 +1,11 @@
 """
-What a run reports: its lines (log, printed by rank 0 alone); while it trains, a progress line every log_interval
-steps (loss, learning rate, gradient norm, ms/iter, tokens/s, MFU on known GPUs, time left) and TensorBoard (and
-W&B) scalars; at the end each rank's memory. Step losses stay on the device until a progress line or an evaluation
-reads them back.
+What a run reports while it trains: a progress line every log_interval steps (loss, learning rate, gradient norm,
+ms/iter, tokens/s, MFU on known GPUs, time left) and TensorBoard (and W&B) scalars; at the end each rank's memory.
+Step losses stay on the device until a progress line or an evaluation reads them back.
 """
 
 import contextlib
 import math
-import os
 import re
 import sys
 import time
@@ -16,14 +14,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from config import ConfigError
-
-
-def log(message):
-    """Print on rank 0 only (torchrun sets RANK); flushed so piped logs stay current."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(message, flush=True)
+from config import ConfigError, log
 
 
 @dataclass
@@ -248,8 +241,6 @@ class Scalars:
 
 def local_bytes(tensors):
     """The bytes of tensors that this rank holds: of a DTensor, its local part."""
-    from torch.distributed.tensor import DTensor  # here: half a second of every import of this file (log) otherwise
-
     return sum(t.numel() * t.element_size() for t in (x.to_local() if isinstance(x, DTensor) else x for x in tensors))
 
 

@@ -34,11 +34,10 @@ from checkpoint import (
     run_checkpoint,
     set_rng_state,
 )
-from config import ConfigError, one_line, read_config_file
+from config import ConfigError, log, one_line, read_config_file
 from data import Task, make_task
 from lora import LoRASettings, add_adapters, describe, fingerprint, grow_vocabulary, load_adapters, merge
 from model import MODEL_KEYS, ModelConfig, Stack, build_model
-from progress import log
 
 CONFIGS = Path(__file__).resolve().parent / "configs"  # the shipped configs, to name one that fits a checkpoint
 

@@ -44,7 +44,7 @@ from checkpoint import (
     training_state,
     weights_state,
 )
-from config import ConfigError, one_line, parse_config
+from config import ConfigError, log, one_line, parse_config
 from data import Task, TrainBatches, count_targets, find_dataset, micro_seeds, pinned
 from devices import DTYPES, keep_freed_memory, peak_flops, pick_threads
 from lora import TARGETS, LoRASettings, adapter_state, add_adapters
@@ -61,7 +61,7 @@ from parallel import (
     raise_if_any_failed,
     split_accumulation,
 )
-from progress import Clock, Progress, Scalars, Step, log, log_memory, resumed_clock
+from progress import Clock, Progress, Scalars, Step, log_memory, resumed_clock
 from start import restore, start_run
 
 
