@@ -93,7 +93,11 @@ def read_state_dict(path):
 def folder_config(folder):
     """The config.json of a Hugging Face model folder, as a dict; a missing or malformed file raises one line."""
     path = Path(folder).expanduser() / "config.json"
-    config = tokens.read_json(path, missing="a Hugging Face model folder holds config.json (save_pretrained writes it)")
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path.parent} has no config.json: pass a directory written by transformers' save_pretrained"
+        )
+    config = tokens.read_json(path, missing="")
     if not isinstance(config, dict):
         raise ValueError(f"{path} is not a model config (a JSON object)")
     return config
@@ -215,10 +219,8 @@ def pretrained_config(name_or_path, **overrides):
 
 
 def read_hf_config(path):
-    """A Hugging Face folder's config.json, of a model_type from_pretrained loads (else a ValueError)."""
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json: pass a directory written by transformers' save_pretrained")
-    hf = json.loads((path / "config.json").read_text())
+    """A Hugging Face folder's config.json (folder_config), of a model_type from_pretrained loads, else ValueError."""
+    hf = folder_config(path)
     model_type = hf.get("model_type")
     if model_type not in PRETRAINED_LOADERS:
         raise ValueError(

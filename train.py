@@ -305,9 +305,12 @@ def main(cfg):
             # the ranks agreed on the time the step began: they all stop after the same step
             out_of_time = cfg.max_minutes > 0 and step.seconds >= 60 * cfg.max_minutes
         if rt.world_size > 1:
-            # gloo's worker threads release the last collective's Python tensors after it returns, which needs the
-            # GIL; a process group torn down (with the GIL held) before they have would wait for them forever
+            # gloo's worker threads release each collective's Python tensors after it returns, which needs the GIL;
+            # a process group torn down (by DDP's reducer as main returns, with the GIL held) before they have waits
+            # for them forever. So every rank's collectives end (the barrier), then this thread lets go of the GIL
+            # while the workers release them, the barrier's own included (seen: a hang in about 1 DDP run of 30)
             dist.barrier()
+            time.sleep(0.1)
         return {"losses": progress.losses, "evals": evals, "iter_num": iter_num, "best_val_loss": run.best_val_loss}
 
 
