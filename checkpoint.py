@@ -371,18 +371,18 @@ def load_sharded(ckpt, model, *, optimizers, ema_model, role="weights"):
         set_optimizer_state_dict,
     )
 
-    keys = ckpt["shard_keys"]  # {role: the name its tensors have in the folder}
+    keys = ckpt["sharded_keys"]  # the names of the folder's tensors: weights, optimizers, average
     weights = get_model_state_dict(model)
     states = {name: get_optimizer_state_dict(model, optimizer) for name, optimizer in optimizers.items()}
     if "optimizers" in keys:
-        tensors = {keys[role]: weights, "optimizers": states}
+        tensors = {role: weights, "optimizers": states}
     else:  # format 3 held AdamW's state alone, as "optimizer", its groups without the peak (start.restore sets it)
         for group in states["adamw"]["param_groups"]:
             del group["initial_lr"]
-        tensors = {keys[role]: weights, "optimizer": states["adamw"]}
+        tensors = {role: weights, "optimizer": states["adamw"]}
     average = weights
     if ema_model is not None and "average" in keys and role != "average":
-        average = tensors[keys["average"]] = get_model_state_dict(ema_model)
+        average = tensors["average"] = get_model_state_dict(ema_model)
     # a single process (a resume without torchrun) reads every part itself
     read_shards(tensors, ckpt["sharded"], alone=not dist.is_initialized())
     set_model_state_dict(model, weights)
@@ -421,7 +421,7 @@ def load_checkpoint(path, map_location="cpu", weights=True):
     A checkpoint written by train.py, loaded with weights_only=True so that it cannot run code. A sharded one (a
     folder, written with fsdp) gives the same dict with the kept weights ("average" if there is one, else
     "weights") read whole into this process (the optimizer's state is left on disk), or, with weights=False, no
-    tensors at all; "sharded" then names the folder and "shard_keys" its tensors, for load_sharded.
+    tensors at all; "sharded" then names the folder (and "sharded_keys" its tensors), for load_sharded.
     A missing, corrupt, newer-format or early-format (1, 2) checkpoint raises ConfigError with a one-line message.
     """
     path = Path(path)
@@ -434,10 +434,10 @@ def load_checkpoint(path, map_location="cpu", weights=True):
             raise ConfigError(f"{path} is a folder but not a sharded checkpoint: it has no {STATE_FILE}")
         ckpt = read_checkpoint(path / STATE_FILE, map_location, fallback="")
         # {role: the name its tensors have in the folder}, for load_sharded
-        ckpt["sharded"], ckpt["shard_keys"] = path, {role: role for role in ckpt["sharded_keys"]}
+        ckpt["sharded"] = path
         if weights:
-            role = "average" if "average" in ckpt["shard_keys"] else "weights"
-            ckpt[role] = sharded_weights(ckpt, ckpt["shard_keys"][role])
+            role = "average" if "average" in ckpt["sharded_keys"] else "weights"
+            ckpt[role] = sharded_weights(ckpt, role)
         return ckpt
     if not path.is_file():
         raise ConfigError(f"no checkpoint at {path}; {missing_checkpoint_hint(path.parent)}")

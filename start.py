@@ -125,7 +125,7 @@ def resume(cfg, meta, lazy):
     # the checkpoint's settings win: its weights fit only the architecture they were trained in, its adapters
     # only their own rank and places
     cfg = with_lora_settings(with_model_settings(cfg, config), ckpt.get("lora"))
-    averaged = "average" in (ckpt["shard_keys"] if "sharded" in ckpt else ckpt)
+    averaged = "average" in (ckpt["sharded_keys"] if "sharded" in ckpt else ckpt)
     if averaged and not cfg.ema_decay and not cfg.eval_only:
         log("note: training goes on from the un-averaged weights; their average is dropped (ema_decay=0)")
     # said first thing, so that a run that goes on from a checkpoint never reads as a new one
@@ -351,7 +351,7 @@ def restore(ckpt, models, *, optimizers, scaler, generator, cfg, rt):
         models.average.load_state_dict(ckpt["average"])
     if sharded:
         # eval_only evaluates what best.pt would hold: the average, if there is one
-        role = "average" if cfg.eval_only and "average" in ckpt["shard_keys"] else "weights"
+        role = "average" if cfg.eval_only and "average" in ckpt["sharded_keys"] else "weights"
         load_sharded(ckpt, models.raw, optimizers=optimizers, ema_model=models.average, role=role)
     for name, optimizer in optimizers.items():
         for group, peak in zip(optimizer.param_groups, peaks[name]):
