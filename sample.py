@@ -15,6 +15,7 @@ is generate.py's; this file reads the prompt, prints what comes out and draws th
 import itertools
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def read_prompt(start):
 
 
 def show_samples(model, tokenizer, meta, text, cfg, out):
-    """GPT: print cfg.num_samples continuations of text, streamed or all at the end. Returns the prompt ids."""
+    """GPT: print cfg.num_samples continuations of text, streamed or all at the end. Returns (prompt ids,)."""
     special = meta["special_tokens"]
     # GPT-2's end-of-text, or a tokenizer.json's eos; None for char-level data, which has no such token
     stop = special.get("eot", special.get("eos"))
@@ -131,7 +132,7 @@ def show_samples(model, tokenizer, meta, text, cfg, out):
             f"(id {stop}); another --seed or a higher --temperature may go further",
             file=sys.stderr,
         )
-    return prompt
+    return (prompt,)
 
 
 def prompt_start(tokenizer, meta, text):
@@ -323,7 +324,7 @@ def show_translation(model, tokenizer, meta, text, cfg, out):
 
 def show_fills(model, tokenizer, meta, text, cfg, out):
     """Encoder: print text with each [MASK] filled by its likeliest token, then the candidates per mask.
-    Returns the ids with the masks, for the attention maps."""
+    Returns (the ids with the masks,) for the attention maps."""
     special = meta["special_tokens"]
     ids, positions = encode_masked(text, tokenizer, special["mask"])
     block = model.config.block_size
@@ -341,7 +342,7 @@ def show_fills(model, tokenizer, meta, text, cfg, out):
     print(tokenizer.decode(best), file=out)
     for n, candidates in enumerate(fills, 1):
         print(f"{MASK} {n}: " + "  ".join(f"{tokenizer.decode([t])!r} {p:.3f}" for t, p in candidates), file=out)
-    return ids
+    return (ids,)
 
 
 def encode_masked(text, tokenizer, mask_id):
@@ -443,29 +444,46 @@ def token_ticks(labels):
 # The command line
 
 
-# the options that apply to some architectures only, each with what that architecture does instead
-ARCH_OPTIONS = {
-    "gpt": (
+@dataclass(frozen=True)
+class Mode:
+    """What sample.py does with one architecture's checkpoint, and the options that apply to it alone."""
+
+    show: Callable  # prints the result; returns what attention_panels takes: (src,) or (src, tgt)
+    options: tuple[str, ...]  # SampleConfig fields that only this architecture uses
+    applies: str  # said when another architecture's checkpoint is given one of them
+    instead: str  # what this architecture does instead, said when it is given another's
+
+
+# the three architectures side by side
+MODES = {
+    "gpt": Mode(
+        show_samples,
         ("num_samples", "temperature", "top_k", "top_p", "stream", "use_cache", "chat", "system"),
         "sampling (--temperature, --top_k, --top_p, --num_samples, --chat) applies to GPT checkpoints only",
+        "a GPT samples with --temperature, --top_k and --top_p (greedy: --temperature=0)",
     ),
-    "encoder_decoder": (("beam_size", "length_penalty"), "beam search applies to encoder-decoder checkpoints only"),
-    "encoder": (("candidates",), "--candidates applies to encoder (masked LM) checkpoints only"),
-}
-INSTEAD = {
-    "gpt": "a GPT samples with --temperature, --top_k and --top_p (greedy: --temperature=0)",
-    "encoder_decoder": "an encoder-decoder decodes greedily, or with --beam_size and --length_penalty",
-    "encoder": f"an encoder lists the --candidates likeliest tokens for each {MASK}",
+    "encoder_decoder": Mode(
+        show_translation,
+        ("beam_size", "length_penalty"),
+        "beam search applies to encoder-decoder checkpoints only",
+        "an encoder-decoder decodes greedily, or with --beam_size and --length_penalty",
+    ),
+    "encoder": Mode(
+        show_fills,
+        ("candidates",),
+        "--candidates applies to encoder (masked LM) checkpoints only",
+        f"an encoder lists the --candidates likeliest tokens for each {MASK}",
+    ),
 }
 
 
 def check_options(cfg, arch):
     """Refuse options the model's architecture does not use, rather than ignore them silently."""
-    for other, (names, applies) in ARCH_OPTIONS.items():
+    for other, mode in MODES.items():
         # options have defaults, so only a changed value is a request
-        given = [f"--{n}={getattr(cfg, n)}" for n in names if getattr(cfg, n) != getattr(SampleConfig, n)]
+        given = [f"--{n}={getattr(cfg, n)}" for n in mode.options if getattr(cfg, n) != getattr(SampleConfig, n)]
         if other != arch and given:
-            raise ValueError(f"{' and '.join(given)}: {applies}; {INSTEAD[arch]}")
+            raise ValueError(f"{' and '.join(given)}: {mode.applies}; {MODES[arch].instead}")
 
 
 def main(cfg, out=None):
@@ -493,13 +511,7 @@ def main(cfg, out=None):
         with autocast(device, dtype):
             return chat(model, tokenizer, meta, cfg, out)
     with torch.no_grad(), autocast(device, dtype):
-        # each show_* prints its result and returns what attention_panels takes: (src,) or (src, tgt)
-        if model.config.arch == "gpt":
-            inputs = (show_samples(model, tokenizer, meta, text, cfg, out),)
-        elif model.config.arch == "encoder_decoder":
-            inputs = show_translation(model, tokenizer, meta, text, cfg, out)
-        else:
-            inputs = (show_fills(model, tokenizer, meta, text, cfg, out),)
+        inputs = MODES[model.config.arch].show(model, tokenizer, meta, text, cfg, out)
         if cfg.attention:
             plot_attention(attention_panels(model, tokenizer, *inputs), cfg.attention)
             print(f"attention maps written to {cfg.attention}", file=sys.stderr)
