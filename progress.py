@@ -84,35 +84,64 @@ class Window:
     tokens: int = 0
     flops: float = 0.0
 
-    def add(self, step):
-        self.steps, self.tokens, self.flops = self.steps + 1, self.tokens + step.tokens, self.flops + step.flops
-
 
 class Progress:
     """
     The progress of a run: each step's results go in with add(), which prints the progress line every log_interval
-    steps; `losses` collects {iteration: train loss} of the steps read back so far. Evaluations run inside
-    paused(), so that ms/iter and tokens/s time the training steps only.
+    steps; `losses` collects {iteration: mean train loss over the ranks} of the steps read back so far. The latest
+    steps' losses stay on the device until a progress line or an evaluation reads them (read): reading a number
+    from a GPU waits for all the work queued before it, so a read every step would leave the GPU idle. Evaluations
+    run inside paused(), so that ms/iter and tokens/s time the training steps only.
     """
 
     def __init__(self, cfg, rt, scalars, peak_flops):
         self.max_iters, self.log_interval, self.scalars = cfg.max_iters, cfg.log_interval, scalars
         self.budget = 60 * cfg.max_minutes or math.inf  # seconds; no budget: the steps alone say when it ends
         self.peak_flops = peak_flops  # of this GPU, for MFU; None on CPUs and unknown GPUs
-        self.pending, self.window, self.losses = StepLosses(rt), Window(), {}
+        self.world_size, self.window, self.losses = rt.world_size, Window(), {}
+        self.pending = []  # (iteration, this rank's share of the step's mean loss), not read back yet
+        self.skipped = torch.zeros((), device=rt.device)  # steps with a non-finite gradient since the last read
+        self.unreported = 0  # skipped steps read back but not yet said
 
     def add(self, iter_num, step):
         """Step number iter_num (a Step) is done; on a log_interval, read the losses back and print the line."""
-        self.pending.add(iter_num, step.loss, step.skipped)
-        self.window.add(step)
+        self.pending.append((iter_num, step.loss))
+        self.skipped += step.skipped
+        window = self.window
+        window.steps, window.tokens, window.flops = (
+            window.steps + 1,
+            window.tokens + step.tokens,
+            window.flops + step.flops,
+        )
         if iter_num % self.log_interval == 0:
             self.read()  # waits for the device: the window's time is real
-            self.log_line(iter_num, step, self.pending.take_unreported())
+            self.log_line(iter_num, step)
             self.window = Window()
 
     def read(self):
-        """Read the pending steps' losses back into `losses`; FloatingPointError at a non-finite one."""
-        self.losses.update(self.pending.read())
+        """
+        Read the pending steps' losses back into `losses`, averaged over the ranks; FloatingPointError at the first
+        non-finite one. The count of skipped steps waits in `unreported` until a line says it.
+        """
+        if not self.pending:
+            return
+        # one stacked tensor: one all-reduce and one device-to-host copy for all the pending steps
+        losses = torch.stack([loss for _, loss in self.pending])
+        if self.world_size > 1:
+            dist.all_reduce(losses)
+        # the skipped count rides in the same copy, so reading it costs no second wait
+        *losses, skipped = torch.cat([losses.float(), self.skipped[None]]).tolist()
+        iterations = [iteration for iteration, _ in self.pending]
+        self.pending, self.skipped = [], torch.zeros_like(self.skipped)
+        self.unreported += int(skipped)
+        for iteration, loss in zip(iterations, losses):
+            if not math.isfinite(loss):
+                raise FloatingPointError(
+                    f"loss is {loss} at iteration {iteration}; stopped at iteration "
+                    f"{iterations[-1]} with nothing saved since, so the last checkpoint is "
+                    "untouched. Lower learning_rate or raise warmup_iters"
+                )
+        self.losses.update(zip(iterations, losses))
 
     @contextlib.contextmanager
     def paused(self):
@@ -126,12 +155,13 @@ class Progress:
     def finish(self):
         """At the end of a run: the last losses read back, and steps skipped since the last line said."""
         self.read()
-        if skipped := self.pending.take_unreported():
-            log(f"{skipped} step(s) skipped since the last progress line: gradient not finite")
+        if self.unreported:
+            log(f"{self.unreported} step(s) skipped since the last progress line: gradient not finite")
 
-    def log_line(self, iter_num, step, skipped):
+    def log_line(self, iter_num, step):
         """The progress line of iteration iter_num and its TensorBoard scalars; the losses have just been read."""
-        window, loss = self.window, self.losses[iter_num]
+        window, loss, skipped = self.window, self.losses[iter_num], self.unreported
+        self.unreported = 0
         seconds = time.perf_counter() - window.start
         # tokens per second of training time: evaluations are left out of window.start
         norm, speed = step.grad_norm.item(), window.tokens / seconds
@@ -150,53 +180,6 @@ class Progress:
         left = min((self.max_iters - iter_num) * seconds / window.steps, self.budget - step.seconds)
         log(f"{line} | eta {format_eta(max(left, 0.0))}")
         self.scalars.add(iter_num, values)
-
-
-class StepLosses:
-    """
-    The losses of the latest steps, kept on the device and read back at log lines and evaluations only: reading a
-    number from a GPU waits for all the work queued before it, so a read every step would leave the GPU idle.
-    """
-
-    def __init__(self, rt):
-        self.world_size = rt.world_size
-        self.pending = []  # (iteration, this rank's share of the step's mean loss)
-        self.skipped = torch.zeros((), device=rt.device)  # steps with a non-finite gradient since the last read
-        self.unreported = 0  # skipped steps read back but not yet reported
-
-    def add(self, iteration, loss, skipped):
-        self.pending.append((iteration, loss))
-        self.skipped += skipped
-
-    def read(self):
-        """
-        {iteration: mean loss over all ranks} of the steps since the last read; FloatingPointError at the first
-        non-finite loss. The count of skipped steps waits in `unreported` for take_unreported.
-        """
-        if not self.pending:
-            return {}
-        # one stacked tensor: one all-reduce and one device-to-host copy for all the pending steps
-        losses = torch.stack([loss for _, loss in self.pending])
-        if self.world_size > 1:
-            dist.all_reduce(losses)
-        # the skipped count rides in the same copy, so reading it costs no second wait
-        *losses, skipped = torch.cat([losses.float(), self.skipped[None]]).tolist()
-        iterations = [iteration for iteration, _ in self.pending]
-        self.pending, self.skipped = [], torch.zeros_like(self.skipped)
-        self.unreported += int(skipped)
-        for iteration, loss in zip(iterations, losses):
-            if not math.isfinite(loss):
-                raise FloatingPointError(
-                    f"loss is {loss} at iteration {iteration}; stopped at iteration "
-                    f"{iterations[-1]} with nothing saved since, so the last checkpoint is "
-                    "untouched. Lower learning_rate or raise warmup_iters"
-                )
-        return dict(zip(iterations, losses))
-
-    def take_unreported(self):
-        """How many steps were skipped since the last call."""
-        count, self.unreported = self.unreported, 0
-        return count
 
 
 def format_eta(seconds):

@@ -1176,14 +1176,14 @@ def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
     """Between progress lines nothing is read back from the GPU: any synchronising call in a step is an error here."""
     torch.manual_seed(0)
     device = torch.device("cuda")
-    cfg = tiny(data_root, "unused", device="cuda")
+    cfg = tiny(data_root, "unused", device="cuda", log_interval=100)  # iteration 0's line only: a step not checked
     model = build_model(cfg.model_config(vocab_size=65)).to(device)
     optimizers, _ = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda")  # fused: skips on the device
     scaler = torch.amp.GradScaler("cuda", enabled=False)
     train_tokens = tokens.load_tokens(Path(data_root) / "shakespeare_char" / "train.bin")
     rt = Runtime(device=device, dtype=torch.bfloat16)
     stream = data.TrainBatches(train_tokens, CausalLM({}), cfg, torch.Generator().manual_seed(0), rt, per_rank=2)
-    losses = progress.StepLosses(rt)
+    steps = progress.Progress(cfg, rt, progress.Scalars(cfg, active=False), peak_flops=None)
     try:
         for iteration in range(4):  # the first step creates the optimizer's state: not checked
             micro_batches, n_targets, _ = stream.peek()
@@ -1191,7 +1191,7 @@ def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error" if iteration else "default")
             try:
-                loss, _, skipped = one_step(
+                loss, grad_norm, skipped = one_step(
                     model,
                     optimizers,
                     scaler,
@@ -1201,14 +1201,15 @@ def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
                     lrs={"adamw": 1e-3},
                     grad_clip=1.0,
                 )
-                losses.add(iteration, loss, skipped)
+                step = progress.Step(loss, grad_norm, skipped, lr=1e-3, tokens=0, flops=0.0, seconds=0.0)
+                steps.add(iteration, step)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     finally:
         stream.close()
-    read = losses.read()
-    assert sorted(read) == [0, 1, 2, 3] and all(math.isfinite(v) for v in read.values())
-    assert losses.take_unreported() == 0
+    steps.read()
+    assert sorted(steps.losses) == [0, 1, 2, 3] and all(math.isfinite(v) for v in steps.losses.values())
+    assert steps.unreported == 0
 
 
 # -----------------------------------------------------------------------------
