@@ -179,12 +179,14 @@ def tokenizer_files(meta, block_size):
 # The folder
 
 
-def hf_files(model, meta):
+def export(model, meta, dest):
     """
-    (tensors, files, note) of the Hugging Face folder for model (a GPT) and its dataset's meta: the weights by
-    their Hugging Face names, the other files' text by name, and tokenizer_files' note (or None).
-    ValueError from hf.hf_layout for a model no layout computes.
+    Write model (a GPT) as a Hugging Face model folder dest, with the tokenizer of its dataset's meta
+    where one converts. Returns None, or the line saying why no tokenizer was written and where the vocabulary is.
+    ValueError for a model no layout computes or a dest that is not free; nothing is written then.
     """
+    dest = Path(dest)
+    check_dest(dest)
     c = model.config
     _, tensors, config = to_hf(model)
     special = meta["special_tokens"]
@@ -204,7 +206,8 @@ def hf_files(model, meta):
     config = {**config, **ids, "dtype": "float32", "torch_dtype": "float32", "use_cache": True, **ours}
     files["config.json"] = json.dumps(config, indent=2)
     files["generation_config.json"] = json.dumps({k: v for k, v in ids.items() if v is not None}, indent=2)
-    return tensors, files, note
+    write_folder(tensors, files, dest)
+    return note
 
 
 def check_dest(dest):
@@ -249,19 +252,6 @@ def write_folder(tensors, files, dest):
         move_into_place(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # there only when something failed before the rename
-
-
-def export(model, meta, dest):
-    """
-    Write model (a GPT) as a Hugging Face model folder dest, with the tokenizer of its dataset's meta
-    where one converts. Returns None, or the line saying why no tokenizer was written and where the vocabulary is.
-    ValueError for a model no layout computes or a dest that is not free; nothing is written then.
-    """
-    dest = Path(dest)
-    check_dest(dest)
-    tensors, files, note = hf_files(model, meta)
-    write_folder(tensors, files, dest)
-    return note
 
 
 # -----------------------------------------------------------------------------

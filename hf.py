@@ -15,7 +15,7 @@ none but config.json and the weights.
 
 import json
 import math
-from dataclasses import fields, replace
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -184,20 +184,17 @@ def from_pretrained(name_or_path, **overrides):
     not longer (the rotary tables are block_size long; the KV cache grows with the positions decoded).
     overrides: ModelConfig fields to change, e.g. dropout=0.1 or block_size=256 for fine-tuning.
     """
-    path = Path(name_or_path)
-    if not path.is_dir():
-        path = download_from_hub(str(name_or_path))
-    hf = read_hf_config(path)
+    path, hf = read_hf_config(name_or_path)
     return PRETRAINED_LOADERS[hf["model_type"]](path, hf, overrides)
 
 
 # the sizes of OpenAI's GPT-2 checkpoints on the hub (their config.json: n_layer, n_head, n_embd), so that a run from
 # one can be planned offline; vocabulary and positions are GPT-2's 50,257 and 1,024
 GPT2_HUB_SIZES = {
-    "gpt2": (12, 12, 768),
-    "gpt2-medium": (24, 16, 1024),
-    "gpt2-large": (36, 20, 1280),
-    "gpt2-xl": (48, 25, 1600),
+    "gpt2": {"n_layer": 12, "n_head": 12, "n_embd": 768},
+    "gpt2-medium": {"n_layer": 24, "n_head": 16, "n_embd": 1024},
+    "gpt2-large": {"n_layer": 36, "n_head": 20, "n_embd": 1280},
+    "gpt2-xl": {"n_layer": 48, "n_head": 25, "n_embd": 1600},
 }
 
 
@@ -206,27 +203,26 @@ def pretrained_config(name_or_path, **overrides):
     The ModelConfig from_pretrained would build for a folder, from its config.json alone (no weights read), or for
     one of OpenAI's GPT-2 hub ids (GPT2_HUB_SIZES) without going online.
     """
-    path = Path(name_or_path)
-    if not path.is_dir() and str(name_or_path) in GPT2_HUB_SIZES:
-        n_layer, n_head, n_embd = GPT2_HUB_SIZES[str(name_or_path)]
-        hf = {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_layer": n_layer, "n_head": n_head}
-        return gpt2_model_config({**hf, "n_embd": n_embd}, name_or_path, overrides)
-    if not path.is_dir():
-        path = download_from_hub(str(name_or_path))
-    hf = read_hf_config(path)
+    if not Path(name_or_path).is_dir() and str(name_or_path) in GPT2_HUB_SIZES:
+        hf = {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, **GPT2_HUB_SIZES[str(name_or_path)]}
+        return gpt2_model_config(hf, name_or_path, overrides)
+    path, hf = read_hf_config(name_or_path)
     read = gpt2_model_config if hf["model_type"] == "gpt2" else llama_model_config
     return read(hf, path, overrides)
 
 
-def read_hf_config(path):
-    """A Hugging Face folder's config.json (folder_config), of a model_type from_pretrained loads, else ValueError."""
+def read_hf_config(name_or_path):
+    """(path, folder_config) of a folder or hub id; ValueError unless from_pretrained reads its model_type."""
+    path = Path(name_or_path)
+    if not path.is_dir():
+        path = download_from_hub(str(name_or_path))
     hf = folder_config(path)
     model_type = hf.get("model_type")
     if model_type not in PRETRAINED_LOADERS:
         raise ValueError(
             f"{path} holds a model_type={model_type!r} model; from_pretrained loads {', '.join(PRETRAINED_LOADERS)}"
         )
-    return hf
+    return path, hf
 
 
 def check_block_size(config, positions, path):
@@ -249,7 +245,12 @@ def check_names(path, kind, expected, found, source="config.json"):
 
 
 def load_checked(model, state, path):
-    """model holding the tensors of state (our names), all checked first so that a mismatch loads nothing."""
+    """
+    model holding the tensors of state (our names), all checked first so that a mismatch loads nothing. A state
+    without lm_head.weight (a tied head, which save_pretrained leaves out) has wte there: the tied head is a
+    state_dict key of its own, and tie_embeddings=False starts it as a copy of wte.
+    """
+    state.setdefault("lm_head.weight", state["body.wte.weight"])
     expected = model.state_dict()
     # the names differ only when the overrides change the architecture, e.g. pos_encoding or qk_norm
     differ = sorted(set(expected) ^ set(state))
@@ -314,8 +315,8 @@ GPT2_ACTIVATIONS = {
     "relu": "relu",
     "relu2": "relu2",
 }
-# ours -> the name gpt2_config writes, one of the above
-GPT2_ACTIVATION_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "relu2": "relu2"}
+# ours -> the name gpt2_config writes: the first of the above for each (the same map, read backwards)
+GPT2_ACTIVATION_NAMES = {ours: theirs for theirs, ours in reversed(GPT2_ACTIVATIONS.items())}
 
 
 def gpt2_model_config(hf, path, overrides):
@@ -324,7 +325,7 @@ def gpt2_model_config(hf, path, overrides):
     GPT2Config field that changes what GPT2LMHeadModel computes is read here or refused: the sizes, n_inner,
     activation_function, layer_norm_epsilon and tie_word_embeddings are ours too; scale_attn_weights and
     scale_attn_by_inverse_layer_idx are a factor on the attention scores, which load_gpt2 folds into the query
-    weights (gpt2_query_factor); reorder_and_upcast_attn computes the same scores in float32, as we do; a model with
+    weights; reorder_and_upcast_attn computes the same scores in float32, as we do; a model with
     add_cross_attention is refused. The dropouts (attn_pdrop, resid_pdrop, embd_pdrop) act in training only and
     are not read: dropout is 0 unless overridden.
     """
@@ -367,20 +368,6 @@ def gpt2_model_config(hf, path, overrides):
     return config
 
 
-def gpt2_query_factor(hf, layer):
-    """
-    What GPT-2's attention scores in layer (0-based) are multiplied by beyond our 1/sqrt(head_dim): sqrt(head_dim)
-    without scale_attn_weights (unscaled scores), 1/(layer + 1) with scale_attn_by_inverse_layer_idx. Scores are
-    linear in the query, so scaling W_q and b_q by this factor computes the same function.
-    """
-    factor = 1.0
-    if not hf.get("scale_attn_weights", True):
-        factor *= math.sqrt(hf["n_embd"] // hf["n_head"])
-    if hf.get("scale_attn_by_inverse_layer_idx", False):
-        factor /= layer + 1
-    return factor
-
-
 def gpt2_config(c):
     """config.json's GPT-2 settings for ModelConfig c (see GPT2Config), as gpt2_model_config reads them back."""
     return {
@@ -419,25 +406,20 @@ def load_gpt2(path, hf, overrides):
     names = gpt2_names(config.n_layer, bias=True, tied=tied)
     # name by name, both ways: a checkpoint of another architecture fails here, not with a shape error later
     check_names(path, "GPT-2", expected=names, found=hf_state)
-
-    state = {}
-    for hf_name, ours in names.items():
-        tensor = hf_state[hf_name]
-        if conv1d_weight(hf_name):
-            tensor = tensor.t()
-        if hf_name == "wpe.weight":
-            tensor = tensor[: config.block_size]  # fine-tuning with a shorter context keeps the first positions
-        state[ours] = tensor
+    # GPT-2's Conv1D weights are (in, out): transposed to nn.Linear's (out, in)
+    state = {ours: hf_state[k].t() if conv1d_weight(k) else hf_state[k] for k, ours in names.items()}
+    # fine-tuning with a shorter context keeps the first positions
+    state["body.wpe.weight"] = state["body.wpe.weight"][: config.block_size]
+    # What GPT-2's scores in layer i are multiplied by beyond our 1/sqrt(head_dim): sqrt(head_dim) without
+    # scale_attn_weights (unscaled scores), 1/(i + 1) with scale_attn_by_inverse_layer_idx. Scores are linear in the
+    # query, so scaling W_q and b_q (the query's rows of qkv: the first n_embd) by it computes the same function.
+    unscaled = 1.0 if hf.get("scale_attn_weights", True) else math.sqrt(hf["n_embd"] // hf["n_head"])
+    by_layer = hf.get("scale_attn_by_inverse_layer_idx", False)
     for i in range(config.n_layer):
-        factor = gpt2_query_factor(hf, i)
-        if factor != 1.0:  # the query's rows of qkv: the first n_embd
-            for p in ("weight", "bias"):
-                qkv = state[f"body.blocks.{i}.attn.qkv.{p}"]
-                state[f"body.blocks.{i}.attn.qkv.{p}"] = torch.cat(
-                    [qkv[: config.n_embd] * factor, qkv[config.n_embd :]]
-                )
-    if tied:  # the tied head is a state_dict key of its own; tie_embeddings=False starts it as a copy of wte
-        state["lm_head.weight"] = state["body.wte.weight"]
+        factor = unscaled / (i + 1) if by_layer else unscaled
+        if factor != 1.0:
+            for name in (f"body.blocks.{i}.attn.qkv.weight", f"body.blocks.{i}.attn.qkv.bias"):
+                state[name] = torch.cat([state[name][: config.n_embd] * factor, state[name][config.n_embd :]])
     return load_checked(GPT(config), state, path)
 
 
@@ -457,8 +439,8 @@ def gpt2_weights(c, state):
             tensor = every_head_its_own_kv(tensor, c)
         if conv1d_weight(theirs):
             tensor = tensor.t()
-        hf[theirs if theirs == "lm_head.weight" else f"transformer.{theirs}"] = tensor
-    return {name: owned(t) for name, t in hf.items()}
+        hf[theirs if theirs == "lm_head.weight" else f"transformer.{theirs}"] = owned(tensor)
+    return hf
 
 
 def every_head_its_own_kv(qkv, c):
@@ -481,21 +463,16 @@ def load_nanogpt(checkpoint, path):
     compiled run's keys carry "_orig_mod.".
     """
     args = checkpoint["model_args"]
-    config = ModelConfig(
-        arch="gpt",
-        vocab_size=args["vocab_size"],
-        block_size=args["block_size"],
-        n_layer=args["n_layer"],
-        n_head=args["n_head"],
-        n_embd=args["n_embd"],
-        dropout=args.get("dropout", 0.0),
-        bias=args.get("bias", True),
-        pos_encoding="learned",
-        norm_position="pre",
-        norm="layernorm",
-        activation="gelu",
-        tie_embeddings=True,
-    )
+    # model_args as GPT2Config's settings: the same model, with exact GELU and (by default) the head tied
+    hf = {
+        "vocab_size": args["vocab_size"],
+        "n_positions": args["block_size"],
+        "n_layer": args["n_layer"],
+        "n_head": args["n_head"],
+        "n_embd": args["n_embd"],
+        "activation_function": "gelu",
+    }
+    config = gpt2_model_config(hf, path, {"dropout": args.get("dropout", 0.0), "bias": args.get("bias", True)})
     # the causal-mask buffers of nanoGPT on PyTorch < 2 (".attn.bias", not c_attn's) are not weights
     state = {
         k.removeprefix("_orig_mod.").removeprefix("transformer."): v
@@ -505,9 +482,7 @@ def load_nanogpt(checkpoint, path):
     state.pop("lm_head.weight", None)  # tied to wte
     names = gpt2_names(config.n_layer, config.bias)
     check_names(path, "nanoGPT", expected=names, found=state, source="model_args")
-    ours = {names[k]: v for k, v in state.items()}
-    ours["lm_head.weight"] = ours["body.wte.weight"]  # the tied head is a state_dict key of its own
-    return load_checked(GPT(config), ours, path)
+    return load_checked(GPT(config), {names[k]: v for k, v in state.items()}, path)
 
 
 # -----------------------------------------------------------------------------
@@ -537,6 +512,13 @@ def llama_names(config):
     """
     C, V, d_ff, D = config.n_embd, config.vocab_size, config.d_ff, config.head_dim
     q, kv = config.n_head * D, config.n_kv_head * D
+    linears = {
+        "attn.qkv": [("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)],
+        "attn.proj": [("self_attn.o_proj", C)],
+        "mlp.fc": [("mlp.gate_proj", d_ff)],  # SwiGLU's gate, the one under the SiLU
+        "mlp.up": [("mlp.up_proj", d_ff)],
+        "mlp.proj": [("mlp.down_proj", C)],
+    }
     names = {"body.wte.weight": [("embed_tokens.weight", V)], "body.norm.weight": [("norm.weight", C)]}
     if not config.tie_embeddings:
         names["lm_head.weight"] = [("lm_head.weight", V)]
@@ -547,18 +529,9 @@ def llama_names(config):
         if config.qk_norm:
             names[f"{ours}.attn.q_norm.weight"] = [(f"{hf_layer}.self_attn.q_norm.weight", D)]
             names[f"{ours}.attn.k_norm.weight"] = [(f"{hf_layer}.self_attn.k_norm.weight", D)]
-        for our_linear, hf_linears, bias in [
-            (
-                "attn.qkv",
-                [("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)],
-                config.qkv_bias,
-            ),
-            ("attn.proj", [("self_attn.o_proj", C)], False),
-            ("mlp.fc", [("mlp.gate_proj", d_ff)], False),  # SwiGLU's gate, the one under the SiLU
-            ("mlp.up", [("mlp.up_proj", d_ff)], False),
-            ("mlp.proj", [("mlp.down_proj", C)], False),
-        ]:
-            for p in ("weight", "bias") if config.bias or bias else ("weight",):
+        for our_linear, hf_linears in linears.items():
+            bias = config.bias or (config.qkv_bias and our_linear == "attn.qkv")
+            for p in ("weight", "bias") if bias else ("weight",):
                 names[f"{ours}.{our_linear}.{p}"] = [(f"{hf_layer}.{name}.{p}", rows) for name, rows in hf_linears]
     return names
 
@@ -728,7 +701,7 @@ def load_llama(path, hf, overrides):
         hf_state.pop("lm_head.weight", None)  # the head is embed_tokens; save_pretrained leaves it out
     # the tensors config.json names (the head tied as the overrides say): an override that changes them, such as
     # qk_norm=True, is load_checked's to name
-    names = llama_names(replace(llama_model_config(hf, path, {}), tie_embeddings=config.tie_embeddings))
+    names = llama_names(llama_model_config(hf, path, {"tie_embeddings": config.tie_embeddings}))
     expected = [name for parts in names.values() for name, _ in parts]
     check_names(path, hf["model_type"], expected=expected, found=hf_state)
     # (a lone tensor is taken as it is: a copy of every weight would double the memory a large model needs)
@@ -736,8 +709,6 @@ def load_llama(path, hf, overrides):
         ours: torch.cat([hf_state[name] for name, _ in parts]) if len(parts) > 1 else hf_state[parts[0][0]]
         for ours, parts in names.items()
     }
-    if config.tie_embeddings:
-        state["lm_head.weight"] = state["body.wte.weight"]  # the tied head is a state_dict key of its own
     return load_checked(GPT(config), state, path)
 
 
@@ -747,8 +718,8 @@ def llama_weights(c, state):
     for ours, parts in llama_names(c).items():
         # qkv is cut back into q_proj, k_proj and v_proj; every other tensor is one part, itself
         for (name, _), tensor in zip(parts, state[ours].split([rows for _, rows in parts])):
-            hf[name if name == "lm_head.weight" else f"model.{name}"] = tensor
-    return {name: owned(t) for name, t in hf.items()}
+            hf[name if name == "lm_head.weight" else f"model.{name}"] = owned(tensor)
+    return hf
 
 
 # config.json's model_type -> the loader that maps its weights onto ours
