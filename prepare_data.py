@@ -88,6 +88,27 @@ def gpt2_spec():
     return {"type": "tiktoken", "encoding": "gpt2"}
 
 
+# A vocab is meta.json's tokenizer, vocab_size and special_tokens, as tokens.huggingface_tokenizer returns them for a
+# tokenizer.json; Tokenizer.from_meta rebuilds the tokenizer from one.
+
+
+def gpt2_vocab():
+    """GPT-2 BPE's vocab: 50,257 ids, the last (50256) being <|endoftext|>."""
+    encoding = tiktoken_encoding("gpt2")
+    return {"tokenizer": gpt2_spec(), "vocab_size": encoding.n_vocab, "special_tokens": {"eot": encoding.eot_token}}
+
+
+def char_vocab(chars):
+    """The vocab of a list of characters: id i is chars[i]; a character vocabulary has no special tokens."""
+    return {"tokenizer": {"type": "char", "chars": chars}, "vocab_size": len(chars), "special_tokens": {}}
+
+
+def seq2seq_vocab(spec, base):
+    """The vocab of seq2seq data: the `base` ids of tokenizer `spec`, then pad, bos and eos."""
+    special = {"pad": base, "bos": base + 1, "eos": base + 2}
+    return {"tokenizer": spec, "vocab_size": base + 3, "special_tokens": special}
+
+
 def describe_tokenizer(spec):
     """A tokenizer spec as a person reads it, for messages: 'char-level, 65 symbols', 'tiktoken gpt2', ..."""
     if spec.get("type") == "char":
@@ -177,10 +198,9 @@ def fraction_option(name, default, help_text):
     return Option(name, float, default, help_text, fraction=True)
 
 
-def num_proc_option():
-    """The tokenizer's thread count; not set (None), every core."""
-    # threads change the speed, never the ids: another thread count does not rebuild
-    return Option("num_proc", int, None, "tokenizer threads (default: all cores)", affects_output=False, at_least=1)
+# the tokenizer's thread count, every core when not set; threads change the speed, never the ids, so another thread
+# count does not rebuild
+NUM_PROC = Option("num_proc", int, None, "tokenizer threads (default: all cores)", affects_output=False, at_least=1)
 
 
 def tokenizer_option(names, default, help_text):
@@ -486,11 +506,6 @@ def translation_folder(opts):
     return opts["name"] or f"translation_{opts['src']}_{opts['tgt']}"
 
 
-def named_folder(opts):
-    """The folder name that --name gives."""
-    return opts["name"]
-
-
 def shakespeare_folder(opts):
     """'shakespeare' for GPT-2 BPE, else shakespeare_<the tokenizer's model folder or file name>."""
     # another tokenizer's ids get a folder of their own, named after it: 'shakespeare' stays GPT-2's
@@ -521,12 +536,9 @@ def text_inputs(name, opts, root):
 def hf_lm_inputs(name, opts, root):
     """--input's files, else those of a mirror folder named after the dataset; (None, None) for the hub."""
     mirror = mirror_entry(name)
-    if opts["input"]:
-        files = expand_input(opts["input"])
-    elif mirror is not None and mirror.is_dir():
-        files = expand_input(str(mirror))
-    else:
+    if not opts["input"] and (mirror is None or not mirror.is_dir()):
         return None, None  # the hub; its identity is hf_dataset/hf_config
+    files = expand_input(opts["input"] or str(mirror))
     return files, input_fingerprint(files)
 
 
@@ -562,7 +574,8 @@ def chat_inputs(name, opts, root):
     # a model folder's template and special tokens are inputs too (its tokenizer.json is the option's own file): a
     # changed template must rebuild the data, as a changed tokenizer does
     folder = Path(opts["tokenizer"]).expanduser()
-    named = opts["tokenizer"] in ("gpt2", "char") or not folder.is_dir()
+    # gpt2 and char are names, even where a folder so named exists; a path that is no folder holds no template files
+    named = opts["tokenizer"] in ("gpt2", "char")
     template = [] if named else [folder / n for n in TEMPLATE_FILES if (folder / n).is_file()]
     return files, input_fingerprint(files + template)
 
@@ -570,11 +583,6 @@ def chat_inputs(name, opts, root):
 def shakespeare_chat_folder(opts):
     """shakespeare_chat with characters; shakespeare_chat_gpt2 with GPT-2 BPE."""
     return "shakespeare_chat" if opts["tokenizer"] == "char" else f"shakespeare_chat_{opts['tokenizer']}"
-
-
-def synthetic_inputs(name, opts, root):
-    """No inputs: a synthetic dataset is generated."""
-    return None, None  # generated: the options alone decide the output
 
 
 # ----------------------------------------------------------------------------- builders
@@ -618,13 +626,14 @@ def encode_items(items, tokenizer, eot, num_threads, bar):
 
 
 def bpe_of_train_split(files, split_at, vocab_size):
-    """(spec, vocab_size, special_tokens) of a byte-level BPE of vocab_size ids trained on the train split alone:
-    the first split_at characters of the files, so that the val split stays text the tokenizer never saw."""
+    """The vocab of a byte-level BPE of vocab_size ids trained on the train split alone: the first split_at
+    characters of the files, so that the val split stays text the tokenizer never saw."""
     # train pieces come first: takewhile stops reading at the first val piece; (split, None) marks a file's end
     train = itertools.takewhile(lambda item: item[0] == "train", corpus_items(files, split_at, last_newline_cut))
     # pieces are cut where GPT-2's pre-tokenizer splits anyway, so the pairs counted are the whole text's
     json_text, special = train_byte_level_bpe((text for _, text in train if text is not None), vocab_size)
-    return {"type": "huggingface", "json": json_text}, vocab_size, special
+    spec = {"type": "huggingface", "json": json_text}
+    return {"tokenizer": spec, "vocab_size": vocab_size, "special_tokens": special}
 
 
 def build_lm_text(stage, name, opts, files, check_tokenizer, *, tokenizer, eot_after_files):
@@ -636,13 +645,10 @@ def build_lm_text(stage, name, opts, files, check_tokenizer, *, tokenizer, eot_a
     # vocab_size is an option of the text recipe only: get() gives None for the Shakespeare recipes
     trained = tokenizer == "bpe" and opts.get("vocab_size") is not None
     if tokenizer == "bpe" and not trained:
-        encoding = tiktoken_encoding("gpt2")
-        # GPT-2 BPE: 50,257 ids, the last (50256) being <|endoftext|>
-        spec, vocab_size, special = gpt2_spec(), encoding.n_vocab, {"eot": encoding.eot_token}
+        vocab = gpt2_vocab()
     elif tokenizer not in ("bpe", "char"):
         # read before the scan, so a file that cannot be parsed fails at once; bos/eos from config.json beside it
-        hf = huggingface_tokenizer(tokenizer)
-        spec, vocab_size, special = hf["tokenizer"], hf["vocab_size"], hf["special_tokens"]
+        vocab = huggingface_tokenizer(tokenizer)
     # pass 1: character count and set; also rejects files that are not UTF-8 text
     total, chars = scan_text(files)
     if total == 0:
@@ -651,15 +657,17 @@ def build_lm_text(stage, name, opts, files, check_tokenizer, *, tokenizer, eot_a
     if tokenizer == "char":
         # sorted: the same text always gets the same ids (65 for tiny Shakespeare); a char vocabulary has no
         # special tokens, so no end-of-text either
-        spec, vocab_size, special = {"type": "char", "chars": sorted(chars)}, len(chars), {}
+        vocab = char_vocab(sorted(chars))
     elif trained:
         # a pass of its own over the train split, before the ids can be written
-        spec, vocab_size, special = bpe_of_train_split(files, split_at, opts["vocab_size"])
+        vocab = bpe_of_train_split(files, split_at, opts["vocab_size"])
+    spec = vocab["tokenizer"]
     check_tokenizer(spec)
     # the same Tokenizer that training and sampling rebuild from meta.json
-    encoder = Tokenizer(spec, vocab_size, special)
+    encoder = Tokenizer.from_meta(vocab)
     # documents (files) end with end-of-text: GPT-2's or a trained BPE's, or a tokenizer.json's eos (none if its
     # config.json names none)
+    special = vocab["special_tokens"]
     eot = special.get("eot", special.get("eos")) if eot_after_files else None
     # where pieces may be cut: GPT-2's rule is known; a tokenizer.json's is checked at each cut
     last_cut = functools.partial(checked_cut, encoder) if spec["type"] == "huggingface" else last_newline_cut
@@ -669,23 +677,19 @@ def build_lm_text(stage, name, opts, files, check_tokenizer, *, tokenizer, eot_a
     # and val.bin; every step is a generator, so only one batch of text and ids is in memory at a time
     with tqdm(desc=f"tokenizing {name}", total=total, unit="char", unit_scale=True, disable=None) as bar:
         items = encode_items(corpus_items(files, split_at, last_cut), encoder, eot, num_threads, bar)
-        files_meta = write_lm(stage, items, vocab_size)
+        files_meta = write_lm(stage, items, vocab["vocab_size"])
     # the builder's part of meta.json; prepare() adds format_version, name and source
-    return {"kind": "lm", "tokenizer": spec, "vocab_size": vocab_size, "special_tokens": special, "files": files_meta}
-
-
-def build_shakespeare_char(stage, name, opts, files, check_tokenizer):
-    """tiny Shakespeare, character-level, split 90/10."""
-    opts = opts | {"val_fraction": 0.1}
-    # 90/10 fixed, as in nanoGPT's data/shakespeare_char, so losses compare; one file, so no end-of-text
-    return build_lm_text(stage, name, opts, files, check_tokenizer, tokenizer="char", eot_after_files=False)
+    return {"kind": "lm", **vocab, "files": files_meta}
 
 
 def build_shakespeare(stage, name, opts, files, check_tokenizer):
-    """tiny Shakespeare with GPT-2 BPE or a tokenizer.json, split 90/10."""
+    """tiny Shakespeare, character-level (shakespeare_char) or with GPT-2 BPE or a tokenizer.json, split 90/10."""
+    # shakespeare_char has no --tokenizer: its characters; the option's 'gpt2' is text's 'bpe'
+    tokenizer = opts.get("tokenizer", "char")
+    tokenizer = "bpe" if tokenizer == "gpt2" else tokenizer
+    # 90/10 fixed, as in nanoGPT's data/shakespeare_char and data/shakespeare, so losses compare; one document, so
+    # no end-of-text in it
     opts = opts | {"val_fraction": 0.1}
-    # as nanoGPT's data/shakespeare: one document, no end-of-text in it; the option's 'gpt2' is text's 'bpe'
-    tokenizer = "bpe" if opts["tokenizer"] == "gpt2" else opts["tokenizer"]
     return build_lm_text(stage, name, opts, files, check_tokenizer, tokenizer=tokenizer, eot_after_files=False)
 
 
@@ -738,10 +742,10 @@ def encode_documents(dataset, tokenizer, period, max_tokens, num_threads, bar):
 
 def build_hf_lm(stage, name, opts, files, check_tokenizer):
     """Documents streamed through `datasets` (hub or local files), GPT-2 BPE."""
-    spec = gpt2_spec()
-    check_tokenizer(spec)
-    encoding = tiktoken_encoding("gpt2")
-    tokenizer = Tokenizer(spec, encoding.n_vocab, {"eot": encoding.eot_token})
+    # checked before the encoding is loaded, as that may download it
+    check_tokenizer(gpt2_spec())
+    vocab = gpt2_vocab()
+    tokenizer = Tokenizer.from_meta(vocab)
     if files is not None:
         dataset = load_local_dataset(files)
     else:
@@ -758,13 +762,7 @@ def build_hf_lm(stage, name, opts, files, check_tokenizer):
             dataset, tokenizer, period, opts["max_tokens"], opts["num_proc"] or os.cpu_count(), bar
         )
         files_meta = write_lm(stage, items, tokenizer.vocab_size)
-    return {
-        "kind": "lm",
-        "tokenizer": spec,
-        "vocab_size": tokenizer.vocab_size,
-        "special_tokens": tokenizer.special_tokens,
-        "files": files_meta,
-    }
+    return {"kind": "lm", **vocab, "files": files_meta}
 
 
 def json_pair(obj, src, tgt):
@@ -874,9 +872,9 @@ def build_translation(stage, name, opts, files, check_tokenizer):
     """Translation pairs (a local file or the hub), GPT-2 BPE plus pad, bos and eos."""
     spec = gpt2_spec()
     check_tokenizer(spec)
-    base = tiktoken_encoding("gpt2").n_vocab
-    special = {"pad": base, "bos": base + 1, "eos": base + 2}  # appended after GPT-2's 50,257 ids
-    tokenizer = Tokenizer(spec, base + 3, special)
+    # pad, bos and eos appended after GPT-2's 50,257 ids
+    vocab = seq2seq_vocab(spec, tiktoken_encoding("gpt2").n_vocab)
+    tokenizer = Tokenizer.from_meta(vocab)
     if files is not None:
         pairs = file_pairs(files[0], opts["src"], opts["tgt"])
     else:
@@ -893,15 +891,7 @@ def build_translation(stage, name, opts, files, check_tokenizer):
             pairs, tokenizer, opts["val_fraction"], opts["test_fraction"], opts["num_proc"] or os.cpu_count(), bar
         )
         written = write_pairs(stage, items, tokenizer.vocab_size)
-    return {
-        "kind": "seq2seq",
-        "tokenizer": spec,
-        "vocab_size": tokenizer.vocab_size,
-        "special_tokens": special,
-        "src_lang": opts["src"],
-        "tgt_lang": opts["tgt"],
-        **written,
-    }
+    return {"kind": "seq2seq", **vocab, "src_lang": opts["src"], "tgt_lang": opts["tgt"], **written}
 
 
 # ----------------------------------------------------------------------------- synthetic tasks
@@ -938,10 +928,8 @@ def synthetic_splits(task, opts):
     while len(seen) < total:
         seen.setdefault(random_source(task, rng, opts))
     # consecutive slices of the draws, in the order of sizes
-    drawn, start, out = list(seen), 0, {}
-    for split, n in sizes.items():
-        out[split], start = drawn[start : start + n], start + n
-    return out
+    drawn = iter(seen)
+    return {split: list(itertools.islice(drawn, n)) for split, n in sizes.items()}
 
 
 def build_synthetic(stage, name, opts, files, check_tokenizer):
@@ -949,9 +937,8 @@ def build_synthetic(stage, name, opts, files, check_tokenizer):
     spec = {"type": "char", "chars": CHARS}
     check_tokenizer(spec)
     # 38 characters (digits, letters, space, hyphen), then pad, bos and eos
-    base = len(CHARS)
-    special = {"pad": base, "bos": base + 1, "eos": base + 2}
-    tokenizer = Tokenizer(spec, base + 3, special)
+    vocab = seq2seq_vocab(spec, len(CHARS))
+    tokenizer = Tokenizer.from_meta(vocab)
     splits = synthetic_splits(name, opts)
     pairs = (
         # lazy: each source is encoded with its solved target as write_pairs consumes them
@@ -959,14 +946,7 @@ def build_synthetic(stage, name, opts, files, check_tokenizer):
         for split, sources in splits.items()
         for s in sources
     )
-    return {
-        "kind": "seq2seq",
-        "task": name,
-        "tokenizer": spec,
-        "vocab_size": tokenizer.vocab_size,
-        "special_tokens": special,
-        **write_pairs(stage, pairs, tokenizer.vocab_size),
-    }
+    return {"kind": "seq2seq", "task": name, **vocab, **write_pairs(stage, pairs, tokenizer.vocab_size)}
 
 
 # ----------------------------------------------------------------------------- chat conversations
@@ -1147,13 +1127,12 @@ def chat_meta(choice, files):
     without a template gets the built-in one.
     """
     if choice == "gpt2":
-        encoding = tiktoken_encoding("gpt2")
-        base = {"tokenizer": gpt2_spec(), "vocab_size": encoding.n_vocab, "special_tokens": {"eot": encoding.eot_token}}
+        base = gpt2_vocab()
     elif choice == "char":
         chars = sorted(conversation_chars(files))
         if not chars:
             raise ValueError("the input holds no usable conversation to take characters from")
-        base = {"tokenizer": {"type": "char", "chars": chars}, "vocab_size": len(chars), "special_tokens": {}}
+        base = char_vocab(chars)
     elif chat_tokenizer_file(choice).name == "meta.json":
         dataset = load_meta(Path(choice).expanduser())
         base = {key: dataset[key] for key in ("tokenizer", "vocab_size", "special_tokens", "chat") if key in dataset}
@@ -1193,13 +1172,8 @@ def build_chat(stage, name, opts, files, check_tokenizer):
 def build_shakespeare_chat(stage, name, opts, files, check_tokenizer):
     """The Shakespeare quiz (tasks.py): conversations with exact answers, in the built-in chat template."""
     text = files[0].read_text(encoding="utf-8")
-    if opts["tokenizer"] == "char":
-        # shakespeare_char's vocabulary exactly, so that its models fine-tune on these ids
-        chars = sorted(set(text))
-        base = {"tokenizer": {"type": "char", "chars": chars}, "vocab_size": len(chars), "special_tokens": {}}
-    else:
-        encoding = tiktoken_encoding("gpt2")
-        base = {"tokenizer": gpt2_spec(), "vocab_size": encoding.n_vocab, "special_tokens": {"eot": encoding.eot_token}}
+    # char: shakespeare_char's vocabulary exactly, so that its models fine-tune on these ids
+    base = char_vocab(sorted(set(text))) if opts["tokenizer"] == "char" else gpt2_vocab()
     meta = with_chat_tokens({"kind": "lm", **base})
     check_tokenizer(meta["tokenizer"])
     chat_format = ChatFormat.from_meta(meta)
@@ -1222,14 +1196,17 @@ class Recipe:
 
     description: str  # one line, for --help and the list of datasets
     options: tuple[Option, ...]  # its command-line options, also prepare()'s keyword arguments
-    inputs: Callable  # (name, options, data root) -> (local input files or None, fingerprint of the inputs)
     build: Callable  # (stage, name, options, files, check_tokenizer) -> meta; see the comment above the builders
-    folder: Callable | None = None  # (options) -> the output folder's name; None: the dataset's name
+    # (name, options, data root) -> (local input files or None, fingerprint of the inputs); None: no inputs, the
+    # dataset is generated and the options alone decide it
+    inputs: Callable | None = None
+    # (options) -> the output folder's name; None: --name where the recipe has that option, else the dataset's name
+    folder: Callable | None = None
 
 
-def hf_lm_options(hf_dataset, hf_config):
-    """The options of a Hugging Face corpus recipe, defaulting to dataset `hf_dataset`, config `hf_config`."""
-    return (
+def hf_lm_recipe(description, hf_dataset, hf_config):
+    """The recipe of a Hugging Face corpus, whose options default to dataset `hf_dataset`, config `hf_config`."""
+    options = (
         input_option(
             "local parquet/json/jsonl/arrow file, directory or glob, read through datasets.load_dataset (offline)"
         ),
@@ -1238,12 +1215,13 @@ def hf_lm_options(hf_dataset, hf_config):
         count_option("max_docs", None, "stop after this many documents (quick runs)"),
         count_option("max_tokens", None, "stop once this many tokens are written (the last document is kept whole)"),
         fraction_option("val_fraction", 0.0005, "held-out fraction of documents (every round(1/f)-th one)"),
-        num_proc_option(),
+        NUM_PROC,
     )
+    return Recipe(description, options=options, build=build_hf_lm, inputs=hf_lm_inputs)
 
 
-def synthetic_options(task):
-    """The options of a synthetic task's recipe: split sizes, seed, and the range of its sources."""
+def synthetic_recipe(task, description):
+    """The recipe of a synthetic task: its options are the split sizes, the seed and the range of its sources."""
     common = (
         count_option("num_train", 20000, "training examples"),
         count_option("num_val", 1000, "validation examples"),
@@ -1251,8 +1229,10 @@ def synthetic_options(task):
         Option("seed", int, 0, "random seed; the same seed gives the same files"),
     )
     if task == "num2words":
-        return common + (count_option("max_number", 999_999, "largest number"),)
-    return common + (count_option("min_len", 1, "shortest string"), count_option("max_len", 12, "longest string"))
+        bounds = (count_option("max_number", 999_999, "largest number"),)
+    else:
+        bounds = (count_option("min_len", 1, "shortest string"), count_option("max_len", 12, "longest string"))
+    return Recipe(description, options=common + bounds, build=build_synthetic)
 
 
 # one Option shared by both Shakespeare recipes: the same input, two tokenizers
@@ -1264,7 +1244,7 @@ RECIPES: dict[str, Recipe] = {
         "tiny Shakespeare, character-level (65 symbols), 90/10 split as in nanoGPT",
         options=(SHAKESPEARE_INPUT,),
         inputs=shakespeare_inputs,
-        build=build_shakespeare_char,
+        build=build_shakespeare,
     ),
     "shakespeare": Recipe(
         "tiny Shakespeare, GPT-2 BPE (tiktoken) or a tokenizer.json, 90/10 split as in nanoGPT",
@@ -1281,17 +1261,15 @@ RECIPES: dict[str, Recipe] = {
         build=build_shakespeare,
         folder=shakespeare_folder,
     ),
-    "openwebtext": Recipe(
+    "openwebtext": hf_lm_recipe(
         "OpenWebText through Hugging Face datasets, GPT-2 BPE, streamed (--max_docs for a quick run)",
-        options=hf_lm_options("Skylion007/openwebtext", None),
-        inputs=hf_lm_inputs,
-        build=build_hf_lm,
+        "Skylion007/openwebtext",
+        None,
     ),
-    "fineweb_edu": Recipe(
+    "fineweb_edu": hf_lm_recipe(
         "FineWeb-Edu sample-10BT through Hugging Face datasets, GPT-2 BPE, streamed",
-        options=hf_lm_options("HuggingFaceFW/fineweb-edu", "sample-10BT"),
-        inputs=hf_lm_inputs,
-        build=build_hf_lm,
+        "HuggingFaceFW/fineweb-edu",
+        "sample-10BT",
     ),
     "text": Recipe(
         "your own text: a file, directory or glob (--input), char-level, GPT-2 BPE, a tokenizer.json or a BPE "
@@ -1315,11 +1293,10 @@ RECIPES: dict[str, Recipe] = {
             ),
             Option("name", str, "text", "output folder name under data_dir", affects_output=False),
             fraction_option("val_fraction", 0.1, "the last fraction of the characters is the val split"),
-            num_proc_option(),
+            NUM_PROC,
         ),
         inputs=text_inputs,
         build=build_text,
-        folder=named_folder,
     ),
     "translation": Recipe(
         "translation pairs (opus_books/wmt14 or a local TSV/JSONL) for the encoder-decoder, BPE",
@@ -1336,7 +1313,7 @@ RECIPES: dict[str, Recipe] = {
             fraction_option("val_fraction", 0.05, "fraction of pairs held out for val (by a hash of the source)"),
             fraction_option("test_fraction", 0.05, "fraction of pairs held out for test (by a hash of the source)"),
             count_option("max_pairs", None, "use only the first this many pairs"),
-            num_proc_option(),
+            NUM_PROC,
         ),
         inputs=translation_inputs,
         build=build_translation,
@@ -1369,7 +1346,6 @@ RECIPES: dict[str, Recipe] = {
         ),
         inputs=chat_inputs,
         build=build_chat,
-        folder=named_folder,
     ),
     "shakespeare_chat": Recipe(
         "a quiz on tiny Shakespeare, generated offline: who speaks a line, the next line, word counts, sums in "
@@ -1392,23 +1368,10 @@ RECIPES: dict[str, Recipe] = {
         build=build_shakespeare_chat,
         folder=shakespeare_chat_folder,
     ),
-    "reverse": Recipe(
-        "synthetic seq2seq, offline: reverse a string of digits and letters",
-        options=synthetic_options("reverse"),
-        inputs=synthetic_inputs,
-        build=build_synthetic,
-    ),
-    "sort": Recipe(
-        "synthetic seq2seq, offline: sort the characters of a string",
-        options=synthetic_options("sort"),
-        inputs=synthetic_inputs,
-        build=build_synthetic,
-    ),
-    "num2words": Recipe(
-        "synthetic seq2seq, offline: 1234 -> one thousand two hundred thirty-four",
-        options=synthetic_options("num2words"),
-        inputs=synthetic_inputs,
-        build=build_synthetic,
+    "reverse": synthetic_recipe("reverse", "synthetic seq2seq, offline: reverse a string of digits and letters"),
+    "sort": synthetic_recipe("sort", "synthetic seq2seq, offline: sort the characters of a string"),
+    "num2words": synthetic_recipe(
+        "num2words", "synthetic seq2seq, offline: 1234 -> one thousand two hundred thirty-four"
     ),
 }
 DATASETS = {name: recipe.description for name, recipe in RECIPES.items()}  # name -> description, for messages
@@ -1476,10 +1439,10 @@ def prepare(name, /, data_dir=None, force=False, **options):
     # every option of the recipe, converted and checked, defaults filled in
     opts = resolve_options(name, recipe.options, options)
     root = data_root(data_dir)
-    # <root>/<name>, or the --name folder for text and translation
-    folder = dataset_dir(recipe.folder(opts) if recipe.folder else name, root)
+    # <root>/<name>, or the --name folder for text, chat and translation
+    folder = dataset_dir(recipe.folder(opts) if recipe.folder else opts.get("name", name), root)
     # local input files (None: the hub, or generated) and what identifies them; a download happens here
-    files, fingerprint = recipe.inputs(name, opts, root)
+    files, fingerprint = recipe.inputs(name, opts, root) if recipe.inputs else (None, None)
     # everything the outputs depend on; JSON round trip so it compares equal to what meta.json holds
     record = {
         "dataset": name,
