@@ -65,14 +65,13 @@ PROBE = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "He
 # ----------------------------------------------------------------------------- conversations
 
 
-def message_problem(i, message):
-    """Why message number i (counted from 1) is not a message with a known role and a text; None when it is."""
-    if not (
-        isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
-    ):
-        return f"message {i} is not an object with 'role' and 'content' strings"
-    if message["role"] not in ROLES:
-        return f"message {i} has role {message['role']!r}; the roles are {', '.join(ROLES)}"
+def messages_problem(messages):
+    """Why the first bad message of a list (counted from 1) is not one with a known role and a text; None if none is."""
+    for i, message in enumerate(messages, 1):
+        if not isinstance(message, dict) or not all(isinstance(message.get(key), str) for key in ("role", "content")):
+            return f"message {i} is not an object with 'role' and 'content' strings"
+        if message["role"] not in ROLES:
+            return f"message {i} has role {message['role']!r}; the roles are {', '.join(ROLES)}"
     return None
 
 
@@ -87,9 +86,8 @@ def conversation_problem(obj):
     messages = obj["messages"]
     if not messages:
         return "an empty conversation"
-    for i, message in enumerate(messages, 1):
-        if problem := message_problem(i, message):
-            return problem
+    if problem := messages_problem(messages):
+        return problem
     roles = [message["role"] for message in messages]
     if "system" in roles[1:]:
         return f"message {roles.index('system', 1) + 1} is a system message, which only the first may be"
@@ -104,9 +102,8 @@ def check_messages(messages):
     """ValueError naming the first message of `messages` (a list) that render cannot read."""
     if not isinstance(messages, list):
         raise ValueError(f"a conversation is a list of messages, got {type(messages).__name__}")
-    for i, message in enumerate(messages, 1):
-        if problem := message_problem(i, message):
-            raise ValueError(f"cannot render the conversation: {problem}")
+    if problem := messages_problem(messages):
+        raise ValueError(f"cannot render the conversation: {problem}")
 
 
 # ----------------------------------------------------------------------------- meta
@@ -198,13 +195,10 @@ def template_source(folder, config):
     if template is None or isinstance(template, str):
         return template
     # several named templates (Cohere's default, tool_use and rag): the default is the one for plain conversations
-    named = (
-        {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        if isinstance(template, list)
-        else {}
-    )
-    if isinstance(named.get("default"), str):
-        return named["default"]
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
     raise ValueError(
         f"{folder / TOKENIZER_CONFIG}: chat_template is neither a string nor a list of {{name, template}} with a "
         "'default'; put the template in chat_template.jinja"
@@ -213,10 +207,9 @@ def template_source(folder, config):
 
 def token_string(value, folder, key):
     """A special token's string as a tokenizer config stores it: the string itself, or {"content": string, ...}."""
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    if isinstance(value, str):
-        return value
+    string = value.get("content") if isinstance(value, dict) else value
+    if isinstance(string, str):
+        return string
     raise ValueError(f"{folder}: {key} is {value!r:.100}, neither a string nor an object with a 'content' string")
 
 
@@ -230,8 +223,7 @@ def compile_template(source):
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, GenerationBlock]
     )
     env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     try:
         return env.from_string(source)
     except jinja2.TemplateError as err:

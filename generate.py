@@ -17,6 +17,7 @@ Shape letters as in model.py (B batch, T length, V vocabulary, K beams...).
 """
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from model import IGNORE_INDEX
 from tokens import final_reply
@@ -125,8 +126,7 @@ def until_stop(ids, stop_token, keep_stop=False):
     """ids up to the first stop_token, without it (keep_stop: with it); all of them if there is none."""
     if stop_token not in ids:
         return ids
-    end = ids.index(stop_token)
-    return ids[: end + 1] if keep_stop else ids[:end]
+    return ids[: ids.index(stop_token) + (1 if keep_stop else 0)]
 
 
 def start_ids(tokenizer, meta):
@@ -227,9 +227,9 @@ def beam_search(model, src, max_new_tokens, bos_id, eos_id, beam_size=4, length_
         candidates = (scores.view(B * K, 1) + logprobs).view(B, K * V)
         top_scores, top_index = candidates.topk(2 * K, dim=1)  # at most K of them end at eos: K are left to go on
         # choose on the host: the rules below (finish or go on, done or not) differ per source
-        rows, tokens, new_scores = [], [], []
+        beams = []  # (score, row of the parent beam in seqs, next token) of the K beams of each source that go on
         for b in range(B):
-            chosen = []  # (score, row of the parent beam in seqs, next token) of the beams that go on
+            chosen = []  # this source's beams that go on, as in beams
             for rank, (score, index) in enumerate(zip(top_scores[b].tolist(), top_index[b].tolist())):
                 beam, token = divmod(index, V)
                 if done[b] or len(chosen) == K or score == float("-inf"):
@@ -243,12 +243,11 @@ def beam_search(model, src, max_new_tokens, bos_id, eos_id, beam_size=4, length_
             # now over the largest penalty of the lengths it can still end at, step + 2 to max_new_tokens.
             best_live = max(score for score, _, _ in chosen) / max(penalty(step + 2), penalty(max_new_tokens))
             done[b] = any(hyp[0] >= best_live for hyp in finished[b])
-            new_scores += [score for score, _, _ in chosen]
-            rows += [row for _, row, _ in chosen]
-            tokens += [token for _, _, token in chosen]
+            beams += chosen
         if all(done):
             break
         # the K chosen beams of every source take over their parents' histories and caches
+        new_scores, rows, tokens = zip(*beams)
         rows = torch.tensor(rows, device=src.device)  # (B*K,)
         for self_cache, _ in cache:
             self_cache.reorder(rows)  # cross-attention keys are the same for every beam of a source
@@ -261,12 +260,9 @@ def beam_search(model, src, max_new_tokens, bos_id, eos_id, beam_size=4, length_
             length = seqs.size(1) - 1
             live = [(s / penalty(length), seqs[b * K + j, 1:].tolist()) for j, s in enumerate(scores[b].tolist())]
             finished[b] += [hyp for hyp in live if hyp[0] > float("-inf")]
-        results.append(max(finished[b], key=lambda hyp: hyp[0])[1])
+        results.append(torch.tensor(max(finished[b], key=lambda hyp: hyp[0])[1], dtype=torch.long))
     # right-pad the shorter translations, as translate does
-    out = torch.full((B, max(map(len, results))), padding_id(model, eos_id), dtype=torch.long, device=src.device)
-    for b, tokens in enumerate(results):
-        out[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    return out
+    return pad_sequence(results, batch_first=True, padding_value=padding_id(model, eos_id)).to(src.device)
 
 
 def decoded_pairs(model, batches, bos_id, eos_id, *, max_len, beam_size=1, length_penalty=0.6):
@@ -292,6 +288,7 @@ def decoded_pairs(model, batches, bos_id, eos_id, *, max_len, beam_size=1, lengt
 # GPT: replies in a conversation
 
 
+@torch.no_grad()
 def reply_tokens(
     model,
     cache,
@@ -325,15 +322,14 @@ def reply_tokens(
 def decoded_replies(model, conversations, stop_tokens, *, vocab_size=None):
     """
     Greedily decode the final reply of each (ids, is_target) conversation (arrays, as tokens.Conversations holds
-    them) from the turns before it (tokens.final_reply); yield (output,
-    reference) lists of ids, each through its end-of-turn: exact match is output == reference. A reply may run to
-    block_size. A generator: the caller's torch.autocast, if any, must hold while it is iterated.
+    them) from the turns before it (tokens.final_reply); yield (output, reference) lists of ids, each through its
+    end-of-turn: exact match is output == reference. A reply may run to block_size. A generator: the caller's
+    torch.autocast, if any, must hold while it is iterated.
     """
     for ids, is_target in conversations:
         prompt, reference = final_reply(ids.tolist(), is_target)
         room = model.config.block_size - len(prompt) + 1  # the last id is sampled, never fed
-        with torch.no_grad():
-            output = list(reply_tokens(model, model.new_cache(), prompt, room, set(stop_tokens), vocab_size=vocab_size))
+        output = list(reply_tokens(model, model.new_cache(), prompt, room, set(stop_tokens), vocab_size=vocab_size))
         yield output, reference
 
 
@@ -358,7 +354,6 @@ class ChatSession:
         self.cache, self.fed = self.model.new_cache(), []  # fed: the ids the cache holds
         self.ended = ""  # how the last reply ended: "end_of_turn", "max_new_tokens" or "block_size"
 
-    @torch.no_grad()
     def reply(self, text, decode):
         """
         Yield the ids of the reply to the user's message `text`, as they come, without its end-of-turn. decode

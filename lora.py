@@ -68,12 +68,11 @@ class LoRALinear(nn.Linear):
         self.weight, self.bias = linear.weight, linear.bias
         self.scale, self.dropout = settings.scale, nn.Dropout(settings.dropout)
         like = {"device": linear.weight.device, "dtype": linear.weight.dtype}
-        self.lora_a = nn.Parameter(torch.empty(settings.rank, self.in_features, **like))
-        self.lora_b = nn.Parameter(torch.zeros(self.out_features, settings.rank, **like))
-        # A as nn.Linear's (and peft's) default: uniform within +-1/sqrt(in); B zero, so the update starts at zero
+        # A as nn.Linear's (and peft's) default: uniform within +-1/sqrt(in), drawn on the CPU; B zero: no update yet
         bound = 1 / math.sqrt(self.in_features)
-        with torch.no_grad():
-            self.lora_a.copy_(torch.empty(self.lora_a.shape).uniform_(-bound, bound, generator=generator))
+        lora_a = torch.empty(settings.rank, self.in_features).uniform_(-bound, bound, generator=generator)
+        self.lora_a = nn.Parameter(lora_a.to(**like))
+        self.lora_b = nn.Parameter(torch.zeros(self.out_features, settings.rank, **like))
 
     def forward(self, x):
         # (..., in) -> (..., r) -> (..., out): never the (out, in) product B A

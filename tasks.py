@@ -173,14 +173,9 @@ def quiz_question(kind, item):
     return f"Last word: {item.text}", last_word(item.text)
 
 
-def quiz_length(messages):
-    """Characters of a conversation in the built-in chat template: each message's text, its role and end markers."""
-    return sum(len(m["content"]) + 2 for m in messages)
-
-
-def fits(kind, item):
-    """Whether a question of this kind about item, with its answer, fits QUIZ_BLOCK + 1 characters and markers."""
-    return quiz_length(exchange(*quiz_question(kind, item))) <= QUIZ_BLOCK + 1
+def fits(messages):
+    """Whether messages fit QUIZ_BLOCK + 1 characters in the built-in chat template: texts, role and end markers."""
+    return sum(len(m["content"]) + 2 for m in messages) <= QUIZ_BLOCK + 1
 
 
 def exchange(question, answer):
@@ -204,11 +199,10 @@ def quiz_conversation(rng, pools):
         more = exchange(FOLLOW_UP, first.then)
     else:
         more = exchange(*quiz_question(second_kind, second)) if another else []
-    if more and quiz_length(messages + more) <= QUIZ_BLOCK + 1:
+    if more and fits(messages + more):
         messages += more
-    if system and quiz_length(messages) + len(SYSTEM_PROMPT) + 2 <= QUIZ_BLOCK + 1:
-        messages.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
-    return messages
+    with_system = [{"role": "system", "content": SYSTEM_PROMPT}, *messages]
+    return with_system if system and fits(with_system) else messages
 
 
 def quiz_conversations(text, num_train, num_val, seed):
@@ -224,19 +218,15 @@ def quiz_conversations(text, num_train, num_val, seed):
     rng = random.Random(seed)
     out, held = {}, {}
     for name, items in (("lines", lines), ("sums", quiz_sums())):
-        # shuffled apart, so that val asks about lines and sums in the proportions train does
-        order = list(range(len(items)))
-        rng.shuffle(order)
+        # shuffled apart, in place, so that val asks about lines and sums in the proportions train does
+        rng.shuffle(items)
         cut = round(len(items) * QUIZ_VAL_SHARE)
-        held[name] = {"val": [items[k] for k in order[:cut]], "train": [items[k] for k in order[cut:]]}
+        held[name] = {"val": items[:cut], "train": items[cut:]}
     for split, n in (("val", num_val), ("train", num_train)):
         chosen = held["lines"][split]
-        pools = {kind: chosen for kind in ("speaker", "words", "last_word")}
-        pools |= {
-            "next_line": [line for line in chosen if line.next_line is not None],
-            "arithmetic": held["sums"][split],
-        }
+        pools = {"speaker": chosen, "words": chosen, "last_word": chosen, "arithmetic": held["sums"][split]}
+        pools["next_line"] = [line for line in chosen if line.next_line is not None]
         # only what fits the block as a first question: short lines, most of the sums
-        pools = {kind: [x for x in pool if fits(kind, x)] for kind, pool in pools.items()}
+        pools = {kind: [x for x in pool if fits(exchange(*quiz_question(kind, x)))] for kind, pool in pools.items()}
         out[split] = [quiz_conversation(rng, pools) for _ in range(n)]
     return out
