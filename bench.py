@@ -128,7 +128,7 @@ class BenchConfig:
         missing = [c for c in self.configs if not (ROOT / c).is_file()]
         if missing:
             raise ValueError(f"config {missing[0]} not found; pass --config=PATH[,PATH...] of train.py configs")
-        missing = [words[0] for words in self.step_cases if not words or not (ROOT / words[0]).is_file()]
+        missing = [words[0] for words in self.step_cases if not (ROOT / words[0]).is_file()]
         if self.cases and missing:
             raise ValueError(f"cases: config {missing[0]} not found; each case starts with a train.py config's path")
 
@@ -161,6 +161,16 @@ def summary(values, fmt):
     return text if len(finite) == len(values) else f"{text}; {never}"
 
 
+def launch(command, cwd=ROOT, env=None):
+    """command's process, its stdout and stderr merged into one stream, to be read line by line as it runs."""
+    return subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def compile_env(cache):
+    """The environment of a child process that keeps Inductor's and Triton's compile caches in the folder cache."""
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton")}
+
+
 def timed_run(cfg, config, out_dir):
     """
     One `python train.py config` process. Returns (evals: [(seconds since launch, iter, val loss)],
@@ -173,7 +183,7 @@ def timed_run(cfg, config, out_dir):
     begin = time.perf_counter()
     evals, speeds, mfus = [], [], []
     # one merged stream, read line by line as the run goes, so each eval gets the time it was printed
-    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with launch(command) as proc:
         for line in proc.stdout:
             # train.py's lines: 'eval N: ... val loss X', and progress lines holding '| N tok/s' and '| mfu X%'
             if m := re.match(r"eval (\d+): .*val loss ([\d.]+)", line):
@@ -218,8 +228,7 @@ def bench_training(cfg, work):
         rows.append(row("MFU %", "mfus", "{:.1f}"))
     rows.append(row(f"seconds to val loss <= {cfg.target_loss}", "reached", "{:.1f}"))
     if cfg.stop_at_target:  # the runs ended at the target: no best or final loss to report
-        rows.append(row("val loss at the stop", "finals", "{:.4f}"))
-        return rows
+        return [*rows, row("val loss at the stop", "finals", "{:.4f}")]
     rows.append(row(f"best val loss within {cfg.budget:.0f} s", "best", "{:.4f}"))
     rows.append(row("final val loss", "finals", "{:.4f}"))
     rows.append(row("wall seconds per run", "walls", "{:.1f}"))
@@ -267,8 +276,7 @@ def bench_memory(cfg, work):
             values = [summary([v[j] for v in measured[column].get(rank, [])], "{:,.1f}") for column in columns]
             rows.append((f"rank {rank} {what}", values))
     peak = "CUDA allocated" if torch.cuda.is_available() else "process resident set"
-    header = ["measure (peak: " + peak + ")"]
-    header += [f"{config} {'FSDP' if fsdp else 'DDP'} median (min-max)" for config, fsdp in columns]
+    header = [f"measure (peak: {peak})", *(f"{c} {'FSDP' if fsdp else 'DDP'} median (min-max)" for c, fsdp in columns)]
     return header, rows
 
 
@@ -412,17 +420,16 @@ def time_steps(run, cfg, train):
             return update_weights(*args, **kwargs)
 
     train.update_weights = timed_update
-    spans, iteration = [], 0
-    step = train.train_step(run, iteration)
+    spans = []
+    step = train.train_step(run, 0)
     clock.synchronize()
     first_step = time.time()  # wall clock: the parent subtracts its own reading from before the launch
-    begin = time.perf_counter()
-    while iteration + 1 < cfg.warmup + cfg.steps:
-        iteration += 1
+    for iteration in range(1, cfg.warmup + cfg.steps):  # the warm-up ends inside: steps is at least 1
         if iteration == cfg.warmup:
             clock.synchronize()
             optimizer_spans.clear()
-            reset_peak_memory(device)
+            if clock.cuda:
+                torch.cuda.reset_peak_memory_stats(device)
             graphs_after_warmup = compiled_graphs()
             begin = time.perf_counter()
         timed = iteration >= cfg.warmup
@@ -438,7 +445,8 @@ def time_steps(run, cfg, train):
         "tokens": step.tokens,
         "flops": step.flops,
         "peak_flops": run.progress.peak_flops,
-        "peak_mib": peak_memory(device) / 2**20,
+        # CUDA's allocated memory since the reset, else the process's resident set
+        "peak_mib": (torch.cuda.max_memory_allocated(device) if clock.cuda else resident_peak()) / 2**20,
         "first_step": first_step,
         "loss": float(step.loss) * run.rt.world_size,  # the last step's
         "graphs": compiled_graphs(),
@@ -486,16 +494,6 @@ class DeviceClock:
 def compiled_graphs():
     """The graphs torch.compile has made in this process so far (each recompilation is one more)."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
-def reset_peak_memory(device):
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory(device):
-    """Bytes at the peak: CUDA's allocated memory since the last reset, else the process's resident set."""
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else resident_peak()
 
 
 # the kinds of work a profile's time is sorted into, by kernel (GPU) or operator (CPU) name; the first match wins
@@ -558,7 +556,7 @@ def step_run(cfg, words, index, work):
     # Inductor's and Triton's caches: a case's own or the one the others share
     cache = work / (f"cache-case{index + 1}" if str(index + 1) in cfg.cold.split(",") else "cache-shared")
     cold = not cache.exists()
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton")}
+    env = compile_env(cache)
     begin = time.time()
     try:  # a case that hangs (a deadlocked graph, say) must not take the whole benchmark's time
         run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=cfg.case_timeout)
@@ -566,8 +564,7 @@ def step_run(cfg, words, index, work):
         return {"error": f"no result within case_timeout={cfg.case_timeout:g} s"}
     found = re.search(r"^result: (.*)$", run.stdout, re.M)
     if run.returncode or not found:
-        tail = (run.stdout + run.stderr)[-1500:]
-        return {"error": f"exit status {run.returncode}: {one_line(tail)}"}
+        return {"error": f"exit status {run.returncode}: {one_line((run.stdout + run.stderr)[-1500:])}"}
     result = json.loads(found[1])
     result["launch"] = result.pop("first_step") - begin
     result["cold"] = cold
@@ -595,13 +592,9 @@ def nanogpt_step(cfg, work):
     steps = cfg.warmup + cfg.steps
     command = [sys.executable, "train.py", *shlex.split(cfg.nanogpt_step), f"--max_iters={steps}"]
     command += [f"--out_dir={work / 'nanogpt-step'}"]
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "cache-nanogpt")}
-    env["TRITON_CACHE_DIR"] = str(work / "cache-nanogpt" / "triton")
     begin = time.time()
     first, times, tokens = None, [], None
-    with subprocess.Popen(
-        command, cwd=cfg.nanogpt, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    ) as proc:
+    with launch(command, cfg.nanogpt, compile_env(work / "cache-nanogpt")) as proc:
         lines = []
         for line in proc.stdout:
             lines.append(line)
@@ -631,6 +624,9 @@ def step_rows(results, plans):
     def row(name, cell):
         return name, [r["error"][:80] if "error" in r else cell(r) for r in results]
 
+    def profiled(cell):  # cell of a case's profile, or why it has none
+        return lambda r: cell(r["profile"]) if "profile" in r else r.get("profile_error", "n/a")[:80]
+
     def tokens_per_second(r):
         return [r["tokens"] / (ms / 1000) for ms in r["ms"]]
 
@@ -651,28 +647,23 @@ def step_rows(results, plans):
         rows.append(("--plan: predicted ms per step", [f"{p[1]:.1f}" if p else "n/a" for p in plans]))
     rows += [
         row("launch to first step done, s", lambda r: f"{r['launch']:.1f} ({_cache(r)})"),
-        row("graphs / breaks / recompiled in timing", lambda r: _graphs(r)),
+        row(
+            "graphs / breaks / recompiled in timing",
+            lambda r: f"{r['graphs']} / {r['graph_breaks']} / {r['recompiled']}" if "graphs" in r else "n/a",
+        ),
         row("train loss after the last step", lambda r: f"{r['loss']:.4f}" if "loss" in r else "n/a"),
     ]
     if any("profile" in r for r in ok):
-        rows.append(row("profile: device busy % of wall", lambda r: _profiled(r, lambda p: f"{100 * p['busy']:.0f}")))
+        rows.append(row("profile: device busy % of wall", profiled(lambda p: f"{100 * p['busy']:.0f}")))
         for kind in [k for k, _ in KERNEL_KINDS] + ["other"]:
-            cell = lambda p, kind=kind: f"{p['kinds'].get(kind, 0.0):.1f}"  # noqa: E731
-            rows.append(row(f"profile: {kind} ms per step", lambda r, cell=cell: _profiled(r, cell)))
+            cell = profiled(lambda p, kind=kind: f"{p['kinds'].get(kind, 0.0):.1f}")
+            rows.append(row(f"profile: {kind} ms per step", cell))
     return rows
 
 
 def _cache(r):
     """How a case compiled: from an empty cache (cold), from one filled before (warm), or not at all."""
     return "no compile" if r.get("graphs") == 0 else "cold" if r["cold"] else "warm"
-
-
-def _graphs(r):
-    return f"{r['graphs']} / {r['graph_breaks']} / {r['recompiled']}" if "graphs" in r else "n/a"
-
-
-def _profiled(r, cell):
-    return cell(r["profile"]) if "profile" in r else r.get("profile_error", "n/a")[:80]
 
 
 def bench_steps(cfg, work):
@@ -702,12 +693,8 @@ def nanogpt_race(cfg, work):
     a run that ended without reaching it.
     """
     command = [sys.executable, "train.py", *shlex.split(cfg.nanogpt_race), f"--out_dir={work / 'nanogpt-race'}"]
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "cache-nanogpt-race")}
-    env["TRITON_CACHE_DIR"] = str(work / "cache-nanogpt-race" / "triton")
     begin = time.perf_counter()
-    with subprocess.Popen(
-        command, cwd=cfg.nanogpt, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    ) as proc:
+    with launch(command, cfg.nanogpt, compile_env(work / "cache-nanogpt-race")) as proc:
         for line in proc.stdout:
             # nanoGPT's evaluation line: "step 250: train loss 1.9, val loss 2.0"
             m = re.match(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", line)
@@ -729,29 +716,24 @@ def print_table(header, rows):
 def bench_gpu(cfg, work, show):
     """--parts=gpu: the three stages of the GPU_CASES comment, each table shown as soon as it is measured."""
     defaults = BenchConfig()
-    # options given on the command line keep their values
-    given = {
-        k: getattr(cfg, k)
-        for k in ("steps", "step_seconds", "warmup", "case_timeout")
-        if getattr(cfg, k) != getattr(defaults, k)
-    }
-    core = replace(defaults, **given, cases=cfg.cases or GPU_CASES, profile=True)
+    # the timing options keep the command line's values; every other option is the stage's own
+    timing = {k: getattr(cfg, k) for k in ("steps", "step_seconds", "warmup", "case_timeout")}
+    core = replace(defaults, **timing, cases=cfg.cases or GPU_CASES, profile=True)
     show(bench_steps(replace(core, nanogpt=cfg.nanogpt, nanogpt_step=cfg.nanogpt_step), work / "core"))
     race = replace(defaults, config="configs/shakespeare_gpu.py", target_loss=1.47, runs=1, stop_at_target=True)
     show(training_table(replace(race, nanogpt=cfg.nanogpt, nanogpt_race=cfg.nanogpt_race), work / "race"))
-    more = replace(defaults, **given, cases=GPU_MORE_CASES, profile=True)
-    show(bench_steps(more, work / "more"))
+    show(bench_steps(replace(defaults, **timing, cases=GPU_MORE_CASES, profile=True), work / "more"))
 
 
 def training_table(cfg, work):
     """(header, rows) of cfg.runs training runs of each config, with nanoGPT's race beside where cfg says."""
     work.mkdir(parents=True, exist_ok=True)
     rows = bench_training(cfg, work)
-    race = cfg.nanogpt and cfg.nanogpt_race
-    if race:  # nanoGPT's run to the same target, its own column
-        rows = nanogpt_column(rows, nanogpt_race(cfg, work), cfg)
     header = ["measure", *(f"{c} median (min-max)" for c in cfg.configs)]
-    return header + ([f"nanoGPT: {cfg.nanogpt_race}"] if race else []), rows
+    if cfg.nanogpt and cfg.nanogpt_race:  # nanoGPT's run to the same target, its own column
+        rows = nanogpt_column(rows, nanogpt_race(cfg, work), cfg)
+        header.append(f"nanoGPT: {cfg.nanogpt_race}")
+    return header, rows
 
 
 def main(cfg):

@@ -135,34 +135,6 @@ def lm_loss(model, tokens, byte_lengths, *, block_size, stride, batch_size, limi
     return {"windows": len(starts), "tokens": count, "bytes": n_bytes, "nats": nats}
 
 
-def masked_loss(model, tokens, task, *, block_size, batch_size, seed, limit=None, progress=False):
-    """
-    An encoder's summed cross-entropy at the masked positions of tokens, cut into windows of block_size, each masked
-    as in training (mask_tokens: mask_prob of the positions, 80% shown as [MASK], 10% a random token, 10% unchanged)
-    with its own generator, seeded by seed and its index, so that the same seed masks the same positions whatever
-    the batch size. Returns {"windows", "masked_tokens", "nats"}.
-    """
-    device = next(model.parameters()).device
-    starts = range(0, len(tokens), block_size)[:limit]
-    # a bidirectional model without a padding id would attend to padding: the shorter last window runs alone
-    full = [k for k, start in enumerate(starts) if start + block_size <= len(tokens)]
-    batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
-    batches += [[k] for k in range(len(full), len(starts))]
-    nats, count = 0.0, 0
-    with tqdm(total=len(starts), unit="window", file=sys.stderr, disable=not progress) as bar:
-        for batch in batches:
-            masked = []
-            for k in batch:
-                window = torch.from_numpy(tokens[starts[k] : starts[k] + block_size].astype(np.int64))
-                masked.append(mask_tokens(window[None], task, torch.Generator().manual_seed(seed + k)))
-            inputs, targets = (torch.cat(parts) for parts in zip(*masked))
-            count += int((targets != IGNORE_INDEX).sum())
-            _, loss = model(inputs.to(device), targets.to(device), reduction="sum", return_logits=False)
-            nats += loss.item()
-            bar.update(len(batch))
-    return {"windows": len(starts), "masked_tokens": count, "nats": nats}
-
-
 def read_text(path):
     """The contents of a UTF-8 text file, refusing a missing, empty or binary one with one line."""
     path = Path(path).expanduser()
@@ -177,9 +149,12 @@ def read_text(path):
     return text
 
 
-def dataset_folder(cfg, meta):
-    """The folder of the prepared dataset the model was trained on (meta's name) under --data_dir, the run's data_dir
-    or the default root; refused if its data was prepared with another tokenizer since."""
+def dataset_split(cfg, meta, kind):
+    """
+    (folder, split): the prepared dataset the model was trained on (meta's name) under --data_dir, the run's data_dir
+    or the default root, and --split (default val); refused if its data was prepared with another tokenizer since,
+    or if a `kind` ("language-modelling", "chat" or "seq2seq") without a test split is asked for its test split.
+    """
     if "name" not in meta:
         raise ValueError("these weights come without a dataset: evaluate a text file with --input=FILE")
     checkpoint = Path(cfg.init_from).expanduser()
@@ -200,7 +175,11 @@ def dataset_folder(cfg, meta):
             f"{folder} holds data of another tokenizer than the model's (prepared again since?); evaluate a text "
             "file with --input, or point --data_dir at the data it was trained on"
         )
-    return folder
+    split = cfg.split or "val"
+    # seq2seq data alone keeps a test split apart (tokens.SEQ2SEQ_SPLITS)
+    if split == "test" and kind != "seq2seq":
+        raise ValueError(f"{folder.name} is a {kind} dataset: its splits are train and val, not test")
+    return folder, split
 
 
 def lm_tokens(cfg, meta, tokenizer):
@@ -212,45 +191,21 @@ def lm_tokens(cfg, meta, tokenizer):
         except ValueError as err:  # characters outside a char-level vocabulary, named
             raise ValueError(f"{cfg.input}: {err}") from None
         return np.asarray(ids, dtype=np.int64), cfg.input
-    split = cfg.split or "val"
-    folder = dataset_folder(cfg, meta)
-    if split == "test":
-        raise ValueError(f"{folder.name} is a language-modelling dataset: its splits are train and val, not test")
+    folder, split = dataset_split(cfg, meta, "language-modelling")
     return load_tokens(folder / f"{split}.bin"), f"{folder.name} {split}"
 
 
 def evaluate_lm(model, tokenizer, meta, cfg, progress):
     """GPT: loss, perplexity and bits per byte of the text; encoder: its masked loss. A dict of results."""
     tokens, data = lm_tokens(cfg, meta, tokenizer)
-    block = model.config.block_size
     if model.config.arch == "encoder":
-        mask_id = meta["special_tokens"]["mask"]
-        # train.py appends [MASK] after the dataset's ids: its random replacements are drawn from the ids below it
-        task = MaskedLM(meta, mask_prob=cfg.mask_prob, data_vocab=mask_id)
-        counts = masked_loss(
-            model,
-            tokens,
-            task,
-            block_size=block,
-            batch_size=cfg.batch_size,
-            seed=cfg.seed,
-            limit=cfg.limit,
-            progress=progress,
-        )
-        if not counts["masked_tokens"]:
-            raise ValueError(f"{data} is too short: no position was masked; raise --mask_prob or give more text")
-        return {
-            "data": data,
-            "windows": counts["windows"],
-            "masked_tokens": counts["masked_tokens"],
-            "mask_prob": cfg.mask_prob,
-            "masked_loss": counts["nats"] / counts["masked_tokens"],
-        }
+        return evaluate_masked(model, meta, tokens, data, cfg, progress)
     if cfg.input:  # after where a document starts, so that the file's first token is scored too
         tokens = np.concatenate([np.asarray(start_ids(tokenizer, meta), dtype=np.int64), tokens])
     # a GPT needs one token to predict from and one to predict
     if len(tokens) < 2:
         raise ValueError(f"{data} has {len(tokens)} token(s): at least 2 are needed, to predict one from the other")
+    block = model.config.block_size
     stride = cfg.stride or block
     if stride > block:
         raise ValueError(f"stride must be at most the model's block_size={block}, got {stride}")
@@ -278,70 +233,92 @@ def evaluate_lm(model, tokenizer, meta, cfg, progress):
     }
 
 
+def evaluate_masked(model, meta, tokens, data, cfg, progress):
+    """
+    An encoder's cross-entropy at the masked positions of tokens, cut into windows of block_size, each masked as in
+    training (mask_tokens: mask_prob of the positions, 80% shown as [MASK], 10% a random token, 10% unchanged) with
+    its own generator, seeded by --seed and its index, so that the same seed masks the same positions whatever the
+    batch size. A dict of results.
+    """
+    # train.py appends [MASK] after the dataset's ids: its random replacements are drawn from the ids below it
+    task = MaskedLM(meta, mask_prob=cfg.mask_prob, data_vocab=meta["special_tokens"]["mask"])
+    block, device = model.config.block_size, next(model.parameters()).device
+    starts = range(0, len(tokens), block)[: cfg.limit]
+    # a bidirectional model without a padding id would attend to padding: the shorter last window runs alone
+    full = [k for k, start in enumerate(starts) if start + block <= len(tokens)]
+    batches = [full[i : i + cfg.batch_size] for i in range(0, len(full), cfg.batch_size)]
+    batches += [[k] for k in range(len(full), len(starts))]
+    nats, count = 0.0, 0
+    with tqdm(total=len(starts), unit="window", file=sys.stderr, disable=not progress) as bar:
+        for batch in batches:
+            masked = []
+            for k in batch:
+                window = torch.from_numpy(tokens[starts[k] : starts[k] + block].astype(np.int64))
+                masked.append(mask_tokens(window[None], task, torch.Generator().manual_seed(cfg.seed + k)))
+            inputs, targets = (torch.cat(parts) for parts in zip(*masked))
+            count += int((targets != IGNORE_INDEX).sum())
+            _, loss = model(inputs.to(device), targets.to(device), reduction="sum", return_logits=False)
+            nats += loss.item()
+            bar.update(len(batch))
+    if not count:
+        raise ValueError(f"{data} is too short: no position was masked; raise --mask_prob or give more text")
+    return {
+        "data": data,
+        "windows": len(starts),
+        "masked_tokens": count,
+        "mask_prob": cfg.mask_prob,
+        "masked_loss": nats / count,
+    }
+
+
 # -----------------------------------------------------------------------------
 # Sequence to sequence: exact match and token accuracy
 
 
-def seq2seq_scores(model, pairs, rows, task, *, block_size, beam_size, length_penalty, batch_size, progress):
+def evaluate_seq2seq(model, meta, cfg, progress):
     """
-    Decode the sources of pairs `rows` (greedily, or by beam search) and compare with the references, target + eos.
-    Returns {"pairs", "exact", "correct_tokens", "reference_tokens", "nats", "targets"}: the outputs equal to their
-    reference up to its eos, the reference positions whose token the output has at the same position, and the
-    teacher-forced cross-entropy summed over the target + eos positions.
+    Exact match, token accuracy and teacher-forced loss over a split's pairs that fit block_size. Their sources are
+    decoded (greedily, or by beam search) and compared with the references, target + eos: exact match counts the
+    outputs equal to their reference up to its eos, token accuracy the reference positions whose token the output
+    has at the same position; the loss is the cross-entropy per target + eos position.
     """
-    device = next(model.parameters()).device
-    scores = dict.fromkeys(("exact", "correct_tokens", "reference_tokens", "nats", "targets"), 0)
-    batches = [seq2seq_batch(pairs, rows[i : i + batch_size], task) for i in range(0, len(rows), batch_size)]
+    if cfg.input:
+        raise ValueError("an encoder-decoder is evaluated on its dataset's pairs: give --split, not --input")
+    folder, split = dataset_split(cfg, meta, "seq2seq")
+    pairs = load_pairs(folder, split)
+    block = model.config.block_size
+    fits = fitting_pairs(pairs, block)  # as in training
+    if not len(fits):
+        raise ValueError(f"no {split} pair of {folder.name} fits the model's block_size={block}")
+    rows, task, device = fits[: cfg.limit], Seq2Seq(meta), next(model.parameters()).device
+    batches = [seq2seq_batch(pairs, rows[i : i + cfg.batch_size], task) for i in range(0, len(rows), cfg.batch_size)]
+    nats, n_targets = 0.0, 0
     for src, tgt_in, targets in batches:
         _, loss = model(src.to(device), tgt_in.to(device), targets.to(device), reduction="sum", return_logits=False)
-        scores["nats"] += loss.item()
-        scores["targets"] += int((targets != IGNORE_INDEX).sum())
+        nats += loss.item()
+        n_targets += int((targets != IGNORE_INDEX).sum())
     outputs = decoded_pairs(
         model,
         batches,
         task.bos_id,
         task.eos_id,
-        max_len=block_size,
-        beam_size=beam_size,
-        length_penalty=length_penalty,
-    )
-    for output, reference in tqdm(outputs, total=len(rows), unit="pair", file=sys.stderr, disable=not progress):
-        scores["exact"] += output == reference
-        scores["correct_tokens"] += sum(o == r for o, r in zip(output, reference))
-        scores["reference_tokens"] += len(reference)
-    return {"pairs": len(rows), **scores}
-
-
-def evaluate_seq2seq(model, meta, cfg, progress):
-    """Exact match, token accuracy and teacher-forced loss over a split's pairs that fit block_size."""
-    if cfg.input:
-        raise ValueError("an encoder-decoder is evaluated on its dataset's pairs: give --split, not --input")
-    split = cfg.split or "val"
-    folder = dataset_folder(cfg, meta)
-    pairs = load_pairs(folder, split)
-    block = model.config.block_size
-    rows = fitting_pairs(pairs, block)  # as in training
-    if not len(rows):
-        raise ValueError(f"no {split} pair of {folder.name} fits the model's block_size={block}")
-    scores = seq2seq_scores(
-        model,
-        pairs,
-        rows[: cfg.limit],
-        Seq2Seq(meta),
-        block_size=block,
+        max_len=block,
         beam_size=cfg.beam_size,
         length_penalty=cfg.length_penalty,
-        batch_size=cfg.batch_size,
-        progress=progress,
     )
+    exact, correct, n_reference = 0, 0, 0
+    for output, reference in tqdm(outputs, total=len(rows), unit="pair", file=sys.stderr, disable=not progress):
+        exact += output == reference
+        correct += sum(o == r for o, r in zip(output, reference))
+        n_reference += len(reference)
     return {
         "data": f"{folder.name} {split}",
-        "pairs": scores["pairs"],
-        "left_out": len(pairs) - len(rows),
+        "pairs": len(rows),
+        "left_out": len(pairs) - len(fits),
         "decoding": "greedy" if cfg.beam_size == 1 else f"beam search, {cfg.beam_size} beams",
-        "exact_match": scores["exact"] / scores["pairs"],
-        "token_accuracy": scores["correct_tokens"] / scores["reference_tokens"],
-        "loss": scores["nats"] / scores["targets"],
+        "exact_match": exact / len(rows),
+        "token_accuracy": correct / n_reference,
+        "loss": nats / n_targets,
     }
 
 
@@ -367,10 +344,7 @@ def chat_conversations(cfg, meta, chat_format, block_size):
         if not conversations:
             raise ValueError(f"{cfg.input} holds no conversation this model can score: {left_out.describe()}")
         return conversations, cfg.input, left_out.bad()
-    split = cfg.split or "val"
-    folder = dataset_folder(cfg, meta)
-    if split == "test":
-        raise ValueError(f"{folder.name} is a chat dataset: its splits are train and val, not test")
+    folder, split = dataset_split(cfg, meta, "chat")
     stored = load_conversations(folder, split)
     # a conversation of n ids is n - 1 inputs and targets
     fits = [i for i, n in enumerate(np.diff(stored.index)) if n <= block_size + 1]

@@ -371,7 +371,6 @@ def make_plan(cfg, train):
     config, task = planned_config(cfg, planned_meta(cfg))
     if cfg.cuda_graphs and task.varying:  # as train.py's setup refuses it
         raise ConfigError(f"cuda_graphs=True needs batches of one length, which {cfg.dataset}'s vary; drop it")
-    baseline = 0 if target.gpu else baseline
 
     # the second step runs two micro-batches (if it has two): the second adds to the first's gradients
     def trace(rank, batch_size, activation_checkpointing=cfg.activation_checkpointing):
@@ -394,7 +393,7 @@ def make_plan(cfg, train):
         traces=traces,
         other=trace(0, cfg.batch_size, not cfg.activation_checkpointing),
         smallest=trace(0, 1) if cfg.batch_size > 1 else traces[0],
-        baseline=baseline,
+        baseline=0 if target.gpu else baseline,
     )
 
 
@@ -531,8 +530,7 @@ def print_table(rows, columns):
 def describe(p):
     """The plan's opening lines: what runs where, how."""
     cfg, ranks = p.cfg, p.cfg.plan_ranks
-    fsdp = cfg.fsdp and ranks > 1
-    way = "FSDP" if fsdp else "DDP" if ranks > 1 else "1 process"
+    way = "1 process" if ranks == 1 else "FSDP" if cfg.fsdp else "DDP"
     with torch.device("meta"):
         params = build_model(p.config).num_params()
     return (

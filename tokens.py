@@ -240,30 +240,30 @@ class Pairs(Sequence):
         return self.src[s0:s1], self.tgt[t0:t1]
 
 
-def load_index(path):
-    """The .npy index of a pairs or conversations split, memory-mapped; one line when it is not a valid index."""
+def open_split(dataset_dir, split, kind, splits, suffixes):
+    """(memmaps of {split}{suffix}.bin for each suffix, memmap of {split}_idx.npy, its path) of a `kind` dataset."""
+    folder = Path(dataset_dir)
+    if split not in splits:
+        raise ValueError(f"unknown split {split!r}; {kind} splits are {', '.join(splits)}")
+    path = folder / f"{split}_idx.npy"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; is {folder} a prepared {kind} dataset?")
+    files = [load_tokens(folder / f"{split}{suffix}.bin") for suffix in suffixes]
     try:
         # memory-mapped like the token files: a large corpus's index need not sit in memory
-        return np.load(path, mmap_mode="r")
+        index = np.load(path, mmap_mode="r")
     except ValueError as err:
         raise ValueError(f"{path} is not a valid index ({one_line(err)}); re-create the dataset with --force") from None
+    return *files, index, path
 
 
 def load_pairs(dataset_dir, split):
     """The pairs of `split` ('train', 'val' or 'test') of a prepared seq2seq dataset."""
-    folder = Path(dataset_dir)
-    if split not in SEQ2SEQ_SPLITS:
-        raise ValueError(f"unknown split {split!r}; seq2seq splits are {', '.join(SEQ2SEQ_SPLITS)}")
-    index_path = folder / f"{split}_idx.npy"
-    if not index_path.is_file():
-        raise FileNotFoundError(f"{index_path} not found; is {folder} a prepared seq2seq dataset?")
-    src, tgt = load_tokens(folder / f"{split}_src.bin"), load_tokens(folder / f"{split}_tgt.bin")
-    index = load_index(index_path)
+    src, tgt, index, index_path = open_split(dataset_dir, split, "seq2seq", SEQ2SEQ_SPLITS, ("_src", "_tgt"))
     # a cheap consistency check: (n + 1, 2) rows from (0, 0) to the token files' lengths, so a stale
     # index or a mismatched file fails here instead of slicing the wrong ids
     if not (
-        index.ndim == 2
-        and index.shape[1] == 2
+        index.shape[1:] == (2,)
         and len(index) >= 1
         and tuple(index[0]) == (0, 0)
         and tuple(index[-1]) == (len(src), len(tgt))
@@ -343,19 +343,13 @@ def final_reply(ids, targets):
 
 def load_conversations(dataset_dir, split):
     """The conversations of `split` ('train' or 'val') of a prepared chat dataset."""
-    folder = Path(dataset_dir)
-    if split not in CHAT_SPLITS:
-        raise ValueError(f"unknown split {split!r}; chat splits are {', '.join(CHAT_SPLITS)}")
-    index_path = folder / f"{split}_idx.npy"
-    if not index_path.is_file():
-        raise FileNotFoundError(f"{index_path} not found; is {folder} a prepared chat dataset?")
-    ids, targets = load_tokens(folder / f"{split}.bin"), load_tokens(folder / f"{split}_targets.bin")
-    index = load_index(index_path)
+    ids, targets, index, index_path = open_split(dataset_dir, split, "chat", CHAT_SPLITS, ("", "_targets"))
     # cheap consistency checks, as for pairs: a stale index or a mismatched file fails here, not in a batch
     if not (index.ndim == 1 and len(index) >= 1 and index[0] == 0 and index[-1] == len(ids) == len(targets)):
         raise ValueError(f"{index_path} does not match its token files; re-create the dataset with --force")
-    if read_header(folder / f"{split}_targets.bin")[1] != 2:
-        raise ValueError(f"{folder / f'{split}_targets.bin'} is not a file of target flags; re-create the dataset")
+    targets_path = Path(dataset_dir) / f"{split}_targets.bin"
+    if read_header(targets_path)[1] != 2:
+        raise ValueError(f"{targets_path} is not a file of target flags; re-create the dataset")
     return Conversations(ids, targets, index)
 
 
@@ -509,8 +503,7 @@ class Tokenizer:
                 continue
             if i not in self.markers:
                 raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
-            parts.append(self.decode_base(run))
-            parts.append(self.markers[i])
+            parts += [self.decode_base(run), self.markers[i]]
             run = []
         parts.append(self.decode_base(run))
         return "".join(parts)
@@ -574,7 +567,7 @@ def huggingface_byte_lengths(text):
     # sentencepiece-style: '▁' is a space (Metaspace, or a Replace of it), '<0xE2>' one raw byte (ByteFallback)
     spaces = "Metaspace" in kinds or any(step.get("pattern") == {"String": "▁"} for step in steps)
     # WordPiece (BERT) marks a word's continuation with "##", which is no text
-    prefix = next((step.get("prefix", "##") for step in steps if step.get("type") == "WordPiece"), None)
+    prefix = next((step.get("prefix", "##") for step in steps if step.get("type") == "WordPiece"), "")
     pieces = {i: piece for piece, i in tokenizer.get_vocab(with_added_tokens=False).items()}
     added = tokenizer.get_added_tokens_decoder()
     lengths = []
@@ -589,8 +582,7 @@ def huggingface_byte_lengths(text):
         elif "ByteFallback" in kinds and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             lengths.append(1)
         else:
-            if prefix is not None:
-                piece = piece.removeprefix(prefix)
+            piece = piece.removeprefix(prefix)
             lengths.append(len((piece.replace("▁", " ") if spaces else piece).encode("utf-8")))
     return lengths
 
@@ -765,17 +757,13 @@ def check_prepared(path):
         held = read_header(path / fname)[2]
         if held != count:
             raise ValueError(f"{path / fname} holds {held:,} tokens but meta.json records {count:,}; {fix}")
-    # load_pairs checks each index against its token files; here its pair count against meta.json
-    for split, count in meta.get("pairs", {}).items():
-        held = len(load_pairs(path, split))
-        if held != count:
-            index = path / f"{split}_idx.npy"
-            raise ValueError(f"{index} holds {held:,} pairs but meta.json records {count:,}; {fix}")
-    for split, count in meta.get("conversations", {}).items():
-        held = len(load_conversations(path, split))
-        if held != count:
-            index = path / f"{split}_idx.npy"
-            raise ValueError(f"{index} holds {held:,} conversations but meta.json records {count:,}; {fix}")
+    # the loaders check each index against its token files; here its pair or conversation count against meta.json
+    for items, load in (("pairs", load_pairs), ("conversations", load_conversations)):
+        for split, count in meta.get(items, {}).items():
+            held = len(load(path, split))
+            if held != count:
+                index = path / f"{split}_idx.npy"
+                raise ValueError(f"{index} holds {held:,} {items} but meta.json records {count:,}; {fix}")
 
 
 def is_prepared(path):
