@@ -173,9 +173,11 @@ def training_state(
         dist.all_gather_object(rng, mine)
     weights = None if sharded else model.state_dict() if lora is None else adapter_state(model)
     state = {
+        # format 5 (the optimizers' states by name), whichever weights_state gives best.pt
         **weights_state(
             weights, model.config, cfg, meta, iter_num, best_val_loss, lora=lora, best_accuracy=best_accuracy
         ),
+        "format_version": FORMAT_VERSION,
         # float16's current loss scale; an empty dict when no scaler is in use
         "scaler": scaler.state_dict(),
         "rng": rng,
@@ -186,7 +188,6 @@ def training_state(
         # the data stream's generator as it was before the pending step's batches were drawn
         "sampler": {"generator": sampler_state},
     }
-    state["format_version"] = FORMAT_VERSION
     if sharded:
         return state
     # AdamW's moments and step counts, Muon's momentum: without them a resume would restart its estimates from zero
@@ -341,9 +342,7 @@ def move_into_place(new, path):
     if path.exists() and (path.is_dir() or new.is_dir()):
         remove(old)
         os.replace(path, old)
-        os.replace(new, path)
-    else:
-        os.replace(new, path)
+    os.replace(new, path)
     remove(old)  # the previous checkpoint, or one that a save killed between its renames left
 
 
@@ -364,25 +363,21 @@ def load_sharded(ckpt, model, *, optimizers, ema_model, role="weights"):
     all of them in a process without FSDP.
     """
     # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     keys = ckpt["sharded_keys"]  # the names of the folder's tensors: weights, optimizers, average
-    weights = get_model_state_dict(model)
-    states = {name: get_optimizer_state_dict(model, optimizer) for name, optimizer in optimizers.items()}
-    if "optimizers" in keys:
-        tensors = {role: weights, "optimizers": states}
-    else:  # format 3 held AdamW's state alone, as "optimizer", its groups without the peak (start.restore sets it)
+    # what a save of this run would write, to fill in; an average only where the folder has one
+    tensors = sharded_state(model, ema_model=ema_model if "average" in keys else None, optimizers=optimizers)
+    weights, states = tensors["weights"], tensors["optimizers"]
+    if role == "average":  # the model, and ema_model with it, read the folder's average
+        tensors["average"] = tensors.pop("weights")
+    # without an average in the folder, ema_model starts from the weights just loaded
+    average = tensors.get("average", weights)
+    if "optimizers" not in keys:
+        # format 3 held AdamW's state alone, as "optimizer", its groups without the peak (start.restore sets it)
         for group in states["adamw"]["param_groups"]:
             del group["initial_lr"]
-        tensors = {role: weights, "optimizer": states["adamw"]}
-    average = weights
-    if ema_model is not None and "average" in keys and role != "average":
-        average = tensors["average"] = get_model_state_dict(ema_model)
+        tensors["optimizer"] = tensors.pop("optimizers")["adamw"]
     # a single process (a resume without torchrun) reads every part itself
     read_shards(tensors, ckpt["sharded"], alone=not dist.is_initialized())
     set_model_state_dict(model, weights)
@@ -433,11 +428,16 @@ def load_checkpoint(path, map_location="cpu", weights=True):
         if not (path / STATE_FILE).is_file():
             raise ConfigError(f"{path} is a folder but not a sharded checkpoint: it has no {STATE_FILE}")
         ckpt = read_checkpoint(path / STATE_FILE, map_location, fallback="")
-        # {role: the name its tensors have in the folder}, for load_sharded
+        # the folder, where load_sharded reads the rest
         ckpt["sharded"] = path
         if weights:
+            # built without drawing any initial values (the meta device), then given memory for the folder to fill
+            with torch.device("meta"):
+                model = build_model(ModelConfig.from_dict(ckpt["model_config"]))
             role = "average" if "average" in ckpt["sharded_keys"] else "weights"
-            ckpt[role] = sharded_weights(ckpt, role)
+            ckpt[role] = model.to_empty(device="cpu").state_dict()
+            # this process reads every rank's part itself, whether or not it is one of several
+            read_shards({role: ckpt[role]}, path, alone=True)
         return ckpt
     if not path.is_file():
         raise ConfigError(f"no checkpoint at {path}; {missing_checkpoint_hint(path.parent)}")
@@ -575,21 +575,6 @@ def is_checkpoint(path):
     """Whether path names a checkpoint: a file (ours or nanoGPT's) or a sharded checkpoint's folder."""
     path = Path(path).expanduser()
     return path.is_file() or (path / STATE_FILE).is_file()
-
-
-def sharded_weights(ckpt, key):
-    """
-    The weights stored as key in the sharded checkpoint ckpt (its state.pt), read whole into this process: a state
-    dict.
-    """
-    config = ModelConfig.from_dict(ckpt["model_config"])
-    # built without drawing any initial values (the meta device), then given memory for the checkpoint to fill
-    with torch.device("meta"):
-        model = build_model(config)
-    weights = model.to_empty(device="cpu").state_dict()
-    # this process reads every rank's part itself, whether or not it is one of several
-    read_shards({key: weights}, ckpt["sharded"], alone=True)
-    return weights
 
 
 def kept_weights(ckpt):

@@ -117,14 +117,14 @@ def resume(cfg, meta, lazy):
         )
     # the checkpoint's settings completed with today's defaults: a checkpoint older than a setting lacks it
     config = ModelConfig.from_dict(ckpt["model_config"])
-    # settings the user gave (not left at their defaults) that the checkpoint overrides; None resolved first
-    defaults, given, saved = {f.name: f.default for f in fields(cfg)}, asdict(cfg.model_config(1)), asdict(config)
-    changed = [f"{k}={saved[k]!r}" for k in MODEL_KEYS if getattr(cfg, k) != defaults[k] and given[k] != saved[k]]
-    if changed:
-        log(f"note: resuming with the checkpoint's model settings: {', '.join(changed)}")
     # the checkpoint's settings win: its weights fit only the architecture they were trained in, its adapters
-    # only their own rank and places
-    cfg = with_lora_settings(with_model_settings(cfg, config), ckpt.get("lora"))
+    # only their own rank and places. The model settings the user gave are compared with None resolved
+    settings = {k: getattr(config, k) for k in MODEL_KEYS}
+    cfg = with_saved_settings(cfg, settings, "model", given=asdict(cfg.model_config(1)))
+    # a run without LoRA: rank 0, with this run's alpha and targets, which it does not use
+    lora = ckpt.get("lora", {"rank": 0, "alpha": cfg.lora_alpha, "targets": cfg.lora_targets.split(",")})
+    settings = {"lora_rank": lora["rank"], "lora_alpha": lora["alpha"], "lora_targets": ",".join(lora["targets"])}
+    cfg = with_saved_settings(cfg, settings, "LoRA", given=asdict(cfg))
     averaged = "average" in (ckpt["sharded_keys"] if "sharded" in ckpt else ckpt)
     if averaged and not cfg.ema_decay and not cfg.eval_only:
         log("note: training goes on from the un-averaged weights; their average is dropped (ema_decay=0)")
@@ -145,19 +145,15 @@ def resume(cfg, meta, lazy):
     return Start(cfg, model.train(), task, ckpt["meta"], ckpt)
 
 
-def with_lora_settings(cfg, record):
-    """cfg with the LoRA settings of a checkpoint's record (None: a run without LoRA), noting those the user changed."""
-    saved = {"lora_rank": 0}
-    if record is not None:
-        saved = {
-            "lora_rank": record["rank"],
-            "lora_alpha": record["alpha"],
-            "lora_targets": ",".join(record["targets"]),
-        }
+def with_saved_settings(cfg, saved, kind, given):
+    """
+    cfg with a checkpoint's settings (saved: {name: value}), noting those that the user gave (not left at their
+    defaults) and that the checkpoint overrides; given: the user's values, as compared with the checkpoint's.
+    """
     defaults = {f.name: f.default for f in fields(cfg)}
-    changed = [f"{k}={v!r}" for k, v in saved.items() if getattr(cfg, k) not in (v, defaults[k])]
+    changed = [f"{k}={v!r}" for k, v in saved.items() if getattr(cfg, k) != defaults[k] and given[k] != v]
     if changed:
-        log(f"note: resuming with the checkpoint's LoRA settings: {', '.join(changed)}")
+        log(f"note: resuming with the checkpoint's {kind} settings: {', '.join(changed)}")
     return replace(cfg, **saved)
 
 
@@ -170,17 +166,14 @@ def other_ids(path, saved, meta, cfg):
     if "name" in saved:
         fix = f"--dataset={saved['name']}"
         keys = [f.name for f in fields(cfg)]
-        fits = [p for p in sorted(CONFIGS.glob("*.py")) if ("dataset", saved["name"]) in config_items(p, keys)]
+        # the (key, value) assignments of each shipped config
+        items = {p: [(k, v) for k, v, _ in read_config_file(str(p), keys)] for p in sorted(CONFIGS.glob("*.py"))}
+        fits = [p for p, assigned in items.items() if ("dataset", saved["name"]) in assigned]
         fix += f", as configs/{fits[0].name} has it" if fits else ""
     return ConfigError(
         f"{path} was trained on {describe_ids(saved)}, but dataset={cfg.dataset} holds {describe_ids(meta)}: "
         f"the ids would mean other text; use {fix}"
     )
-
-
-def config_items(path, keys):
-    """The (key, value) assignments of config file path."""
-    return [(key, value) for key, value, _ in read_config_file(str(path), keys)]
 
 
 def describe_ids(meta):
@@ -243,12 +236,11 @@ def from_pretrained(cfg, meta):
         # GPT-2 reads GPT-2 BPE however the data was prepared: with tiktoken, or with its own tokenizer.json
         accepted.append(tokens.GPT2_META["tokenizer"])
     # the weights only fit the token ids they were trained on
-    if gpt2 and meta["tokenizer"] not in accepted:
-        raise ConfigError(f"init_from={name} needs a GPT-2 BPE dataset (e.g. dataset='shakespeare')")
-    if exported and meta["tokenizer"] not in accepted:
-        # its meta names the dataset it was trained on, as a checkpoint's does
-        raise other_ids(folder, trained_on, meta, cfg)
     if meta["tokenizer"] not in accepted:
+        if gpt2:
+            raise ConfigError(f"init_from={name} needs a GPT-2 BPE dataset (e.g. dataset='shakespeare')")
+        if exported:  # its meta names the dataset it was trained on, as a checkpoint's does
+            raise other_ids(folder, trained_on, meta, cfg)
         raise ConfigError(
             f"init_from={name} needs a dataset prepared with its tokenizer.json, which {meta.get('name')} was not; "
             f"prepare one with --tokenizer={folder}, e.g. --dataset=shakespeare "
@@ -323,36 +315,35 @@ def with_model_settings(cfg, config):
 
 def restore(ckpt, models, *, optimizers, scaler, generator, cfg, rt):
     """
-    Put a resumed run's state back, in this order: the optimizers' states (Adam's moments, Muon's momentum), each
-    group keeping this run's peak learning rate, the loss scale, the data stream's position (generator), the weight
-    average, a sharded checkpoint's weights (with the optimizers' states and the average, each rank reading what its
-    shards need), and last each rank's random
-    generators, so that nothing after draws from them before training does. models: parallel.Models.
+    Put a resumed run's state back, in this order: the optimizers' states (Adam's moments, Muon's momentum) and the
+    weight average, with a sharded checkpoint's weights (each rank reading what its shards need), each group keeping
+    this run's peak learning rate; the loss scale, the data stream's position (generator), and last each rank's
+    random generators, so that nothing after draws from them before training does. models: parallel.Models.
     """
     # imported here, not at the top: half a second of every script's start that only a resume needs
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    sharded = "sharded" in ckpt
     # this run's peak learning rates, which the checkpoint's groups would replace: a resume may change them
     peaks = {name: [group["initial_lr"] for group in o.param_groups] for name, o in optimizers.items()}
-    if not sharded:
+    if "sharded" in ckpt:
+        # eval_only evaluates what best.pt would hold: the average, if there is one
+        role = "average" if cfg.eval_only and "average" in ckpt["sharded_keys"] else "weights"
+        load_sharded(ckpt, models.raw, optimizers=optimizers, ema_model=models.average, role=role)
+    else:
         for name, optimizer in optimizers.items():
             if rt.fsdp:  # a file from a run without FSDP: whole tensors, of which each rank keeps its shards
                 load_whole_optimizer_state(models.raw, optimizer, ckpt["optimizers"][name])
             else:
                 optimizer.load_state_dict(ckpt["optimizers"][name])
+    # a checkpoint without an average gives the run a fresh one: the copy parallelize made of the weights
+    if models.average is not None and "average" in ckpt:
+        if rt.fsdp:
+            set_model_state_dict(models.average, ckpt["average"], options=StateDictOptions(full_state_dict=True))
+        else:
+            models.average.load_state_dict(ckpt["average"])
     if scaler.is_enabled() and ckpt["scaler"]:
         scaler.load_state_dict(ckpt["scaler"])
     generator.set_state(ckpt["sampler"]["generator"])
-    # a checkpoint without an average gives the run a fresh one: the copy parallelize made of the weights
-    if models.average is not None and "average" in ckpt and rt.fsdp:
-        set_model_state_dict(models.average, ckpt["average"], options=StateDictOptions(full_state_dict=True))
-    elif models.average is not None and "average" in ckpt:
-        models.average.load_state_dict(ckpt["average"])
-    if sharded:
-        # eval_only evaluates what best.pt would hold: the average, if there is one
-        role = "average" if cfg.eval_only and "average" in ckpt["sharded_keys"] else "weights"
-        load_sharded(ckpt, models.raw, optimizers=optimizers, ema_model=models.average, role=role)
     for name, optimizer in optimizers.items():
         for group, peak in zip(optimizer.param_groups, peaks[name]):
             group["initial_lr"] = peak
@@ -467,13 +458,13 @@ def load_base(base, **overrides):
     """
     where = base["init_from"]
     fix = "put it back, or fine-tune again from the base you have"
-    if base["source"] == "checkpoint" and not is_checkpoint(where):
-        raise ConfigError(f"the adapters' base checkpoint {where} is not there (moved or deleted?): {fix}")
-    if base["source"] == "pretrained" and Path(where).is_absolute() and not Path(where).is_dir():
-        raise ConfigError(f"the adapters' base folder {where} is not there (moved or deleted?): {fix}")
     if base["source"] == "checkpoint":
+        if not is_checkpoint(where):
+            raise ConfigError(f"the adapters' base checkpoint {where} is not there (moved or deleted?): {fix}")
         model = model_from_checkpoint(load_checkpoint(where), **overrides)
     else:  # a folder or a hub id, cut to the positions the run used, as start.from_pretrained did
+        if Path(where).is_absolute() and not Path(where).is_dir():
+            raise ConfigError(f"the adapters' base folder {where} is not there (moved or deleted?): {fix}")
         model = hf.from_pretrained(where, **{"block_size": base["model_config"]["block_size"], **overrides})
     if (found := fingerprint(model)) != base["fingerprint"]:
         raise ConfigError(
