@@ -32,12 +32,12 @@ from pathlib import Path
 import tokenizers
 from safetensors.torch import save_file
 
-from checkpoint import load_checkpoint, move_into_place, run_checkpoint
+from checkpoint import load_checkpoint, move_into_place, nanogpt_meta, run_checkpoint
 from config import parse_config
 from hf import EXPORT_KEY, hf_layout, to_hf
 from model import ModelConfig
 from start import model_from_checkpoint
-from tokens import END_OF_TEXT, TOKENIZER_JSON, tiktoken_encoding
+from tokens import END_OF_TEXT, TOKENIZER_JSON, dataset_dir, load_meta, tiktoken_encoding
 
 WEIGHTS = "model.safetensors"
 # every name an export may write: a --dest holding only these, with our config.json, is an earlier export
@@ -58,6 +58,7 @@ class ExportConfig:
     out_dir: str = "out-shakespeare"  # the folder train.py wrote its checkpoints to
     checkpoint: str = ""  # which file of out_dir: "" the best weights (best.pt, else ckpt.pt), "ckpt.pt" the latest
     dest: str = ""  # the folder to write (required): new, empty, or an earlier export, which is replaced
+    dataset: str = ""  # nanoGPT character-level checkpoints only: the prepared dataset of their characters
 
     def __post_init__(self):
         if not self.dest:
@@ -268,9 +269,12 @@ def main(cfg, out=None):
     try:
         # the layout is checked on the settings alone, before any model is built
         layout = hf_layout(ModelConfig.from_dict(ckpt["model_config"]))
-        model, meta = model_from_checkpoint(ckpt), ckpt["meta"]
+        model = model_from_checkpoint(ckpt)
     except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit
         raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
+    # nanoGPT's character-level checkpoints take their characters from the dataset named, as in sample.py
+    named = load_meta(dataset_dir(cfg.dataset)) if cfg.dataset else None
+    meta = ckpt["meta"] or nanogpt_meta(ckpt, path, named, "name a prepared dataset with --dataset")
     note = export(model, meta, dest)
     kind = {
         "gpt2": "GPT2LMHeadModel (GPT-2 layout)",

@@ -225,6 +225,18 @@ def read_hf_config(name_or_path):
     return path, hf
 
 
+def check_head(config, tied, path):
+    """
+    ValueError where config ties a head that folder path keeps apart (tied: its config.json's tie_word_embeddings):
+    the head would be dropped. The other way is allowed: a tied head is untied into a copy of the embedding.
+    """
+    if config.tie_embeddings and not tied:
+        raise ValueError(
+            f"{path} has a head of its own (tie_word_embeddings=false): tie_embeddings=True would drop it; "
+            f"leave tie_embeddings as the folder has it"
+        )
+
+
 def check_block_size(config, positions, path):
     """ValueError when the (overridden) block_size is longer than the positions the checkpoint was trained with."""
     if config.block_size > positions:
@@ -359,11 +371,7 @@ def gpt2_model_config(hf, path, overrides):
             **overrides,
         }
     )
-    if config.tie_embeddings and not hf.get("tie_word_embeddings", True):
-        raise ValueError(
-            f"{path} has a head of its own (tie_word_embeddings=false): tie_embeddings=True would drop it; "
-            f"leave tie_embeddings as the folder has it"
-        )
+    check_head(config, hf.get("tie_word_embeddings", True), path)
     check_block_size(config, hf["n_positions"], path)
     return config
 
@@ -653,6 +661,7 @@ def llama_model_config(hf, path, overrides):
             **overrides,
         }
     )
+    check_head(config, hf.get("tie_word_embeddings", False), path)
     check_block_size(config, hf["max_position_embeddings"], path)
     return config
 
@@ -692,16 +701,16 @@ def llama_config(c, layout):
 
 def load_llama(path, hf, overrides):
     """A GPT holding the weights of a Llama-family folder path, whose config.json is hf; see from_pretrained."""
-    config = llama_model_config(hf, path, overrides)
+    config, saved = llama_model_config(hf, path, overrides), llama_model_config(hf, path, {})
     hf_state = read_state_dict(path)
     # LlamaForCausalLM prefixes the body with "model."; a bare LlamaModel does not. rotary_emb.inv_freq (saved by
     # transformers before 4.31) is the rotary table, not a weight.
     hf_state = {k.removeprefix("model."): v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}
-    if config.tie_embeddings:
+    if saved.tie_embeddings:
         hf_state.pop("lm_head.weight", None)  # the head is embed_tokens; save_pretrained leaves it out
-    # the tensors config.json names (the head tied as the overrides say): an override that changes them, such as
-    # qk_norm=True, is load_checked's to name
-    names = llama_names(llama_model_config(hf, path, {"tie_embeddings": config.tie_embeddings}))
+    # the tensors config.json names: an override that changes them, such as qk_norm=True, is load_checked's to name;
+    # a tied head untied on request starts as a copy of embed_tokens (load_checked)
+    names = llama_names(saved)
     expected = [name for parts in names.values() for name, _ in parts]
     check_names(path, hf["model_type"], expected=expected, found=hf_state)
     # (a lone tensor is taken as it is: a copy of every weight would double the memory a large model needs)

@@ -118,13 +118,12 @@ def resume(cfg, meta, lazy):
     # the checkpoint's settings completed with today's defaults: a checkpoint older than a setting lacks it
     config = ModelConfig.from_dict(ckpt["model_config"])
     # the checkpoint's settings win: its weights fit only the architecture they were trained in, its adapters
-    # only their own rank and places. The model settings the user gave are compared with None resolved
-    settings = {k: getattr(config, k) for k in MODEL_KEYS}
-    cfg = with_saved_settings(cfg, settings, "model", given=asdict(cfg.model_config(1)))
+    # only their own rank and places
+    cfg = with_model_settings(cfg, config, "resuming with the checkpoint's model settings")
     # a run without LoRA: rank 0, with this run's alpha and targets, which it does not use
     lora = ckpt.get("lora", {"rank": 0, "alpha": cfg.lora_alpha, "targets": cfg.lora_targets.split(",")})
     settings = {"lora_rank": lora["rank"], "lora_alpha": lora["alpha"], "lora_targets": ",".join(lora["targets"])}
-    cfg = with_saved_settings(cfg, settings, "LoRA", given=asdict(cfg))
+    cfg = with_saved_settings(cfg, settings, asdict(cfg), "resuming with the checkpoint's LoRA settings")
     averaged = "average" in (ckpt["sharded_keys"] if "sharded" in ckpt else ckpt)
     if averaged and not cfg.ema_decay and not cfg.eval_only:
         log("note: training goes on from the un-averaged weights; their average is dropped (ema_decay=0)")
@@ -145,16 +144,23 @@ def resume(cfg, meta, lazy):
     return Start(cfg, model.train(), task, ckpt["meta"], ckpt)
 
 
-def with_saved_settings(cfg, saved, kind, given):
+def with_saved_settings(cfg, saved, given, said):
     """
-    cfg with a checkpoint's settings (saved: {name: value}), noting those that the user gave (not left at their
-    defaults) and that the checkpoint overrides; given: the user's values, as compared with the checkpoint's.
+    cfg with the settings of the weights a run starts from (saved: {name: value}), and a note (starting with `said`)
+    naming those the user gave (not left at their defaults) that these override, rather than ignoring them
+    silently; given: the user's values, as compared with saved.
     """
     defaults = {f.name: f.default for f in fields(cfg)}
     changed = [f"{k}={v!r}" for k, v in saved.items() if getattr(cfg, k) != defaults[k] and given[k] != v]
     if changed:
-        log(f"note: resuming with the checkpoint's {kind} settings: {', '.join(changed)}")
+        log(f"note: {said}: {', '.join(changed)}")
     return replace(cfg, **saved)
+
+
+def with_model_settings(cfg, config, said):
+    """cfg with the model settings of config (a ModelConfig), noted as with_saved_settings does; None resolved."""
+    saved = {k: getattr(config, k) for k in MODEL_KEYS}
+    return with_saved_settings(cfg, saved, asdict(cfg.model_config(1)), said)
 
 
 def other_ids(path, saved, meta, cfg):
@@ -196,7 +202,7 @@ def from_checkpoint(cfg, meta):
         raise other_ids(path, saved_meta, meta, cfg)
     # its architecture and weights; dropout is the new run's (0 to evaluate, 0.1 to fine-tune on little data)
     model = model_from_checkpoint(ckpt, dropout=cfg.dropout).train()
-    cfg = with_model_settings(cfg, model.config)
+    cfg = with_model_settings(cfg, model.config, f"init_from={cfg.init_from} decides the model settings")
     # the task from the dataset, the meta to save from the checkpoint (an encoder's holds its [MASK] id), or from
     # the data where the task says so (chat: its tokens and template, which sample.py --chat needs)
     task = task_of(cfg, meta)
@@ -251,7 +257,8 @@ def from_pretrained(cfg, meta):
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"init_from={name}: {one_line(e)}") from None
     task = task_of(cfg, meta)
-    return Start(with_model_settings(cfg, model.config), model, task, task.meta)
+    cfg = with_model_settings(cfg, model.config, f"init_from={name} decides the model settings")
+    return Start(cfg, model, task, task.meta)
 
 
 def fit_to_data(begin, meta):
@@ -306,11 +313,6 @@ def trained_rows(meta, base_vocab):
     if meta.get("chat", {}).get("template") == "builtin":
         rows |= {meta["special_tokens"][name] for name in ("system", "user", "assistant", "end_of_turn")}
     return sorted(rows)
-
-
-def with_model_settings(cfg, config):
-    """cfg with the model settings of config (a ModelConfig): those of the weights the run starts from."""
-    return replace(cfg, **{k: getattr(config, k) for k in MODEL_KEYS})
 
 
 def restore(ckpt, models, *, optimizers, scaler, generator, cfg, rt):

@@ -144,6 +144,21 @@ def test_a_saved_folder_loads_to_transformers_logits_and_greedy_tokens(tmp_path,
     assert_same_greedy_tokens(ours, theirs, x[:, :5])
 
 
+@pytest.mark.parametrize("case", ["qwen2-gqa-tied", "llama3-gqa-untied"])
+def test_a_tied_head_unties_on_request_and_a_head_of_its_own_is_never_dropped(tmp_path, case):
+    """As GPT-2's: a tied folder read with tie_embeddings=False, a head of its own with tie_embeddings=True."""
+    config_class, changes, patch, _ = FOLDERS[case]
+    theirs = saved_folder(tmp_path, config_class, changes, patch)
+    if theirs.config.tie_word_embeddings:
+        ours = hf.from_pretrained(tmp_path, tie_embeddings=False).eval()
+        assert ours.lm_head.weight is not ours.body.wte.weight
+        assert torch.equal(ours.lm_head.weight, ours.body.wte.weight)  # a copy to fine-tune apart
+        assert max_logit_difference(ours, theirs, ids(2, 64)) < 1e-4
+    else:
+        with pytest.raises(ValueError, match="tie_embeddings=True would drop it"):
+            hf.from_pretrained(tmp_path, tie_embeddings=True)
+
+
 def test_llama3_scaling_shows_in_the_logits(tmp_path):
     """Read unscaled, a Llama 3 folder's logits are far off, so the 1e-4 above would catch a scaling left out."""
     config_class, changes, _, _ = FOLDERS["llama3-gqa-untied"]

@@ -167,6 +167,31 @@ def test_sample_reads_a_char_level_nanogpt_checkpoint_with_the_dataset_named(
     assert capsys.readouterr().out.strip() == expected.strip()
 
 
+def test_export_writes_a_char_level_nanogpt_checkpoint_with_the_dataset_named(
+    tmp_path, shakespeare_char_dir, monkeypatch, capsys
+):
+    """Without --dataset one line saying to name one; with it, a GPT-2 folder whose logits are the model's."""
+    import transformers
+
+    import export
+
+    monkeypatch.setenv("NANOFORMER_DATA_DIR", str(shakespeare_char_dir.parent))
+    model = nanogpt_model(65, True).eval()
+    write_nanogpt_checkpoint(model, tmp_path / "ckpt.pt", compiled=False)
+    dest = tmp_path / "hf"
+    args = [f"--out_dir={tmp_path}", "--checkpoint=ckpt.pt", f"--dest={dest}"]
+    assert export.cli(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a nanoGPT model of 65 characters" in err and "--dataset" in err
+    assert export.cli([*args, "--dataset=reverse"]) == 2  # not prepared here, or another vocabulary
+    assert not dest.exists()
+    assert export.cli([*args, "--dataset=shakespeare_char"]) == 0
+    hf = transformers.GPT2LMHeadModel.from_pretrained(dest).eval()
+    x = torch.randint(65, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x)[0], rtol=1e-4, atol=1e-4)
+
+
 def test_train_evaluates_and_fine_tunes_a_nanogpt_checkpoint(tmp_path, shakespeare_char_dir, capsys):
     """--init_from=PATH: the same evaluation as the same weights saved as our own checkpoint; then a few steps."""
     model = nanogpt_model(65, False)

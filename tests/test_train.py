@@ -2752,6 +2752,21 @@ def test_the_resume_note_lists_only_settings_given_that_differ(tmp_path, data_ro
     assert "note: resuming" not in capsys.readouterr().out
 
 
+def test_a_new_run_from_other_weights_notes_the_settings_given_that_they_decide(tmp_path, data_root, capsys):
+    """A checkpoint file and a Hugging Face folder (an export of it) each decide the model: given settings are said."""
+    import export
+
+    main(tiny(data_root, tmp_path / "a", max_iters=2))
+    assert export.cli([f"--out_dir={tmp_path / 'a'}", "--checkpoint=ckpt.pt", f"--dest={tmp_path / 'hf'}"]) == 0
+    for source in (tmp_path / "a" / "ckpt.pt", tmp_path / "hf"):
+        capsys.readouterr()
+        out = tmp_path / f"from-{source.name}"
+        main(tiny(data_root, out, max_iters=1, init_from=str(source), n_layer=3, qk_norm=True))
+        notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: init_from")]
+        assert notes == [f"note: init_from={source} decides the model settings: n_layer=2, qk_norm=False"]
+        assert load_checkpoint(out / "ckpt.pt")["model_config"]["n_layer"] == 2
+
+
 def test_a_split_shorter_than_block_size_says_by_how_much(tmp_path, data_root):
     with pytest.raises(
         ConfigError,
