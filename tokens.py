@@ -38,6 +38,13 @@ ID_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 SEQ2SEQ_SPLITS = ("train", "val", "test")
 # chat data: exact-match scores are taken on val, so no third split is kept apart
 CHAT_SPLITS = ("train", "val")
+# what meta.json must list for each kind of data (meta["kind"]): (its entry, the names that entry must hold, how a
+# missing one is named)
+KIND_NEEDS = {
+    "lm": ("files", ("train.bin", "val.bin"), "{}"),
+    "seq2seq": ("pairs", SEQ2SEQ_SPLITS, "{} pairs"),
+    "chat": ("conversations", CHAT_SPLITS, "{} conversations"),
+}
 
 # names the data root when no data_dir is passed (see data_root)
 DATA_DIR_ENV = "NANOFORMER_DATA_DIR"
@@ -718,6 +725,10 @@ def load_meta(dataset_dir):
     required = ("format_version", "kind", "tokenizer", "vocab_size", "special_tokens", "files")
     if not isinstance(meta, dict) or any(key not in meta for key in required):
         raise ValueError(f"{path} lacks the keys {', '.join(required)}; re-create the dataset with --force")
+    if meta["kind"] not in KIND_NEEDS:
+        raise ValueError(
+            f"{path} holds kind={meta['kind']!r}, not one of {', '.join(KIND_NEEDS)}: not a dataset of ours"
+        )
     # chat data is read through its template, which the "chat" entry names
     if meta["kind"] == "chat" and not isinstance(meta.get("chat"), dict):
         raise ValueError(f"{path} is chat data without a 'chat' entry; re-create the dataset with --force")
@@ -741,13 +752,9 @@ def check_prepared(path):
     path = Path(path)
     meta = load_meta(path)
     fix = "re-create the dataset with: python prepare_data.py NAME --force"
-    # what each kind needs: LM training reads train.bin and val.bin, seq2seq the pairs of every split
-    if meta["kind"] == "lm":
-        missing = [f for f in ("train.bin", "val.bin") if f not in meta["files"]]
-    elif meta["kind"] == "chat":
-        missing = [f"{s} conversations" for s in CHAT_SPLITS if s not in meta.get("conversations", {})]
-    else:
-        missing = [f"{s} pairs" for s in SEQ2SEQ_SPLITS if s not in meta.get("pairs", {})]
+    # what its kind needs: LM training reads train.bin and val.bin, seq2seq the pairs of every split, ...
+    entry, names, described = KIND_NEEDS[meta["kind"]]
+    missing = [described.format(name) for name in names if name not in meta.get(entry, {})]
     if missing:
         raise ValueError(f"{path / 'meta.json'} lists no {' nor '.join(missing)}; {fix}")
     # headers only, never the ids: cheap even for billions of tokens

@@ -317,13 +317,16 @@ def test_check_prepared_names_the_damaged_file(tmp_path):
     check_prepared(good)  # raises nothing
     assert is_prepared(good)
     count = load_meta(good)["files"]["train.bin"]
-    damaged = {name: shutil.copytree(good, tmp_path / name) for name in ("truncated", "missing", "miscounted")}
+    names = ("truncated", "missing", "miscounted", "unlisted", "foreign")
+    damaged = {name: shutil.copytree(good, tmp_path / name) for name in names}
     train = damaged["truncated"] / "train.bin"
     train.write_bytes(train.read_bytes()[:-3])  # a token and a half short
     (damaged["missing"] / "val.bin").unlink()
     meta = load_meta(damaged["miscounted"])
     meta["files"]["train.bin"] += 1
     (damaged["miscounted"] / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    for name, change in (("unlisted", {"files": {"train.bin": count}}), ("foreign", {"kind": "images"})):
+        (damaged[name] / "meta.json").write_text(json.dumps({**load_meta(good), **change}), encoding="utf-8")
     fix = r"; re-create the dataset with: python prepare_data.py NAME --force$"
     cases = {
         "truncated": (
@@ -336,6 +339,8 @@ def test_check_prepared_names_the_damaged_file(tmp_path):
             ValueError,
             rf"miscounted/train.bin holds {count:,} tokens but meta.json records {count + 1:,}{fix}",
         ),
+        "unlisted": (ValueError, rf"unlisted/meta.json lists no val.bin{fix}"),
+        "foreign": (ValueError, r"foreign/meta.json holds kind='images', not one of lm, seq2seq, chat: not a dataset"),
     }
     for name, (error, message) in cases.items():
         with pytest.raises(error, match=message):
