@@ -1114,8 +1114,10 @@ def write_conversations(stage, conversations, vocab_size):
 
 
 def chat_tokenizer_file(value):
-    """The file a chat --tokenizer path stands for: a prepared dataset's meta.json, else a tokenizer.json."""
+    """The file a chat --tokenizer path stands for: a dataset's meta.json (or its folder), else a tokenizer.json."""
     path = Path(value).expanduser()
+    if path.name == "meta.json" and path.is_file():
+        return path
     return path / "meta.json" if (path / "meta.json").is_file() else tokenizer_json_file(path)
 
 
@@ -1133,8 +1135,8 @@ def chat_meta(choice, files):
         if not chars:
             raise ValueError("the input holds no usable conversation to take characters from")
         base = char_vocab(chars)
-    elif chat_tokenizer_file(choice).name == "meta.json":
-        dataset = load_meta(Path(choice).expanduser())
+    elif (file := chat_tokenizer_file(choice)).name == "meta.json":
+        dataset = load_meta(file.parent)
         base = {key: dataset[key] for key in ("tokenizer", "vocab_size", "special_tokens", "chat") if key in dataset}
         if "chat" in base:
             return {"kind": "chat", **base}
@@ -1329,8 +1331,8 @@ RECIPES: dict[str, Recipe] = {
                 str,
                 "gpt2",
                 "gpt2: GPT-2 BPE; char: the conversations' characters; else a tokenizer.json, a Hugging Face "
-                "model folder (its chat_template, if any) or a prepared dataset's folder (its tokenizer, e.g. "
-                "data/shakespeare_char); the built-in template where there is no other",
+                "model folder (its chat_template, if any) or a prepared dataset's folder or meta.json (its tokenizer, "
+                "e.g. data/shakespeare_char); the built-in template where there is no other",
                 choices=("gpt2", "char"),
                 file=chat_tokenizer_file,
             ),

@@ -238,6 +238,16 @@ def test_a_dataset_folder_lends_its_characters(tmp_path, shakespeare_char_dir):
     # the dataset's 65 characters, the four chat tokens after them: its models fine-tune on these ids
     assert meta["tokenizer"] == base["tokenizer"] and meta["vocab_size"] == base["vocab_size"] + 4
     assert meta["left_out"] == {"characters outside the 65-character vocabulary": 1}
+    # its meta.json named instead of its folder: the same data
+    again = prepare(
+        "chat",
+        data_dir=tmp_path,
+        input=str(source),
+        tokenizer=str(shakespeare_char_dir / "meta.json"),
+        val_fraction=0.4,
+        name="by_meta",
+    )
+    assert all((again / f).read_bytes() == (folder / f).read_bytes() for f in meta["files"])
 
 
 def test_a_model_folders_own_template_and_exact_match_split(tmp_path):
