@@ -366,8 +366,10 @@ def load_sharded(ckpt, model, *, optimizers, ema_model, role="weights"):
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     keys = ckpt["sharded_keys"]  # the names of the folder's tensors: weights, optimizers, average
-    # what a save of this run would write, to fill in; an average only where the folder has one
-    tensors = sharded_state(model, ema_model=ema_model if "average" in keys else None, optimizers=optimizers)
+    # what a save of this run would write, to fill in; ema_model's own part only where the folder has an average
+    # that the model does not read itself
+    reads_average = "average" in keys and role != "average"
+    tensors = sharded_state(model, ema_model=ema_model if reads_average else None, optimizers=optimizers)
     weights, states = tensors["weights"], tensors["optimizers"]
     if role == "average":  # the model, and ema_model with it, read the folder's average
         tensors["average"] = tensors.pop("weights")
