@@ -152,7 +152,7 @@ def training_state(
     optimizers,
     scaler,
     best_accuracy=None,
-    budget_from=None,
+    schedule_from=None,
     sampler_state,
     device,
     world_size,
@@ -181,10 +181,10 @@ def training_state(
         # float16's current loss scale; an empty dict when no scaler is in use
         "scaler": scaler.state_dict(),
         "rng": rng,
-        # the training time so far, for a time budget (max_minutes) to go on from, and where a changed budget's
-        # schedule went on from (progress.Clock)
+        # the training time so far, for a time budget (max_minutes) to go on from, and where the learning-rate
+        # schedule of a run resumed with another length went on from (train.Schedule's resumed_at)
         "train_seconds": train_seconds,
-        "budget_from": budget_from,
+        "schedule_from": schedule_from,
         # the data stream's generator as it was before the pending step's batches were drawn
         "sampler": {"generator": sampler_state},
     }

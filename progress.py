@@ -33,46 +33,13 @@ class Step:
 
 
 class Clock:
-    """
-    A run's training time in seconds, evaluations included: what max_minutes budgets, carried over a resume.
-    budget_from: for a run resumed with another budget than its checkpoint's, (the seconds trained then, the
-    fraction of the budget used then); None: the budget counts from 0.
-    """
+    """A run's training time in seconds, evaluations included: what max_minutes budgets, carried over a resume."""
 
-    def __init__(self, before, budget_from=None):
+    def __init__(self, before):
         self.before, self.start = before, time.perf_counter()  # before: the seconds of the run this one resumes
-        self.budget_from = budget_from
 
     def seconds(self):
         return self.before + time.perf_counter() - self.start
-
-    def budget_used(self, seconds, max_minutes):
-        """
-        The fraction of a budget of max_minutes used after `seconds` of training (0 without a budget): the seconds
-        over the budget; after a resume with another budget, the rest of the way from the fraction used then, over
-        the time added, so that a longer budget never raises the learning rate: it decays from where it was.
-        """
-        if not max_minutes:
-            return 0.0
-        if self.budget_from is None:
-            return seconds / (60 * max_minutes)
-        before, used = self.budget_from
-        return used + (1 - used) * (seconds - before) / (60 * max_minutes - before)
-
-
-def resumed_clock(ckpt, max_minutes):
-    """
-    The Clock of a run that starts from ckpt (None: a new run) with a budget of max_minutes: its time goes on from
-    the checkpoint's, and where the budget differs from the one the checkpoint was trained with, the fraction used
-    then is where the schedule goes on from (Clock.budget_used).
-    """
-    if ckpt is None:
-        return Clock(0.0)
-    seconds, saved = ckpt.get("train_seconds", 0.0), ckpt.get("budget_from")
-    trained_with = ckpt["train_config"].get("max_minutes", 0.0)
-    if max_minutes and trained_with and trained_with != max_minutes:
-        saved = (seconds, Clock(0.0, saved).budget_used(seconds, trained_with))
-    return Clock(seconds, saved)
 
 
 @dataclass

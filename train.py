@@ -24,7 +24,7 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -61,7 +61,7 @@ from parallel import (
     raise_if_any_failed,
     split_accumulation,
 )
-from progress import Clock, Progress, Scalars, Step, log_memory, resumed_clock
+from progress import Clock, Progress, Scalars, Step, log_memory
 from start import restore, start_run
 
 
@@ -254,6 +254,7 @@ class Run:
     stop: "StopRequest"  # defined with setup's stages below
     host_group: object  # a gloo group for numbers the host already has; None in one process
     clock: Clock  # the run's training time, which max_minutes budgets
+    schedule: "Schedule"  # the learning rate of each step (defined with train_step below)
     lora: dict | None = None  # with lora_rank: the checkpoints' record of the adapters and their base (start.py)
     start_iter: int = 0
     best_val_loss: float = math.inf  # the val loss of best.pt's evaluation
@@ -366,7 +367,8 @@ def setup(cfg, rt, stack):
         stop=stack.enter_context(StopRequest()),
         host_group=host_group,
         # started last, so that the time budget counts the loop's time: a resume goes on from the time saved
-        clock=resumed_clock(begin.ckpt, cfg.max_minutes),
+        clock=Clock(0.0 if begin.ckpt is None else begin.ckpt.get("train_seconds", 0.0)),
+        schedule=make_schedule(cfg, begin.ckpt),
         lora=begin.lora,
         start_iter=0 if begin.ckpt is None else begin.ckpt["iter_num"],
         best_val_loss=math.inf if begin.ckpt is None else begin.ckpt["best_val_loss"],
@@ -490,7 +492,7 @@ def log_schedule_notes(cfg):
     if not cfg.decay_lr or cfg.lr_schedule != "cosine":
         return
     if cfg.lr_decay_iters > cfg.max_iters:
-        end = get_lr(cfg.max_iters - 1, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters)
+        end = make_schedule(cfg).lr(cfg.max_iters - 1)
         log(
             f"note: lr_decay_iters={cfg.lr_decay_iters:,} is beyond max_iters={cfg.max_iters:,}: the run ends at "
             f"learning rate {end:.2e}, not min_lr={cfg.min_lr:.2e}; --lr_decay_iters=0 ends the decay with the run"
@@ -586,11 +588,7 @@ def train_step(run, iter_num):
 
     # The learning rate: the schedule's multiplier scales each optimizer's peak alike, on each of its groups. With
     # a time budget, the schedule follows whichever of the steps and the time is further along.
-    lr = cfg.learning_rate
-    if cfg.decay_lr:
-        time_used = run.clock.budget_used(seconds, cfg.max_minutes)
-        decay_iters = cfg.lr_decay_iters or cfg.max_iters
-        lr = get_lr(iter_num, lr, cfg.min_lr, cfg.warmup_iters, decay_iters, cfg.lr_schedule, time_used)
+    lr = run.schedule.lr(iter_num, seconds) if cfg.decay_lr else cfg.learning_rate
     for optimizer in run.optimizers.values():
         for group in optimizer.param_groups:
             group["lr"] = lr * (group["initial_lr"] / cfg.learning_rate)  # each group's peak (Muon's is muon_lr)
@@ -611,24 +609,78 @@ def train_step(run, iter_num):
     return Step(loss / n_targets, grad_norm, skipped, lr, n_tokens, flops, seconds)
 
 
-def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters, schedule="cosine", time_used=0.0):
+@dataclass(frozen=True)
+class Schedule:
     """
-    Learning rate of step it (0-based). 'cosine': linear warmup to learning_rate over warmup_iters steps, cosine
-    decay to min_lr at lr_decay_iters, min_lr after; time_used, the fraction of a time budget used (max_minutes),
-    moves the cosine on when it is further along than the steps. 'noam' (the 2017 paper): the same warmup, then
+    The learning rate of each step. 'cosine': linear warmup to learning_rate over warmup_iters steps, then a cosine
+    decay to min_lr at decay_iters steps, or at the end of a time budget of max_minutes if that comes first (the
+    schedule follows whichever is further along), min_lr after. 'noam' (the 2017 paper): the same warmup, then
     learning_rate * sqrt(warmup_iters / step); the paper's d_model**-0.5 * warmup_iters**-0.5 is learning_rate here.
     """
-    # 1-based: the first step (it 0) already gets a nonzero learning rate
-    step = it + 1
-    if schedule == "noam":
-        return learning_rate * min(step / warmup_iters, math.sqrt(warmup_iters / step))
-    if step <= warmup_iters:
-        return learning_rate * step / warmup_iters
-    if it >= lr_decay_iters or time_used >= 1:
-        return min_lr
-    # 0 -> 1 from the end of warmup to lr_decay_iters (or the budget's end); the cosine factor goes 1 -> 0 over it
-    progress = max((it - warmup_iters) / (lr_decay_iters - warmup_iters), time_used)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
+
+    learning_rate: float
+    min_lr: float
+    warmup_iters: int
+    decay_iters: int
+    kind: str = "cosine"
+    max_minutes: float = 0.0  # a time budget; 0: the steps alone
+    # (iteration, seconds, fraction decayed): a run resumed with another length than its checkpoint's goes on from
+    # the fraction its schedule had decayed, over the steps and time that are left; None: counted from the start
+    resumed_at: tuple | None = None
+
+    def lr(self, it, seconds=0.0):
+        """The learning rate of step it (0-based), begun after `seconds` of training."""
+        # 1-based: the first step (it 0) already gets a nonzero learning rate
+        step = it + 1
+        if self.kind == "noam":
+            return self.learning_rate * min(step / self.warmup_iters, math.sqrt(self.warmup_iters / step))
+        if step <= self.warmup_iters:
+            return self.learning_rate * step / self.warmup_iters
+        decayed = self.decayed(it, seconds)
+        if decayed >= 1:
+            return self.min_lr
+        # the cosine factor goes 1 -> 0 as the fraction decayed goes 0 -> 1
+        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * decayed)) * (self.learning_rate - self.min_lr)
+
+    def decayed(self, it, seconds):
+        """The fraction of the decay done at step it (from 0 at the end of warmup to 1 at its end), at least 0."""
+        start_it, start_seconds, done = self.resumed_at or (0, 0.0, 0.0)
+        start_it = max(start_it, self.warmup_iters)
+        steps = (it - start_it) / (self.decay_iters - start_it) if it < self.decay_iters else 1.0
+        budget = 60 * self.max_minutes - start_seconds
+        clock = 0.0 if not self.max_minutes else (seconds - start_seconds) / budget if budget > 0 else 1.0
+        return max(done + (1 - done) * max(steps, clock), 0.0)
+
+
+def make_schedule(cfg, ckpt=None):
+    """
+    cfg's Schedule; resuming ckpt, one that goes on from where the checkpoint's stood when the run's length differs
+    (a larger max_iters, another max_minutes, the clock switched off or on): the learning rate never jumps back up.
+    """
+    schedule = Schedule(
+        cfg.learning_rate,
+        cfg.min_lr,
+        cfg.warmup_iters,
+        cfg.lr_decay_iters or cfg.max_iters,
+        cfg.lr_schedule,
+        cfg.max_minutes,
+    )
+    if ckpt is None or cfg.lr_schedule != "cosine":
+        return schedule
+    saved = ckpt["train_config"]
+    before = Schedule(
+        saved["learning_rate"],
+        saved["min_lr"],
+        saved["warmup_iters"],
+        saved["lr_decay_iters"] or saved["max_iters"],
+        max_minutes=saved.get("max_minutes", 0.0),
+        resumed_at=ckpt.get("schedule_from"),
+    )
+    lengths = ("warmup_iters", "decay_iters", "max_minutes")
+    if all(getattr(before, name) == getattr(schedule, name) for name in lengths):
+        return replace(schedule, resumed_at=before.resumed_at)  # the same schedule: exactly as it was
+    it, seconds = ckpt["iter_num"], ckpt.get("train_seconds", 0.0)
+    return replace(schedule, resumed_at=(it, seconds, min(before.decayed(it, seconds), 1.0)))
 
 
 def accumulate_gradients(models, task, batches, n_targets, scaler, rt):
@@ -914,7 +966,7 @@ def save_training_state(run, iter_num):
         best_val_loss=run.best_val_loss,
         best_accuracy=run.best_accuracy,
         train_seconds=run.clock.seconds(),
-        budget_from=run.clock.budget_from,
+        schedule_from=run.schedule.resumed_at,
         optimizers=run.optimizers,
         scaler=run.scaler,
         sampler_state=run.batches.resume_state,

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -45,11 +46,12 @@ from model import IGNORE_INDEX, MODEL_KEYS, Block, ModelConfig, build_model
 from parallel import Models, Runtime, split_accumulation
 from start import model_from_checkpoint, start_run
 from train import (
+    Schedule,
     TrainConfig,
     accumulate_gradients,
     cli,
-    get_lr,
     main,
+    make_schedule,
     update_ema,
     update_weights,
 )
@@ -319,7 +321,7 @@ def test_cli_runs_from_another_directory_and_logs_tensorboard(tmp_path, env):
 
 def test_cosine_schedule():
     def lr(it):
-        return get_lr(it, learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
+        return Schedule(learning_rate=1.0, min_lr=0.1, warmup_iters=10, decay_iters=110).lr(it)
 
     assert lr(0) == pytest.approx(0.1) and lr(4) == pytest.approx(0.5) and lr(9) == pytest.approx(1.0)
     assert lr(10) == pytest.approx(1.0)
@@ -330,7 +332,7 @@ def test_cosine_schedule():
 
 def test_noam_schedule():
     def lr(it):
-        return get_lr(it, learning_rate=2.0, min_lr=0.0, warmup_iters=100, lr_decay_iters=0, schedule="noam")
+        return Schedule(learning_rate=2.0, min_lr=0.0, warmup_iters=100, decay_iters=0, kind="noam").lr(it)
 
     assert lr(49) == pytest.approx(1.0) and lr(99) == pytest.approx(2.0)  # linear warmup to the peak
     assert lr(399) == pytest.approx(1.0)  # 1/sqrt(step): four times the steps, half the rate
@@ -393,23 +395,72 @@ def test_a_time_budget_decays_with_the_time_and_a_resume_goes_on_from_it(tmp_pat
         main(dataclasses.replace(cfg, init_from="resume", max_minutes=0.05))
 
 
+def test_a_resumed_run_given_more_steps_or_switched_to_steps_goes_on_at_min_lr(tmp_path, data_root, capsys):
+    """A run that ended its decay (4 of 4 steps; a spent time budget) resumed longer: no step goes back up."""
+    cfg = tiny(data_root, tmp_path / "steps", max_iters=4, lr_decay_iters=0, log_interval=1)
+    main(cfg)
+    capsys.readouterr()
+    main(dataclasses.replace(cfg, init_from="resume", max_iters=8))
+    lrs = logged_lrs(capsys.readouterr().out)
+    assert list(lrs) == [5, 6, 7, 8] and all(lr == pytest.approx(cfg.min_lr) for lr in lrs.values())  # not halfway
+    timed = tiny(data_root, tmp_path / "time", max_minutes=0.005, max_iters=10**6, lr_decay_iters=0, log_interval=1)
+    done = main(timed)["iter_num"]
+    capsys.readouterr()
+    main(dataclasses.replace(timed, init_from="resume", max_minutes=0.0, max_iters=done + 3))
+    resumed = logged_lrs(capsys.readouterr().out)
+    assert len(resumed) == 3 and all(lr == pytest.approx(cfg.min_lr) for lr in resumed.values())
+
+
+def cosine_at(fraction, learning_rate=1.0, min_lr=0.1):
+    """The cosine schedule's learning rate a fraction of the way through its decay, written out."""
+    return min_lr + 0.5 * (1 + math.cos(math.pi * fraction)) * (learning_rate - min_lr)
+
+
 def test_a_changed_time_budget_decays_from_where_the_schedule_was():
     """
-    A run stopped after 60 s of a 2-minute budget (half used), resumed with 4 minutes: the budget goes on from half
-    used, to all of it at 4 minutes, over the 180 s added (at 60 s / 120 s it would jump back to a quarter used, and
-    the learning rate up the cosine). Resumed again with the same 4 minutes, it goes on as it was; with 8, from
-    where the 4 had got to.
+    A run stopped after 60 s of a 2-minute budget (half decayed), resumed with 4 minutes: the decay goes on from half,
+    to all of it at 4 minutes, over the 180 s added (at 60 s / 240 s it would jump back to a quarter, and the
+    learning rate up the cosine). Resumed again with the same 4 minutes, it goes on as it was; with 8, from where
+    the 4 had got to.
     """
-    first = progress.resumed_clock({"train_seconds": 60.0, "train_config": {"max_minutes": 2.0}}, 4.0)
-    assert [first.budget_used(t, 4.0) for t in (60.0, 150.0, 240.0)] == pytest.approx([0.5, 0.75, 1.0])
-    saved = {"train_seconds": 150.0, "budget_from": first.budget_from, "train_config": {"max_minutes": 4.0}}
-    assert progress.resumed_clock(saved, 4.0).budget_used(150.0, 4.0) == pytest.approx(0.75)
-    longer = progress.resumed_clock(saved, 8.0)
-    assert [longer.budget_used(t, 8.0) for t in (150.0, 480.0)] == pytest.approx([0.75, 1.0])
-    # a budget added to a run that had none, or the same budget: counted from 0, as a new run's
-    assert progress.resumed_clock({"train_seconds": 60.0, "train_config": {}}, 4.0).budget_used(60.0, 4.0) == 0.25
-    assert progress.resumed_clock(None, 4.0).budget_used(60.0, 4.0) == 0.25
-    assert progress.Clock(0.0).budget_used(60.0, 0.0) == 0.0  # no budget
+    saved = dict(learning_rate=1.0, min_lr=0.1, warmup_iters=0, lr_decay_iters=0, max_iters=10**6, max_minutes=2.0)
+    cfg = types.SimpleNamespace(**{**saved, "lr_schedule": "cosine", "max_minutes": 4.0})
+    first = make_schedule(cfg, {"train_config": saved, "iter_num": 100, "train_seconds": 60.0})
+    assert [first.lr(100, t) for t in (60.0, 150.0, 240.0)] == pytest.approx([cosine_at(f) for f in (0.5, 0.75, 1)])
+    again = {"train_config": vars(cfg), "iter_num": 200, "train_seconds": 150.0, "schedule_from": first.resumed_at}
+    assert make_schedule(cfg, again).lr(200, 150.0) == pytest.approx(cosine_at(0.75))
+    longer = make_schedule(types.SimpleNamespace(**{**vars(cfg), "max_minutes": 8.0}), again)
+    assert [longer.lr(200, t) for t in (150.0, 480.0)] == pytest.approx([cosine_at(0.75), 0.1])
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "fraction"),
+    [
+        # 50 of 100 steps: half decayed; max_iters=300 spreads the other half over the 250 steps left
+        ({"max_iters": 100}, {"max_iters": 300}, lambda it, t: 0.5 + 0.5 * (it - 50) / 250),
+        # a spent 2-minute budget (all decayed) switched to steps with max_minutes=0: min_lr from there on
+        ({"max_minutes": 2.0, "max_iters": 10**6}, {"max_minutes": 0.0, "max_iters": 600}, lambda it, t: 1.0),
+        # half of 100 steps, then a 4-minute budget on top: the other half over the steps or the time, whichever leads
+        (
+            {"max_iters": 100},
+            {"max_iters": 100, "max_minutes": 4.0},
+            lambda it, t: 0.5 + 0.5 * max((it - 50) / 50, (t - 30) / 210),
+        ),
+    ],
+)
+def test_a_resume_with_another_length_goes_on_from_where_the_schedule_stood(before, after, fraction):
+    """At the checkpoint (step 50, 30 s trained in a run of 120 s budgets), then on: never back up the cosine."""
+    common = dict(
+        learning_rate=1.0, min_lr=0.1, warmup_iters=0, lr_decay_iters=0, max_minutes=0.0, lr_schedule="cosine"
+    )
+    saved = {**common, **before}
+    seconds = 120.0 if saved["max_minutes"] else 30.0  # the budget run stopped as its 2 minutes ran out
+    ckpt = {"train_config": saved, "iter_num": 50, "train_seconds": seconds}
+    schedule = make_schedule(types.SimpleNamespace(**{**common, **after}), ckpt)
+    for it, t in ((50, seconds), (60, seconds + 20), (90, seconds + 150)):
+        assert schedule.lr(it, t) == pytest.approx(cosine_at(min(fraction(it, t), 1.0)))
+    # where it stood: the checkpoint's own schedule at its step and time
+    assert schedule.lr(50, seconds) == pytest.approx(make_schedule(types.SimpleNamespace(**saved)).lr(50, seconds))
 
 
 @pytest.mark.parametrize(
