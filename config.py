@@ -207,6 +207,19 @@ def parse_config(cls, argv, config_files=True):
     into the dict before it (a config file's), its keys winning. --help prints every key with its default and doc
     and exits. Raises ConfigError naming the bad file line, key or value; config_files=False refuses files.
     """
+    return make_config(cls, given_values(cls, argv, config_files))
+
+
+def make_config(cls, values):
+    """cls(**values), its checks' failures (in __post_init__) raised as ConfigError."""
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def given_values(cls, argv, config_files=True):
+    """The {name: value} that argv's config files and options give, as parse_config reads them (defaults left out)."""
     # {field name: type}, string annotations resolved to real types (`int | None`) for coerce
     hints = typing.get_type_hints(cls)
     # arguments are consumed from the front, since `--key value` takes the next word too; later values win
@@ -241,8 +254,4 @@ def parse_config(cls, argv, config_files=True):
         if isinstance(value, dict) and isinstance(values.get(key), dict):
             value = {**values[key], **value}
         values[key] = value
-    try:
-        # the dataclass checks what one value alone cannot (ranges, combinations) in __post_init__
-        return cls(**values)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(str(e)) from None
+    return values

@@ -144,6 +144,27 @@ def resume(cfg, meta, lazy):
     return Start(cfg, model.train(), task, ckpt["meta"], ckpt)
 
 
+def resumed_settings(cls, given, out_dir):
+    """
+    The settings ({name: value}) of dataclass cls with which the run in out_dir goes on: those its ckpt.pt was
+    trained with, each one given (given: {name: value}, from the command line and config files) overriding its saved
+    value, said in one note. So `train.py --init_from=resume --out_dir=DIR` needs nothing else.
+    """
+    ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt", weights=False)
+    # settings added since the checkpoint was written keep their defaults; those since removed are dropped
+    names = {f.name for f in fields(cls)}
+    saved = {k: v for k, v in ckpt["train_config"].items() if k in names}
+    # how to go on (init_from) and what to do this time (evaluate, plan) are not the run's settings
+    changed = [
+        f"{k}={v!r} (was {saved[k]!r})"
+        for k, v in given.items()
+        if k in saved and v != saved[k] and k not in ("init_from", "eval_only", "plan")
+    ]
+    if changed:
+        log(f"note: going on with the settings of {out_dir}'s run, except those given: {', '.join(changed)}")
+    return {**saved, **given}
+
+
 def with_saved_settings(cfg, saved, given, said):
     """
     cfg with the settings of the weights a run starts from (saved: {name: value}), and a note (starting with `said`)

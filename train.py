@@ -20,6 +20,7 @@ import contextlib
 import functools
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -44,7 +45,7 @@ from checkpoint import (
     training_state,
     weights_state,
 )
-from config import ConfigError, log, one_line, parse_config
+from config import ConfigError, given_values, log, make_config, one_line
 from data import Task, TrainBatches, count_targets, find_dataset, micro_seeds, pinned
 from devices import DTYPES, keep_freed_memory, peak_flops, pick_threads
 from lora import TARGETS, LoRASettings, adapter_state, add_adapters
@@ -62,7 +63,7 @@ from parallel import (
     split_accumulation,
 )
 from progress import Clock, Progress, Scalars, Step, log_memory
-from start import restore, start_run
+from start import restore, resumed_settings, start_run
 
 
 @dataclass
@@ -293,7 +294,7 @@ def main(cfg):
                     how = f"stopped by {run.stop.signal or 'a signal to another rank'}" if stopping else "done"
                     log(
                         f"{how} at iteration {iter_num}: saved {Path(cfg.out_dir) / 'ckpt.pt'}"
-                        + ("; resume with --init_from=resume" if stopping else "")
+                        + (f"; resume with {resume_command(cfg.out_dir, rt)}" if stopping else "")
                     )
                 break
             step = train_step(run, iter_num)
@@ -313,6 +314,15 @@ def main(cfg):
             dist.barrier()
             time.sleep(0.1)
         return {"losses": progress.losses, "evals": evals, "iter_num": iter_num, "best_val_loss": run.best_val_loss}
+
+
+def resume_command(out_dir, rt):
+    """The shortest command that goes on with the run in out_dir: its checkpoint holds every setting."""
+    launcher = "python"
+    if rt.world_size > 1:
+        one_node = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size)) == rt.world_size
+        launcher = f"torchrun --standalone --nproc_per_node={rt.world_size}" if one_node else "torchrun (as launched)"
+    return f"{launcher} train.py --init_from=resume --out_dir={shlex.quote(str(out_dir))}"
 
 
 # -----------------------------------------------------------------------------
@@ -1009,10 +1019,13 @@ def cli(argv):
     go on (non-finite loss, out of memory, a checkpoint that cannot be written).
     """
     try:
-        cfg = parse_config(TrainConfig, argv)
+        given = given_values(TrainConfig, argv)
+        cfg = make_config(TrainConfig, given)
+        if cfg.init_from == "resume":  # the run in out_dir says every setting not given
+            cfg = make_config(TrainConfig, resumed_settings(TrainConfig, given, cfg.out_dir))
         # Without a config or --dataset the defaults train GPT-2 124M on OpenWebText (configs/gpt2.py's model, as
         # nanoGPT's defaults do): when its data is prepared, never by starting a download of hours
-        default_run = not any(arg.endswith(".py") for arg in argv) and not any(a.startswith("--dataset") for a in argv)
+        default_run = cfg.init_from != "resume" and not any(a.endswith(".py") for a in argv) and "dataset" not in given
         if default_run and not cfg.plan and not tokens.is_prepared(tokens.dataset_dir(cfg.dataset, cfg.data_dir)):
             raise ConfigError(
                 f"no config given, and the default run's data ({cfg.dataset}, GPT-2 124M's) is not prepared in "

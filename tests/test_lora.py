@@ -26,7 +26,7 @@ import train
 from checkpoint import load_checkpoint
 from generate import generate
 from lora import LoRALinear, LoRASettings, add_adapters, grow_vocabulary, merge
-from model import ModelConfig, build_model
+from model import MODEL_KEYS, ModelConfig, build_model
 from parallel import Models, Runtime
 from start import adapted_model, load_model, model_from_checkpoint
 from train import TrainConfig, main
@@ -442,6 +442,35 @@ def test_a_lora_chat_fine_tune_of_a_character_model_trains_the_chat_rows_and_res
     delta = ckpt["weights"]["body.wte.row_delta"]
     assert delta.abs().min() > 0
     torch.testing.assert_close(table[65:], old.mean(0) + delta)
+
+
+@pytest.mark.parametrize("kind", ["plain", "chat", "lora"])
+def test_the_folder_alone_resumes_a_run_with_its_own_settings(kind, data_root, chat_root, base, tmp_path, capsys):
+    """
+    train.py --init_from=resume --out_dir=DIR, nothing else (the dataset, model, LoRA and schedule its checkpoint's),
+    but the larger max_iters given: the same weights, bitwise, as the run trained straight through.
+    """
+    settings = {
+        "plain": dict(data_dir=data_root),
+        "chat": dict(data_dir=chat_root, dataset="shakespeare_chat", init_from=str(base), eval_accuracy_examples=2),
+        "lora": dict(data_dir=data_root, init_from=str(base), **LORA),
+    }[kind]
+    common = dict(eval_interval=2, gradient_accumulation_steps=2, block_size=16, **settings)
+    main(tiny(data_root, tmp_path / "a", max_iters=4, **common))
+    main(tiny(data_root, tmp_path / "b", max_iters=2, **common))
+    capsys.readouterr()
+    assert train.cli(["--init_from=resume", f"--out_dir={tmp_path / 'b'}", "--max_iters=4"]) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if line.startswith("note: going on")]
+    assert notes == [
+        f"note: going on with the settings of {tmp_path / 'b'}'s run, except those given: max_iters=4 (was 2)"
+    ]
+    a, b = (load_checkpoint(tmp_path / run / "ckpt.pt") for run in "ab")
+    # the run's settings, as given to it (a resume writes the model settings resolved: d_ff=128 for None)
+    settings = [{k: v for k, v in ckpt["train_config"].items() if k not in MODEL_KEYS} for ckpt in (a, b)]
+    assert settings[1] == {**settings[0], "init_from": "resume", "out_dir": str(tmp_path / "b")}
+    assert b["iter_num"] == 4 and a["weights"].keys() == b["weights"].keys()
+    assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
 
 
 def test_hugging_face_gpt2_grows_to_the_chat_tokens(chat_root, tmp_path, capsys):

@@ -1122,9 +1122,16 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path, env):
         output, _ = process.communicate(timeout=120)
     finally:
         process.kill()
-    assert process.returncode == 0
-    assert "stopped by SIGTERM" in output and "init_from=resume" in output
-    assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] >= 3
+    assert process.returncode == 0 and "stopped by SIGTERM" in output
+    stopped = load_checkpoint(tmp_path / "ckpt.pt")["iter_num"]
+    assert stopped >= 3
+    # the stop line's command goes on with the run as it was (its config, data and settings); here 2 steps more
+    command = re.search(r"; resume with (python train\.py .*)$", output, re.MULTILINE).group(1)
+    assert command == f"python train.py --init_from=resume --out_dir={tmp_path}"
+    argv = [sys.executable, *command.split()[1:], f"--max_iters={stopped + 2}"]
+    resumed = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] == stopped + 2
 
 
 def test_eval_only_reports_the_checkpoint_and_writes_nothing(tmp_path, data_root):
