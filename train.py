@@ -18,6 +18,7 @@ parallel.py (ranks, FSDP or DDP, compile), progress.py (what a run prints and lo
 
 import contextlib
 import functools
+import json
 import math
 import os
 import shlex
@@ -1068,14 +1069,22 @@ def cli(argv):
 
 def fail(message, status):
     """
-    Print `train.py: error: message` once and return status. Under torchrun, the first rank to exit makes torchrun
-    end the others: rank 0 prints at once, the other ranks only after ERROR_GRACE seconds, so that an error all
-    ranks meet (a setting, or one that setup shares among them) is printed by rank 0 alone, while rank 0 is still
-    there to print it, and an error of one rank alone still shows.
+    Report `train.py: error: message` once and return status. Under torchrun, the first rank to exit makes torchrun
+    end the others: rank 0 reports at once, the other ranks only after ERROR_GRACE seconds, so that an error all
+    ranks meet (a setting, or one that setup shares among them) is reported by rank 0 alone, while rank 0 is still
+    there, and an error of one rank alone still shows. torchrun's summary of the failure, the last thing it prints,
+    then carries the line (through the error file it reads from each failed rank) in place of a traceback.
     """
     if int(os.environ.get("RANK", "0")):
         time.sleep(ERROR_GRACE)
-    print(f"train.py: error: {message}", file=sys.stderr, flush=True)
+    line = f"train.py: error: {message}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        # the error file's format (torch.distributed.elastic's ErrorHandler): the summary shows py_callstack
+        extra = {"py_callstack": line, "timestamp": str(int(time.time()))}
+        Path(error_file).write_text(json.dumps({"message": {"message": line, "extraInfo": extra}}))
+    else:
+        print(line, file=sys.stderr, flush=True)
     return status
 
 

@@ -1423,6 +1423,15 @@ def test_an_error_of_one_rank_alone_shows_under_torchrun(tmp_path, env):
     script += "import time\ntime.sleep(60)\n"  # rank 0 would go on: torchrun ends it when rank 1 exits
     run = torchrun_script(script, tmp_path, env)
     assert run.returncode != 0 and run.stderr.count("train.py: error: rank 1 alone cannot go on") == 1
+    assert "traceback : train.py: error: rank 1 alone cannot go on" in root_cause(run.stderr)
+
+
+def root_cause(stderr):
+    """The block torchrun prints last when a rank fails (its summary of the first failure), without its border."""
+    head, _, block = stderr.rpartition("Root Cause (first observed failure):\n")
+    *lines, border = block.rstrip().splitlines()
+    assert head and set(border) == {"="}  # nothing printed after the summary
+    return "\n".join(lines) + "\n"
 
 
 def test_the_default_run_needs_its_data_prepared_and_says_how_once(tmp_path, env):
@@ -1434,6 +1443,7 @@ def test_the_default_run_needs_its_data_prepared_and_says_how_once(tmp_path, env
     assert run.returncode != 0
     lines = [line for line in run.stderr.splitlines() if "train.py: error:" in line]
     assert len(lines) == 1 and "python prepare_data.py openwebtext" in lines[0] and "configs/shakespeare.py" in lines[0]
+    assert "  rank      : 0 (local_rank: 0)\n" in root_cause(run.stderr) and lines[0] in root_cause(run.stderr)
     assert not (tmp_path / "data").exists()
 
 
