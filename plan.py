@@ -283,18 +283,21 @@ def trace_step(cfg, rt, config, task, batch_size, per_rank, target, train):
         models = Models(model, model)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         vocab = VocabTensors(config.vocab_size)
-        micro_flops, update_flops = FlopCounterMode(display=False), FlopCounterMode(display=False)
+        # a FlopCounterMode starts from 0 each time it is entered: its count is added up after each use
+        counter, micro_flops, update_flops = FlopCounterMode(display=False), 0, 0
         with tracker:
             # the first step, of one micro-batch, creates the optimizers' state; the second, of the rest, is the
             # steady state: its FLOPs are counted
             for step, batches_now in enumerate((batches[:1], batches)):
                 for i, batch in enumerate(batches_now):
-                    with vocab, micro_flops if step else contextlib.nullcontext():
+                    with vocab, counter if step else contextlib.nullcontext():
                         train.micro_step(models, task, batch, i == len(batches_now) - 1, n_targets, scaler, rt)
+                    micro_flops += counter.get_total_flops() if step else 0
                     # MemTracker takes one forward pass of a model per iteration: a micro-batch is one
                     tracker.reset_mod_stats()
-                with vocab, update_flops if step else contextlib.nullcontext():
+                with vocab, counter if step else contextlib.nullcontext():
                     train.update_weights(model, optimizers, scaler, cfg.grad_clip)
+                update_flops = counter.get_total_flops() if step else 0
         snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
         use = state_bytes(model, optimizers)
     parts = {str(k.value) if hasattr(k, "value") else k: v for k, v in snapshot.items()}
@@ -316,8 +319,8 @@ def trace_step(cfg, rt, config, task, batch_size, per_rank, target, train):
         activations=activations,
         gathered=gathered,
         vocab=vocab_bytes,
-        micro_flops=micro_flops.get_total_flops() / len(batches),
-        update_flops=update_flops.get_total_flops(),
+        micro_flops=micro_flops / len(batches),
+        update_flops=update_flops,
     )
 
 
@@ -500,8 +503,8 @@ def time_rows(p):
     until = "max_minutes" if steps < cfg.max_iters else "max_iters"
     return [
         ("tokens per step (full windows)", [f"{tokens:,}"]),
-        ("model FLOPs per step (what MFU counts)", [f"{model_flops:.3e}"]),
-        ("traced FLOPs per step (with recomputation, optimizer)", [f"{traced_flops:.3e}"]),
+        ("model FLOPs per step, all ranks (what MFU counts)", [f"{model_flops:.3e}"]),
+        ("traced FLOPs per step, all ranks (with recomputation, optimizer)", [f"{traced_flops:.3e}"]),
         (f"peak FLOP/s of each {target.name}", [f"{target.flops:.3e}"]),
         (f"MFU ({target.mfu_source})", [f"{target.mfu:.0%}"]),
         ("step time", [f"{1000 * seconds:,.0f} ms" if seconds >= 0.1 else f"{1000 * seconds:.3g} ms"]),

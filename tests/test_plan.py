@@ -99,6 +99,23 @@ def test_a_planned_step_matches_a_real_run(tmp_path, env):
     )
 
 
+def test_traced_flops_count_every_micro_batch_and_match_a_counted_step(monkeypatch, env):
+    """
+    A micro-batch's traced FLOPs are the same whether the step has one or two of them, and equal FlopCounterMode's
+    count of a real forward and backward (the explicit step, on real tensors); the table says they are all ranks'.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args = [*SETTINGS, "--n_layer=2", "--n_embd=64", "--block_size=64", "--batch_size=4", "--plan_device=cpu"]
+    one, two = (plan_of([*args, f"--gradient_accumulation_steps={n}"], monkeypatch, env) for n in (1, 2))
+    assert one.traces[0].micro_flops == two.traces[0].micro_flops > 0
+    model = build_model(one.config)
+    inputs, targets = one.task.example_batch(4, 64)
+    with FlopCounterMode(display=False) as counter:
+        one.task.loss(model, inputs, targets).backward()
+    assert one.traces[0].micro_flops == counter.get_total_flops()
+
+
 def test_fsdp_shards_rank_by_rank_match_torchrun(tmp_path, env, monkeypatch):
     args = [*SETTINGS, "--n_layer=2", "--n_embd=64", "--block_size=64", "--fsdp=true"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
