@@ -662,14 +662,14 @@ def micro_step(models, task, batch, last, n_targets, scaler, rt):
 
 def backward(loss, step_model):
     """
-    loss.backward(). A compiled graph's backward is compiled at its first use, in here: a failure then (after a
-    recompilation) leaves the step half done, and ends the run with one line.
+    loss.backward(). A compiled graph's backward is compiled at its first use, in here: a failure to compile it
+    (after a recompilation) leaves the step half done, and ends the run with one line. Any other error (a device-side
+    assert, a DDP reducer's, CUDA graphs' overwritten outputs, running out of memory) keeps its own message and cause.
     """
     try:
         loss.backward()
-    except (torch.OutOfMemoryError, dist.DistError):
-        raise
-    except Exception as e:
+    # what a failed compilation raises: Inductor's InductorError, any backend's BackendCompilerFailed
+    except torch._dynamo.exc.TorchDynamoException as e:
         if not isinstance(step_model, CompiledModel) or step_model.failed:
             raise
         raise ConfigError(f"the compiled backward failed ({one_line(e)}); run with --compile=false") from e

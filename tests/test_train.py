@@ -2374,13 +2374,14 @@ def second_backward_fails(model):
     """(model compiled so that its second backward graph, a recompilation's, fails to compile; the graphs made)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.exc import InductorError
 
     backward_graphs = []
 
     def backward_compiler(gm, example_inputs):
         backward_graphs.append(gm)
-        if len(backward_graphs) > 1:
-            raise RuntimeError("this backward compiler fails on purpose")
+        if len(backward_graphs) > 1:  # as Inductor reports any failure to compile a graph
+            raise InductorError(RuntimeError("this backward compiler fails on purpose"), None)
         return make_boxed_func(gm)
 
     backend = aot_autograd(fw_compiler=lambda gm, inputs: make_boxed_func(gm), bw_compiler=backward_compiler)
@@ -2405,10 +2406,40 @@ def test_a_failed_backward_recompilation_is_one_line(world_size):
         x, y = torch.randint(0, 20, (2, length)), torch.randint(0, 20, (2, length))
         batches, expected = [((x,), y)], contextlib.nullcontext()
         if length == 6:
-            expected = pytest.raises(ConfigError, match=r"the compiled backward failed \(this backward")
+            expected = pytest.raises(ConfigError, match=r"the compiled backward failed \(RuntimeError: this backward")
         with expected:
             accumulate_gradients(models, CausalLM({}), batches, 2 * length, scaler, rt)
     assert not compiled.failed and len(backward_graphs) == 2
+
+
+class FailingBackward(torch.autograd.Function):
+    """The identity, whose backward fails as a device-side assert does: an error of the step, not of a compiler."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+
+def test_a_backward_error_that_is_no_compile_failure_keeps_its_message():
+    """Only a failed compilation becomes backward's one line: any other error is raised as it is, cause and all."""
+    model = build_model(ModelConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    compiled = parallel.CompiledModel.__new__(parallel.CompiledModel)
+    torch.nn.Module.__init__(compiled)
+    compiled.module, compiled.failed = model, False
+
+    def failing(*args, **kwargs):  # the model, its loss passed through FailingBackward
+        return None, FailingBackward.apply(model(*args, **kwargs)[1])
+
+    compiled.compiled = failing
+    x, y = torch.randint(0, 20, (2, 8)), torch.randint(0, 20, (2, 8))
+    models, scaler = Models(raw=model, step=compiled), torch.amp.GradScaler("cpu", enabled=False)
+    with pytest.raises(RuntimeError, match="^CUDA error: device-side assert triggered$") as raised:
+        accumulate_gradients(models, CausalLM({}), [((x,), y)], 16, scaler, Runtime())
+    assert raised.type is RuntimeError and not compiled.failed
 
 
 DDP_GRAPHS = """
