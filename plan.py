@@ -51,7 +51,7 @@ from config import ConfigError, one_line
 from data import Task, count_targets, prepared_dataset
 from devices import GPUS, peak_flops, pick_threads, resolve_dtype
 from model import LOSS_CHUNK_BYTES, ModelConfig, build_model, loss_chunk_budget
-from parallel import Models, Runtime, shard_model, split_accumulation
+from parallel import Models, Runtime, check_cuda_graphs, shard_model, split_accumulation
 from progress import local_bytes, resident_peak, state_bytes
 from start import task_of
 
@@ -365,6 +365,7 @@ def make_plan(cfg, train):
             "weights refuse; plan with --lora_rank=0, whose every-weight fine-tune bounds LoRA's memory from above"
         )
     per_rank = split_accumulation(cfg.gradient_accumulation_steps, ranks)  # one line if plan_ranks does not divide
+    check_cuda_graphs(cfg, ranks)  # as train.py refuses it on so many ranks
     target = find_target(cfg.plan_device, cfg.plan_mfu, ranks)
     dtype = planned_dtype(cfg, target)
     fsdp = cfg.fsdp and ranks > 1

@@ -2279,6 +2279,11 @@ def test_the_loss_chunk_follows_loss_chunk_mb_and_a_gpu_s_free_memory(monkeypatc
     [
         ([], "cuda_graphs=True needs a CUDA GPU, not device cpu"),
         (["--compile=false"], "it needs compile (not --compile=false)"),
+        (
+            ["--gradient_accumulation_steps=4"],
+            "cuda_graphs=True replays one micro-batch per rank a step, not 4 (gradient_accumulation_steps=4 on 1 "
+            "rank(s)): for the same step use --batch_size=32 --gradient_accumulation_steps=1, or drop --cuda_graphs",
+        ),
     ],
 )
 def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_replay(tmp_path, data_root, capsys, args, message):
@@ -2288,6 +2293,28 @@ def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_replay(tmp_path, 
     error = capsys.readouterr().err.strip()
     assert message in error and len(error.splitlines()) == 1, error
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("world_size", "settings", "message"),
+    [
+        (2, dict(gradient_accumulation_steps=4), "not 2 (gradient_accumulation_steps=4 on 2 rank(s))"),  # DDP no_sync
+        (2, dict(gradient_accumulation_steps=2, fsdp=True), "does not replay FSDP's sharded steps"),
+        (4, dict(gradient_accumulation_steps=2), None),  # fewer steps than ranks: one micro-batch each
+        (2, dict(gradient_accumulation_steps=2), None),
+        (1, dict(gradient_accumulation_steps=1, fsdp=True), None),  # one process trains whole: no FSDP
+    ],
+)
+def test_cuda_graphs_take_one_micro_batch_per_rank_and_no_fsdp(monkeypatch, world_size, settings, message):
+    """Refused before any process group or data (make_runtime is main's first call), on every rank alike."""
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setattr(parallel, "resolve_device", lambda device, local_rank: torch.device("cuda", local_rank))
+    cfg = TrainConfig(cuda_graphs=True, compile=True, dtype="float32", **settings)
+    if message is None:
+        assert parallel.make_runtime(cfg).world_size == world_size
+    else:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            parallel.make_runtime(cfg)
 
 
 def test_cuda_graphs_are_refused_for_batches_of_varying_length(tmp_path, data_root, monkeypatch):
