@@ -120,6 +120,15 @@ def all_reduce(values, rt):
     return tensor
 
 
+def agreed_minimum(value, world_size, group=None):
+    """The smallest of the ranks' integers value, on every rank: so that each rank decides alike. group: over which."""
+    if world_size == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)  # on the CPU: the group must be gloo (train.py's host group)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+    return int(tensor.item())
+
+
 def raise_if_any_failed(error, world_size, group=None):
     """
     Every rank passes its one-line error (or None); if any rank failed, all raise the first rank's error at once,
