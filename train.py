@@ -470,7 +470,7 @@ def sized_loss_chunk(models, optimizers, task, cfg, rt, group):
     inputs, targets = task.to_device(*task.example_batch(cfg.batch_size, cfg.block_size), device)
     # DDP's no_sync: the trial exchanges nothing; the random generators are left as they were, as compiling leaves them
     no_sync = models.ddp.no_sync() if models.ddp is not None else contextlib.nullcontext()
-    with torch.random.fork_rng(devices=[device.index]), no_sync:
+    with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []), no_sync:
         with rt.autocast():
             loss = task.loss(models.step, inputs, targets)
         loss.backward()

@@ -2295,6 +2295,32 @@ def test_the_loss_chunk_is_sized_from_what_a_step_leaves_and_capped():
     assert loss_chunk_budget(LOSS_CHUNK_BYTES, 10**15, card, copies=3) == cap
 
 
+def test_the_trial_step_sizes_the_chunk_from_its_peak_and_leaves_no_trace(monkeypatch):
+    """
+    sized_loss_chunk (a GPU's memory figures given here): an eager trial step in the smallest chunks, its peak and
+    AdamW's two moments (not made yet) counted, a tenth of the card kept, three copies a chunk; the trial leaves no
+    gradient and the random generator as it was.
+    """
+    gib = 2**30
+    memory = {"mem_get_info": (20 * gib, 80 * gib), "memory_reserved": 10 * gib, "max_memory_allocated": 12 * gib}
+    for name, value in memory.items():
+        monkeypatch.setattr(torch.cuda, name, lambda device, value=value: value)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
+    model = build_model(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    cfg = TrainConfig(batch_size=2, block_size=16, dropout=0.1)
+    optimizers, _ = train.make_optimizers(model, cfg, Runtime())
+    trials = []
+    model.register_forward_hook(lambda module, args, output: trials.append(module.loss_chunk_bytes))
+    rng = torch.get_rng_state()
+    chunk = train.sized_loss_chunk(
+        Models(raw=model, step=model), optimizers, CausalLM({"vocab_size": 64}), cfg, Runtime(), None
+    )
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert trials == [LOSS_CHUNK_BYTES]
+    assert chunk == LOSS_CHUNK_BYTES + (20 * gib + 10 * gib - 12 * gib - 2 * weights - 8 * gib) // 3
+    assert all(p.grad is None for p in model.parameters()) and torch.equal(torch.get_rng_state(), rng)
+
+
 AGREED_CHUNK = """
 import os, sys, torch.distributed as dist
 import parallel
