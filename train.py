@@ -133,9 +133,7 @@ class TrainConfig(ModelSettings):
     dtype: str = "auto"  # 'float32', 'bfloat16', 'float16'; 'auto': bf16 (else fp16) on CUDA, float32 elsewhere
     compile: bool | None = None  # torch.compile the model; None: on for CUDA only
     compile_regions: bool = False  # compile each block (once for all) and the loss, not the whole model: a faster start
-    cuda_graphs: bool = (
-        False  # compile with CUDA graphs ('reduce-overhead'): small fixed-shape models, a micro-batch a rank
-    )
+    cuda_graphs: bool = False  # compile with CUDA graphs ('reduce-overhead'): fixed shapes, 1 micro-batch per rank
     loss_chunk_mb: float = 0.0  # float32 logits the loss computes at once, in MiB; 0: 16 on CPUs, sized on GPUs
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~25% slower
     seed: int = 1337  # seeds data sampling, initialisation and dropout (dropout differs per rank)
