@@ -55,13 +55,17 @@ NANOGPT_STEP = (
     "config/train_gpt2.py --dataset=shakespeare --gradient_accumulation_steps=4 --eval_interval=1000000 "
     "--eval_iters=1 --log_interval=1 --wandb_log=False"
 )
-# and its character-level recipe, which configs/shakespeare_gpu.py follows (val loss 1.47 on a GPU)
-NANOGPT_RACE = "config/train_shakespeare_char.py"
+# and its character-level recipe, which configs/shakespeare_gpu.py follows (val loss 1.47 on a GPU), evaluating as
+# that config does, so that both sides' evaluations cost alike: 50 batches of 64 x 256 per split every 250 iterations
+# (the recipe's own 200 cost four times as much: 53% of training's FLOPs against 13%)
+NANOGPT_RACE = "config/train_shakespeare_char.py --eval_iters=50"
 # --parts=gpu: every GPU measurement in one call (its length: docs/performance.md#gpus), most important first, each
 # table printed when done (plans need no GPU: train.py --plan --plan_device=H100 gives the same prediction anywhere):
 # 1. GPT-2 124M's shape as nanoGPT runs it, 12 x 1024 x 4 a step, beside nanoGPT's own train.py: ours compiled cold,
-#    then again from the cache it left (the warm launch), at batch 24, and the modern recipe; profiled.
-# 2. configs/shakespeare_gpu.py from its launch to val loss 1.47 (stopped there), beside nanoGPT's recipe for it.
+#    then again from the cache it left (the warm launch), at batch 24, and the modern recipe; profiled. In turns
+#    with nanoGPT's run, `rounds` times, each round from empty compile caches.
+# 2. configs/shakespeare_gpu.py from its launch to val loss 1.47 (stopped there), beside nanoGPT's recipe for it, in
+#    turns, twice, every run compiling into an empty cache of its own.
 # 3. both GPT-2 recipes at the configs' 40 micro-batches a step, and shakespeare_gpu's step with CUDA graphs.
 GPT2 = "configs/gpt2.py --dataset=shakespeare --gradient_accumulation_steps=4"
 GPU_CASES = ";".join(
@@ -102,6 +106,7 @@ class BenchConfig:
     memory_iters: int = 3  # memory: training steps per run (then one evaluation and a save)
     cases: str = ""  # step: ';'-separated cases "CONFIG [--key=value ...]", a column each; "": --config + train_args
     steps: int = 20  # step: timed optimizer steps per case (fewer if step_seconds runs out first; at least 3)
+    rounds: int = 2  # step: every case, then nanoGPT's, measured in turns this many times (1, 2, ..., nanoGPT, 1, ...)
     step_seconds: float = 10.0  # step: the most seconds of timed steps per case
     warmup: int = 3  # step: untimed steps first (compilation, the allocator's first blocks)
     profile: bool = False  # step: also profile 3 steps of each case: GPU busy share, time by kernel kind
@@ -121,8 +126,10 @@ class BenchConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
         resolve_dtype(self.dtype, sampling_device())  # one this machine cannot sample in (float16 on a CPU) fails now
-        if min(self.repeats, self.runs, self.memory_iters, self.steps) < 1 or self.ranks < 2 or self.warmup < 1:
-            raise ValueError("runs, repeats, memory_iters, steps and warmup must be at least 1, and ranks at least 2")
+        if min(self.repeats, self.runs, self.memory_iters, self.steps, self.rounds, self.warmup) < 1 or self.ranks < 2:
+            raise ValueError(
+                "runs, repeats, memory_iters, steps, rounds and warmup must be at least 1, ranks at least 2"
+            )
         if not re.fullmatch(r"(\d+(,\d+)*)?", self.cold):
             raise ValueError(f"cold={self.cold!r}: give case numbers, e.g. --cold=1,3 (or --cold= for none)")
         missing = [c for c in self.configs if not (ROOT / c).is_file()]
@@ -171,10 +178,16 @@ def compile_env(cache):
     return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton")}
 
 
-def timed_run(cfg, config, out_dir):
+def nanogpt_env(cache):
+    """compile_env for nanoGPT's train.py, unbuffered: its prints (not flushed) reach the pipe as they are made."""
+    return {**compile_env(cache), "PYTHONUNBUFFERED": "1"}
+
+
+def timed_run(cfg, config, out_dir, cache):
     """
-    One `python train.py config` process. Returns (evals: [(seconds since launch, iter, val loss)],
-    tokens/s of every progress line, MFU of every progress line, total seconds).
+    One `python train.py config` process, compiling into the folder cache (empty: a cold start, as nanoGPT's race
+    gets). Returns (evals: [(seconds since launch, iter, val loss)], tokens/s of every progress line, MFU of every
+    progress line, total seconds).
     """
     # every run writes its own out_dir; train_args come last, so they override the config
     command = [sys.executable, str(ROOT / "train.py"), config, f"--out_dir={out_dir}", "--tensorboard=false"]
@@ -183,7 +196,7 @@ def timed_run(cfg, config, out_dir):
     begin = time.perf_counter()
     evals, speeds, mfus = [], [], []
     # one merged stream, read line by line as the run goes, so each eval gets the time it was printed
-    with launch(command) as proc:
+    with launch(command, env=compile_env(cache)) as proc:
         for line in proc.stdout:
             # train.py's lines: 'eval N: ... val loss X', and progress lines holding '| N tok/s' and '| mfu X%'
             if m := re.match(r"eval (\d+): .*val loss ([\d.]+)", line):
@@ -203,13 +216,15 @@ def timed_run(cfg, config, out_dir):
 def bench_training(cfg, work):
     """
     Table rows for cfg.runs training runs of each config, in folders under work: speed, MFU, time to target,
-    losses. Each row holds one value per config.
+    losses. Each row holds one value per config, and nanoGPT's race where cfg says, run in turns with them.
     """
     # per config: one entry per run (reached, best, finals, walls) or per progress line (speeds, mfus)
     stats = [{"reached": [], "best": [], "finals": [], "walls": [], "speeds": [], "mfus": []} for _ in cfg.configs]
+    races = []  # nanoGPT's, one a run
     for run in range(cfg.runs):
-        for i, config in enumerate(cfg.configs):  # in turns: run 1 of each config, then run 2 of each, ...
-            evals, speeds, mfus, wall = timed_run(cfg, config, work / f"config{i}-run{run}")
+        for i, config in enumerate(cfg.configs):  # in turns: run 1 of each config (and nanoGPT's), then run 2, ...
+            folder = work / f"config{i}-run{run}"
+            evals, speeds, mfus, wall = timed_run(cfg, config, folder, work / f"cache-config{i}-run{run}")
             s = stats[i]
             s["speeds"] += speeds[1:]  # the first progress line includes warm-up (and compilation)
             s["mfus"] += mfus[1:]
@@ -219,6 +234,8 @@ def bench_training(cfg, work):
             s["best"].append(min((loss for seconds, _, loss in evals if seconds <= cfg.budget), default=float("inf")))
             s["finals"] += [evals[-1][2]] if evals else []  # the last evaluation's val loss
             s["walls"].append(wall)
+        if cfg.nanogpt and cfg.nanogpt_race:
+            races.append(nanogpt_race(cfg, work / f"nanogpt-run{run}"))
 
     def row(name, key, fmt):
         return name, [summary(s[key], fmt) for s in stats]
@@ -228,11 +245,12 @@ def bench_training(cfg, work):
         rows.append(row("MFU %", "mfus", "{:.1f}"))
     rows.append(row(f"seconds to val loss <= {cfg.target_loss}", "reached", "{:.1f}"))
     if cfg.stop_at_target:  # the runs ended at the target: no best or final loss to report
-        return [*rows, row("val loss at the stop", "finals", "{:.4f}")]
-    rows.append(row(f"best val loss within {cfg.budget:.0f} s", "best", "{:.4f}"))
-    rows.append(row("final val loss", "finals", "{:.4f}"))
-    rows.append(row("wall seconds per run", "walls", "{:.1f}"))
-    return rows
+        rows.append(row("val loss at the stop", "finals", "{:.4f}"))
+    else:
+        rows.append(row(f"best val loss within {cfg.budget:.0f} s", "best", "{:.4f}"))
+        rows.append(row("final val loss", "finals", "{:.4f}"))
+        rows.append(row("wall seconds per run", "walls", "{:.1f}"))
+    return nanogpt_column(rows, races, cfg) if races else rows
 
 
 def memory_run(cfg, config, fsdp, out_dir):
@@ -420,7 +438,7 @@ def time_steps(run, cfg, train):
             return update_weights(*args, **kwargs)
 
     train.update_weights = timed_update
-    spans = []
+    step_ms = []  # each timed step's milliseconds
     step = train.train_step(run, 0)
     clock.synchronize()
     first_step = time.time()  # wall clock: the parent subtracts its own reading from before the launch
@@ -433,14 +451,14 @@ def time_steps(run, cfg, train):
             graphs_after_warmup = compiled_graphs()
             begin = time.perf_counter()
         timed = iteration >= cfg.warmup
-        with clock.span(spans if timed else []):
+        with clock.step(step_ms if timed else []):
             step = train.train_step(run, iteration)
         # at least 3 timed steps; then no more than step_seconds of them (40 micro-batches take a second a step)
-        if timed and len(spans) >= 3 and time.perf_counter() - begin > cfg.step_seconds:
+        if timed and len(step_ms) >= 3 and time.perf_counter() - begin > cfg.step_seconds:
             break
     clock.synchronize()
     result = {
-        "ms": clock.milliseconds(spans),
+        "ms": step_ms,
         "optimizer_ms": clock.milliseconds(optimizer_spans),
         "tokens": step.tokens,
         "flops": step.flops,
@@ -463,10 +481,22 @@ def time_steps(run, cfg, train):
 
 
 class DeviceClock:
-    """Spans of device time: CUDA events on a GPU (read once at the end, no wait per step), the host clock elsewhere."""
+    """
+    The step part's clock. A step: the host clock from its start to the end of one wait for the device after it,
+    in milliseconds, which is how nanoGPT times its iterations at log_interval=1 (time.time() around each, whose
+    loss.item() waits for the device once): both sides pay one synchronisation a step. A part of a step (the
+    optimizer's): spans of device time, CUDA events on a GPU (read once at the end, no wait), the host clock elsewhere.
+    """
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
+
+    @contextlib.contextmanager
+    def step(self, milliseconds):
+        start = time.perf_counter()
+        yield
+        self.synchronize()
+        milliseconds.append(1000 * (time.perf_counter() - start))
 
     def now(self):
         if not self.cuda:
@@ -586,15 +616,16 @@ def planned(words):
 
 def nanogpt_step(cfg, work):
     """
-    nanoGPT's train.py at cfg.nanogpt_step, timed as it times itself (the host clock around each iteration, which
-    waits for the loss): its iterations after cfg.warmup, and the launch to its first iteration, compiled cold.
+    nanoGPT's train.py at cfg.nanogpt_step, timed as it times itself, which is how time_steps times ours: the host
+    clock from iteration to iteration, each waiting for the device once (its loss.item() at log_interval=1). Its
+    iterations after cfg.warmup, and the launch to its first iteration, compiled cold.
     """
     steps = cfg.warmup + cfg.steps
     command = [sys.executable, "train.py", *shlex.split(cfg.nanogpt_step), f"--max_iters={steps}"]
     command += [f"--out_dir={work / 'nanogpt-step'}"]
     begin = time.time()
     first, times, tokens = None, [], None
-    with launch(command, cfg.nanogpt, compile_env(work / "cache-nanogpt")) as proc:
+    with launch(command, cfg.nanogpt, nanogpt_env(work / "cache-nanogpt")) as proc:
         lines = []
         for line in proc.stdout:
             lines.append(line)
@@ -646,7 +677,7 @@ def step_rows(results, plans):
         rows.append(("--plan: predicted peak MiB", [f"{p[0]:,.0f}" if p else "n/a" for p in plans]))
         rows.append(("--plan: predicted ms per step", [f"{p[1]:.1f}" if p else "n/a" for p in plans]))
     rows += [
-        row("launch to first step done, s", lambda r: f"{r['launch']:.1f} ({_cache(r)})"),
+        row("launch to first step done, s", lambda r: f"{summary(r['launch'], '{:.1f}')} ({_cache(r)})"),
         row(
             "graphs / breaks / recompiled in timing",
             lambda r: f"{r['graphs']} / {r['graph_breaks']} / {r['recompiled']}" if "graphs" in r else "n/a",
@@ -667,34 +698,54 @@ def _cache(r):
 
 
 def bench_steps(cfg, work):
-    """(header, rows): each step case (and nanoGPT's, with --nanogpt) measured in turn, then planned."""
+    """
+    (header, rows): each step case, and nanoGPT's with --nanogpt, measured in turns cfg.rounds times (1, 2, ...,
+    nanoGPT, 1, 2, ...), so that the machine's drift hits them alike; each round in a folder of its own, compiling
+    from the same cache state as the others (empty, but for a case after the first that shares its cache). Then
+    planned.
+    """
     cases = cfg.step_cases
-    results = []
-    for i, words in enumerate(cases):
-        print(f"step case {i + 1} of {len(cases)}: {shlex.join(words)}", flush=True)
-        results.append(step_run(cfg, words, i, work))
-        print(f"  {json.dumps(results[-1])}", flush=True)  # every number, the profile's top kernels too
+    nanogpt = bool(cfg.nanogpt and cfg.nanogpt_step)
+    measured = [[] for _ in range(len(cases) + nanogpt)]  # per column, a result per round
+    for round_ in range(cfg.rounds):
+        folder = work / f"round{round_ + 1}"
+        for i, words in enumerate(cases):
+            print(f"step case {i + 1} of {len(cases)}, round {round_ + 1}: {shlex.join(words)}", flush=True)
+            measured[i].append(step_run(cfg, words, i, folder))
+            print(f"  {json.dumps(measured[i][-1])}", flush=True)  # every number, the profile's top kernels too
+        if nanogpt:
+            measured[-1].append(nanogpt_step(cfg, folder))
+    results = [merged(rounds) for rounds in measured]
     header = ["measure", *(f"{i + 1}: {shlex.join(words)}" for i, words in enumerate(cases))]
+    header += [f"nanoGPT: {cfg.nanogpt_step}"] if nanogpt else []
     plans = []
     if cfg.plan:  # side by side, after the timings (which they would disturb): each plan is one process on one core
         with ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) // 2)) as pool:
-            plans = list(pool.map(planned, cases))
-    if cfg.nanogpt and cfg.nanogpt_step:
-        results.append(nanogpt_step(cfg, work))
-        header.append(f"nanoGPT: {cfg.nanogpt_step}")
-        plans += [None] if plans else []
+            plans = list(pool.map(planned, cases)) + [None] * nanogpt
     return header, step_rows(results, plans)
+
+
+def merged(rounds):
+    """
+    One column's result over its rounds: every round's step times and launches; the rest (the profile, the peak, the
+    loss) the first round's. A round that failed stands for the column.
+    """
+    failed = [r for r in rounds if "error" in r]
+    if failed:
+        return failed[0]
+    lists = {key: [v for r in rounds for v in r.get(key, [])] for key in ("ms", "optimizer_ms")}
+    return {**rounds[0], **lists, "launch": [r["launch"] for r in rounds]}
 
 
 def nanogpt_race(cfg, work):
     """
     nanoGPT's train.py at cfg.nanogpt_race, from its launch to its first evaluation at or below cfg.target_loss
-    (then stopped: its run's best is not waited for). Returns (seconds, iteration, val loss), or the exit status of
-    a run that ended without reaching it.
+    (then stopped: its run's best is not waited for), compiling into an empty cache under work, as ours do. Returns
+    (seconds, iteration, val loss), or the exit status of a run that ended without reaching it.
     """
     command = [sys.executable, "train.py", *shlex.split(cfg.nanogpt_race), f"--out_dir={work / 'nanogpt-race'}"]
     begin = time.perf_counter()
-    with launch(command, cfg.nanogpt, compile_env(work / "cache-nanogpt-race")) as proc:
+    with launch(command, cfg.nanogpt, nanogpt_env(work / "cache-nanogpt-race")) as proc:
         for line in proc.stdout:
             # nanoGPT's evaluation line: "step 250: train loss 1.9, val loss 2.0"
             m = re.match(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", line)
@@ -717,10 +768,10 @@ def bench_gpu(cfg, work, show):
     """--parts=gpu: the three stages of the GPU_CASES comment, each table shown as soon as it is measured."""
     defaults = BenchConfig()
     # the timing options keep the command line's values; every other option is the stage's own
-    timing = {k: getattr(cfg, k) for k in ("steps", "step_seconds", "warmup", "case_timeout")}
+    timing = {k: getattr(cfg, k) for k in ("steps", "step_seconds", "warmup", "case_timeout", "rounds")}
     core = replace(defaults, **timing, cases=cfg.cases or GPU_CASES, profile=True)
     show(bench_steps(replace(core, nanogpt=cfg.nanogpt, nanogpt_step=cfg.nanogpt_step), work / "core"))
-    race = replace(defaults, config="configs/shakespeare_gpu.py", target_loss=1.47, runs=1, stop_at_target=True)
+    race = replace(defaults, config="configs/shakespeare_gpu.py", target_loss=1.47, runs=2, stop_at_target=True)
     show(training_table(replace(race, nanogpt=cfg.nanogpt, nanogpt_race=cfg.nanogpt_race), work / "race"))
     show(bench_steps(replace(defaults, **timing, cases=GPU_MORE_CASES, profile=True), work / "more"))
 
@@ -730,8 +781,7 @@ def training_table(cfg, work):
     work.mkdir(parents=True, exist_ok=True)
     rows = bench_training(cfg, work)
     header = ["measure", *(f"{c} median (min-max)" for c in cfg.configs)]
-    if cfg.nanogpt and cfg.nanogpt_race:  # nanoGPT's run to the same target, its own column
-        rows = nanogpt_column(rows, nanogpt_race(cfg, work), cfg)
+    if cfg.nanogpt and cfg.nanogpt_race:  # nanoGPT's race to the same target, its own column
         header.append(f"nanoGPT: {cfg.nanogpt_race}")
     return header, rows
 
@@ -777,15 +827,20 @@ def main(cfg):
             show(bench_memory(cfg, work))
 
 
-def nanogpt_column(rows, reached, cfg):
-    """The training table's rows with nanoGPT's column: its time to the target, the rest not measured (stopped)."""
+def nanogpt_column(rows, races, cfg):
+    """
+    The training table's rows with nanoGPT's column: its time to the target over its races (nanogpt_race's
+    results), the rest not measured (stopped there).
+    """
     target = f"seconds to val loss <= {cfg.target_loss}"
-    if isinstance(reached, int):  # its exit status: the run ended (or failed) first
-        mine, other = f"never: its run ended first, exit status {reached}", "not measured"
-    else:
-        seconds, iteration, loss = reached
-        mine, other = f"{seconds:.1f} (iter {iteration}, val {loss:.4f})", "stopped at the target"
-    return [(name, values + [mine if name == target else other]) for name, values in rows]
+    # inf for a run that ended (or failed) first: summary counts it apart, and its exit status is said
+    seconds = [race[0] if isinstance(race, tuple) else math.inf for race in races]
+    mine = summary(seconds, "{:.1f}")
+    iterations = [str(race[1]) for race in races if isinstance(race, tuple)]
+    mine += f" (at iteration {', '.join(iterations)})" if iterations else ""
+    ended = [str(race) for race in races if not isinstance(race, tuple)]
+    mine += f" (ended first, exit status {', '.join(ended)})" if ended else ""
+    return [(name, values + [mine if name == target else "not measured"]) for name, values in rows]
 
 
 def cli(argv):

@@ -611,20 +611,35 @@ class Stack(nn.Module):
 
 # float32 logits the loss computes at a time (see TransformerModel.head_and_loss), unless a model's loss_chunk_bytes
 # says otherwise. On CPUs glibc serves allocations below its 32 MiB mmap threshold from a heap it reuses, instead of
-# mapping and zeroing fresh pages every step (docs/performance.md, "What moved the numbers").
-# On a GPU train.py sizes the chunk from the memory free (loss_chunk_budget): a micro-batch's whole logits mostly fit,
+# mapping and zeroing fresh pages every step (docs/performance.md, "What moved the numbers"). It is also the smallest
+# chunk a GPU's sizing gives (loss_chunk_budget).
+# On a GPU train.py sizes the chunk from a trial step (loss_chunk_budget): a micro-batch's whole logits mostly fit,
 # and then no chunk is computed twice.
 LOSS_CHUNK_BYTES = 16 * 2**20
 ACCELERATOR_LOSS_CHUNK_BYTES = 2**30
 
 
-def loss_chunk_budget(free_bytes):
+def loss_chunk_cap(total_bytes):
     """
-    The loss chunk's bytes of float32 logits on a GPU with free_bytes of memory free: a quarter of it. Eager autograd
-    holds about three copies of a chunk's logits (the head's output, its float32 cast, the log-probabilities), and
-    the activations need the rest; compiled, the copies fuse away. The planner (plan.py) applies the same rule.
+    The largest loss chunk on a GPU of total_bytes: an eighth of the card. GPT-2 124M's micro-batches of 12 and 24 x
+    1024 positions (2.3 and 4.6 GiB of float32 logits) stay one chunk on an 80 GB card, where computing the loss once
+    instead of twice for most chunks took 8% off a step (docs/performance.md#gpus); eager autograd's three copies of
+    a chunk (the head's output, its float32 cast, the log-probabilities) then take at most 3/8 of the card, not the
+    3/4 that a quarter of the free memory let them take.
     """
-    return free_bytes // 4
+    return total_bytes // 8
+
+
+def loss_chunk_budget(trial_chunk, spare_bytes, total_bytes, copies):
+    """
+    The loss chunk's bytes of float32 logits on a GPU of total_bytes, from a training step taken with chunks of
+    trial_chunk bytes that left spare_bytes unused at its peak (negative: what it lacked), with what the step did
+    not hold yet (the optimizer's state) and a margin counted as used. Each byte more of chunk costs `copies` bytes
+    (3 eager, 1 compiled, where Inductor keeps the head's output alone): the chunk grows into the spare memory or
+    shrinks by what was lacking, within [LOSS_CHUNK_BYTES, loss_chunk_cap(total_bytes)].
+    """
+    chunk = trial_chunk + spare_bytes // copies
+    return int(min(loss_chunk_cap(total_bytes), max(LOSS_CHUNK_BYTES, chunk)))
 
 
 def default_inits_discarded():
@@ -659,7 +674,7 @@ class TransformerModel(nn.Module):
     """What the three models share: GPT-2 initialisation, the head and loss, parameter and FLOP counts, AdamW."""
 
     # float32 logits the loss computes at a time; None: LOSS_CHUNK_BYTES on a CPU, ACCELERATOR_LOSS_CHUNK_BYTES on
-    # other devices. train.py sets it from a GPU's free memory, plan.py from the planned GPU's
+    # other devices. train.py sizes it on a GPU from a trial step, plan.py takes the planned GPU's cap
     loss_chunk_bytes = None
 
     @torch.no_grad()

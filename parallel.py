@@ -48,6 +48,7 @@ def make_runtime(cfg):
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(cfg.device, local_rank)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    check_cuda_graphs(cfg, world_size)
     if cfg.cuda_graphs and device.type != "cuda":
         raise ConfigError(f"cuda_graphs=True needs a CUDA GPU, not device {device}; drop --cuda_graphs")
     dtype = resolve_dtype(cfg.dtype, device)
@@ -75,6 +76,27 @@ def split_accumulation(steps, world_size):
     return steps // world_size
 
 
+def check_cuda_graphs(cfg, world_size):
+    """
+    cuda_graphs' one-line refusals, before anything runs (train.py and --plan alike), of what its replays cannot
+    train yet. More than one micro-batch per rank: gradients cleared to None are made by the first backward inside
+    the CUDA-graph pool, and the next micro-batch's forward starts a new generation of graphs that overwrites them
+    (PyTorch's cudagraph_trees errors with "reduce-overhead and gradient accumulation"); DDP's no_sync path is that
+    case too. FSDP over ranks: its gathers and reduce-scatters run outside the graphs, untested under replay.
+    """
+    if not cfg.cuda_graphs:
+        return
+    per_rank = split_accumulation(cfg.gradient_accumulation_steps, world_size)
+    if per_rank > 1:
+        raise ConfigError(
+            f"cuda_graphs=True replays one micro-batch per rank a step, not {per_rank} (gradient_accumulation_steps="
+            f"{cfg.gradient_accumulation_steps} on {world_size} rank(s)): for the same step use --batch_size="
+            f"{cfg.batch_size * per_rank} --gradient_accumulation_steps={world_size}, or drop --cuda_graphs"
+        )
+    if cfg.fsdp and world_size > 1:
+        raise ConfigError("cuda_graphs=True does not replay FSDP's sharded steps: use DDP (--fsdp=false) or drop it")
+
+
 def init_distributed(cfg, rt, stack):
     """Join the torchrun job (a no-op in one process); returns the host-side gloo group, or None."""
     if rt.world_size == 1:
@@ -96,6 +118,15 @@ def all_reduce(values, rt):
     if rt.world_size > 1:
         dist.all_reduce(tensor)
     return tensor
+
+
+def agreed_minimum(value, world_size, group=None):
+    """The smallest of the ranks' integers value, on every rank: so that each rank decides alike. group: over which."""
+    if world_size == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)  # on the CPU: the group must be gloo (train.py's host group)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+    return int(tensor.item())
 
 
 def raise_if_any_failed(error, world_size, group=None):

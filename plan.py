@@ -50,8 +50,8 @@ from checkpoint import is_checkpoint, load_checkpoint
 from config import ConfigError, one_line
 from data import Task, count_targets, prepared_dataset
 from devices import GPUS, peak_flops, pick_threads, resolve_dtype
-from model import LOSS_CHUNK_BYTES, ModelConfig, build_model, loss_chunk_budget
-from parallel import Models, Runtime, shard_model, split_accumulation
+from model import LOSS_CHUNK_BYTES, ModelConfig, build_model, loss_chunk_cap
+from parallel import Models, Runtime, check_cuda_graphs, shard_model, split_accumulation
 from progress import local_bytes, resident_peak, state_bytes
 from start import task_of
 
@@ -231,13 +231,13 @@ class VocabTensors(TorchDispatchMode):
 
 def planned_loss_chunk(cfg, target):
     """
-    The loss chunk train.py would use on target (its loss_chunk_bytes): loss_chunk_mb if given; on a GPU the rule
-    of model.loss_chunk_budget, applied to the memory a run finds free (FULL of it, less nothing yet allocated);
-    on a CPU the model's budget for CPUs.
+    The loss chunk train.py would use on target: loss_chunk_mb if given; on a GPU the largest a run takes there
+    (model.loss_chunk_cap; a run short of memory sizes a smaller one, so the plan's peak bounds it from above); on a
+    CPU the model's budget for CPUs.
     """
     if cfg.loss_chunk_mb:
         return int(cfg.loss_chunk_mb * 2**20)
-    return loss_chunk_budget(int(FULL * target.memory)) if target.gpu else LOSS_CHUNK_BYTES
+    return loss_chunk_cap(target.memory) if target.gpu else LOSS_CHUNK_BYTES
 
 
 def compiled_on(cfg, target):
@@ -368,6 +368,7 @@ def make_plan(cfg, train):
             "weights refuse; plan with --lora_rank=0, whose every-weight fine-tune bounds LoRA's memory from above"
         )
     per_rank = split_accumulation(cfg.gradient_accumulation_steps, ranks)  # one line if plan_ranks does not divide
+    check_cuda_graphs(cfg, ranks)  # as train.py refuses it on so many ranks
     target = find_target(cfg.plan_device, cfg.plan_mfu, ranks)
     dtype = planned_dtype(cfg, target)
     fsdp = cfg.fsdp and ranks > 1

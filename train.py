@@ -50,11 +50,20 @@ from config import ConfigError, given_values, log, make_config, one_line
 from data import Task, TrainBatches, count_targets, find_dataset, micro_seeds, pinned
 from devices import DTYPES, keep_freed_memory, peak_flops, pick_threads
 from lora import TARGETS, LoRASettings, adapter_state, add_adapters
-from model import MODEL_KEYS, ModelConfig, ModelSettings, build_model, loss_chunk_budget
+from model import (
+    LOSS_CHUNK_BYTES,
+    MODEL_KEYS,
+    ModelConfig,
+    ModelSettings,
+    build_model,
+    loss_chunk_budget,
+    loss_chunk_cap,
+)
 from parallel import (
     CompiledModel,
     Models,
     Runtime,
+    agreed_minimum,
     all_reduce,
     gradient_sync,
     init_distributed,
@@ -63,7 +72,7 @@ from parallel import (
     raise_if_any_failed,
     split_accumulation,
 )
-from progress import Clock, Progress, Scalars, Step, log_memory
+from progress import Clock, Progress, Scalars, Step, log_memory, state_bytes
 from start import restore, resumed_settings, start_run
 
 
@@ -126,8 +135,8 @@ class TrainConfig(ModelSettings):
     dtype: str = "auto"  # 'float32', 'bfloat16', 'float16'; 'auto': bf16 (else fp16) on CUDA, float32 elsewhere
     compile: bool | None = None  # torch.compile the model; None: on for CUDA only
     compile_regions: bool = False  # compile each block (once for all) and the loss, not the whole model: a faster start
-    cuda_graphs: bool = False  # compile with CUDA graphs (mode 'reduce-overhead'): small fixed-shape models on a GPU
-    loss_chunk_mb: float = 0.0  # float32 logits the loss computes at once, in MiB; 0: 16 on CPUs, on GPUs 1/4 of free
+    cuda_graphs: bool = False  # compile with CUDA graphs ('reduce-overhead'): fixed shapes, 1 micro-batch per rank
+    loss_chunk_mb: float = 0.0  # float32 logits the loss computes at once, in MiB; 0: 16 on CPUs, sized on GPUs
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~25% slower
     seed: int = 1337  # seeds data sampling, initialisation and dropout (dropout differs per rank)
     threads: int = 0  # CPU threads per process; 0: $OMP_NUM_THREADS, else the cores other jobs leave free
@@ -344,7 +353,7 @@ def setup(cfg, rt, stack):
     if cfg.cuda_graphs and task.varying:
         raise ConfigError(f"cuda_graphs=True needs batches of one length, which {folder.name}'s vary; drop it")
     splits = {split: task.load_split(folder, split, cfg.block_size) for split in ("train", "val")}
-    begin.model.loss_chunk_bytes = loss_chunk_bytes(cfg, rt.device)
+    begin.model.loss_chunk_bytes = loss_chunk_bytes(cfg, rt, host_group)
 
     models = parallelize(begin.model, cfg, rt, task)
     if rt.device.type == "cpu":
@@ -355,6 +364,8 @@ def setup(cfg, rt, stack):
     generator = torch.Generator().manual_seed(cfg.seed)  # the training data stream: the same on every rank
     if begin.ckpt is not None:
         restore(begin.ckpt, models, optimizers=optimizers, scaler=scaler, generator=generator, cfg=cfg, rt=rt)
+    if rt.device.type == "cuda" and not cfg.loss_chunk_mb:
+        models.raw.loss_chunk_bytes = sized_loss_chunk(models, optimizers, task, cfg, rt, host_group)
 
     batches = TrainBatches(splits["train"], task, cfg, generator, rt, per_rank)
     stack.callback(batches.close)
@@ -440,17 +451,50 @@ def out_dir_problem(cfg):
     return None
 
 
-def loss_chunk_bytes(cfg, device):
+def loss_chunk_bytes(cfg, rt, group):
     """
-    The bytes of float32 logits the loss computes at a time (TransformerModel.loss_chunk_bytes): loss_chunk_mb if
-    given; on a GPU a quarter of the memory free now, before the optimizers and activations, so that a micro-batch's
-    logits are mostly one chunk, computed once; None elsewhere (the model's CPU budget).
+    The bytes of float32 logits the loss computes at a time (TransformerModel.loss_chunk_bytes) as the model is
+    compiled: loss_chunk_mb if given, for good; on a GPU the largest chunk (model.loss_chunk_cap, the smallest over
+    the ranks), until sized_loss_chunk sizes it; None elsewhere (the model's CPU budget).
     """
     if cfg.loss_chunk_mb:
         return int(cfg.loss_chunk_mb * 2**20)
-    if device.type == "cuda":
-        return loss_chunk_budget(torch.cuda.mem_get_info(device)[0])
+    if rt.device.type == "cuda":
+        return agreed_minimum(loss_chunk_cap(torch.cuda.mem_get_info(rt.device)[1]), rt.world_size, group)
     return None
+
+
+def sized_loss_chunk(models, optimizers, task, cfg, rt, group):
+    """
+    On a GPU, the run's loss chunk, sized once from a trial step (a forward and backward of the task's example batch
+    through models.step, as a step calls it) with the weights, the gradients and the activations on the device, and
+    the optimizers' state counted, made or not: model.loss_chunk_budget of what that leaves, the smallest over the
+    ranks, so that every rank cuts the loss alike. Compiled, the trial takes the chunk compiled with (the cap), so
+    that a run with room to spare keeps its graphs; eager, the smallest chunk, so that the trial itself cannot run
+    out of memory for its logits.
+    """
+    device, model = rt.device, models.raw
+    compiled = isinstance(models.step, CompiledModel) and not models.step.failed
+    if not compiled:
+        model.loss_chunk_bytes = LOSS_CHUNK_BYTES
+    torch.cuda.reset_peak_memory_stats(device)
+    inputs, targets = task.to_device(*task.example_batch(cfg.batch_size, cfg.block_size), device)
+    # DDP's no_sync: the trial exchanges nothing; the random generators are left as they were, as compiling leaves them
+    no_sync = models.ddp.no_sync() if models.ddp is not None else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []), no_sync:
+        with rt.autocast():
+            loss = task.loss(models.step, inputs, targets)
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    # AdamW's two moments of every trained weight (Muon's one: counted high), less what a resume has made already
+    use = state_bytes(model, optimizers)
+    unmade = max(0, 2 * use["gradients"] - use["optimizer"])
+    free, total = torch.cuda.mem_get_info(device)
+    # what the device could give at the trial's peak: what is free, and what the allocator keeps cached, less a
+    # tenth of the card (fragmentation, cuBLAS's and NCCL's workspaces: plan.FULL's margin)
+    spare = free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device) - unmade - total // 10
+    chunk = loss_chunk_budget(model.loss_chunk_bytes, spare, total, copies=1 if compiled else 3)
+    return agreed_minimum(chunk, rt.world_size, group)
 
 
 def make_optimizers(model, cfg, rt):
@@ -725,14 +769,14 @@ def micro_step(models, task, batch, last, n_targets, scaler, rt):
 
 def backward(loss, step_model):
     """
-    loss.backward(). A compiled graph's backward is compiled at its first use, in here: a failure then (after a
-    recompilation) leaves the step half done, and ends the run with one line.
+    loss.backward(). A compiled graph's backward is compiled at its first use, in here: a failure to compile it
+    (after a recompilation) leaves the step half done, and ends the run with one line. Any other error (a device-side
+    assert, a DDP reducer's, CUDA graphs' overwritten outputs, running out of memory) keeps its own message and cause.
     """
     try:
         loss.backward()
-    except (torch.OutOfMemoryError, dist.DistError):
-        raise
-    except Exception as e:
+    # what a failed compilation raises: Inductor's InductorError, any backend's BackendCompilerFailed
+    except torch._dynamo.exc.TorchDynamoException as e:
         if not isinstance(step_model, CompiledModel) or step_model.failed:
             raise
         raise ConfigError(f"the compiled backward failed ({one_line(e)}); run with --compile=false") from e

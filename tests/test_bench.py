@@ -2,8 +2,10 @@
 
 import itertools
 import re
+import shlex
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +15,9 @@ import torch
 
 import bench
 from bench import bpe_throughput, sampling_speed
+from config import parse_config
 from model import ModelConfig, build_model
+from train import TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -160,6 +164,7 @@ def test_the_step_harness_times_each_case_in_a_process_of_its_own(tmp_path, data
     )
     cases = f"{tiny};{tiny} --loss_chunk_mb=0.0005"  # 524 bytes: 2 positions of 65 float32 logits a chunk
     command = [sys.executable, str(REPO / "bench.py"), "--parts=step", f"--cases={cases}", "--steps=3", "--warmup=1"]
+    command.append("--rounds=1")  # the rounds' order has a test of its own
     run = subprocess.run([*command, "--profile=true"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     table = {}
@@ -199,7 +204,7 @@ def test_nanogpt_s_own_lines_are_read_and_its_race_stopped_at_the_target(tmp_pat
     result = bench.nanogpt_step(cfg, tmp_path)
     # the iterations after the 3 of warm-up; tokens per step as nanoGPT counts them
     assert result["ms"] == [103.0, 104.0, 105.0, 106.0, 107.0] and result["tokens"] == 1024 and result["launch"] > 0
-    rows = dict(bench.step_rows([result], []))
+    rows = dict(bench.step_rows([bench.merged([result])], []))
     assert rows["tokens/s"] == ["9,752 (9,570-9,942)"]  # 1,024 tokens in 105 ms (107-103)
     race = replace(cfg, nanogpt_race="config.py --race")
     with ThreadPoolExecutor(1) as pool:
@@ -207,9 +212,13 @@ def test_nanogpt_s_own_lines_are_read_and_its_race_stopped_at_the_target(tmp_pat
     assert (iteration, loss) == (250, 1.46) and 0 < seconds < 120
     # a run that ends without reaching the target: its exit status, and the column says so
     assert bench.nanogpt_race(replace(cfg, nanogpt_race="config.py"), tmp_path) == 0
-    rows = dict(bench.nanogpt_column([("seconds to val loss <= 1.47", []), ("val loss at the stop", [])], 0, cfg))
+    races = [(seconds, iteration, loss), 0]
+    rows = dict(bench.nanogpt_column([("seconds to val loss <= 1.47", []), ("val loss at the stop", [])], races, cfg))
     assert rows == {
-        "seconds to val loss <= 1.47": ["never: its run ended first, exit status 0"],
+        "seconds to val loss <= 1.47": [
+            f"{seconds:.1f} ({seconds:.1f}-{seconds:.1f}); never in 1 of 2 run(s) (at iteration 250) (ended first, "
+            "exit status 0)"
+        ],
         "val loss at the stop": ["not measured"],
     }
 
@@ -229,3 +238,100 @@ def test_kernels_are_sorted_by_kind_as_an_h100_s_profile_names_them():
         "cpp_fused_add_native_layer_norm_0": "fused by Inductor",
     }
     assert {name: bench.kernel_kind(name) for name in kinds} == kinds
+
+
+def test_the_step_cases_and_nanogpt_s_run_in_turns_each_round_from_empty_caches(tmp_path, monkeypatch):
+    """
+    Case 1, case 2, nanoGPT, then again (A B A B): the machine's drift hits all alike. Each round compiles in
+    folders of its own, so every round starts from the cache state of the first; the rows hold every round's steps.
+    """
+    order = []
+
+    def step_run(cfg, words, index, work):
+        order.append((f"case {index + 1}", work))
+        cold = not (work / "cache-shared").exists()
+        (work / "cache-shared").mkdir(parents=True, exist_ok=True)  # what the case's compilation leaves
+        return {
+            "ms": [10.0 + len(order)],
+            "tokens": 1000,
+            "launch": 30.0 + len(order),
+            "cold": cold,
+            "graphs": 1,
+            "graph_breaks": 0,
+            "recompiled": 0,
+        }
+
+    def nanogpt_step(cfg, work):
+        order.append(("nanoGPT", work))
+        return {"ms": [20.0 + len(order)], "tokens": 1000, "launch": 50.0, "cold": True}
+
+    monkeypatch.setattr(bench, "step_run", step_run)
+    monkeypatch.setattr(bench, "nanogpt_step", nanogpt_step)
+    cases = "configs/shakespeare.py;configs/shakespeare.py --n_layer=2"
+    cfg = bench.BenchConfig(cases=cases, rounds=2, nanogpt=str(tmp_path), nanogpt_step="config.py")
+    header, rows = bench.bench_steps(cfg, tmp_path)
+    assert [(who, work.name) for who, work in order] == [
+        ("case 1", "round1"),
+        ("case 2", "round1"),
+        ("nanoGPT", "round1"),
+        ("case 1", "round2"),
+        ("case 2", "round2"),
+        ("nanoGPT", "round2"),
+    ]
+    rows = dict(rows)
+    assert header[-1] == "nanoGPT: config.py"
+    assert rows["ms per step"] == ["12.5 (11.0-14.0)", "13.5 (12.0-15.0)", "24.5 (23.0-26.0)"]
+    # the first case compiles cold in every round, the second from the cache the first left in that round
+    assert rows["launch to first step done, s"] == [
+        "32.5 (31.0-34.0) (cold)",
+        "33.5 (32.0-35.0) (warm)",
+        "50.0 (50.0-50.0) (cold)",
+    ]
+
+
+def test_each_side_waits_for_the_device_once_a_step_and_counts_the_wait(monkeypatch):
+    """
+    Ours: the host clock around a step and one synchronisation after it, as nanoGPT's log_interval=1 gives its own
+    time.time() around each iteration (its loss.item() waits once). The wait's time is part of the step's.
+    """
+    waits = []
+
+    def synchronize(device=None):
+        waits.append(device)
+        time.sleep(0.03)  # the device finishing the step's kernels
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    clock, step_ms = bench.DeviceClock(torch.device("cuda")), []
+    for _ in range(2):
+        with clock.step(step_ms):
+            time.sleep(0.01)  # the host launching the step's kernels
+    assert len(waits) == 2 and all(ms >= 40 for ms in step_ms)
+    assert "--log_interval=1" in bench.NANOGPT_STEP.split()
+
+
+def test_both_races_compile_cold_in_turns_and_evaluate_alike(tmp_path, monkeypatch):
+    """
+    Ours and nanoGPT's race, in turns: each run compiles into an empty cache folder of its own (none reuses a
+    warm one), nanoGPT's prints reach the pipe as it makes them (unbuffered), and nanoGPT evaluates as
+    configs/shakespeare_gpu.py does: as many batches, so both sides' evaluations cost alike.
+    """
+    launched, real_launch = [], bench.launch
+    lines = "eval 250: train loss 1.4000, val loss 1.4600\nstep 250: train loss 1.4000, val loss 1.4600"
+
+    def launch(command, cwd=bench.ROOT, env=None):
+        cache = Path(env["TORCHINDUCTOR_CACHE_DIR"])
+        launched.append(("nanoGPT" if cwd != bench.ROOT else "ours", command, env, cache.exists()))
+        return real_launch([sys.executable, "-c", f"print({lines!r})"], cwd, env)
+
+    monkeypatch.setattr(bench, "launch", launch)
+    config = "configs/shakespeare_gpu.py"
+    cfg = bench.BenchConfig(config=config, runs=2, target_loss=1.47, stop_at_target=True, nanogpt=str(tmp_path))
+    rows = dict(bench.bench_training(cfg, tmp_path))
+    assert [who for who, *_ in launched] == ["ours", "nanoGPT"] * 2
+    caches = [env["TORCHINDUCTOR_CACHE_DIR"] for _, _, env, _ in launched]
+    assert len(set(caches)) == 4 and not any(existed for *_, existed in launched)
+    assert all(env["PYTHONUNBUFFERED"] == "1" for who, _, env, _ in launched if who == "nanoGPT")
+    ours = parse_config(TrainConfig, [config])
+    assert f"--eval_iters={ours.eval_iters}" in shlex.split(bench.NANOGPT_RACE)
+    assert f"--eval_iters={ours.eval_iters}" in launched[1][1]
+    assert len(rows["seconds to val loss <= 1.47"]) == 2

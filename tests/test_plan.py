@@ -191,6 +191,14 @@ def test_every_planned_gpu_has_its_peak_and_is_found_however_spelled():
         (["--plan_ranks=3", "--gradient_accumulation_steps=4"], "does not divide among 3 ranks"),
         (["--plan_ranks=0"], "plan_ranks must be at least 1"),
         (["--plan_device=T4", "--dtype=bfloat16"], "T4 has no native bfloat16"),
+        (
+            ["--plan_device=H100", "--compile=true", "--cuda_graphs=true"],
+            "cuda_graphs=True replays one micro-batch per rank a step, not 2",
+        ),
+        (
+            ["--plan_device=H100", "--compile=true", "--cuda_graphs=true", "--plan_ranks=2", "--fsdp=true"],
+            "cuda_graphs=True does not replay FSDP's sharded steps",
+        ),
     ],
 )
 def test_bad_plan_input_is_one_line(tmp_path, env, monkeypatch, capsys, args, message):
