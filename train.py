@@ -176,8 +176,9 @@ class TrainConfig(ModelSettings):
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 0 <= self.plan_mfu <= 1:
             raise ConfigError(f"plan_mfu must be in [0, 1] (0: the default), got {self.plan_mfu}")
-        if self.learning_rate <= 0 or self.muon_lr <= 0:
-            raise ConfigError(f"learning_rate and muon_lr must be positive, got {self.learning_rate}, {self.muon_lr}")
+        for name in ("learning_rate", "muon_lr"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.fsdp and self.optimizer == "muon":
             raise ConfigError(
                 "fsdp=True cannot train with optimizer='muon': Muon orthogonalises each whole matrix, which FSDP "

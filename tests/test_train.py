@@ -194,8 +194,10 @@ def test_config_file_cannot_run_code(tmp_path, monkeypatch, body):
         (["--dtype=float8"], "dtype='float8' is not one of"),
         (["--n_embd=30", "--n_head=4"], "divisible by n_head"),
         (["--arch=rnn"], "arch='rnn' is not one of"),
-        (["--learning_rate=0"], "learning_rate and muon_lr must be positive"),
-        (["--muon_lr=-1"], "learning_rate and muon_lr must be positive"),
+        # only the setting that is wrong, with its value: muon_lr keeps its default here
+        (["--learning_rate=-1e-3"], "^learning_rate must be positive, got -0.001$"),
+        (["--learning_rate=0"], "^learning_rate must be positive, got 0.0$"),
+        (["--muon_lr=-1"], "^muon_lr must be positive, got -1.0$"),
         (["--optimizer=sgd"], "optimizer='sgd' is not one of adamw, muon"),
         (["--ema_decay=1"], "ema_decay must be in"),
     ],
