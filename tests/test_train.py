@@ -868,6 +868,37 @@ def test_best_pt_is_the_best_exact_match_where_the_data_has_exact_answers(tmp_pa
     assert load_checkpoint(tmp_path / "True" / "best.pt")["iter_num"] == 6
 
 
+def test_a_best_pt_without_exact_match_is_replaced_only_by_a_lower_val_loss(tmp_path, data_root, monkeypatch, capsys):
+    """
+    A run that measured no exact match (eval_accuracy_examples=0), resumed on data with exact answers measuring it:
+    best.pt's exact match is unknown, so the val loss decides until an evaluation beats it; a worse model whose exact
+    match is higher than none (scripted at 6) does not replace best.pt, a better one (8) does, and its exact match
+    decides from then on (10's higher val loss wins by exact match).
+    """
+    scripted = {0: (3.0, 0.0), 2: (2.0, 0.1), 4: (1.5, 0.1), 6: (1.8, 0.5), 8: (1.4, 0.3), 10: (1.6, 0.4)}
+    evaluate_and_save, at = train.evaluate_and_save, []
+
+    def noting_the_iteration(run, iter_num, last):
+        at[:] = [iter_num]
+        return evaluate_and_save(run, iter_num, last)
+
+    monkeypatch.setattr(train, "evaluate_and_save", noting_the_iteration)
+    monkeypatch.setattr(train, "evaluate", lambda *args, **kwargs: {"train": 1.0, "val": scripted[at[0]][0]})
+    monkeypatch.setattr(train, "val_accuracy", lambda run: scripted[at[0]][1])
+    monkeypatch.setattr(data.CausalLM, "exact_answers", True)
+    main(tiny(data_root, tmp_path, max_iters=4, eval_interval=2, eval_accuracy_examples=0))
+    assert load_checkpoint(tmp_path / "ckpt.pt")["best_accuracy"] is None
+    best = {}
+    for until in (6, 8, 10):
+        main(tiny(data_root, tmp_path, max_iters=until, eval_interval=2, eval_accuracy_examples=4, init_from="resume"))
+        best[until] = load_checkpoint(tmp_path / "best.pt")
+    assert [best[until]["iter_num"] for until in (6, 8, 10)] == [4, 8, 10]
+    assert best[8]["best_accuracy"] == 0.3 and best[10]["best_accuracy"] == 0.4
+    saving = [line for line in capsys.readouterr().out.splitlines() if "saved best.pt" in line]
+    assert saving[-2].startswith("eval 8: ") and "saved best.pt, by val loss" in saving[-2]
+    assert saving[-1].startswith("eval 10: ") and "saved best.pt, by exact match" in saving[-1]
+
+
 def test_a_checkpoint_of_format_1_or_2_is_one_line_naming_the_commit_that_reads_it(tmp_path, data_root, capsys):
     """
     Formats 1 and 2, of the repo's first days ("model" and "train_model"; cross-attention's q and kv stacked), are no
