@@ -4,9 +4,9 @@ line of hf.py, which converts the weights and config.json, while this file adds 
 
     python export.py --out_dir=out-shakespeare --checkpoint=best.pt --dest=hf-shakespeare
 
-The folder holds config.json, model.safetensors (float32) and generation_config.json, plus the tokenizer where
-one converts: GPT-2's BPE (tokenizer.json, vocab.json, merges.txt) or the dataset's own tokenizer.json. Then
-transformers.AutoModelForCausalLM.from_pretrained("hf-shakespeare") gives the same logits as our model.
+The folder holds config.json, model.safetensors (float32) and generation_config.json, plus the tokenizer: GPT-2's
+BPE (tokenizer.json, vocab.json, merges.txt), the dataset's own tokenizer.json, or one built for a character
+vocabulary. Then transformers' AutoTokenizer and AutoModelForCausalLM read the folder, with our model's logits.
 
 Four layouts, picked by pos_encoding and, for rotary models, the attention (see hf.hf_layout):
     learned -> GPT2LMHeadModel: LayerNorm, GELU (exact or tanh) or ReLU (or squared), every head reads its own
@@ -146,8 +146,32 @@ def gpt2_tokenizer_files(encoding, block_size):
 
 def huggingface_tokenizer_files(meta, block_size):
     """The dataset's tokenizer.json as it is, and a tokenizer_config.json naming its bos and eos."""
-    spec, special = meta["tokenizer"], meta["special_tokens"]
-    tokenizer = tokenizers.Tokenizer.from_str(spec["json"])
+    text = meta["tokenizer"]["json"]
+    settings = fast_tokenizer_settings(tokenizers.Tokenizer.from_str(text), meta["special_tokens"], block_size)
+    return {TOKENIZER_JSON: text, "tokenizer_config.json": json.dumps(settings, indent=2)}
+
+
+def char_tokenizer_files(meta, block_size):
+    """
+    tokenizer.json and tokenizer_config.json of a character vocabulary, id i its i-th character: every character of
+    a text is its own piece (split before and after each one, newlines and spaces included), looked up whole
+    (WordLevel), and ids decode to their characters joined with nothing between (Fuse). The special tokens past the
+    characters (a chat template's markers) are written as our Tokenizer decodes them, e.g. '<user>'.
+    """
+    chars, special = meta["tokenizer"]["chars"], meta["special_tokens"]
+    markers = {f"<{name}>": i for name, i in special.items() if i >= len(chars)}
+    vocab = {**{c: i for i, c in enumerate(chars)}, **markers}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = tokenizers.decoders.Fuse()
+    tokenizer.add_special_tokens([tokenizers.AddedToken(marker, special=True) for marker in markers])
+    settings = fast_tokenizer_settings(tokenizer, special, block_size)
+    return {TOKENIZER_JSON: tokenizer.to_str(), "tokenizer_config.json": json.dumps(settings, indent=2)}
+
+
+def fast_tokenizer_settings(tokenizer, special, block_size):
+    """tokenizer_config.json's settings for a tokenizer.json that transformers reads as it is, naming bos and eos."""
+    # decode gives the text back as it was: no spaces taken from before punctuation
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     for name in ("bos", "eos"):
         # a BPE trained by prepare_data.py has one end-of-text token, which is both, as GPT-2's
@@ -155,13 +179,13 @@ def huggingface_tokenizer_files(meta, block_size):
         if token_id is not None:
             settings[f"{name}_token"] = tokenizer.id_to_token(token_id)
     settings["model_max_length"] = block_size
-    return {TOKENIZER_JSON: spec["json"], "tokenizer_config.json": json.dumps(settings, indent=2)}
+    return settings
 
 
 def tokenizer_files(meta, block_size):
     """
     (files by name, note): the Hugging Face tokenizer files of the dataset's tokenizer, or none and a one-line note
-    saying where the vocabulary is (a character vocabulary has no Hugging Face tokenizer).
+    saying where the vocabulary is (a tiktoken encoding other than GPT-2's).
     """
     spec = meta["tokenizer"]
     if spec.get("type") == "tiktoken" and spec.get("encoding") in GPT2_ENCODINGS:
@@ -169,10 +193,12 @@ def tokenizer_files(meta, block_size):
     if spec.get("type") == "huggingface":
         return huggingface_tokenizer_files(meta, block_size), None
     if spec.get("type") == "char":
-        what = f"the {len(spec['chars'])}-character vocabulary (id i is its i-th character)"
-    else:  # another tiktoken encoding: prepare_data.py writes none, but a checkpoint's meta may name one
-        what = f"the vocabulary {spec}"
-    note = f"no Hugging Face tokenizer written; {what} is in config.json under {EXPORT_KEY}.meta, as in the checkpoint"
+        return char_tokenizer_files(meta, block_size), None
+    # another tiktoken encoding: prepare_data.py writes none, but a checkpoint's meta may name one
+    note = (
+        f"no Hugging Face tokenizer written; the vocabulary {spec} is in config.json under {EXPORT_KEY}.meta, "
+        "as in the checkpoint"
+    )
     return {}, note
 
 
@@ -199,7 +225,7 @@ def export(model, meta, dest):
         "pad_token_id": c.pad_token_id,
     }
     files, note = tokenizer_files(meta, c.block_size)
-    # our settings in config.json: what was exported, and the vocabulary where no tokenizer file holds it
+    # our settings in config.json: what was exported, and the data's meta that --init_from=FOLDER reads back
     if meta["tokenizer"].get("type") == "huggingface":
         meta = {**meta, "tokenizer": {"type": "huggingface", "file": TOKENIZER_JSON}}  # its text is the file
     ours = {EXPORT_KEY: {"model_config": asdict(c), "meta": meta}}

@@ -339,13 +339,15 @@ class ChatSession:
     the model only what it has not read (the end of its last reply, the user's message, the assistant's header).
     chat_format (chat.ChatFormat) renders the messages; when the rendered history does not begin with the ids the
     cache holds (a reply whose ids are not those its text encodes to, or a template that rewrites earlier turns),
-    the whole conversation is fed again and `recomputed` counts it. Sampling options as in generate_stream.
+    the whole conversation is fed again and `recomputed` counts it. A conversation that outgrows block_size goes on
+    without its oldest exchanges (the system prompt kept): `dropped` counts the messages left out so far.
+    Sampling options as in generate_stream.
     """
 
     def __init__(self, model, chat_format, *, system="", max_new_tokens=500, vocab_size=None, **sampling):
         self.model, self.format, self.system = model, chat_format, system
         self.max_new_tokens, self.vocab_size, self.sampling = max_new_tokens, vocab_size, sampling
-        self.recomputed = 0
+        self.recomputed = self.dropped = 0
         self.reset()
 
     def reset(self):
@@ -357,17 +359,13 @@ class ChatSession:
     def reply(self, text, decode):
         """
         Yield the ids of the reply to the user's message `text`, as they come, without its end-of-turn. decode
-        (ids -> text) gives the reply's text, which joins the history. ValueError when the conversation no longer
-        fits block_size (the message is then not added).
+        (ids -> text) gives the reply's text, which joins the history. A conversation that would not fit block_size
+        loses its oldest exchanges first (fit); ValueError when the message does not fit even alone (with the
+        system prompt), and then it is not added.
         """
-        block = self.model.config.block_size
-        prompt = self.format.prompt_ids([*self.messages, {"role": "user", "content": text}])
-        if len(prompt) >= block:
-            raise ValueError(
-                f"the conversation would be {len(prompt)} tokens, and the model reads {block} (block_size): "
-                "/reset starts a new one"
-            )
-        self.messages.append({"role": "user", "content": text})
+        messages, prompt = self.fit([*self.messages, {"role": "user", "content": text}])
+        self.dropped += len(self.messages) + 1 - len(messages)
+        self.messages = messages
         if prompt[: len(self.fed)] != self.fed:
             self.cache, self.fed = self.model.new_cache(), []
             self.recomputed += 1
@@ -384,6 +382,33 @@ class ChatSession:
             yield token
         # every id but the last one sampled went through the model; an end-of-turn then starts the next turn's ids
         self.fed = (prompt + reply)[: self.cache[0][0].length]
-        full = self.cache[0][0].length == block
+        full = self.cache[0][0].length == self.model.config.block_size
         self.ended = "end_of_turn" if stopped else "block_size" if full else "max_new_tokens"
         self.messages.append({"role": "assistant", "content": decode(reply)})
+
+    def fit(self, messages):
+        """
+        (messages, their prompt ids) for the conversation `messages`, whose last is the user's new one: all of them
+        while their prompt fits block_size; else, without the oldest exchanges (each user
+        message and the replies after it), the system prompt kept, until the prompt takes at most half of
+        block_size: room for this reply and the next few turns, rather than a reply cut short and the whole
+        conversation fed again at every turn. ValueError when even the new message alone does not fit.
+        """
+        block = self.model.config.block_size
+        prompt = self.format.prompt_ids(messages)
+        if len(prompt) < block:
+            return messages, prompt
+        head = messages[:1] if messages[0]["role"] == "system" else []
+        turns = messages[len(head) :]
+        while len(turns) > 1 and len(prompt) > block // 2:
+            # the oldest exchange: the first message and every one up to the next user message
+            end = next(i for i, m in enumerate(turns[1:], 1) if m["role"] == "user")
+            turns = turns[end:]
+            prompt = self.format.prompt_ids([*head, *turns])
+        if len(prompt) >= block:
+            template = "the chat template and the system prompt" if head else "the chat template"
+            raise ValueError(
+                f"the message takes {len(prompt)} tokens with {template}, and the model reads {block} (block_size): "
+                "send a shorter one"
+            )
+        return [*head, *turns], prompt

@@ -118,8 +118,8 @@ def pretrained_meta(folder):
             f"{folder} is not a Hugging Face model folder (its config.json has no model_type); "
             f"a folder train.py wrote is read with --init_from=resume --out_dir={folder}"
         )
-    # before the folder's tokenizer.json: a character vocabulary has none, and GPT-2's BPE reads exactly as it was
-    # trained through tiktoken, not through the tokenizer.json converted from it
+    # before the folder's tokenizer.json, which export.py converted from it: a character vocabulary reads from its
+    # list, and GPT-2's BPE exactly as it was trained, through tiktoken
     if EXPORT_KEY in config:
         return exported_meta(folder, config[EXPORT_KEY])
     if (folder / tokens.TOKENIZER_JSON).is_file():

@@ -264,10 +264,18 @@ def chat(model, tokenizer, meta, cfg, out):
         elif command.startswith("/"):
             print(f"unknown command {command}: {CHAT_HELP}", file=sys.stderr)
         elif command:
+            dropped = session.dropped
             try:
                 answer(session, text, tokenizer, out)
-            except ValueError as err:  # the conversation outgrew block_size: say so, and keep the prompt
+            except ValueError as err:  # the message alone outgrew block_size: say so, and keep the prompt
                 print(f"note: {err}", file=sys.stderr)
+            if session.dropped and not dropped:  # said the first time only: from then on it happens as needed
+                kept = " (the system prompt stays)" if cfg.system else ""
+                print(
+                    f"note: the conversation outgrew the {model.config.block_size} tokens the model reads "
+                    f"(block_size): its oldest turns are left out from now on{kept}",
+                    file=sys.stderr,
+                )
 
 
 def answer(session, text, tokenizer, out):
@@ -277,7 +285,7 @@ def answer(session, text, tokenizer, out):
         block = session.model.config.block_size
         print(
             f"note: the reply was cut where the conversation reached the model's block_size={block} tokens; "
-            "/reset starts a new conversation",
+            "the next message goes on without the oldest turns",
             file=sys.stderr,
         )
     elif session.ended == "max_new_tokens":

@@ -187,8 +187,9 @@ class TrainConfig(ModelSettings):
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 0 <= self.plan_mfu <= 1:
             raise ConfigError(f"plan_mfu must be in [0, 1] (0: the default), got {self.plan_mfu}")
-        if self.learning_rate <= 0 or self.muon_lr <= 0:
-            raise ConfigError(f"learning_rate and muon_lr must be positive, got {self.learning_rate}, {self.muon_lr}")
+        for name in ("learning_rate", "muon_lr"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.fsdp and self.optimizer == "muon":
             raise ConfigError(
                 "fsdp=True cannot train with optimizer='muon': Muon orthogonalises each whole matrix, which FSDP "
@@ -869,6 +870,7 @@ def evaluate_and_save(run, iter_num, last):
     trained = iter_num > run.start_iter
     starting = iter_num == 0 and cfg.init_from != "scratch" and not run.resumed and not cfg.eval_only
     if (trained or starting) and improves(result, run.best_val_loss, run.best_accuracy):
+        metric = "exact match" if by_exact_match(result, run.best_val_loss, run.best_accuracy) else "val loss"
         run.best_val_loss, run.best_accuracy = result["val"], result.get("accuracy")
         if rt.fsdp:
             check_shards_finite([run.models.kept], rt, iter_num)
@@ -889,7 +891,7 @@ def evaluate_and_save(run, iter_num, last):
                 best_accuracy=run.best_accuracy,
             )
             save_checkpoint(state, Path(cfg.out_dir) / "best.pt")
-        saved.append("best.pt, by " + ("exact match" if "accuracy" in result else "val loss"))
+        saved.append(f"best.pt, by {metric}")
     # after the last step main saves ckpt.pt anyway, with the final state
     if iter_num > run.start_iter and cfg.always_save_checkpoint and not last:
         save_training_state(run, iter_num)
@@ -908,10 +910,20 @@ def improves(result, best_val_loss, best_accuracy):
     Whether an evaluation's result beats best.pt's: by exact match where the data has exact answers (the model a
     chat demo or a translation is shown at its best; the val loss breaks ties), else by the val loss.
     """
-    if "accuracy" not in result:
+    if not by_exact_match(result, best_val_loss, best_accuracy):
         return result["val"] < best_val_loss
-    best = -1.0 if best_accuracy is None else best_accuracy
+    best = -1.0 if best_accuracy is None else best_accuracy  # no best.pt yet: any exact match is better
     return result["accuracy"] > best or result["accuracy"] == best and result["val"] < best_val_loss
+
+
+def by_exact_match(result, best_val_loss, best_accuracy):
+    """
+    Whether exact match compares an evaluation with best.pt: where the evaluation has one and best.pt's is known, or
+    there is no best.pt yet. A best.pt saved without it (by a run with eval_accuracy_examples=0, then resumed with
+    it) has only its val loss to beat: counting its exact match as none would let the resume's first evaluation
+    replace it whatever its quality. Once an evaluation wins on val loss, its exact match is known from then on.
+    """
+    return "accuracy" in result and (best_accuracy is not None or best_val_loss == math.inf)
 
 
 def eval_batch(data, task, cfg, pin, seed):

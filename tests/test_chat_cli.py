@@ -72,10 +72,13 @@ def model_and_meta(root):
     return model_from_checkpoint(ckpt), ckpt["meta"]
 
 
-def builtin_prompt(meta, turns):
-    """The built-in template's ids written out by hand: <user> q <end_of_turn> <assistant> [a <end_of_turn>] ..."""
+def builtin_prompt(meta, turns, system=""):
+    """
+    The built-in template's ids written out by hand: [<system> s <end_of_turn>] <user> q <end_of_turn> <assistant>
+    [a <end_of_turn>] ...
+    """
     tokenizer, special = Tokenizer.from_meta(meta), meta["special_tokens"]
-    ids = []
+    ids = [special["system"], *tokenizer.encode(system), special["end_of_turn"]] if system else []
     for question, answer in turns:
         ids += [special["user"], *tokenizer.encode(question), special["end_of_turn"], special["assistant"]]
         if answer is not None:
@@ -158,6 +161,41 @@ def test_sample_chat_answers_once_and_talks_turn_by_turn(chat_run, monkeypatch, 
     assert out.getvalue() == f"{first}\n{second}\n{fresh}\n"
     err = capsys.readouterr().err
     assert "/reset starts a new conversation" in err and "unknown command /what" in err and "a new conversation" in err
+
+
+def test_sample_chat_goes_on_past_block_size_without_the_oldest_turns(chat_run, monkeypatch, capsys):
+    """
+    Five questions, more than block_size holds: each gets the reply the model gives to the conversation without its
+    oldest exchanges, written out here by hand (the system prompt kept; when the next question does not fit, the
+    oldest exchanges dropped until the conversation takes at most half of block_size), and one note says so.
+    """
+    root, _, _ = chat_run
+    model, meta = model_and_meta(root)
+    tokenizer, stop, block = Tokenizer.from_meta(meta), meta["special_tokens"]["end_of_turn"], model.config.block_size
+    system, questions = "ab", ["abcabcabcabc", "bcabcabcaabc", "cabcabbcaabc", "aabcabcabcab", "bbacabcabcab"]
+    kept, replies, drops = [], [], 0
+    for question in questions:
+        prompt = builtin_prompt(meta, [*kept, (question, None)], system)
+        if len(prompt) >= block:
+            drops += 1
+            while kept and len(prompt) > block // 2:
+                kept = kept[1:]
+                prompt = builtin_prompt(meta, [*kept, (question, None)], system)
+        reply = tokenizer.decode([t for t in greedy(model, prompt, stop) if t != stop])
+        kept.append((question, reply))
+        replies.append(reply)
+    assert drops >= 2 and all(replies)  # what makes this a test: the oldest turns went more than once
+
+    options = [f"--out_dir={root / 'out'}", "--checkpoint=ckpt.pt", "--chat", "--temperature=0", f"--system={system}"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(questions) + "\n"))
+    out = io.StringIO()
+    sample.main(parse_config(sample.SampleConfig, options), out=out)
+    assert out.getvalue() == "".join(f"{reply}\n" for reply in replies) + "\n"  # the last newline: end of input
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == [
+        f"note: the conversation outgrew the {block} tokens the model reads (block_size): its oldest turns are left "
+        "out from now on (the system prompt stays)"
+    ]
 
 
 def test_chat_mistakes_are_one_line(chat_run, tmp_path, capsys):

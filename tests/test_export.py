@@ -169,6 +169,35 @@ def test_huggingface_tokenizer_is_written_as_it_is(tmp_path, llama_dir):
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (0, 1)
 
 
+def test_a_character_vocabulary_round_trips_every_character(tmp_path, shakespeare_char_dir):
+    """
+    The quick start's 65 characters (newline, space and punctuation among them) as a tokenizer.json: AutoTokenizer
+    gives each character alone its id and the id back its character, and any text of them our Tokenizer's ids; a
+    chat template's markers past the characters are special tokens written as ours decodes them.
+    """
+    meta = load_meta(shakespeare_char_dir)
+    chars = meta["tokenizer"]["chars"]
+    assert len(chars) == 65 and {"\n", " ", ":", "'", "!", "$", "&", "3"} <= set(chars)
+    assert export.export(GPT(tiny(vocab_size=meta["vocab_size"])), meta, tmp_path / "hf") is None
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for i, c in enumerate(chars):
+        assert tokenizer(c)["input_ids"] == [i] and tokenizer.decode([i]) == c, repr(c)
+    ours = Tokenizer.from_meta(meta)
+    for text in ["".join(chars), "".join(reversed(chars)), "ROMEO:\n  But, soft!\n\n\nWhat's   this?? $3 & -;. ", ""]:
+        ids = tokenizer(text)["input_ids"]
+        assert ids == ours.encode(text) and tokenizer.decode(ids) == text
+    assert tokenizer.bos_token is None and tokenizer.eos_token is None  # character data has neither
+    # a chat model's vocabulary: the built-in template's four markers after the characters
+    names = ("system", "user", "assistant", "end_of_turn")
+    chat = {**meta, "vocab_size": 69, "special_tokens": {name: 65 + k for k, name in enumerate(names)}}
+    export.export(GPT(tiny(vocab_size=69)), chat, tmp_path / "chat")
+    tokenizer, ours = transformers.AutoTokenizer.from_pretrained(tmp_path / "chat"), Tokenizer.from_meta(chat)
+    ids = [66, *ours.encode("Who speaks?"), 68, 67, *ours.encode("ROMEO"), 68]
+    assert tokenizer.decode(ids) == ours.decode(ids) == "<user>Who speaks?<end_of_turn><assistant>ROMEO<end_of_turn>"
+    assert tokenizer(ours.decode(ids))["input_ids"] == ids
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "Who speaks?ROMEO"
+
+
 # -----------------------------------------------------------------------------
 # What neither layout computes
 
@@ -305,14 +334,36 @@ def test_cli_end_to_end_with_gpt2_bpe(tmp_path, capsys):
     assert_same_greedy_tokens(model, hf, prompt, new_tokens=8)
 
 
-def test_cli_char_vocabulary_is_noted_and_kept_in_config_json(tmp_path, capsys):
-    save_run(tmp_path / "out", GPT(tiny()), CHAR_META)
-    assert export.cli([f"--out_dir={tmp_path / 'out'}", "--checkpoint=best.pt", f"--dest={tmp_path / 'hf'}"]) == 0
-    note = capsys.readouterr().out.splitlines()[1]
-    assert note.startswith("note: no Hugging Face tokenizer written; the 101-character vocabulary")
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config["nanoformer"]["meta"]["tokenizer"]["chars"] == CHAR_META["tokenizer"]["chars"]
-    assert not (tmp_path / "hf" / "tokenizer.json").exists()
+def test_the_quick_start_s_export_generates_sample_py_s_greedy_text(tmp_path, shakespeare_char_dir, capsys):
+    """
+    configs/shakespeare.py's model on shakespeare_char, trained a little and exported by the command line: with the
+    usual transformers calls (AutoTokenizer, AutoModelForCausalLM, greedy generate) its text is sample.py's at
+    --temperature=0, from the checkpoint and from the folder read back.
+    """
+    quick_start = Path(__file__).resolve().parent.parent / "configs" / "shakespeare.py"
+    settings = [f"--data_dir={shakespeare_char_dir.parent}", f"--out_dir={tmp_path / 'out'}", "--max_minutes=0"]
+    settings += ["--max_iters=30", "--eval_interval=30", "--eval_iters=1", "--device=cpu", "--dtype=float32"]
+    train.main(parse_config(TrainConfig, [str(quick_start), *settings, "--compile=false", "--tensorboard=false"]))
+    capsys.readouterr()
+    assert export.cli([f"--out_dir={tmp_path / 'out'}", f"--dest={tmp_path / 'hf'}"]) == 0
+    assert "note" not in capsys.readouterr().out  # nothing left out
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    inputs = tokenizer("ROMEO:", return_tensors="pt")
+    new_tokens = model.config.n_positions - inputs["input_ids"].size(1)  # transformers stops at block_size
+    output = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+    theirs = tokenizer.decode(output[0])
+    assert theirs.startswith("ROMEO:") and len(theirs) == 64
+    for source in ({"out_dir": str(tmp_path / "out")}, {"init_from": str(tmp_path / "hf")}):
+        settings = {"start": "ROMEO:", "max_new_tokens": new_tokens, "temperature": 0.0, "stream": False}
+        assert run_main(sample, SampleConfig, **source, **settings, device="cpu", dtype="float32")[0] == theirs + "\n"
+
+
+def test_a_tiktoken_encoding_other_than_gpt2s_is_noted_and_kept_in_config_json():
+    meta = {**GPT2_META, "tokenizer": {"type": "tiktoken", "encoding": "cl100k_base"}}
+    files, note = export.tokenizer_files(meta, 32)
+    assert files == {} and note.startswith("no Hugging Face tokenizer written; the vocabulary {'type': 'tiktoken'")
 
 
 @pytest.mark.parametrize(

@@ -111,8 +111,13 @@ def test_a_reply_that_reaches_block_size_says_so_and_a_message_that_cannot_fit_i
     assert session.ended == "block_size"
     assert session.cache[0][0].length == 12  # prompt (6 ids) + the reply's ids but its last one
     assert len(reply) == 12 - 6 + 1
-    with pytest.raises(ValueError, match="block_size"):
+    # the earlier exchange is dropped first, then the message alone (22 ids and the assistant's header) is too long
+    before = list(session.messages)
+    with pytest.raises(
+        ValueError, match=r"^the message takes 23 tokens with the chat template, and the model reads 12"
+    ):
         list(session.reply(decode([7] * 20), decode))
+    assert session.messages == before and session.dropped == 0  # refused: nothing changed
     session.reset()
     assert session.messages == [] and session.cache[0][0].length == 0
 

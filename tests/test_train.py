@@ -196,8 +196,10 @@ def test_config_file_cannot_run_code(tmp_path, monkeypatch, body):
         (["--dtype=float8"], "dtype='float8' is not one of"),
         (["--n_embd=30", "--n_head=4"], "divisible by n_head"),
         (["--arch=rnn"], "arch='rnn' is not one of"),
-        (["--learning_rate=0"], "learning_rate and muon_lr must be positive"),
-        (["--muon_lr=-1"], "learning_rate and muon_lr must be positive"),
+        # only the setting that is wrong, with its value: muon_lr keeps its default here
+        (["--learning_rate=-1e-3"], "^learning_rate must be positive, got -0.001$"),
+        (["--learning_rate=0"], "^learning_rate must be positive, got 0.0$"),
+        (["--muon_lr=-1"], "^muon_lr must be positive, got -1.0$"),
         (["--optimizer=sgd"], "optimizer='sgd' is not one of adamw, muon"),
         (["--ema_decay=1"], "ema_decay must be in"),
     ],
@@ -915,6 +917,37 @@ def test_best_pt_is_the_best_exact_match_where_the_data_has_exact_answers(tmp_pa
     # resumed to 8, whose exact match only ties 6's with a worse loss: best.pt stays 6's
     main(tiny(data_root, tmp_path / "True", **{**common, "max_iters": 8, "init_from": "resume"}))
     assert load_checkpoint(tmp_path / "True" / "best.pt")["iter_num"] == 6
+
+
+def test_a_best_pt_without_exact_match_is_replaced_only_by_a_lower_val_loss(tmp_path, data_root, monkeypatch, capsys):
+    """
+    A run that measured no exact match (eval_accuracy_examples=0), resumed on data with exact answers measuring it:
+    best.pt's exact match is unknown, so the val loss decides until an evaluation beats it; a worse model whose exact
+    match is higher than none (scripted at 6) does not replace best.pt, a better one (8) does, and its exact match
+    decides from then on (10's higher val loss wins by exact match).
+    """
+    scripted = {0: (3.0, 0.0), 2: (2.0, 0.1), 4: (1.5, 0.1), 6: (1.8, 0.5), 8: (1.4, 0.3), 10: (1.6, 0.4)}
+    evaluate_and_save, at = train.evaluate_and_save, []
+
+    def noting_the_iteration(run, iter_num, last):
+        at[:] = [iter_num]
+        return evaluate_and_save(run, iter_num, last)
+
+    monkeypatch.setattr(train, "evaluate_and_save", noting_the_iteration)
+    monkeypatch.setattr(train, "evaluate", lambda *args, **kwargs: {"train": 1.0, "val": scripted[at[0]][0]})
+    monkeypatch.setattr(train, "val_accuracy", lambda run: scripted[at[0]][1])
+    monkeypatch.setattr(data.CausalLM, "exact_answers", True)
+    main(tiny(data_root, tmp_path, max_iters=4, eval_interval=2, eval_accuracy_examples=0))
+    assert load_checkpoint(tmp_path / "ckpt.pt")["best_accuracy"] is None
+    best = {}
+    for until in (6, 8, 10):
+        main(tiny(data_root, tmp_path, max_iters=until, eval_interval=2, eval_accuracy_examples=4, init_from="resume"))
+        best[until] = load_checkpoint(tmp_path / "best.pt")
+    assert [best[until]["iter_num"] for until in (6, 8, 10)] == [4, 8, 10]
+    assert best[8]["best_accuracy"] == 0.3 and best[10]["best_accuracy"] == 0.4
+    saving = [line for line in capsys.readouterr().out.splitlines() if "saved best.pt" in line]
+    assert saving[-2].startswith("eval 8: ") and "saved best.pt, by val loss" in saving[-2]
+    assert saving[-1].startswith("eval 10: ") and "saved best.pt, by exact match" in saving[-1]
 
 
 def test_a_checkpoint_of_format_1_or_2_is_one_line_naming_the_commit_that_reads_it(tmp_path, data_root, capsys):
@@ -2555,15 +2588,15 @@ def second_backward_fails(model):
     return compiled, backward_graphs
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_a_failed_backward_recompilation_is_one_line(world_size):
+def test_a_failed_backward_recompilation_is_one_line():
     """
     A backward is compiled at its first use, inside loss.backward(): a failure there ends the run with one line (a
     redo on one rank alone would pair its collectives with the other ranks' next step), and no rank falls back.
+    Two ranks under DDP: test_a_failed_backward_recompilation_under_ddp_is_one_line_on_each_rank.
     """
     model = build_model(ModelConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=16))
     compiled, backward_graphs = second_backward_fails(model)
-    models, rt = Models(raw=model, step=compiled), Runtime(world_size=world_size)  # no collective runs before it
+    models, rt = Models(raw=model, step=compiled), Runtime()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     for length in (8, 6):  # the second length's backward cannot be compiled
         x, y = torch.randint(0, 20, (2, length)), torch.randint(0, 20, (2, length))
@@ -2603,6 +2636,62 @@ def test_a_backward_error_that_is_no_compile_failure_keeps_its_message():
     with pytest.raises(RuntimeError, match="^CUDA error: device-side assert triggered$") as raised:
         accumulate_gradients(models, CausalLM({}), [((x,), y)], 16, scaler, Runtime())
     assert raised.type is RuntimeError and not compiled.failed
+
+
+DDP_BACKWARD_FAILS = """
+import os, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+out, tests = sys.argv[1:3]
+sys.path.insert(0, tests)
+from test_train import second_backward_fails
+import parallel
+from config import ConfigError
+from data import CausalLM
+from model import ModelConfig, build_model
+from train import accumulate_gradients
+dist.init_process_group("gloo")
+rt = parallel.Runtime(rank=dist.get_rank(), world_size=2)
+torch.manual_seed(0)  # the same weights on both ranks
+model = build_model(ModelConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=16))
+reference = build_model(model.config)
+reference.load_state_dict(model.state_dict())
+ddp = DDP(model)
+compiled, backward_graphs = second_backward_fails(ddp)  # DDP compiled, as parallel.parallelize does
+models, task = parallel.Models(raw=model, step=compiled, ddp=ddp), CausalLM({})
+scaler = torch.amp.GradScaler("cpu", enabled=False)
+def batches(length):  # each rank's own batch, and both ranks' for the reference
+    ids = [torch.randint(0, 20, (2, length + 1), generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    return [((ids[rt.rank][:, :-1],), ids[rt.rank][:, 1:])], torch.cat(ids)
+# step 1: the real all-reduce of DDP's backward hooks; each rank's gradient is the mean over both ranks' targets
+mine, both = batches(8)
+accumulate_gradients(models, task, mine, 2 * 2 * 8, scaler, rt)
+reference(both[:, :-1], both[:, 1:])[1].backward()
+exchanged = all(torch.allclose(p.grad, r.grad, atol=1e-6) for p, r in zip(model.parameters(), reference.parameters()))
+# step 2: another length recompiles, and its backward fails to compile on both ranks
+try:
+    accumulate_gradients(models, task, batches(6)[0], 2 * 2 * 6, scaler, rt)
+    error = "no error"
+except ConfigError as e:
+    error = str(e)
+with open(os.path.join(out, f"rank{rt.rank}.txt"), "w") as f:
+    f.write(f"{exchanged} {compiled.failed} {len(backward_graphs)}\\n{error}")
+dist.barrier()
+os._exit(0)  # the results are written; gloo's teardown after a failed backward is not what is tested
+"""
+
+
+def test_a_failed_backward_recompilation_under_ddp_is_one_line_on_each_rank(tmp_path):
+    """
+    On two ranks, after a step whose DDP all-reduce ran (each rank's gradient is that of both ranks' batches), a
+    backward that fails to compile is the one-line error on every rank: none falls back, none waits for the other.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = torchrun_script(DDP_BACKWARD_FAILS, tmp_path, env, str(tmp_path), str(REPO / "tests"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in range(2):
+        counts, error = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
+        assert counts == "True False 2"  # gradients exchanged, no fallback, the second backward graph was tried
+        assert error.startswith("the compiled backward failed (RuntimeError: this backward") and "\n" not in error
 
 
 DDP_GRAPHS = """
