@@ -180,8 +180,8 @@ def score_steps(model, ids, vocab_size, top):
     """
     logits, _ = model(torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device))
     logprobs = logits[0, :-1, :vocab_size].float().log_softmax(dim=-1)  # (T - 1, V): predicts ids[1:]
-    chosen = logprobs.gather(1, torch.tensor(ids[1:], device=logprobs.device)[:, None])[:, 0]
-    values, index = logprobs.topk(top, dim=-1)  # (T - 1, top)
+    chosen = logprobs.gather(1, torch.tensor(ids[1:], dtype=torch.long, device=logprobs.device)[:, None])[:, 0]
+    values, index = logprobs.topk(min(top, logprobs.size(-1)), dim=-1)  # (T - 1, top): no more than there are
     tops = [list(zip(i, v)) for i, v in zip(index.tolist(), values.tolist())]
     yield [None, *chosen.tolist()], [None, *tops]
 
@@ -460,8 +460,10 @@ def make_app(served, *, api_key="", max_body=1_000_000):
         if first["type"] == "json_invalid":
             return JSONResponse(error_body(f"the body is not valid JSON: {first['msg']}"), status_code=400)
         where = [str(part) for part in first["loc"] if part != "body"]
-        message = f"{'.'.join(where) or 'the body'}: {first['msg']}"
-        return JSONResponse(error_body(message, where[0] if where else None), status_code=400)
+        if not where:  # not an object; or not read as JSON, for want of its Content-Type (curl -d sends a form's)
+            message = "the body must be a JSON object, sent with 'Content-Type: application/json'"
+            return JSONResponse(error_body(message), status_code=400)
+        return JSONResponse(error_body(f"{'.'.join(where)}: {first['msg']}", where[0]), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, err):

@@ -224,6 +224,12 @@ def test_logprobs_are_the_models_own_log_softmax(client, chat_dir):
             if t:  # the two likeliest, the likeliest first
                 values = reference[t - 1].topk(2).values.tolist()
                 assert sorted(top.values(), reverse=True) == pytest.approx(values, abs=1e-4)
+    # one prompt id scored alone has no log p; asking for more likeliest ids than the vocabulary holds lists them all
+    got = client.completions.create(model="out", prompt=ids[:1], max_tokens=1, logprobs=20, echo=True, temperature=0)
+    assert got.choices[0].logprobs.token_logprobs[0] is None
+    assert len(got.choices[0].logprobs.top_logprobs[1]) == len(
+        {tokenizer.decode([i]) for i in range(tokenizer.vocab_size)}
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -234,6 +240,7 @@ def test_logprobs_are_the_models_own_log_softmax(client, chat_dir):
     "path, body, status, param",
     [
         ("/v1/completions", "{not json", 400, None),
+        ("/v1/completions", "[1, 2]", 400, None),
         ("/v1/completions", {"prompt": "ab", "model": "gpt-4"}, 404, "model"),
         ("/v1/completions", {"prompt": "ab", "max_tokens": -1}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "ab", "max_tokens": 47}, 400, "max_tokens"),
