@@ -11,6 +11,7 @@ tokenization speed, and each rank's memory with DDP and with FSDP.
     python bench.py --parts=memory --train_args="--n_layer=8 --n_embd=512"  # per-rank memory, DDP vs FSDP
     python bench.py --parts=step --cases="configs/gpt2.py;configs/gpt2.py --batch_size=24" --profile=true
     python bench.py --parts=gpu --nanogpt=/path/to/nanoGPT   # every GPU measurement, beside nanoGPT's own runs
+    python bench.py --parts=serve                    # serve.py: 1, 4 and 16 streaming clients at once
 
 Each training run is a real `python train.py CONFIG` process, timed from its launch, so compilation, data
 preparation and evaluation all count. Numbers vary from run to run: each is the median of several, with the spread.
@@ -25,11 +26,13 @@ import math
 import os
 import re
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -48,7 +51,7 @@ from tokens import data_root, load_meta, tiktoken_encoding
 
 # train.py runs with cwd=ROOT, so relative config paths work from any directory
 ROOT = Path(__file__).resolve().parent
-PARTS = ("train", "sample", "bpe", "memory", "step", "gpu")
+PARTS = ("train", "sample", "bpe", "memory", "step", "gpu", "serve")
 # nanoGPT's train.py beside ours (--nanogpt): GPT-2 124M's shape on its BPE tiny Shakespeare, 12 x 1024 x 4 per step,
 # as configs/gpt2.py --gradient_accumulation_steps=4 (its compile, bfloat16 and fused AdamW are its defaults on a GPU)
 NANOGPT_STEP = (
@@ -117,6 +120,9 @@ class BenchConfig:
     nanogpt_step: str = NANOGPT_STEP  # step: nanoGPT's train.py arguments for its column ("": no column)
     nanogpt_race: str = NANOGPT_RACE  # train: nanoGPT's train.py arguments, timed to target_loss ("": no column)
     child: str = ""  # internal: the one case a child process measures (the step part starts one per case)
+    serve_from: str = ""  # serve: a checkpoint file to serve; "": the quick start's model, trained for a few steps
+    serve_clients: str = "1,4,16"  # serve: how many clients stream at once, a table row each
+    serve_tokens: int = 60  # serve: tokens each client asks for (the quick start's context is 64)
 
     def __post_init__(self):
         # checked before any run: a typo in parts would otherwise surface after minutes of training
@@ -130,6 +136,8 @@ class BenchConfig:
             raise ValueError(
                 "runs, repeats, memory_iters, steps, rounds and warmup must be at least 1, ranks at least 2"
             )
+        if not re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", self.serve_clients) or self.serve_tokens < 1:
+            raise ValueError("serve_clients takes client counts, e.g. --serve_clients=1,4,16; serve_tokens at least 1")
         if not re.fullmatch(r"(\d+(,\d+)*)?", self.cold):
             raise ValueError(f"cold={self.cold!r}: give case numbers, e.g. --cold=1,3 (or --cold= for none)")
         missing = [c for c in self.configs if not (ROOT / c).is_file()]
@@ -825,6 +833,93 @@ def main(cfg):
             show((["measure", "median (min-max)"], bench_bpe(cfg, work)))
         if "memory" in parts:
             show(bench_memory(cfg, work))
+        if "serve" in parts:
+            show(bench_serving(cfg, work / "serve"))
+
+
+# -----------------------------------------------------------------------------
+# serve.py under concurrent clients
+
+
+def bench_serving(cfg, work):
+    """
+    (header, rows) for serve.py: each of serve_clients clients at once streams a completion of serve_tokens tokens
+    (sampled, never ending early), cfg.repeats times; time to first token per request, and tokens/s per client and
+    for all together. The server is a `python serve.py` process of its own, on cfg.serve_from or the quick start's
+    model (its shape, trained a few steps: the speed does not depend on the weights).
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    source = cfg.serve_from or quick_start_checkpoint(work)
+    port = free_port()
+    log = work / "serve.log"
+    command = [sys.executable, str(ROOT / "serve.py"), f"--init_from={source}", f"--port={port}", "--device=cpu"]
+    with open(log, "w") as out, subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT) as proc:
+        try:
+            url = wait_for_server(f"http://127.0.0.1:{port}", proc, log)
+            stream_completion(url, cfg.serve_tokens, seed=0)  # untimed: the first request's one-off costs
+            rows = []
+            for clients in [int(c) for c in cfg.serve_clients.split(",")]:
+                firsts, each, together = [], [], []
+                for repeat in range(cfg.repeats):
+                    seeds = range(repeat * clients, (repeat + 1) * clients)  # other samples in every request
+                    begin = time.perf_counter()
+                    with ThreadPoolExecutor(clients) as pool:
+                        runs = list(pool.map(lambda seed: stream_completion(url, cfg.serve_tokens, seed), seeds))
+                    wall = time.perf_counter() - begin
+                    firsts += [first for first, _ in runs]
+                    each += [cfg.serve_tokens / total for _, total in runs]
+                    together.append(clients * cfg.serve_tokens / wall)
+                rows += [
+                    (f"{clients} client(s): time to first token, ms", summary([1000 * f for f in firsts], "{:,.0f}")),
+                    (f"{clients} client(s): tokens/s per client", summary(each, "{:,.0f}")),
+                    (f"{clients} client(s): tokens/s all together", summary(together, "{:,.0f}")),
+                ]
+        finally:
+            proc.terminate()
+    return ["measure", f"serve.py, {cfg.serve_tokens} tokens a request, median (min-max)"], rows
+
+
+def quick_start_checkpoint(work):
+    """A checkpoint of configs/shakespeare.py's model after a few steps, in work."""
+    out_dir = work / "quick-start"
+    command = [sys.executable, str(ROOT / "train.py"), "configs/shakespeare.py", f"--out_dir={out_dir}"]
+    command += ["--max_minutes=0", "--max_iters=10", "--eval_interval=10", "--eval_iters=1", "--tensorboard=false"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"bench.py: error: {' '.join(command)} failed: {one_line(done.stderr or done.stdout)}")
+    return str(out_dir / "ckpt.pt")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_server(url, proc, log, timeout=120):
+    """url once its /v1/models answers; SystemExit with the server's last line if it exits or never answers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(f"{url}/v1/models", timeout=5).close()
+            return url
+        time.sleep(0.2)
+    last = (log.read_text().strip().splitlines() or ["no output"])[-1]
+    raise SystemExit(f"bench.py: error: serve.py did not start: {last}")
+
+
+def stream_completion(url, max_tokens, seed):
+    """One streamed completion of max_tokens tokens: (seconds to its first text, seconds in all)."""
+    body = {"prompt": "\n", "max_tokens": max_tokens, "temperature": 1.0, "seed": seed, "stream": True}
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    begin, first = time.perf_counter(), None
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for line in response:  # server-sent events: 'data: {chunk}' lines, then 'data: [DONE]'
+            if first is None and line.startswith(b"data: {") and json.loads(line[6:])["choices"]:
+                first = time.perf_counter() - begin
+    return first, time.perf_counter() - begin
 
 
 def nanogpt_column(rows, races, cfg):

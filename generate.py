@@ -142,6 +142,29 @@ def start_ids(tokenizer, meta):
     return [special["eot"]] if "eot" in special else [special["bos"]] if "bos" in special else []
 
 
+def prompt_start(tokenizer, meta, text):
+    """
+    The ids that go before the prompt's own and are never printed: those a tokenizer.json's template puts before
+    every text (Llama's bos); with no prompt, where a document starts (start_ids), or a newline for char data.
+    """
+    if text:
+        return tokenizer.template_prefix()
+    if head := start_ids(tokenizer, meta):
+        return head
+    if meta["tokenizer"]["type"] == "char":
+        return tokenizer.encode("\n")
+    raise ValueError(
+        "this model's tokenizer has no bos token to start from (its config.json has no bos_token_id); "
+        'give a prompt with --start, e.g. --start "Once upon a time"'
+    )
+
+
+def end_of_text(meta):
+    """The id that ends a GPT's text: GPT-2's end-of-text, or a tokenizer.json's eos; None for character-level data."""
+    special = meta["special_tokens"]
+    return special.get("eot", special.get("eos"))
+
+
 # -----------------------------------------------------------------------------
 # Encoder-decoder: translating a source
 

@@ -24,7 +24,15 @@ import torch
 from chat import model_format
 from config import parse_config
 from devices import DTYPES, autocast, resolve_device, resolve_dtype
-from generate import ChatSession, check_sampling_args, generate_stream, start_ids, translate, until_stop
+from generate import (
+    ChatSession,
+    check_sampling_args,
+    end_of_text,
+    generate_stream,
+    prompt_start,
+    translate,
+    until_stop,
+)
 from start import load_model
 from tasks import solve
 
@@ -97,9 +105,7 @@ def read_prompt(start):
 
 def show_samples(model, tokenizer, meta, text, cfg, out):
     """GPT: print cfg.num_samples continuations of text, streamed or all at the end. Returns (prompt ids,)."""
-    special = meta["special_tokens"]
-    # GPT-2's end-of-text, or a tokenizer.json's eos; None for char-level data, which has no such token
-    stop = special.get("eot", special.get("eos"))
+    stop = end_of_text(meta)
     head = prompt_start(tokenizer, meta, text)
     # only the prompt the user gave is printed, never the start tokens before it
     shown = crop_prompt(tokenizer.encode(text), model.config.block_size, len(head)) if text else []
@@ -133,23 +139,6 @@ def show_samples(model, tokenizer, meta, text, cfg, out):
             file=sys.stderr,
         )
     return (prompt,)
-
-
-def prompt_start(tokenizer, meta, text):
-    """
-    The ids that go before the prompt's own and are never printed: those a tokenizer.json's template puts before
-    every text (Llama's bos); with no prompt, where a document starts (start_ids), or a newline for char data.
-    """
-    if text:
-        return tokenizer.template_prefix()
-    if head := start_ids(tokenizer, meta):
-        return head
-    if meta["tokenizer"]["type"] == "char":
-        return tokenizer.encode("\n")
-    raise ValueError(
-        "this model's tokenizer has no bos token to start from (its config.json has no bos_token_id); "
-        'give a prompt with --start, e.g. --start "Once upon a time"'
-    )
 
 
 def crop_prompt(ids, block_size, reserved=0):

@@ -35,6 +35,7 @@ CONFIG_CLASSES = {
     "eval.py": ("eval", "EvalConfig"),
     "export.py": ("export", "ExportConfig"),
     "bench.py": ("bench", "BenchConfig"),
+    "serve.py": ("serve", "ServeConfig"),
 }
 # scripts of other projects that a page tells the reader to run in their own checkout
 ELSEWHERE = {"convert_hf_to_gguf.py"}  # llama.cpp's converter (docs/export.md)
