@@ -23,7 +23,7 @@ from train import TrainConfig, cli, make_optimizers, micro_step, update_weights
 
 REPO = Path(__file__).resolve().parent.parent
 # the measured peak (the process's resident set) exceeds the traced one by what the allocator keeps: -4% to -10% on
-# the five configs of README's "Plan a run"; on SETTINGS (many 4 MiB activations, freed and reused by glibc's heap)
+# the five configs of docs/planning.md; on SETTINGS (many 4 MiB activations, freed and reused by glibc's heap)
 # identical runs peaked at 731 to 877 MiB against 650 to 692 predicted: -11% to -21%. Without the activations the
 # plan would be about 50% low
 PEAK_TOLERANCE = 0.25
