@@ -19,9 +19,11 @@ import torch.distributed as dist
 
 import prepare_data
 from chat import ChatFormat
-from config import ConfigError, log
+from config import ConfigError
 from generate import decoded_pairs, decoded_replies
+from log import log
 from model import IGNORE_INDEX
+from runtime import raise_if_any_failed
 from tokens import (
     Conversations,
     Pairs,
@@ -453,10 +455,6 @@ def prepared_dataset(name, data_dir, options):
 
 def find_dataset(cfg, rt):
     """The dataset's folder, prepared first if missing: by rank 0, then by each node's first rank, then by the rest."""
-    # imported here, not at the top: parallel.py's FSDP imports take half a second that sample.py, which reads
-    # models through start.py and so this file, never needs
-    from parallel import raise_if_any_failed
-
     # the others wait over a gloo group of its own, whose timeout outlasts a preparation of hours (OpenWebText):
     # waiting in the default group would end at dist_timeout, and on GPUs in NCCL's watchdog
     group = dist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT) if rt.world_size > 1 else None

@@ -29,9 +29,9 @@ from chat import model_format
 from checkpoint import run_checkpoint
 from config import parse_config
 from data import MaskedLM, Seq2Seq, chat_batch, fitting_pairs, mask_tokens, seq2seq_batch, task_class
-from devices import DTYPES, autocast, resolve_device, resolve_dtype
 from generate import decoded_pairs, decoded_replies, start_ids
 from model import IGNORE_INDEX
+from runtime import DTYPES, autocast, resolve_device, resolve_dtype
 from start import load_model
 from tokens import (
     MIRROR_ENV,

@@ -1,9 +1,8 @@
 """
 LoRA (Hu et al. 2021): fine-tune a GPT whose weights stay frozen by training, beside chosen Linears, a low-rank
-update that is small enough to keep, save and merge. And the rest of fitting a base model to chat data: its
-vocabulary grown to the data's chat tokens, and those tokens' rows trained.
+update that is small enough to keep, save and merge; and the rows of the chat tokens a base model never learnt
+trained with it (its vocabulary grown to them first: chat.grow_vocabulary).
 
-    model = grow_vocabulary(base, 69)                       # a 65-character model, for data with 4 chat tokens more
     add_adapters(model, LoRASettings(rank=8, alpha=16.0, targets=("attention", "mlp")), token_rows=[65, 66, 67, 68],
                  generator=torch.Generator().manual_seed(1337))
     ...                                                     # train: only the adapters have requires_grad
@@ -195,31 +194,6 @@ def plain_linear(linear):
         plain = nn.Linear(linear.in_features, linear.out_features, bias=False)
     plain.weight, plain.bias = linear.weight, linear.bias
     return plain
-
-
-@torch.no_grad()
-def grow_vocabulary(model, vocab_size):
-    """
-    A GPT's token embedding (and its head, if untied) grown in place to vocab_size rows, for data whose chat tokens
-    lie beyond the model's vocabulary. Each new row is the mean of the existing rows (Hewitt 2021): a new id's logit
-    starts as the average of the others', so the model's distribution over its old ids barely moves and no new
-    token starts out likely; the rows then differ by training. The old rows and their logits are unchanged.
-    Returns model.
-    """
-    wte, head = model.body.wte, model.lm_head
-    added = vocab_size - wte.num_embeddings
-
-    def grown(weight):
-        mean = weight.float().mean(0, keepdim=True).to(weight.dtype)
-        return nn.Parameter(torch.cat([weight, mean.expand(added, -1)]), requires_grad=weight.requires_grad)
-
-    tied = head.weight is wte.weight
-    wte.weight = grown(wte.weight)
-    head.weight = wte.weight if tied else grown(head.weight)
-    wte.num_embeddings = head.out_features = vocab_size
-    # the one config object the model and its stack share: its vocabulary is now vocab_size ids
-    model.config.vocab_size = vocab_size
-    return model
 
 
 def fingerprint(model):

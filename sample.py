@@ -23,7 +23,6 @@ import torch
 
 from chat import model_format
 from config import parse_config
-from devices import DTYPES, autocast, resolve_device, resolve_dtype
 from generate import (
     ChatSession,
     check_sampling_args,
@@ -33,8 +32,9 @@ from generate import (
     translate,
     until_stop,
 )
+from runtime import DTYPES, autocast, resolve_device, resolve_dtype
 from start import load_model
-from tasks import solve
+from synthetic import solve
 
 MASK = "[MASK]"  # what the encoder's prompt writes where a token is to be filled in
 MAX_TICK_LABELS = 32  # token labels per axis of a heat map; more would overlap

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 import hf
 import tokens
+from chat import grow_vocabulary
 from checkpoint import (
     is_checkpoint,
     kept_weights,
@@ -34,9 +35,10 @@ from checkpoint import (
     run_checkpoint,
     set_rng_state,
 )
-from config import ConfigError, log, one_line, read_config_file
+from config import ConfigError, read_config_file
 from data import Task, make_task
-from lora import LoRASettings, add_adapters, describe, fingerprint, grow_vocabulary, load_adapters, merge
+from log import log, one_line
+from lora import LoRASettings, add_adapters, describe, fingerprint, load_adapters, merge
 from model import MODEL_KEYS, ModelConfig, Stack, build_model
 
 CONFIGS = Path(__file__).resolve().parent / "configs"  # the shipped configs, to name one that fits a checkpoint
@@ -286,7 +288,7 @@ def fit_to_data(begin, meta):
     """
     A new run's Start from other weights (a checkpoint, Hugging Face's), fitted to its data (meta): a GPT's token
     embedding (and untied head) grown to the data's vocabulary where its chat tokens lie beyond the model's (see
-    lora.grow_vocabulary); with lora_rank, the base frozen, LoRA adapters on it, and the record the checkpoints keep
+    chat.grow_vocabulary); with lora_rank, the base frozen, LoRA adapters on it, and the record the checkpoints keep
     of them and of their base.
     """
     cfg, model = begin.cfg, begin.model
@@ -341,7 +343,7 @@ def restore(ckpt, models, *, optimizers, scaler, generator, cfg, rt):
     Put a resumed run's state back, in this order: the optimizers' states (Adam's moments, Muon's momentum) and the
     weight average, with a sharded checkpoint's weights (each rank reading what its shards need), each group keeping
     this run's peak learning rate; the loss scale, the data stream's position (generator), and last each rank's
-    random generators, so that nothing after draws from them before training does. models: parallel.Models.
+    random generators, so that nothing after draws from them before training does. models: runtime.Models.
     """
     # imported here, not at the top: half a second of every script's start that only a resume needs
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

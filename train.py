@@ -12,8 +12,9 @@ shared out over the ranks, so a config means the same optimisation on one device
 
 The file reads top to bottom in the order a run goes: TrainConfig (every setting), main (the loop), setup (the
 stages before the first step), train_step (one optimizer step, then the helpers it calls, in that order),
-evaluation and saving, the command line. Beside it: data.py (the batches), start.py (how a run starts or resumes),
-parallel.py (ranks, FSDP or DDP, compile), progress.py (what a run prints and logs), checkpoint.py (what is saved).
+evaluation and saving, the command line. Beside it: data.py (the tasks and their batches), start.py (how a run
+starts or resumes), runtime.py (devices, ranks, FSDP or DDP), log.py (what a run prints and logs), checkpoint.py
+(what is saved); compiling.py (torch.compile) where a run compiles.
 """
 
 import contextlib
@@ -46,9 +47,9 @@ from checkpoint import (
     training_state,
     weights_state,
 )
-from config import ConfigError, given_values, log, make_config, one_line
+from config import ConfigError, given_values, make_config
 from data import Task, TrainBatches, count_targets, find_dataset, micro_seeds, pinned
-from devices import DTYPES, keep_freed_memory, peak_flops, pick_threads
+from log import Clock, Progress, Scalars, Step, log, log_memory, one_line, state_bytes
 from lora import TARGETS, LoRASettings, adapter_state, add_adapters
 from model import (
     LOSS_CHUNK_BYTES,
@@ -59,20 +60,22 @@ from model import (
     loss_chunk_budget,
     loss_chunk_cap,
 )
-from parallel import (
-    CompiledModel,
+from runtime import (
+    DTYPES,
     Models,
     Runtime,
     agreed_minimum,
     all_reduce,
     gradient_sync,
     init_distributed,
+    keep_freed_memory,
     make_runtime,
     parallelize,
+    peak_flops,
+    pick_threads,
     raise_if_any_failed,
     split_accumulation,
 )
-from progress import Clock, Progress, Scalars, Step, log_memory, state_bytes
 from start import restore, resumed_settings, start_run
 
 
@@ -144,7 +147,7 @@ class TrainConfig(ModelSettings):
     # planning (plan.py): predict instead of train
     plan: bool = False  # print each rank's predicted memory and the step time of this run, then exit: nothing trains
     plan_ranks: int = 1  # plan: the ranks (GPUs) the run would use; each gets gradient_accumulation_steps / plan_ranks
-    plan_device: str = "auto"  # plan: 'cpu', a GPU (H100, A100, L4, ...: devices.GPUS), 'auto': this machine's
+    plan_device: str = "auto"  # plan: 'cpu', a GPU (H100, A100, L4, ...: runtime.GPUS), 'auto': this machine's
     plan_mfu: float = 0.0  # plan: the model FLOPs utilisation to time steps at; 0: CPU_MFU on a CPU, else 40%
 
     def __post_init__(self):
@@ -254,7 +257,7 @@ class Run:
 
     cfg: TrainConfig  # with the model settings of the checkpoint or pretrained weights it starts from
     rt: Runtime
-    models: Models  # the model under the name of each use: see parallel.Models
+    models: Models  # the model under the name of each use: see runtime.Models
     ema_pairs: tuple  # with a weight average: (its parameters, the trained ones), for update_ema; else ()
     optimizers: dict  # {name: optimizer}: {"adamw": AdamW}, with optimizer='muon' also "muon": Muon
     scaler: torch.amp.GradScaler
@@ -343,7 +346,7 @@ def resume_command(out_dir, rt):
 def setup(cfg, rt, stack):
     """
     Everything before the first step, in stages: the processes, the data, where the model starts (start.py), the
-    model spread over the ranks (parallel.py) with its optimizers and a resume's state, the outputs. Returns a Run.
+    model spread over the ranks (runtime.py) with its optimizers and a resume's state, the outputs. Returns a Run.
     """
     per_rank, host_group, is_writer, threads_note = join_processes(cfg, rt, stack)
 
@@ -474,6 +477,8 @@ def sized_loss_chunk(models, optimizers, task, cfg, rt, group):
     that a run with room to spare keeps its graphs; eager, the smallest chunk, so that the trial itself cannot run
     out of memory for its logits.
     """
+    from compiling import CompiledModel  # imported here: on CPUs compile is off by default, and nothing is sized
+
     device, model = rt.device, models.raw
     compiled = isinstance(models.step, CompiledModel) and not models.step.failed
     if not compiled:
@@ -778,6 +783,8 @@ def backward(loss, step_model):
         loss.backward()
     # what a failed compilation raises: Inductor's InductorError, any backend's BackendCompilerFailed
     except torch._dynamo.exc.TorchDynamoException as e:
+        from compiling import CompiledModel
+
         if not isinstance(step_model, CompiledModel) or step_model.failed:
             raise
         raise ConfigError(f"the compiled backward failed ({one_line(e)}); run with --compile=false") from e

@@ -23,11 +23,12 @@ import sample
 import start
 import tokens
 import train
+from chat import grow_vocabulary
 from checkpoint import load_checkpoint
 from generate import generate
-from lora import LoRALinear, LoRASettings, add_adapters, grow_vocabulary, merge
+from lora import LoRALinear, LoRASettings, add_adapters, merge
 from model import MODEL_KEYS, ModelConfig, build_model
-from parallel import Models, Runtime
+from runtime import Models, Runtime
 from start import adapted_model, load_model, model_from_checkpoint
 from train import TrainConfig, main
 
