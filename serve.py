@@ -734,7 +734,7 @@ def load_served(cfg):
     """The Served model of cfg's source; ConfigError when it is not a GPT."""
     device = resolve_device(cfg.device, 0)
     dtype = resolve_dtype(cfg.dtype, device)
-    model, tokenizer, meta = load_model(
+    model, tokenizer, meta, _ = load_model(
         cfg.init_from, out_dir=cfg.out_dir, checkpoint=cfg.checkpoint, dataset=cfg.dataset, device=device,
         compile=cfg.compile,
     )  # fmt: skip

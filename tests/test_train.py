@@ -596,10 +596,10 @@ def test_batches_reach_the_device_from_dense_pinned_memory(monkeypatch, shakespe
     if arch == "encoder_decoder":
         folder = data.prepared_dataset("reverse", data_root, REVERSE)
         meta = tokens.load_meta(folder)
-        split = data.make_task(arch, meta).load_split(folder, "train", 16)
+        split = data.make_task("auto", arch, meta).load_split(folder, "train", 16)
     else:
         meta, split = tokens.load_meta(shakespeare_char_dir), tokens.load_tokens(shakespeare_char_dir / "train.bin")
-    inputs, targets = data.make_task(arch, meta).batch(split, 4, 16, torch.Generator().manual_seed(0))
+    inputs, targets = data.make_task("auto", arch, meta).batch(split, 4, 16, torch.Generator().manual_seed(0))
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
     monkeypatch.setattr(torch.Tensor, "to", to)
@@ -652,7 +652,7 @@ def test_val_bpb_is_the_val_loss_in_bits_per_byte_of_its_targets(data_root, shak
     """
     cfg = tiny(data_root, "unused", eval_iters=3, batch_size=2)
     meta = tokens.load_meta(shakespeare_char_dir)
-    task = data.make_task("gpt", meta)
+    task = data.make_task("auto", "gpt", meta)
     splits = {split: task.load_split(shakespeare_char_dir, split, cfg.block_size) for split in ("train", "val")}
     vocab_size = task.model_vocab
     torch.manual_seed(0)
