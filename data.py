@@ -337,20 +337,10 @@ TASKS = {task.name: task for task in (CausalLM, MaskedLM, Seq2Seq, Chat)}
 
 def make_task(name, arch, meta, mask_prob=0.15, label_smoothing=0.0):
     """
-    The Task `name` ("auto": the architecture's for the data) of a model of arch trained on a dataset with this meta;
-    ConfigError where they do not go together.
+    Task `name` ("auto": the first in TASKS of arch and of the data's kind, meta["kind"]) of a model of arch trained on
+    a dataset with this meta; ConfigError where they do not go together.
     """
-    task = task_class(name, arch, meta["kind"], meta.get("name", "this dataset"))
-    if task is MaskedLM:
-        return MaskedLM(meta, label_smoothing=label_smoothing, mask_prob=mask_prob)
-    return task(meta, label_smoothing=label_smoothing)
-
-
-def task_class(name, arch, kind, dataset):
-    """
-    The class of Task `name` ("auto": the first in TASKS of arch and data of this kind, meta["kind"]) for a model of
-    arch on `dataset`; ConfigError where they do not go together.
-    """
+    kind, dataset = meta.get("kind", "lm"), meta.get("name", "this dataset")
     if name == "auto":
         if kind == "chat" and arch != "gpt":
             raise ConfigError(
@@ -365,7 +355,9 @@ def task_class(name, arch, kind, dataset):
         raise ConfigError(f"task={name} trains arch={task.arch!r}, not arch={arch!r}")
     if kind != task.kind:
         raise ConfigError(f"arch={arch} needs a {task.kind} dataset ({task.examples}); {dataset} is {kind}")
-    return task
+    if task is MaskedLM:
+        return MaskedLM(meta, label_smoothing=label_smoothing, mask_prob=mask_prob)
+    return task(meta, label_smoothing=label_smoothing)
 
 
 def usable_rows(fits, total, what, folder, block_size, why=""):

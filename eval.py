@@ -28,7 +28,7 @@ import prepare_data
 from chat import model_format
 from checkpoint import run_checkpoint
 from config import parse_config
-from data import TASKS, MaskedLM, Seq2Seq, chat_batch, fitting_pairs, mask_tokens, seq2seq_batch
+from data import TASKS, MaskedLM, Seq2Seq, chat_batch, fitting_pairs, make_task, mask_tokens, seq2seq_batch
 from generate import decoded_pairs, decoded_replies, start_ids
 from model import IGNORE_INDEX
 from runtime import DTYPES, autocast, resolve_device, resolve_dtype
@@ -587,7 +587,7 @@ def main(cfg, out=None):
         device=device,
         compile=cfg.compile,
     )
-    task = eval_task(cfg, trained)
+    task = eval_task(cfg, make_task(trained, model.config.arch, meta))
     progress = sys.stderr.isatty() if cfg.progress is None else cfg.progress
     source = cfg.init_from if cfg.init_from != "resume" else str(run_checkpoint(cfg.out_dir, cfg.checkpoint))
     # the kind of data scored: lm (text), seq2seq (pairs), chat, or hellaswag

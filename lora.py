@@ -254,10 +254,8 @@ class LoRA:
     key = "lora"  # the checkpoints' entry of record
 
     def __init__(self, record, dropout=0.0):
-        self.record, self.settings = (
-            record,
-            LoRASettings(record["rank"], record["alpha"], tuple(record["targets"]), dropout),
-        )
+        self.record = record
+        self.settings = LoRASettings(record["rank"], record["alpha"], tuple(record["targets"]), dropout)
 
     @classmethod
     def for_new_run(cls, cfg, base, meta):

@@ -22,7 +22,7 @@ import torch
 
 from chat import model_format
 from config import parse_config
-from data import TASKS
+from data import TASKS, make_task
 from generate import (
     ChatSession,
     check_sampling_args,
@@ -473,6 +473,7 @@ def main(cfg, out=None):
         compile=cfg.compile,
     )
     # needs the model's task, known only once it is loaded
+    task = make_task(task, model.config.arch, meta)
     check_options(cfg, task)
     # no_grad: no graph kept while generating; autocast: matmuls in cfg's dtype
     if cfg.chat:

@@ -383,8 +383,8 @@ def load_whole_optimizer_state(model, optimizer, state):
 
 def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False):
     """
-    (model in eval mode on device, its Tokenizer, its data's meta, its Task: the one its run named, else its
-    architecture's for the data) for sampling and evaluation. init_from: "resume"
+    (model in eval mode on device, its Tokenizer, its data's meta, the name of its task: its run's task setting, else
+    "auto", for data.make_task) for sampling and evaluation. init_from: "resume"
     (out_dir/checkpoint), a checkpoint file or sharded folder (ours or nanoGPT's; dataset names the prepared data
     of a nanoGPT character-level model's characters), else Hugging Face weights (a hub id or a folder). compile:
     torch.compile the layer stacks, which generation calls.
@@ -396,7 +396,7 @@ def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False
         # nanoGPT's character-level checkpoints take their characters from the dataset named
         named = tokens.load_meta(tokens.dataset_dir(dataset)) if dataset else None
         meta = ckpt["meta"] or nanogpt_meta(ckpt, path, named, "name a prepared dataset with --dataset")
-        task = ckpt["train_config"].get("task", "auto")
+        task = ckpt.get("train_config", {}).get("task", "auto")  # "auto" for weights saved without a run
         try:
             model = model_from_checkpoint(ckpt)
         except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit
@@ -420,7 +420,7 @@ def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False
             if isinstance(module, Stack):
                 module.compile(dynamic=True)
     # the tokenizer the data was prepared with, rebuilt from the checkpoint alone
-    return model, tokens.Tokenizer.from_meta(meta), meta, make_task(task, model.config.arch, meta)
+    return model, tokens.Tokenizer.from_meta(meta), meta, task
 
 
 def model_from_checkpoint(ckpt, **overrides):
