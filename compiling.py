@@ -21,7 +21,7 @@ class CompiledModel(nn.Module):
     """
     torch.compile(module), falling back to the eager module with one warning if a compilation fails, whenever it
     happens: at the first call or at a later recompilation (evaluation mode, say). A backward graph is compiled at
-    its first use, in loss.backward(): train.accumulate_gradients turns a failure there into a one-line error.
+    its first use, in loss.backward(): train.backward turns a failure there into a one-line error.
     regions: compile each Block and the loss instead of the whole model (compile_regions); mode: torch.compile's,
     "reduce-overhead" for CUDA graphs.
     """

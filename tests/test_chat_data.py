@@ -487,7 +487,7 @@ def test_compile_tries_the_graph_that_conversations_of_any_length_reuse(chat_dir
     split = task.load_split(chat_dir, "train", 64)
     model = build_model(ModelConfig(vocab_size=task.model_vocab, block_size=64, n_layer=1, n_head=2, n_embd=16))
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="eager", dynamic=None)  # as parallel.py compiles varying batches
+    compiled = torch.compile(model, backend="eager", dynamic=None)  # as runtime.parallelize compiles varying batches
     task.loss(compiled, *task.to_device(*task.example_batch(4, 64), torch.device("cpu"))).backward()
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed in range(3):
