@@ -544,10 +544,12 @@ def eval_task(cfg, trained):
     The Task that cfg asks of a model whose own is `trained` (load_model's), None for HellaSwag; ValueError for one
     it cannot do.
     """
-    arch, task = trained.arch, type(trained) if cfg.task == "auto" else TASKS.get(cfg.task)
-    name = cfg.task if task is None else task.name
-    scores = "endings by a causal language model's likelihood" if task is None else task.scores
-    if (arch if task is None else task.arch) != arch or task is None and arch != "gpt":
+    task = type(trained) if cfg.task == "auto" else TASKS.get(cfg.task)  # None: HellaSwag
+    name, arch = cfg.task if task is None else task.name, trained.arch
+    scores, needs = (
+        ("endings by a causal language model's likelihood", "gpt") if task is None else (task.scores, task.arch)
+    )
+    if arch != needs:
         raise ValueError(f"task={name} scores {scores}; this checkpoint's arch is {arch}: use --task={trained.name}")
     for owner in TASKS.values():
         for option in owner.eval_options:
