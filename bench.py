@@ -40,12 +40,11 @@ from pathlib import Path
 import torch
 
 from checkpoint import load_checkpoint
-from config import one_line, parse_config
-from devices import DTYPES, autocast, resolve_dtype
+from config import parse_config
 from generate import generate
-from parallel import make_runtime
+from log import one_line, resident_peak
 from prepare_data import bpe_batches, prepare, shakespeare_file
-from progress import resident_peak
+from runtime import DTYPES, autocast, make_runtime, resolve_dtype
 from start import model_from_checkpoint
 from tokens import data_root, load_meta, tiktoken_encoding
 

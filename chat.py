@@ -34,6 +34,8 @@ including message i, must both be prefixes of the whole rendering (a template th
 differently, as one dropping past reasoning does, is refused as not incremental); the characters between the two
 are the reply. Its tokens (by their character offsets) are targets up to and including the first end-of-turn
 token, so ChatML's newline after <|im_end|> is not one.
+
+A model fine-tuned on chat data whose tokens lie beyond its vocabulary gets rows for them: grow_vocabulary.
 """
 
 import json
@@ -43,10 +45,12 @@ from pathlib import Path
 
 import jinja2
 import jinja2.ext
+import torch
+import torch.nn as nn
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import tokens
-from config import one_line
+from log import one_line
 
 ROLES = ("system", "user", "assistant")
 # the built-in template's special tokens: their names in meta["special_tokens"], in the order with_chat_tokens adds them
@@ -425,3 +429,28 @@ def model_format(meta, source):
         found = folder_chat(folder)
         meta = meta if found is None else {**meta, "chat": found}
     return ChatFormat.from_meta(meta)
+
+
+@torch.no_grad()
+def grow_vocabulary(model, vocab_size):
+    """
+    A GPT's token embedding (and its head, if untied) grown in place to vocab_size rows, for data whose chat tokens
+    lie beyond the model's vocabulary. Each new row is the mean of the existing rows (Hewitt 2021): a new id's logit
+    starts as the average of the others', so the model's distribution over its old ids barely moves and no new
+    token starts out likely; the rows then differ by training. The old rows and their logits are unchanged.
+    Returns model.
+    """
+    wte, head = model.body.wte, model.lm_head
+    added = vocab_size - wte.num_embeddings
+
+    def grown(weight):
+        mean = weight.float().mean(0, keepdim=True).to(weight.dtype)
+        return nn.Parameter(torch.cat([weight, mean.expand(added, -1)]), requires_grad=weight.requires_grad)
+
+    tied = head.weight is wte.weight
+    wte.weight = grown(wte.weight)
+    head.weight = wte.weight if tied else grown(head.weight)
+    wte.num_embeddings = head.out_features = vocab_size
+    # the one config object the model and its stack share: its vocabulary is now vocab_size ids
+    model.config.vocab_size = vocab_size
+    return model

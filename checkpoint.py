@@ -1,6 +1,6 @@
 """
 Checkpoints: what ckpt.pt and best.pt hold, written atomically (a file, or a sharded folder) and read with
-torch.load(weights_only=True); nanoGPT's checkpoints read as ours. start.py makes models of them.
+torch.load(weights_only=True); nanoGPT's checkpoints read as ours (load_nanogpt). start.py makes models of them.
 
     save_checkpoint(training_state(...), out_dir / "ckpt.pt")    # everything a resume needs
     ckpt = load_checkpoint("out/best.pt")                        # start.model_from_checkpoint(ckpt): the model
@@ -15,7 +15,8 @@ one line naming the commit that still reads them.
 
 With LoRA (lora_rank), ckpt.pt and best.pt hold the adapters only, as "weights" (the trained tensors, small), and
 "lora": their settings, the token rows they train and their base (where it was loaded from, its model settings and
-a fingerprint of its weights); model_from_checkpoint loads the base, checks it, and merges the adapters into it.
+a fingerprint of its weights); saved_converter gives its lora.LoRA, which loads the base, checks it, and merges the
+adapters into it (start.model_from_checkpoint).
 Such a checkpoint is one file, also under FSDP (AdamW's state of the adapters, whole): best.pt is format 4.
 
 With fsdp, ckpt.pt is a folder instead, a sharded checkpoint (torch.distributed.checkpoint) that every rank writes
@@ -38,10 +39,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from config import ConfigError, one_line
-from hf import load_nanogpt
-from lora import adapter_state
-from model import ModelConfig, build_model
+from config import ConfigError
+from log import one_line
+from model import GPT, ModelConfig, build_model
 from tokens import GPT2_META
 
 # of checkpoints; a checkpoint with a larger number needs newer code. 3: weights and average by role; 4: LoRA
@@ -111,16 +111,16 @@ def finite_weights(state, iter_num):
 
 
 def weights_state(
-    weights, model_config, cfg, meta, iter_num, best_val_loss, role="weights", lora=None, best_accuracy=None
+    weights, model_config, cfg, meta, iter_num, best_val_loss, role="weights", converter=None, best_accuracy=None
 ):
     """
     What best.pt holds: weights (a state dict) under its role, "weights" or, with ema_decay, "average"; the
     model's settings (a ModelConfig), the run's, the dataset's meta. weights None: all but the weights (a sharded
-    checkpoint's state.pt; its weights are saved apart). lora: the record of a LoRA run's adapters (start.py),
-    whose tensors weights then holds.
+    checkpoint's state.pt; its weights are saved apart). converter: a LoRA run's (lora.LoRA), whose record is
+    kept under its key and whose state (the adapters) weights then holds.
     """
     state = {
-        "format_version": PLAIN_FORMAT if lora is None else LORA_FORMAT,
+        "format_version": PLAIN_FORMAT if converter is None else LORA_FORMAT,
         # settings as plain dicts: enough to rebuild the architecture (model_from_checkpoint) and the run
         "model_config": asdict(model_config),
         "train_config": asdict(cfg),
@@ -135,8 +135,8 @@ def weights_state(
     if weights is not None:
         # tensors keyed by parameter name, from the unwrapped model: no `module.` (DDP) or `_orig_mod.` prefix
         state[role] = finite_weights(weights, iter_num)
-    if lora is not None:
-        state["lora"] = lora
+    if converter is not None:
+        state[converter.key] = converter.record
     return state
 
 
@@ -157,25 +157,25 @@ def training_state(
     device,
     world_size,
     sharded,
-    lora=None,
+    converter=None,
 ):
     """
     What ckpt.pt holds: weights_state (model's trained weights) plus all a resume needs, with ema_model's weights as
     "average" where there is one. Call it on every rank: RNG states are gathered.
     sharded: all but the weights and the optimizer's state, which sharded_state gives (a sharded checkpoint).
-    lora: the record of a LoRA run (start.py): the adapters and AdamW's state, whole also under FSDP (gathered
-    on every rank), instead of every weight.
+    converter: a LoRA run's (lora.LoRA): its state, the adapters, and AdamW's state of them, whole also under FSDP
+    (gathered on every rank), instead of every weight.
     """
     # each rank has its own generators (dropout differs per rank): all are gathered, in rank order, for rank 0 to save
     rng = [rng_state(device)]
     if world_size > 1:
         mine, rng = rng[0], [None] * world_size
         dist.all_gather_object(rng, mine)
-    weights = None if sharded else model.state_dict() if lora is None else adapter_state(model)
+    weights = None if sharded else model.state_dict() if converter is None else converter.state(model)
     state = {
         # format 5 (the optimizers' states by name), whichever weights_state gives best.pt
         **weights_state(
-            weights, model.config, cfg, meta, iter_num, best_val_loss, lora=lora, best_accuracy=best_accuracy
+            weights, model.config, cfg, meta, iter_num, best_val_loss, converter=converter, best_accuracy=best_accuracy
         ),
         "format_version": FORMAT_VERSION,
         # float16's current loss scale; an empty dict when no scaler is in use
@@ -532,6 +532,39 @@ def read_shards(tensors, path, alone):
         raise ConfigError(f"{path} is not a readable sharded checkpoint: {one_line(e)}") from None
 
 
+def load_nanogpt(checkpoint, path):
+    """
+    A GPT holding the weights of a checkpoint dict written by nanoGPT's train.py (karpathy/nanoGPT), path naming it
+    in errors. Its model_args give the sizes; its model is GPT-2's (pre-norm LayerNorm, learned positions, tied
+    head) with exact GELU and nn.Linear weights (not GPT-2's transposed Conv1D), biases as model_args says. A
+    compiled run's keys carry "_orig_mod.".
+    """
+    # imported here: only nanoGPT's checkpoints need them. nanoGPT's names are GPT-2's, and so is its model
+    from hf import check_names, gpt2_model_config, gpt2_names, load_checked
+
+    args = checkpoint["model_args"]
+    # model_args as GPT2Config's settings: the same model, with exact GELU and (by default) the head tied
+    hf = {
+        "vocab_size": args["vocab_size"],
+        "n_positions": args["block_size"],
+        "n_layer": args["n_layer"],
+        "n_head": args["n_head"],
+        "n_embd": args["n_embd"],
+        "activation_function": "gelu",
+    }
+    config = gpt2_model_config(hf, path, {"dropout": args.get("dropout", 0.0), "bias": args.get("bias", True)})
+    # the causal-mask buffers of nanoGPT on PyTorch < 2 (".attn.bias", not c_attn's) are not weights
+    state = {
+        k.removeprefix("_orig_mod.").removeprefix("transformer."): v
+        for k, v in checkpoint["model"].items()
+        if not k.endswith(".attn.bias")
+    }
+    state.pop("lm_head.weight", None)  # tied to wte
+    names = gpt2_names(config.n_layer, config.bias)
+    check_names(path, "nanoGPT", expected=names, found=state, source="model_args")
+    return load_checked(GPT(config), {names[k]: v for k, v in state.items()}, path)
+
+
 def nanogpt_checkpoint(ckpt, path):
     """
     A checkpoint written by nanoGPT's train.py, as ours: its weights under our names, its settings, iter_num and
@@ -582,3 +615,23 @@ def is_checkpoint(path):
 def kept_weights(ckpt):
     """The weights to evaluate, sample or start a new run from: the average if the checkpoint has one."""
     return ckpt["average"] if "average" in ckpt else ckpt["weights"]
+
+
+def saved_converter(ckpt, cfg=None):
+    """
+    The converter whose state a checkpoint holds instead of every weight: a LoRA run's (lora.LoRA, from its "lora"
+    record), or None. cfg: the TrainConfig of a run resuming it, whose dropout the converter takes.
+    """
+    if "lora" not in ckpt:
+        return None
+    from lora import LoRA  # imported here: only LoRA checkpoints need it
+
+    return LoRA(ckpt["lora"], 0.0 if cfg is None else cfg.lora_dropout)
+
+
+def converter_settings(ckpt):
+    """The settings a run resuming ckpt takes from it beside the model's: a LoRA run's adapters fit only their own."""
+    if "lora" not in ckpt:
+        return {"lora_rank": 0}  # a run of every weight
+    lora = ckpt["lora"]
+    return {"lora_rank": lora["rank"], "lora_alpha": lora["alpha"], "lora_targets": ",".join(lora["targets"])}

@@ -6,15 +6,13 @@ Typed `key = value` configuration for every script: config files read with `ast`
 
 A config file holds only `key = value` lines whose values are literals; later files and options win, and a dict
 option on the command line adds its keys to the files' dict. A mistake (an unknown key, a wrong type, a file that is
-not a config) raises ConfigError with a one-line message that names the file line or option and how to fix it;
-one_line shortens any error to what such a message quotes, and log prints a script's lines (on rank 0 alone).
+not a config) raises ConfigError with a one-line message that names the file line or option and how to fix it.
 """
 
 import ast
 import difflib
 import inspect
 import io
-import os
 import sys
 import textwrap
 import tokenize
@@ -31,18 +29,6 @@ BOOL_WORDS = types.MappingProxyType({"true": True, "false": False, "1": True, "0
 
 class ConfigError(ValueError):
     """A bad setting, config file, command line or input file; the message says what is wrong and how to fix it."""
-
-
-def one_line(error):
-    """The first line of an error's message (at most 300 characters), for one-line error reports."""
-    lines = str(error).strip().splitlines()
-    return lines[0][:300] if lines else type(error).__name__
-
-
-def log(message):
-    """Print on rank 0 only (torchrun sets RANK); flushed so piped logs stay current."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(message, flush=True)
 
 
 def field_docs(cls):

@@ -1,10 +1,11 @@
 """
 The data side of training. First the tasks, side by side: what differs between a GPT on text (CausalLM), an
 encoder on text (MaskedLM, BERT's 80/10/10 corruption), an encoder-decoder on pairs (Seq2Seq) and a GPT on
-conversations (Chat, the loss on the assistant's tokens): their splits, batches, counts, losses and exact answers.
-Then what a batch is for each, the seeds that make a micro-batch depend on its seed alone, the dataset a run reads
-(prepared first if missing, by one rank while the others wait) and the stream of training batches, built one step
-ahead on a background thread. train.py, eval.py and plan.py hold a Task and call its methods.
+conversations (Chat, the loss on the assistant's tokens): their splits, batches, counts, losses and exact answers,
+and what eval.py and sample.py do with a model of each; TASKS names them all. Then what a batch is for each, the
+seeds that make a micro-batch depend on its seed alone, the dataset a run reads (prepared first if missing, by one
+rank while the others wait) and the stream of training batches, built one step ahead on a background thread.
+train.py, eval.py, sample.py and plan.py hold a Task and call its methods.
 """
 
 import difflib
@@ -17,11 +18,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import prepare_data
-from chat import ChatFormat
-from config import ConfigError, log
-from generate import decoded_pairs, decoded_replies
+from config import ConfigError
+from log import log
 from model import IGNORE_INDEX
+from runtime import raise_if_any_failed
 from tokens import (
     Conversations,
     Pairs,
@@ -47,13 +47,22 @@ class Task:
     A kind of training, the one place where the kinds differ: causal LM (a GPT on text), masked LM (an encoder on
     text), sequence to sequence (an encoder-decoder on pairs) and chat (a GPT on conversations). Each reads its
     prepared splits, draws a micro-batch, counts its tokens, makes the batch that compile and the planner trace, and
-    computes its loss; train.py, eval.py and plan.py call these methods and never ask which task they train. A task
-    with exact_answers also gives answer_rows(split), the val examples in order, and decoded(model, split, rows,
-    batch_size, block_size), their greedy outputs beside the references. make_task picks the task of an architecture
-    and a dataset.
+    computes its loss; it evaluates a model (eval.py) and shows what one makes of a prompt (sample.py). train.py,
+    eval.py, sample.py and plan.py call these methods and never ask which task they train. A task with exact_answers
+    also gives answer_rows(split), the val examples in order, and decoded(model, split, rows, batch_size,
+    block_size), their greedy outputs beside the references. TASKS maps each task's name to its class; make_task
+    picks the task a run names, or that of its architecture and dataset.
     """
 
-    kind = "lm"  # the prepared data it reads (meta["kind"])
+    name = ""  # its name in TASKS: the `task` setting of train.py and eval.py
+    arch = "gpt"  # the architecture it trains
+    kind = "lm"  # the prepared data it reads (meta["kind"]; tokens.KIND_NEEDS lists the files of each kind)
+    examples = "shakespeare_char, shakespeare"  # datasets of that kind, for a message
+    scores = ""  # what eval.py scores, for a message
+    eval_options = ()  # the eval.py options that apply to this task alone
+    sample_options = ()  # the sample.py options that apply to this task (and others that list them) alone
+    sample_applies = ""  # said when another task's model is given one of them
+    sample_does = ""  # what sample.py does with its model, said when it is given another task's option
     varying = False  # batch lengths vary from batch to batch: one dynamic compiled graph, no CUDA graphs
     exact_answers = False  # its val data has answers to decode and compare: exact match then chooses best.pt
     bits_per_byte = False  # its targets spell text: evaluation reports the val loss in bits per byte too
@@ -113,11 +122,23 @@ class Task:
         """A line on the training split's batches for the run's log, or None."""
         return None
 
+    def evaluate(self, model, tokenizer, cfg, progress):
+        """eval.py's results ({name: value}) for model; cfg: eval.py's EvalConfig; progress: show a progress bar."""
+        raise NotImplementedError
+
+    def sample(self, model, tokenizer, text, cfg, out):
+        """Print to out what model makes of the prompt text (cfg: a SampleConfig); returns the attention maps' ids."""
+        raise NotImplementedError
+
 
 class CausalLM(Task):
     """A GPT predicting each next token of text: a window's inputs and targets are one window shifted by one."""
 
-    bits_per_byte = True
+    name, scores, bits_per_byte = "lm", "text with a GPT", True
+    eval_options = ("stride",)
+    sample_options = ("num_samples", "temperature", "top_k", "top_p", "stream", "use_cache", "chat", "system")
+    sample_applies = "sampling (--temperature, --top_k, --top_p, --num_samples, --chat) applies to GPT checkpoints only"
+    sample_does = "a GPT samples with --temperature, --top_k and --top_p (greedy: --temperature=0)"
 
     @functools.cached_property
     def byte_lengths(self):
@@ -131,6 +152,17 @@ class CausalLM(Task):
     def text_bytes(self, targets):
         return int(self.byte_lengths[targets[targets != IGNORE_INDEX].numpy()].sum())
 
+    # eval.py and sample.py are imported where they are used: only they call these
+    def evaluate(self, model, tokenizer, cfg, progress):
+        import eval as evaluation
+
+        return evaluation.evaluate_lm(model, tokenizer, self.meta, cfg, progress)
+
+    def sample(self, model, tokenizer, text, cfg, out):
+        import sample
+
+        return sample.show_samples(model, tokenizer, self.meta, text, cfg, out)
+
 
 class MaskedLM(Task):
     """
@@ -138,6 +170,10 @@ class MaskedLM(Task):
     id gets one after its vocabulary, recorded in the meta the checkpoints store. data_vocab: the ids random
     replacements are drawn from (default: the dataset's).
     """
+
+    name, arch, scores = "masked_lm", "encoder", "masked text with an encoder"
+    sample_options, sample_applies = ("candidates",), "--candidates applies to encoder (masked LM) checkpoints only"
+    sample_does = "an encoder lists the --candidates likeliest tokens for each [MASK]"
 
     def __init__(self, meta, *, label_smoothing=0.0, mask_prob=0.15, data_vocab=None):
         special = meta["special_tokens"]
@@ -162,12 +198,27 @@ class MaskedLM(Task):
         chosen = torch.rand(ids.shape, generator=generator) < self.mask_prob  # the targets, as mask_tokens picks them
         return (ids,), torch.where(chosen, ids, IGNORE_INDEX)
 
+    def evaluate(self, model, tokenizer, cfg, progress):
+        import eval as evaluation
+
+        tokens, data = evaluation.lm_tokens(cfg, self.meta, tokenizer)
+        return evaluation.evaluate_masked(model, self.meta, tokens, data, cfg, progress)
+
+    def sample(self, model, tokenizer, text, cfg, out):
+        import sample
+
+        return sample.show_fills(model, tokenizer, self.meta, text, cfg, out)
+
 
 class Seq2Seq(Task):
     """An encoder-decoder translating a source into a target: padded (source, target) pairs of varying lengths."""
 
-    kind = "seq2seq"
+    name = kind = "seq2seq"
+    arch, examples, scores = "encoder_decoder", "reverse, sort, num2words, translation", "pairs with an encoder-decoder"
     varying = exact_answers = True
+    eval_options = sample_options = ("beam_size", "length_penalty")
+    sample_applies = "beam search applies to encoder-decoder checkpoints only"
+    sample_does = "an encoder-decoder decodes greedily, or with --beam_size and --length_penalty"
 
     def __init__(self, meta, *, label_smoothing=0.0):
         super().__init__(meta, label_smoothing=label_smoothing)
@@ -202,7 +253,19 @@ class Seq2Seq(Task):
     def decoded(self, model, split, rows, batch_size, block_size):
         starts = range(0, len(rows), batch_size)
         batches = (seq2seq_batch(split.pairs, rows[i : i + batch_size], self) for i in starts)
+        from generate import decoded_pairs  # imported here, as generation is needed for exact match only
+
         return decoded_pairs(model, batches, self.bos_id, self.eos_id, max_len=block_size)
+
+    def evaluate(self, model, tokenizer, cfg, progress):
+        import eval as evaluation
+
+        return evaluation.evaluate_seq2seq(model, self.meta, cfg, progress)
+
+    def sample(self, model, tokenizer, text, cfg, out):
+        import sample
+
+        return sample.show_translation(model, tokenizer, self.meta, text, cfg, out)
 
 
 class Chat(CausalLM):
@@ -212,7 +275,8 @@ class Chat(CausalLM):
     real position see the padding after it. Data whose replies are exact (a quiz) is scored by exact match too.
     """
 
-    kind = "chat"
+    name = kind = "chat"
+    scores, eval_options = "a GPT's replies", ("exact_match",)
     varying = saves_data_meta = True
 
     def __init__(self, meta, *, label_smoothing=0.0):
@@ -250,39 +314,50 @@ class Chat(CausalLM):
         return np.sort(split.order)  # the conversations in their file's order (the split keeps them by length)
 
     def decoded(self, model, split, rows, batch_size, block_size):
+        from chat import ChatFormat  # imported here, as generation is needed for exact match only
+        from generate import decoded_replies
+
         # a reply ends at an end-of-turn
         stop = ChatFormat.from_meta(self.meta).end_of_turn
         return decoded_replies(model, (split.conversations[int(i)] for i in rows), stop)
+
+    def evaluate(self, model, tokenizer, cfg, progress):
+        import eval as evaluation
+
+        return evaluation.evaluate_chat(model, tokenizer, self.meta, cfg, progress)
 
     def describe(self, split, batch_size):
         padding = padding_fraction(split, batch_size)
         return f"chat batches: whole conversations of about one length, {padding:.1%} of their positions padding"
 
 
-def make_task(arch, meta, mask_prob=0.15, label_smoothing=0.0):
-    """The Task of a model of arch trained on a dataset with this meta; ConfigError where they do not go together."""
-    task = task_class(arch, meta["kind"], meta.get("name", "this dataset"))
+# every task by its name; "auto" picks the first of its architecture and data kind (make_task)
+TASKS = {task.name: task for task in (CausalLM, MaskedLM, Seq2Seq, Chat)}
+
+
+def make_task(name, arch, meta, mask_prob=0.15, label_smoothing=0.0):
+    """
+    Task `name` ("auto": the first in TASKS of arch and of the data's kind, meta["kind"]) of a model of arch trained on
+    a dataset with this meta; ConfigError where they do not go together.
+    """
+    kind, dataset = meta.get("kind", "lm"), meta.get("name", "this dataset")
+    if name == "auto":
+        if kind == "chat" and arch != "gpt":
+            raise ConfigError(
+                f"{dataset} is chat data, which only arch=gpt trains on (a reply is the next tokens of the "
+                f"conversation); arch={arch} needs another dataset"
+            )
+        # each architecture's task; a GPT's depends on its data
+        mine = [task for task in TASKS.values() if task.arch == arch]
+        name = next((task.name for task in mine if task.kind == kind), mine[0].name)
+    task = TASKS[name]
+    if arch != task.arch:
+        raise ConfigError(f"task={name} trains arch={task.arch!r}, not arch={arch!r}")
+    if kind != task.kind:
+        raise ConfigError(f"arch={arch} needs a {task.kind} dataset ({task.examples}); {dataset} is {kind}")
     if task is MaskedLM:
         return MaskedLM(meta, label_smoothing=label_smoothing, mask_prob=mask_prob)
     return task(meta, label_smoothing=label_smoothing)
-
-
-def task_class(arch, kind, name):
-    """
-    The Task class of a model of arch on dataset `name`, whose data is of this kind (its meta["kind"]); ConfigError
-    where they do not go together.
-    """
-    if kind == "chat" and arch != "gpt":
-        raise ConfigError(
-            f"{name} is chat data, which only arch=gpt trains on (a reply is the next tokens of the conversation); "
-            f"arch={arch} needs another dataset"
-        )
-    # each architecture's task; a GPT's depends on its data
-    task = {"encoder_decoder": Seq2Seq, "encoder": MaskedLM}.get(arch, Chat if kind == "chat" else CausalLM)
-    if kind != task.kind:
-        examples = "reverse, sort, num2words, translation" if task is Seq2Seq else "shakespeare_char, shakespeare"
-        raise ConfigError(f"arch={arch} needs a {task.kind} dataset ({examples}); {name} is {kind}")
-    return task
 
 
 def usable_rows(fits, total, what, folder, block_size, why=""):
@@ -429,6 +504,11 @@ def prepared_dataset(name, data_dir, options):
     """The folder of dataset `name`, prepared first if missing or out of date; ConfigError says why it cannot be."""
     try:
         folder = dataset_dir(name, data_dir)
+        # prepare() keeps outputs that are up to date for these options: with none, an intact folder is enough
+        if not options and is_prepared(folder):
+            return folder
+        import prepare_data  # imported here: only data to prepare, or to explain, needs it
+
         if name not in prepare_data.DATASETS:  # a folder of the user's own: say what is wrong with it, if anything
             if options:
                 raise ValueError(f"data_options need one of the datasets {', '.join(prepare_data.DATASETS)}")
@@ -441,8 +521,7 @@ def prepared_dataset(name, data_dir, options):
                     f"not one of {', '.join(prepare_data.DATASETS)}, nor a folder in {folder.parent}{hint}"
                 )
             check_prepared(folder)
-        # prepare() keeps outputs that are up to date for these options: with none, an intact folder is enough
-        elif options or not is_prepared(folder):
+        else:
             log(f"dataset {name}: preparing it in {folder.parent} unless up to date")
             folder = prepare_data.prepare(name, data_dir, **options)
     # bad options, a missing input, a failed download, a full disk: all reported as one line
@@ -453,10 +532,6 @@ def prepared_dataset(name, data_dir, options):
 
 def find_dataset(cfg, rt):
     """The dataset's folder, prepared first if missing: by rank 0, then by each node's first rank, then by the rest."""
-    # imported here, not at the top: parallel.py's FSDP imports take half a second that sample.py, which reads
-    # models through start.py and so this file, never needs
-    from parallel import raise_if_any_failed
-
     # the others wait over a gloo group of its own, whose timeout outlasts a preparation of hours (OpenWebText):
     # waiting in the default group would end at dist_timeout, and on GPUs in NCCL's watchdog
     group = dist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT) if rt.world_size > 1 else None

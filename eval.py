@@ -28,10 +28,10 @@ import prepare_data
 from chat import model_format
 from checkpoint import run_checkpoint
 from config import parse_config
-from data import MaskedLM, Seq2Seq, chat_batch, fitting_pairs, mask_tokens, seq2seq_batch, task_class
-from devices import DTYPES, autocast, resolve_device, resolve_dtype
+from data import TASKS, MaskedLM, Seq2Seq, chat_batch, fitting_pairs, make_task, mask_tokens, seq2seq_batch
 from generate import decoded_pairs, decoded_replies, start_ids
 from model import IGNORE_INDEX
+from runtime import DTYPES, autocast, resolve_device, resolve_dtype
 from start import load_model
 from tokens import (
     MIRROR_ENV,
@@ -43,9 +43,6 @@ from tokens import (
     token_byte_lengths,
 )
 
-# "auto" is seq2seq for an encoder-decoder, chat for a GPT fine-tuned on conversations, lm for the others; hellaswag
-# is asked for by name
-TASKS = ("auto", "lm", "seq2seq", "chat", "hellaswag")
 SPLITS = ("train", "val", "test")
 HELLASWAG_FILE = "hellaswag_val.jsonl"
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -57,7 +54,8 @@ class EvalConfig:
     out_dir: str = "out-shakespeare"  # the folder train.py wrote its checkpoints to
     checkpoint: str = ""  # which file of out_dir: "" the best weights (best.pt, else ckpt.pt), "ckpt.pt" the latest
     dataset: str = ""  # nanoGPT character-level checkpoints only: the prepared dataset of their characters
-    task: str = "auto"  # "lm": loss, perplexity, bits per byte; "seq2seq", "chat": exact match; "hellaswag"; "auto"
+    task: str = "auto"  # "auto": the model's own; a TASKS name (lm: loss, perplexity, bits per byte; masked_lm;
+    # seq2seq, chat: exact match too), or "hellaswag"
     split: str | None = None  # "train", "val" or (seq2seq) "test" of the data the model was trained on; None: val
     input: str = ""  # lm: a UTF-8 text file instead of a split; chat: a conversations file; hellaswag: its jsonl
     exact_match: bool | None = None  # chat: greedily decode each final reply, compare; None: if the data's are exact
@@ -76,8 +74,8 @@ class EvalConfig:
     compile: bool = False  # torch.compile the layers: a slow start, faster batches after it
 
     def __post_init__(self):
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}")
+        if self.task not in ("auto", *TASKS, "hellaswag"):
+            raise ValueError(f"task must be one of auto, {', '.join(TASKS)}, hellaswag; got {self.task!r}")
         if self.split is not None and self.split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}; got {self.split!r}")
         if self.dtype not in DTYPES:
@@ -196,10 +194,8 @@ def lm_tokens(cfg, meta, tokenizer):
 
 
 def evaluate_lm(model, tokenizer, meta, cfg, progress):
-    """GPT: loss, perplexity and bits per byte of the text; encoder: its masked loss. A dict of results."""
+    """GPT: loss, perplexity and bits per byte of the text. A dict of results."""
     tokens, data = lm_tokens(cfg, meta, tokenizer)
-    if model.config.arch == "encoder":
-        return evaluate_masked(model, meta, tokens, data, cfg, progress)
     if cfg.input:  # after where a document starts, so that the file's first token is scored too
         tokens = np.concatenate([np.asarray(start_ids(tokenizer, meta), dtype=np.int64), tokens])
     # a GPT needs one token to predict from and one to predict
@@ -543,35 +539,25 @@ def evaluate_hellaswag(model, tokenizer, items, cfg, path, progress):
 # The command line
 
 
-# what each task scores, and the architectures it scores. "auto" is the kind of data the model trained on, as its
-# training task (data.Task.kind) has it: "lm" for a GPT or an encoder on text, "seq2seq" for pairs, "chat"
-TASK_ARCHS = {
-    "lm": ("text with a GPT or an encoder", ("gpt", "encoder")),
-    "seq2seq": ("decoded pairs with an encoder-decoder", ("encoder_decoder",)),
-    "chat": ("a GPT's replies", ("gpt",)),
-    "hellaswag": ("endings by a causal language model's likelihood", ("gpt",)),
-}
-# the options that apply to one task only (given: changed from their defaults)
-TASK_OPTIONS = {"exact_match": "chat", "beam_size": "seq2seq", "length_penalty": "seq2seq", "stride": "lm"}
-
-
-def check_task(cfg, arch, meta):
-    """The task that cfg asks of a model of this arch and meta ("auto" resolved); ValueError for one it cannot do."""
-    task = (
-        task_class(arch, meta.get("kind", "lm"), meta.get("name", "its data")).kind if cfg.task == "auto" else cfg.task
+def eval_task(cfg, trained):
+    """
+    The Task that cfg asks of a model whose own is `trained` (load_model's), None for HellaSwag; ValueError for one
+    it cannot do.
+    """
+    task = type(trained) if cfg.task == "auto" else TASKS.get(cfg.task)  # None: HellaSwag
+    name, arch = cfg.task if task is None else task.name, trained.arch
+    scores, needs = (
+        ("endings by a causal language model's likelihood", "gpt") if task is None else (task.scores, task.arch)
     )
-    scores, archs = TASK_ARCHS[task]
-    if arch not in archs:
-        instead = next(name for name, (_, takes) in TASK_ARCHS.items() if arch in takes)
-        raise ValueError(f"task={task} scores {scores}; this checkpoint's arch is {arch}: use --task={instead}")
-    for name, applies in TASK_OPTIONS.items():
-        if getattr(cfg, name) != getattr(EvalConfig, name) and task != applies:
-            raise ValueError(f"--{name} applies to task={applies}, not to task={task}")
-    if cfg.stride is not None and arch != "gpt":
-        raise ValueError("--stride applies to a GPT's language modelling (task=lm) only")
-    if task == "hellaswag" and cfg.split is not None:
+    if arch != needs:
+        raise ValueError(f"task={name} scores {scores}; this checkpoint's arch is {arch}: use --task={trained.name}")
+    for owner in TASKS.values():
+        for option in owner.eval_options:
+            if getattr(cfg, option) != getattr(EvalConfig, option) and owner is not task:
+                raise ValueError(f"--{option} applies to task={owner.name}, not to task={name}")
+    if task is None and cfg.split is not None:
         raise ValueError("HellaSwag reads its jsonl file (--input), not a --split")
-    return task
+    return None if task is None else trained if task is type(trained) else task(trained.meta)
 
 
 def format_results(results):
@@ -595,7 +581,7 @@ def main(cfg, out=None):
     # the HellaSwag file is read and checked before the slow model load, so that a wrong one fails at once
     path = hellaswag_path(cfg.input) if cfg.task == "hellaswag" else None
     items = read_hellaswag(path) if path else None
-    model, tokenizer, meta = load_model(
+    model, tokenizer, meta, trained = load_model(
         cfg.init_from,
         out_dir=cfg.out_dir,
         checkpoint=cfg.checkpoint,
@@ -603,20 +589,17 @@ def main(cfg, out=None):
         device=device,
         compile=cfg.compile,
     )
-    task = check_task(cfg, model.config.arch, meta)
+    task = eval_task(cfg, make_task(trained, model.config.arch, meta))
     progress = sys.stderr.isatty() if cfg.progress is None else cfg.progress
     source = cfg.init_from if cfg.init_from != "resume" else str(run_checkpoint(cfg.out_dir, cfg.checkpoint))
-    results = {"model": source, "arch": model.config.arch, "task": task}
+    # the kind of data scored: lm (text), seq2seq (pairs), chat, or hellaswag
+    results = {"model": source, "arch": model.config.arch, "task": "hellaswag" if task is None else task.kind}
     # no_grad: nothing is trained; autocast: matmuls in cfg's dtype (every loss is summed in float32 or more)
     with torch.no_grad(), autocast(device, dtype):
-        if task == "hellaswag":
+        if task is None:
             results |= evaluate_hellaswag(model, tokenizer, items, cfg, path, progress)
-        elif task == "seq2seq":
-            results |= evaluate_seq2seq(model, meta, cfg, progress)
-        elif task == "chat":
-            results |= evaluate_chat(model, tokenizer, meta, cfg, progress)
         else:
-            results |= evaluate_lm(model, tokenizer, meta, cfg, progress)
+            results |= task.evaluate(model, tokenizer, cfg, progress)
     print(json.dumps(results) if cfg.json else format_results(results), file=out)
     return results
 

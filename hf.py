@@ -1,7 +1,7 @@
 """
-Hugging Face and nanoGPT weights, both ways: a GPT from a Hugging Face folder or hub id (GPT-2, Llama 1-3,
-Mistral, Qwen2/Qwen2.5, Qwen3) or from a nanoGPT checkpoint, and a GPT as the tensors and config.json of a Hugging
-Face folder (GPT-2, Llama, Qwen2 or Qwen3 layout).
+Hugging Face weights, both ways: a GPT from a Hugging Face folder or hub id (GPT-2, Llama 1-3, Mistral,
+Qwen2/Qwen2.5, Qwen3), and a GPT as the tensors and config.json of a Hugging Face folder (GPT-2, Llama, Qwen2 or
+Qwen3 layout). checkpoint.load_nanogpt reads nanoGPT's checkpoints with GPT-2's names from here.
 
     model = from_pretrained("gpt2")                        # a hub id, or a folder written by save_pretrained
     model = from_pretrained("/models/TinyLlama-1.1B", block_size=512, dropout=0.1)
@@ -461,36 +461,6 @@ def every_head_its_own_kv(qkv, c):
     q, k, v = qkv.split([c.n_head * D, c.n_kv_head * D, c.n_kv_head * D])
     k, v = (t.unflatten(0, (c.n_kv_head, D)).repeat_interleave(group, dim=0).flatten(0, 1) for t in (k, v))
     return torch.cat([q, k, v])
-
-
-def load_nanogpt(checkpoint, path):
-    """
-    A GPT holding the weights of a checkpoint dict written by nanoGPT's train.py (karpathy/nanoGPT), path naming it
-    in errors. Its model_args give the sizes; its model is GPT-2's (pre-norm LayerNorm, learned positions, tied
-    head) with exact GELU and nn.Linear weights (not GPT-2's transposed Conv1D), biases as model_args says. A
-    compiled run's keys carry "_orig_mod.".
-    """
-    args = checkpoint["model_args"]
-    # model_args as GPT2Config's settings: the same model, with exact GELU and (by default) the head tied
-    hf = {
-        "vocab_size": args["vocab_size"],
-        "n_positions": args["block_size"],
-        "n_layer": args["n_layer"],
-        "n_head": args["n_head"],
-        "n_embd": args["n_embd"],
-        "activation_function": "gelu",
-    }
-    config = gpt2_model_config(hf, path, {"dropout": args.get("dropout", 0.0), "bias": args.get("bias", True)})
-    # the causal-mask buffers of nanoGPT on PyTorch < 2 (".attn.bias", not c_attn's) are not weights
-    state = {
-        k.removeprefix("_orig_mod.").removeprefix("transformer."): v
-        for k, v in checkpoint["model"].items()
-        if not k.endswith(".attn.bias")
-    }
-    state.pop("lm_head.weight", None)  # tied to wte
-    names = gpt2_names(config.n_layer, config.bias)
-    check_names(path, "nanoGPT", expected=names, found=state, source="model_args")
-    return load_checked(GPT(config), {names[k]: v for k, v in state.items()}, path)
 
 
 # -----------------------------------------------------------------------------

@@ -1,9 +1,8 @@
 """
 LoRA (Hu et al. 2021): fine-tune a GPT whose weights stay frozen by training, beside chosen Linears, a low-rank
-update that is small enough to keep, save and merge. And the rest of fitting a base model to chat data: its
-vocabulary grown to the data's chat tokens, and those tokens' rows trained.
+update that is small enough to keep, save and merge; and the rows of the chat tokens a base model never learnt
+trained with it (its vocabulary grown to them first: chat.grow_vocabulary).
 
-    model = grow_vocabulary(base, 69)                       # a 65-character model, for data with 4 chat tokens more
     add_adapters(model, LoRASettings(rank=8, alpha=16.0, targets=("attention", "mlp")), token_rows=[65, 66, 67, 68],
                  generator=torch.Generator().manual_seed(1337))
     ...                                                     # train: only the adapters have requires_grad
@@ -27,13 +26,18 @@ what this needs is the hundred lines below.
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from chat import grow_vocabulary
+from checkpoint import is_checkpoint, load_checkpoint
+from config import ConfigError
 from model import Block
+from start import model_from_checkpoint
 
 # which Linears of each block an adapter target names: (the block's submodule, its Linears); MLP's `up` is swiglu's
 TARGETS = {"attention": ("attn", ("qkv", "proj")), "mlp": ("mlp", ("fc", "up", "proj"))}
@@ -47,11 +51,6 @@ class LoRASettings:
     alpha: float  # the update is scaled by alpha / r, so that a change of r needs no new learning rate
     targets: tuple  # names in TARGETS: "attention", "mlp"
     dropout: float = 0.0  # on the adapters' input, in training only
-
-    @classmethod
-    def from_record(cls, record, dropout=0.0):
-        """The settings of a checkpoint's "lora" record (start.fit_to_data writes it)."""
-        return cls(record["rank"], record["alpha"], tuple(record["targets"]), dropout)
 
     @property
     def scale(self):
@@ -197,31 +196,6 @@ def plain_linear(linear):
     return plain
 
 
-@torch.no_grad()
-def grow_vocabulary(model, vocab_size):
-    """
-    A GPT's token embedding (and its head, if untied) grown in place to vocab_size rows, for data whose chat tokens
-    lie beyond the model's vocabulary. Each new row is the mean of the existing rows (Hewitt 2021): a new id's logit
-    starts as the average of the others', so the model's distribution over its old ids barely moves and no new
-    token starts out likely; the rows then differ by training. The old rows and their logits are unchanged.
-    Returns model.
-    """
-    wte, head = model.body.wte, model.lm_head
-    added = vocab_size - wte.num_embeddings
-
-    def grown(weight):
-        mean = weight.float().mean(0, keepdim=True).to(weight.dtype)
-        return nn.Parameter(torch.cat([weight, mean.expand(added, -1)]), requires_grad=weight.requires_grad)
-
-    tied = head.weight is wte.weight
-    wte.weight = grown(wte.weight)
-    head.weight = wte.weight if tied else grown(head.weight)
-    wte.num_embeddings = head.out_features = vocab_size
-    # the one config object the model and its stack share: its vocabulary is now vocab_size ids
-    model.config.vocab_size = vocab_size
-    return model
-
-
 def fingerprint(model):
     """
     A cheap fingerprint of a model's weights (16 hex digits): names, shapes and 4,096 evenly spaced values of each
@@ -236,12 +210,141 @@ def fingerprint(model):
     return digest.hexdigest()[:16]
 
 
-def describe(model, settings, token_rows):
-    """The line a run logs about its adapters: what is trained, how much of the model that is."""
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    rows = f"; the rows of token ids {', '.join(map(str, token_rows))} trained too" if token_rows else ""
-    return (
-        f"LoRA: rank {settings.rank}, alpha {settings.alpha:g} on {' and '.join(settings.targets)}: "
-        f"{trained:,} trained parameters ({trained / total:.2%} of {total:,}), the base frozen{rows}"
-    )
+# -----------------------------------------------------------------------------
+# LoRA as a model converter: what start.py applies between building the model and spreading it over the ranks, and
+# what train.py and the checkpoints save, without asking whether it is LoRA
+
+
+def check_settings(cfg):
+    """The lora_* settings' one-line errors (cfg: a TrainConfig): their values, and what LoRA does not combine with."""
+    targets = cfg.lora_targets.split(",")
+    if not set(targets) <= set(TARGETS) or len(set(targets)) < len(targets):
+        raise ConfigError(f"lora_targets={cfg.lora_targets!r} must be 'attention', 'mlp' or 'attention,mlp'")
+    if cfg.lora_alpha <= 0 or not 0 <= cfg.lora_dropout < 1:
+        raise ConfigError(
+            f"lora_alpha must be positive and lora_dropout in [0, 1), got {cfg.lora_alpha}, {cfg.lora_dropout}"
+        )
+    if not cfg.lora_rank:
+        return
+    if cfg.arch != "gpt":
+        raise ConfigError(
+            f"lora_rank is for fine-tuning decoder-only models (arch='gpt'), not arch={cfg.arch!r}: train an "
+            "encoder or an encoder-decoder whole (lora_rank=0)"
+        )
+    if cfg.init_from == "scratch":
+        raise ConfigError(
+            "lora_rank adapts trained weights, which init_from='scratch' has none of: give --init_from a "
+            "checkpoint, a nanoGPT checkpoint or a Hugging Face folder (or 'resume')"
+        )
+    if cfg.optimizer == "muon" or cfg.ema_decay:
+        raise ConfigError(
+            "lora_rank trains small adapters with AdamW: optimizer='muon' (whole matrices) and ema_decay (an "
+            "average of every weight) do not apply; use optimizer='adamw' and ema_decay=0"
+        )
+
+
+class LoRA:
+    """
+    The converter of a LoRA run: its settings, and record, what the checkpoints keep of it under "lora": the
+    adapters' rank, alpha and targets, the token rows they train and their base (where it was loaded from, its model
+    settings, the fingerprint of its weights). Its checkpoints hold the adapters alone, as "weights" (state), one
+    file also under FSDP; a model is made of them again with adapted_model, or merged with plain_model.
+    """
+
+    key = "lora"  # the checkpoints' entry of record
+
+    def __init__(self, record, dropout=0.0):
+        self.record = record
+        self.settings = LoRASettings(record["rank"], record["alpha"], tuple(record["targets"]), dropout)
+
+    @classmethod
+    def for_new_run(cls, cfg, base, meta):
+        """The converter of a new run with cfg's lora_* settings on `base`, as loaded, for data with this meta."""
+        where = Path(cfg.init_from).expanduser()
+        record = {
+            "rank": cfg.lora_rank,
+            "alpha": cfg.lora_alpha,
+            "targets": cfg.lora_targets.split(","),
+            "token_rows": trained_rows(meta, base.config.vocab_size),
+            # the base as load_base will load it again to resume or sample
+            "base": {
+                "source": "checkpoint" if is_checkpoint(where) else "pretrained",
+                # absolute, so that sample.py finds it from any folder; a hub id as it is
+                "init_from": str(where.resolve()) if where.exists() else cfg.init_from,
+                "model_config": asdict(base.config),
+                "fingerprint": fingerprint(base),
+            },
+        }
+        return cls(record, cfg.lora_dropout)
+
+    def convert(self, model, generator):
+        """model (grown to the data's vocabulary) frozen, with the adapters; generator draws their A matrices."""
+        return add_adapters(model, self.settings, self.record["token_rows"], generator=generator)
+
+    def describe(self, model):
+        """The line a run logs about its adapters: what is trained, how much of the model that is."""
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total, settings, rows = sum(p.numel() for p in model.parameters()), self.settings, self.record["token_rows"]
+        rows = f"; the rows of token ids {', '.join(map(str, rows))} trained too" if rows else ""
+        return (
+            f"LoRA: rank {settings.rank}, alpha {settings.alpha:g} on {' and '.join(settings.targets)}: "
+            f"{trained:,} trained parameters ({trained / total:.2%} of {total:,}), the base frozen{rows}"
+        )
+
+    state = staticmethod(adapter_state)  # what a checkpoint keeps of a model: its adapters (under FSDP a collective)
+
+    def adapted_model(self, ckpt, **overrides):
+        """
+        The checkpoint's model, unmerged, to train on: its base (load_base), grown to the checkpoint's vocabulary where
+        the run grew it, with the checkpoint's adapters. overrides: ModelConfig fields for the base, as dropout.
+        """
+        # the run's own dropout, which may differ from the base's
+        model = load_base(self.record["base"], **{"dropout": ckpt["model_config"]["dropout"], **overrides})
+        if ckpt["model_config"]["vocab_size"] > model.config.vocab_size:
+            grow_vocabulary(model, ckpt["model_config"]["vocab_size"])
+        # the A matrices drawn here are overwritten: a generator of their own leaves the run's generators alone
+        self.convert(model, torch.Generator())
+        load_adapters(model, ckpt["weights"])
+        return model
+
+    def plain_model(self, ckpt, **overrides):
+        """The checkpoint's model with its adapters merged in, in eval mode: what sample.py, eval.py, export.py use."""
+        return merge(self.adapted_model(ckpt, **overrides)).eval()
+
+
+def trained_rows(meta, base_vocab):
+    """
+    The token ids whose rows a LoRA fine-tune trains: the builtin chat template's markers, which no base model
+    learnt (GPT-2 BPE's lie in its padding, never seen), and any id beyond the base's vocabulary. A Hugging Face
+    folder's own template uses tokens its model was trained with: none.
+    """
+    rows = set(range(base_vocab, meta["vocab_size"]))
+    if meta.get("chat", {}).get("template") == "builtin":
+        rows |= {meta["special_tokens"][name] for name in ("system", "user", "assistant", "end_of_turn")}
+    return sorted(rows)
+
+
+def load_base(base, **overrides):
+    """
+    The plain model that LoRA adapters were trained on, from base (an adapter checkpoint's record of it: where it
+    came from, its settings, the fingerprint of its weights): a checkpoint file or folder, or Hugging Face weights.
+    ConfigError with one line if it is gone or has changed since.
+    """
+    where = base["init_from"]
+    fix = "put it back, or fine-tune again from the base you have"
+    if base["source"] == "checkpoint":
+        if not is_checkpoint(where):
+            raise ConfigError(f"the adapters' base checkpoint {where} is not there (moved or deleted?): {fix}")
+        model = model_from_checkpoint(load_checkpoint(where), **overrides)
+    else:  # a folder or a hub id, cut to the positions the run used, as start.from_pretrained did
+        if Path(where).is_absolute() and not Path(where).is_dir():
+            raise ConfigError(f"the adapters' base folder {where} is not there (moved or deleted?): {fix}")
+        from hf import from_pretrained  # imported here: only a Hugging Face base needs it
+
+        model = from_pretrained(where, **{"block_size": base["model_config"]["block_size"], **overrides})
+    if (found := fingerprint(model)) != base["fingerprint"]:
+        raise ConfigError(
+            f"the adapters' base {where} has changed since they were trained on it (its weights' fingerprint is "
+            f"{found}, not {base['fingerprint']}): {fix}"
+        )
+    return model

@@ -19,8 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from muon import Muon
-
 IGNORE_INDEX = -100  # targets with this value add nothing to the loss (padding, unmasked MLM positions)
 
 
@@ -877,6 +875,8 @@ class TransformerModel(nn.Module):
             f"{len(no_decay)} without ({sum(p.numel() for p in no_decay):,} params)"
         )
         if muon:
+            from muon import Muon  # imported here: only optimizer='muon' runs use it
+
             # Keller Jordan's settings: Nesterov momentum 0.95, the update scaled by sqrt(max(1, rows / cols))
             # ("original"), so that muon_lr ~0.02 suits any width. Decoupled weight decay, as AdamW's
             optimizers["muon"] = Muon(

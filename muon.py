@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from config import one_line
+from log import one_line
 
 # PyTorch's and Keller Jordan's quintic: the coefficients maximise the slope at zero, so that 5 steps bring every
 # singular value into roughly (0.5, 1.5), which trains as well as exactly 1 and needs fewer steps

@@ -47,12 +47,21 @@ import hf
 import prepare_data
 import tokens
 from checkpoint import is_checkpoint, load_checkpoint
-from config import ConfigError, one_line
+from config import ConfigError
 from data import Task, count_targets, prepared_dataset
-from devices import GPUS, peak_flops, pick_threads, resolve_dtype
+from log import local_bytes, one_line, resident_peak, state_bytes
 from model import LOSS_CHUNK_BYTES, ModelConfig, build_model, loss_chunk_cap
-from parallel import Models, Runtime, check_cuda_graphs, shard_model, split_accumulation
-from progress import local_bytes, resident_peak, state_bytes
+from runtime import (
+    GPUS,
+    Models,
+    Runtime,
+    check_cuda_graphs,
+    peak_flops,
+    pick_threads,
+    resolve_dtype,
+    shard_model,
+    split_accumulation,
+)
 from start import task_of
 
 # the MFU a plan times GPU steps at, measured with bench.py --parts=gpu (docs/performance.md#gpus): configs/gpt2.py's
@@ -77,7 +86,7 @@ class Target:
     mfu: float
     mfu_source: str
     gpu: bool
-    bf16: bool = True  # computes bfloat16 natively (devices.GPU.bf16)
+    bf16: bool = True  # computes bfloat16 natively (runtime.GPU.bf16)
 
 
 def find_target(name, mfu, ranks):
@@ -111,7 +120,7 @@ def squeeze(name):
 
 
 def gpu_target(name, memory, flops, mfu, bf16=True):
-    """The Target of a GPU of this name (a devices.GPUS name, or CUDA's for this machine's), memory and peak."""
+    """The Target of a GPU of this name (a runtime.GPUS name, or CUDA's for this machine's), memory and peak."""
     if flops is None:
         raise ConfigError(f"the peak FLOP/s of {name} is not known: give --plan_device one of {gpu_names()}")
     if mfu:
@@ -411,7 +420,7 @@ def print_plan(p):
 
 
 def planned_dtype(cfg, target):
-    """The dtype the run computes in on the target: devices.resolve_dtype's choice there, and FSDP's refusal."""
+    """The dtype the run computes in on the target: runtime.resolve_dtype's choice there, and FSDP's refusal."""
     dtype = resolve_dtype(
         cfg.dtype, torch.device("cuda" if target.gpu else "cpu"), native_bf16=target.bf16, gpu=target.name
     )

@@ -42,8 +42,9 @@ from chat import (
     folder_chat,
     with_chat_tokens,
 )
-from config import BOOL_WORDS, OPTIONS_USAGE, ConfigError, help_line, one_line, parse_config
-from tasks import CHARS, MAX_NUMBER, QUIZ_BLOCK, distinct_sources, quiz_conversations, random_source, solve
+from config import BOOL_WORDS, OPTIONS_USAGE, ConfigError, help_line, parse_config
+from log import one_line
+from synthetic import CHARS, MAX_NUMBER, QUIZ_BLOCK, distinct_sources, quiz_conversations, random_source, solve
 from tokens import (
     BYTE_TOKENS,
     CHAT_SPLITS,
@@ -896,7 +897,7 @@ def build_translation(stage, name, opts, files, check_tokenizer):
 
 # ----------------------------------------------------------------------------- synthetic tasks
 #
-# What a task is (its sources, its answers, its characters) is in tasks.py; here, how its dataset is drawn.
+# What a task is (its sources, its answers, its characters) is in synthetic.py; here, how its dataset is drawn.
 
 
 def synthetic_splits(task, opts):
@@ -933,7 +934,7 @@ def synthetic_splits(task, opts):
 
 
 def build_synthetic(stage, name, opts, files, check_tokenizer):
-    """Source and answer pairs of a synthetic task (tasks.py), character-level plus pad, bos and eos."""
+    """Source and answer pairs of a synthetic task (synthetic.py), character-level plus pad, bos and eos."""
     spec = {"type": "char", "chars": CHARS}
     check_tokenizer(spec)
     # 38 characters (digits, letters, space, hyphen), then pad, bos and eos
@@ -1172,7 +1173,7 @@ def build_chat(stage, name, opts, files, check_tokenizer):
 
 
 def build_shakespeare_chat(stage, name, opts, files, check_tokenizer):
-    """The Shakespeare quiz (tasks.py): conversations with exact answers, in the built-in chat template."""
+    """The Shakespeare quiz (synthetic.py): conversations with exact answers, in the built-in chat template."""
     text = files[0].read_text(encoding="utf-8")
     # char: shakespeare_char's vocabulary exactly, so that its models fine-tune on these ids
     base = char_vocab(sorted(set(text))) if opts["tokenizer"] == "char" else gpt2_vocab()

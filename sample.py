@@ -15,7 +15,6 @@ is generate.py's; this file reads the prompt, prints what comes out and draws th
 import itertools
 import math
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 
 from chat import model_format
 from config import parse_config
-from devices import DTYPES, autocast, resolve_device, resolve_dtype
+from data import TASKS, make_task
 from generate import (
     ChatSession,
     check_sampling_args,
@@ -33,8 +32,9 @@ from generate import (
     translate,
     until_stop,
 )
+from runtime import DTYPES, autocast, resolve_device, resolve_dtype
 from start import load_model
-from tasks import solve
+from synthetic import solve
 
 MASK = "[MASK]"  # what the encoder's prompt writes where a token is to be filled in
 MAX_TICK_LABELS = 32  # token labels per axis of a heat map; more would overlap
@@ -441,46 +441,17 @@ def token_ticks(labels):
 # The command line
 
 
-@dataclass(frozen=True)
-class Mode:
-    """What sample.py does with one architecture's checkpoint, and the options that apply to it alone."""
-
-    show: Callable  # prints the result; returns what attention_panels takes: (src,) or (src, tgt)
-    options: tuple[str, ...]  # SampleConfig fields that only this architecture uses
-    applies: str  # said when another architecture's checkpoint is given one of them
-    instead: str  # what this architecture does instead, said when it is given another's
-
-
-# the three architectures side by side
-MODES = {
-    "gpt": Mode(
-        show_samples,
-        ("num_samples", "temperature", "top_k", "top_p", "stream", "use_cache", "chat", "system"),
-        "sampling (--temperature, --top_k, --top_p, --num_samples, --chat) applies to GPT checkpoints only",
-        "a GPT samples with --temperature, --top_k and --top_p (greedy: --temperature=0)",
-    ),
-    "encoder_decoder": Mode(
-        show_translation,
-        ("beam_size", "length_penalty"),
-        "beam search applies to encoder-decoder checkpoints only",
-        "an encoder-decoder decodes greedily, or with --beam_size and --length_penalty",
-    ),
-    "encoder": Mode(
-        show_fills,
-        ("candidates",),
-        "--candidates applies to encoder (masked LM) checkpoints only",
-        f"an encoder lists the --candidates likeliest tokens for each {MASK}",
-    ),
-}
-
-
-def check_options(cfg, arch):
-    """Refuse options the model's architecture does not use, rather than ignore them silently."""
-    for other, mode in MODES.items():
+def check_options(cfg, task):
+    """Refuse options that the model's task (a data.Task) does not use, rather than ignore them silently."""
+    for other in TASKS.values():
         # options have defaults, so only a changed value is a request
-        given = [f"--{n}={getattr(cfg, n)}" for n in mode.options if getattr(cfg, n) != getattr(SampleConfig, n)]
-        if other != arch and given:
-            raise ValueError(f"{' and '.join(given)}: {mode.applies}; {MODES[arch].instead}")
+        given = [
+            f"--{n}={getattr(cfg, n)}"
+            for n in other.sample_options
+            if n not in task.sample_options and getattr(cfg, n) != getattr(SampleConfig, n)
+        ]
+        if given:
+            raise ValueError(f"{' and '.join(given)}: {other.sample_applies}; {task.sample_does}")
 
 
 def main(cfg, out=None):
@@ -493,7 +464,7 @@ def main(cfg, out=None):
     text = read_prompt(cfg.start)
     if cfg.chat and cfg.attention:
         raise ValueError("--attention draws one prompt's maps: drop it with --chat")
-    model, tokenizer, meta = load_model(
+    model, tokenizer, meta, task = load_model(
         cfg.init_from,
         out_dir=cfg.out_dir,
         checkpoint=cfg.checkpoint,
@@ -501,14 +472,15 @@ def main(cfg, out=None):
         device=device,
         compile=cfg.compile,
     )
-    # needs the architecture, known only once the model is loaded
-    check_options(cfg, model.config.arch)
+    # needs the model's task, known only once it is loaded
+    task = make_task(task, model.config.arch, meta)
+    check_options(cfg, task)
     # no_grad: no graph kept while generating; autocast: matmuls in cfg's dtype
     if cfg.chat:
         with autocast(device, dtype):
             return chat(model, tokenizer, meta, cfg, out)
     with torch.no_grad(), autocast(device, dtype):
-        inputs = MODES[model.config.arch].show(model, tokenizer, meta, text, cfg, out)
+        inputs = task.sample(model, tokenizer, text, cfg, out)
         if cfg.attention:
             plot_attention(attention_panels(model, tokenizer, *inputs), cfg.attention)
             print(f"attention maps written to {cfg.attention}", file=sys.stderr)

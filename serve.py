@@ -42,9 +42,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from chat import model_format
-from config import ConfigError, one_line, parse_config
-from devices import DTYPES, autocast, resolve_device, resolve_dtype
+from config import ConfigError, parse_config
 from generate import check_sampling_args, end_of_text, generate_stream, prompt_start, reply_tokens
+from log import one_line
+from runtime import DTYPES, autocast, resolve_device, resolve_dtype
 from start import load_model
 
 PAGE = Path(__file__).resolve().parent / "serve.html"  # the chat page, one self-contained file
@@ -733,7 +734,7 @@ def load_served(cfg):
     """The Served model of cfg's source; ConfigError when it is not a GPT."""
     device = resolve_device(cfg.device, 0)
     dtype = resolve_dtype(cfg.dtype, device)
-    model, tokenizer, meta = load_model(
+    model, tokenizer, meta, _ = load_model(
         cfg.init_from, out_dir=cfg.out_dir, checkpoint=cfg.checkpoint, dataset=cfg.dataset, device=device,
         compile=cfg.compile,
     )  # fmt: skip

@@ -10,10 +10,10 @@ dataset's meta) returning a Start; start_run() picks one by init_from:
 
 Weights from a checkpoint or Hugging Face decide the model's settings: the Start's settings carry them. A new run
 from such weights is then fitted to its data (fit_to_data): the vocabulary grown for chat tokens beyond the model's,
-and with lora_rank the base frozen and LoRA adapters added (lora.py). Once the model is on its devices and the
-optimizers exist, restore() puts a resume's state back, in one place. load_model gives sample.py, eval.py and
-export.py the same sources as models in eval mode: a checkpoint (ours, a LoRA run's on its base, nanoGPT's) or
-Hugging Face weights.
+and the converter its settings ask for applied (TrainConfig.model_converter: adapters on a frozen base). Once the
+model is on its devices and the optimizers exist, restore() puts a resume's state back, in one place. load_model
+gives sample.py, eval.py and export.py the same sources as models in eval mode: a checkpoint (ours, a converted
+run's made plain, nanoGPT's) or Hugging Face weights.
 """
 
 import contextlib
@@ -23,20 +23,21 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-import hf
 import tokens
 from checkpoint import (
+    converter_settings,
     is_checkpoint,
     kept_weights,
     load_checkpoint,
     load_sharded,
     nanogpt_meta,
     run_checkpoint,
+    saved_converter,
     set_rng_state,
 )
-from config import ConfigError, log, one_line, read_config_file
+from config import ConfigError, read_config_file
 from data import Task, make_task
-from lora import LoRASettings, add_adapters, describe, fingerprint, grow_vocabulary, load_adapters, merge
+from log import log, one_line
 from model import MODEL_KEYS, ModelConfig, Stack, build_model
 
 CONFIGS = Path(__file__).resolve().parent / "configs"  # the shipped configs, to name one that fits a checkpoint
@@ -51,7 +52,7 @@ class Start:
     task: Task
     meta: dict  # the tokenizer's meta that the run's checkpoints store (an encoder's includes its [MASK] id)
     ckpt: dict | None = None  # resume: the checkpoint it goes on from (a sharded one without its tensors)
-    lora: dict | None = None  # with LoRA: the checkpoints' record of the adapters and their base (fit_to_data)
+    converter: object = None  # what fit_to_data or the checkpoint applied to the model (TrainConfig.model_converter)
 
 
 def start_run(cfg, meta, lazy=False):
@@ -78,8 +79,8 @@ def from_scratch(cfg, meta, lazy):
 
 
 def task_of(cfg, meta):
-    """The Task of cfg's architecture on a dataset with this meta, with cfg's settings for it."""
-    return make_task(cfg.arch, meta, cfg.mask_prob, cfg.label_smoothing)
+    """The Task cfg names (task; "auto": its architecture's) on a dataset with this meta, with cfg's settings for it."""
+    return make_task(cfg.task, cfg.arch, meta, cfg.mask_prob, cfg.label_smoothing)
 
 
 def resume(cfg, meta, lazy):
@@ -117,13 +118,12 @@ def resume(cfg, meta, lazy):
         )
     # the checkpoint's settings completed with today's defaults: a checkpoint older than a setting lacks it
     config = ModelConfig.from_dict(ckpt["model_config"])
-    # the checkpoint's settings win: its weights fit only the architecture they were trained in, its adapters
-    # only their own rank and places
+    # the checkpoint's settings win: its weights fit only the architecture they were trained in, a converter's
+    # state only its own settings (checkpoint.converter_settings)
     cfg = with_model_settings(cfg, config, "resuming with the checkpoint's model settings")
-    # a run without LoRA: rank 0, with this run's alpha and targets, which it does not use
-    lora = ckpt.get("lora", {"rank": 0, "alpha": cfg.lora_alpha, "targets": cfg.lora_targets.split(",")})
-    settings = {"lora_rank": lora["rank"], "lora_alpha": lora["alpha"], "lora_targets": ",".join(lora["targets"])}
-    cfg = with_saved_settings(cfg, settings, asdict(cfg), "resuming with the checkpoint's LoRA settings")
+    cfg = with_saved_settings(
+        cfg, converter_settings(ckpt), asdict(cfg), "resuming with the checkpoint's fine-tuning settings"
+    )
     averaged = "average" in (ckpt["sharded_keys"] if "sharded" in ckpt else ckpt)
     if averaged and not cfg.ema_decay and not cfg.eval_only:
         log("note: training goes on from the un-averaged weights; their average is dropped (ema_decay=0)")
@@ -135,8 +135,9 @@ def resume(cfg, meta, lazy):
     )
     # a resumed run keeps the checkpoint's meta, which already has an encoder's [MASK] id
     task = task_of(cfg, meta)
-    if "lora" in ckpt:  # its base, checked against the fingerprint taken when the run began, and the adapters
-        return Start(cfg, adapted_model(ckpt, cfg.lora_dropout).train(), task, ckpt["meta"], ckpt, ckpt["lora"])
+    converter = saved_converter(ckpt, cfg)
+    if converter is not None:  # its base, checked against the fingerprint taken when the run began, converted again
+        return Start(cfg, converter.adapted_model(ckpt).train(), task, ckpt["meta"], ckpt, converter)
     with torch.device("meta") if lazy and "sharded" in ckpt else contextlib.nullcontext():
         model = build_model(config)
     if "sharded" not in ckpt:
@@ -245,6 +246,8 @@ def from_pretrained(cfg, meta):
             f"init_from={name} needs data in the model's token ids: a GPT-2 BPE dataset (e.g. dataset='shakespeare') "
             "for GPT-2, else one prepared with its tokenizer.json (--tokenizer)"
         )
+    import hf  # imported here: only Hugging Face weights need it
+
     try:
         if not folder.is_dir():
             # a hub id: its config.json and tokenizer.json come down with the weights (or from the local cache)
@@ -286,54 +289,28 @@ def fit_to_data(begin, meta):
     """
     A new run's Start from other weights (a checkpoint, Hugging Face's), fitted to its data (meta): a GPT's token
     embedding (and untied head) grown to the data's vocabulary where its chat tokens lie beyond the model's (see
-    lora.grow_vocabulary); with lora_rank, the base frozen, LoRA adapters on it, and the record the checkpoints keep
-    of them and of their base.
+    chat.grow_vocabulary), then the converter the run's settings ask for applied (TrainConfig.model_converter).
     """
     cfg, model = begin.cfg, begin.model
     base_vocab = model.config.vocab_size
-    # the base as load_base will load it again to resume or sample: where from, its settings, its weights' fingerprint
-    base = lora_base(cfg, model) if cfg.lora_rank else None
+    # taken before the vocabulary grows: a converter records the base as it will load it again to resume or sample
+    converter = cfg.model_converter(model, meta)
     # only chat data (a GPT's) has ids beyond its model's: other data shares its checkpoint's tokenizer (other_ids)
     if meta["vocab_size"] > base_vocab:
+        from chat import grow_vocabulary  # imported here: only chat fine-tunes grow a vocabulary
+
         grow_vocabulary(model, meta["vocab_size"])
         head = "" if model.lm_head.weight is model.body.wte.weight else " and head"
         log(
             f"the token embedding{head} grown from {base_vocab:,} to {meta['vocab_size']:,} ids for the data's "
             "tokens beyond the model's vocabulary; each new row starts as the mean of the old ones"
         )
-    if not cfg.lora_rank:
+    if converter is None:
         return begin
-    settings = LoRASettings(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")), cfg.lora_dropout)
-    rows = trained_rows(meta, base_vocab)
-    # seeded alike on every rank: FSDP keeps each rank's shards of the same A matrices
-    add_adapters(model, settings, rows, generator=torch.Generator().manual_seed(cfg.seed))
-    log(describe(model, settings, rows))
-    record = {"rank": settings.rank, "alpha": settings.alpha, "targets": list(settings.targets), "token_rows": rows}
-    return replace(begin, lora={**record, "base": base})
-
-
-def lora_base(cfg, model):
-    """An adapter checkpoint's record of its base: cfg.init_from (absolute if a path), model's settings, fingerprint."""
-    where = Path(cfg.init_from).expanduser()
-    return {
-        "source": "checkpoint" if is_checkpoint(where) else "pretrained",
-        # absolute, so that sample.py finds it from any folder; a hub id as it is
-        "init_from": str(where.resolve()) if where.exists() else cfg.init_from,
-        "model_config": asdict(model.config),
-        "fingerprint": fingerprint(model),
-    }
-
-
-def trained_rows(meta, base_vocab):
-    """
-    The token ids whose rows a LoRA fine-tune trains: the builtin chat template's markers, which no base model
-    learnt (GPT-2 BPE's lie in its padding, never seen), and any id beyond the base's vocabulary. A Hugging Face
-    folder's own template uses tokens its model was trained with: none.
-    """
-    rows = set(range(base_vocab, meta["vocab_size"]))
-    if meta.get("chat", {}).get("template") == "builtin":
-        rows |= {meta["special_tokens"][name] for name in ("system", "user", "assistant", "end_of_turn")}
-    return sorted(rows)
+    # seeded alike on every rank: FSDP keeps each rank's shards of what it adds
+    converter.convert(model, torch.Generator().manual_seed(cfg.seed))
+    log(converter.describe(model))
+    return replace(begin, converter=converter)
 
 
 def restore(ckpt, models, *, optimizers, scaler, generator, cfg, rt):
@@ -341,7 +318,7 @@ def restore(ckpt, models, *, optimizers, scaler, generator, cfg, rt):
     Put a resumed run's state back, in this order: the optimizers' states (Adam's moments, Muon's momentum) and the
     weight average, with a sharded checkpoint's weights (each rank reading what its shards need), each group keeping
     this run's peak learning rate; the loss scale, the data stream's position (generator), and last each rank's
-    random generators, so that nothing after draws from them before training does. models: parallel.Models.
+    random generators, so that nothing after draws from them before training does. models: runtime.Models.
     """
     # imported here, not at the top: half a second of every script's start that only a resume needs
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -401,12 +378,13 @@ def load_whole_optimizer_state(model, optimizer, state):
 
 
 # -----------------------------------------------------------------------------
-# A model from any source, to sample, evaluate or export, or as a LoRA run's base
+# A model from any source, to sample, evaluate or export, or as a converted run's base
 
 
 def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False):
     """
-    (model in eval mode on device, its Tokenizer, its data's meta) for sampling and evaluation. init_from: "resume"
+    (model in eval mode on device, its Tokenizer, its data's meta, the name of its task: its run's task setting, else
+    "auto", for data.make_task) for sampling and evaluation. init_from: "resume"
     (out_dir/checkpoint), a checkpoint file or sharded folder (ours or nanoGPT's; dataset names the prepared data
     of a nanoGPT character-level model's characters), else Hugging Face weights (a hub id or a folder). compile:
     torch.compile the layer stacks, which generation calls.
@@ -418,18 +396,21 @@ def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False
         # nanoGPT's character-level checkpoints take their characters from the dataset named
         named = tokens.load_meta(tokens.dataset_dir(dataset)) if dataset else None
         meta = ckpt["meta"] or nanogpt_meta(ckpt, path, named, "name a prepared dataset with --dataset")
+        task = ckpt.get("train_config", {}).get("task", "auto")  # "auto" for weights saved without a run
         try:
             model = model_from_checkpoint(ckpt)
         except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit
             raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
     else:
+        import hf  # imported here: only Hugging Face weights need it
+
         folder = Path(init_from).expanduser()
         if not folder.is_dir():
             # a hub id: its config.json and tokenizer.json come down with the weights (or from the local cache)
             folder = hf.download_from_hub(init_from)
         # Hugging Face weights come without a dataset: the folder's tokenizer.json, else GPT-2's BPE (GPT2_META) for
         # GPT-2; read first, so that a folder without its tokenizer fails before the slow load
-        meta = hf.pretrained_meta(folder)
+        meta, task = hf.pretrained_meta(folder), "auto"
         model = hf.from_pretrained(folder)
     # eval: dropout off, so the same seed gives the same text
     model.eval().to(device)
@@ -439,59 +420,19 @@ def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False
             if isinstance(module, Stack):
                 module.compile(dynamic=True)
     # the tokenizer the data was prepared with, rebuilt from the checkpoint alone
-    return model, tokens.Tokenizer.from_meta(meta), meta
+    return model, tokens.Tokenizer.from_meta(meta), meta, task
 
 
 def model_from_checkpoint(ckpt, **overrides):
     """
     The model a loaded checkpoint describes, with its weights, in eval mode. overrides: ModelConfig fields that
-    keep the weights, such as dropout for a new run from them. A LoRA checkpoint's: its base with the adapters
-    merged in, a plain model (what sample.py, eval.py and export.py use).
+    keep the weights, such as dropout for a new run from them. A converted run's checkpoint (saved_converter): its
+    model made plain, as sample.py, eval.py and export.py use it.
     """
-    if "lora" in ckpt:
-        return merge(adapted_model(ckpt, **overrides)).eval()
+    converter = saved_converter(ckpt)
+    if converter is not None:
+        return converter.plain_model(ckpt, **overrides)
     # the architecture from the saved settings, then its weights: load_state_dict is strict, so a mismatch raises
     model = build_model(ModelConfig.from_dict({**ckpt["model_config"], **overrides}))
     model.load_state_dict(kept_weights(ckpt))
     return model.eval()
-
-
-def adapted_model(ckpt, lora_dropout=0.0, **overrides):
-    """
-    A LoRA checkpoint's model, unmerged, to train on: its base (load_base), grown to the checkpoint's vocabulary
-    where the run grew it, with the checkpoint's adapters. overrides: ModelConfig fields for the base, as dropout.
-    """
-    record = ckpt["lora"]
-    # the run's own dropout, which may differ from the base's
-    model = load_base(record["base"], **{"dropout": ckpt["model_config"]["dropout"], **overrides})
-    if ckpt["model_config"]["vocab_size"] > model.config.vocab_size:
-        grow_vocabulary(model, ckpt["model_config"]["vocab_size"])
-    # the A matrices drawn here are overwritten: a generator of their own leaves the run's generators alone
-    settings = LoRASettings.from_record(record, lora_dropout)
-    add_adapters(model, settings, record["token_rows"], generator=torch.Generator())
-    load_adapters(model, ckpt["weights"])
-    return model
-
-
-def load_base(base, **overrides):
-    """
-    The plain model that LoRA adapters were trained on, from base (an adapter checkpoint's record of it: where it
-    came from, its settings, the fingerprint of its weights): a checkpoint file or folder, or Hugging Face weights.
-    ConfigError with one line if it is gone or has changed since.
-    """
-    where = base["init_from"]
-    fix = "put it back, or fine-tune again from the base you have"
-    if base["source"] == "checkpoint":
-        if not is_checkpoint(where):
-            raise ConfigError(f"the adapters' base checkpoint {where} is not there (moved or deleted?): {fix}")
-        model = model_from_checkpoint(load_checkpoint(where), **overrides)
-    else:  # a folder or a hub id, cut to the positions the run used, as start.from_pretrained did
-        if Path(where).is_absolute() and not Path(where).is_dir():
-            raise ConfigError(f"the adapters' base folder {where} is not there (moved or deleted?): {fix}")
-        model = hf.from_pretrained(where, **{"block_size": base["model_config"]["block_size"], **overrides})
-    if (found := fingerprint(model)) != base["fingerprint"]:
-        raise ConfigError(
-            f"the adapters' base {where} has changed since they were trained on it (its weights' fingerprint is "
-            f"{found}, not {base['fingerprint']}): {fix}"
-        )
-    return model

@@ -24,7 +24,7 @@ import numpy as np
 import tiktoken
 import tokenizers
 
-from config import one_line
+from log import one_line
 
 # the first 8 bytes of every token file: any other file is refused at once, never read as ids
 MAGIC = b"NFTOKENS"

@@ -12,8 +12,9 @@ shared out over the ranks, so a config means the same optimisation on one device
 
 The file reads top to bottom in the order a run goes: TrainConfig (every setting), main (the loop), setup (the
 stages before the first step), train_step (one optimizer step, then the helpers it calls, in that order),
-evaluation and saving, the command line. Beside it: data.py (the batches), start.py (how a run starts or resumes),
-parallel.py (ranks, FSDP or DDP, compile), progress.py (what a run prints and logs), checkpoint.py (what is saved).
+evaluation and saving, the command line. Beside it: data.py (the tasks and their batches), start.py (how a run
+starts or resumes), runtime.py (devices, ranks, FSDP or DDP), log.py (what a run prints and logs), checkpoint.py
+(what is saved); compiling.py (torch.compile) where a run compiles.
 """
 
 import contextlib
@@ -26,7 +27,7 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -46,10 +47,9 @@ from checkpoint import (
     training_state,
     weights_state,
 )
-from config import ConfigError, given_values, log, make_config, one_line
-from data import Task, TrainBatches, count_targets, find_dataset, micro_seeds, pinned
-from devices import DTYPES, keep_freed_memory, peak_flops, pick_threads
-from lora import TARGETS, LoRASettings, adapter_state, add_adapters
+from config import ConfigError, given_values, make_config
+from data import TASKS, Task, TrainBatches, count_targets, find_dataset, micro_seeds, pinned
+from log import Clock, Progress, Scalars, Step, log, log_memory, one_line, state_bytes
 from model import (
     LOSS_CHUNK_BYTES,
     MODEL_KEYS,
@@ -59,20 +59,22 @@ from model import (
     loss_chunk_budget,
     loss_chunk_cap,
 )
-from parallel import (
-    CompiledModel,
+from runtime import (
+    DTYPES,
     Models,
     Runtime,
     agreed_minimum,
     all_reduce,
     gradient_sync,
     init_distributed,
+    keep_freed_memory,
     make_runtime,
     parallelize,
+    peak_flops,
+    pick_threads,
     raise_if_any_failed,
     split_accumulation,
 )
-from progress import Clock, Progress, Scalars, Step, log_memory, state_bytes
 from start import restore, resumed_settings, start_run
 
 
@@ -103,6 +105,7 @@ class TrainConfig(ModelSettings):
     gradient_accumulation_steps: int = 40  # micro-batches per step over all ranks together: a multiple of the ranks
     batch_size: int = 12  # sequences per micro-batch per rank
     # task (data.py)
+    task: str = "auto"  # a name in data.TASKS; 'auto': the architecture's for the data (lm, masked_lm, seq2seq, chat)
     mask_prob: float = 0.15  # encoder: fraction of tokens to predict; 80% shown as [MASK], 10% random, 10% unchanged
     label_smoothing: float = 0.0  # 0.1 in the 2017 paper; evaluation losses are always plain cross-entropy
     eval_accuracy_examples: int = 200  # val pairs (or chat replies with exact answers) greedily decoded: exact match
@@ -144,7 +147,7 @@ class TrainConfig(ModelSettings):
     # planning (plan.py): predict instead of train
     plan: bool = False  # print each rank's predicted memory and the step time of this run, then exit: nothing trains
     plan_ranks: int = 1  # plan: the ranks (GPUs) the run would use; each gets gradient_accumulation_steps / plan_ranks
-    plan_device: str = "auto"  # plan: 'cpu', a GPU (H100, A100, L4, ...: devices.GPUS), 'auto': this machine's
+    plan_device: str = "auto"  # plan: 'cpu', a GPU (H100, A100, L4, ...: runtime.GPUS), 'auto': this machine's
     plan_mfu: float = 0.0  # plan: the model FLOPs utilisation to time steps at; 0: CPU_MFU on a CPU, else 40%
 
     def __post_init__(self):
@@ -201,42 +204,31 @@ class TrainConfig(ModelSettings):
             )
         if not 0 <= self.ema_decay < 1:
             raise ConfigError(f"ema_decay must be in [0, 1) (0: off), got {self.ema_decay}")
+        if self.task not in ("auto", *TASKS):
+            raise ConfigError(f"task={self.task!r} is not one of auto, {', '.join(TASKS)}")
         if not 0 < self.mask_prob < 1 or not 0 <= self.label_smoothing < 1:
             raise ConfigError("mask_prob must be in (0, 1) and label_smoothing in [0, 1)")
         if self.lr_schedule == "noam" and self.warmup_iters < 1:
             raise ConfigError("lr_schedule='noam' needs warmup_iters >= 1 (4000 in the paper)")
-        self.check_lora()
+        if any(getattr(self, f.name) != f.default for f in fields(self) if f.name.startswith("lora_")):
+            from lora import check_settings  # imported here: only runs that change LoRA's settings need it
+
+            check_settings(self)
         try:  # the model settings, checked now rather than after the data is prepared
             self.model_config(vocab_size=1)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-    def check_lora(self):
-        """The LoRA settings' one-line errors: their values, and what LoRA does not combine with."""
-        targets = self.lora_targets.split(",")
-        if not set(targets) <= set(TARGETS) or len(set(targets)) < len(targets):
-            raise ConfigError(f"lora_targets={self.lora_targets!r} must be 'attention', 'mlp' or 'attention,mlp'")
-        if self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
-            raise ConfigError(
-                f"lora_alpha must be positive and lora_dropout in [0, 1), got {self.lora_alpha}, {self.lora_dropout}"
-            )
+    def model_converter(self, base, meta):
+        """
+        What these settings convert a new run's model into, applied to `base` (as loaded, on data of this meta) before
+        it is spread over the ranks: with lora_rank, LoRA adapters on it, frozen (lora.LoRA); else None.
+        """
         if not self.lora_rank:
-            return
-        if self.arch != "gpt":
-            raise ConfigError(
-                f"lora_rank is for fine-tuning decoder-only models (arch='gpt'), not arch={self.arch!r}: train an "
-                "encoder or an encoder-decoder whole (lora_rank=0)"
-            )
-        if self.init_from == "scratch":
-            raise ConfigError(
-                "lora_rank adapts trained weights, which init_from='scratch' has none of: give --init_from a "
-                "checkpoint, a nanoGPT checkpoint or a Hugging Face folder (or 'resume')"
-            )
-        if self.optimizer == "muon" or self.ema_decay:
-            raise ConfigError(
-                "lora_rank trains small adapters with AdamW: optimizer='muon' (whole matrices) and ema_decay (an "
-                "average of every weight) do not apply; use optimizer='adamw' and ema_decay=0"
-            )
+            return None
+        from lora import LoRA  # imported here: only LoRA runs use it
+
+        return LoRA.for_new_run(self, base, meta)
 
     def model_config(self, vocab_size, pad_token_id=None):
         """The ModelConfig these settings describe, for a vocabulary of vocab_size ids."""
@@ -254,7 +246,7 @@ class Run:
 
     cfg: TrainConfig  # with the model settings of the checkpoint or pretrained weights it starts from
     rt: Runtime
-    models: Models  # the model under the name of each use: see parallel.Models
+    models: Models  # the model under the name of each use: see runtime.Models
     ema_pairs: tuple  # with a weight average: (its parameters, the trained ones), for update_ema; else ()
     optimizers: dict  # {name: optimizer}: {"adamw": AdamW}, with optimizer='muon' also "muon": Muon
     scaler: torch.amp.GradScaler
@@ -267,7 +259,7 @@ class Run:
     host_group: object  # a gloo group for numbers the host already has; None in one process
     clock: Clock  # the run's training time, which max_minutes budgets
     schedule: "Schedule"  # the learning rate of each step (defined with train_step below)
-    lora: dict | None = None  # with lora_rank: the checkpoints' record of the adapters and their base (start.py)
+    converter: object = None  # what the model was converted into (TrainConfig.model_converter), or None
     start_iter: int = 0
     best_val_loss: float = math.inf  # the val loss of best.pt's evaluation
     best_accuracy: float | None = None  # its exact match, where the data has exact answers (which then choose best.pt)
@@ -343,7 +335,7 @@ def resume_command(out_dir, rt):
 def setup(cfg, rt, stack):
     """
     Everything before the first step, in stages: the processes, the data, where the model starts (start.py), the
-    model spread over the ranks (parallel.py) with its optimizers and a resume's state, the outputs. Returns a Run.
+    model spread over the ranks (runtime.py) with its optimizers and a resume's state, the outputs. Returns a Run.
     """
     per_rank, host_group, is_writer, threads_note = join_processes(cfg, rt, stack)
 
@@ -392,7 +384,7 @@ def setup(cfg, rt, stack):
         # started last, so that the time budget counts the loop's time: a resume goes on from the time saved
         clock=Clock(0.0 if begin.ckpt is None else begin.ckpt.get("train_seconds", 0.0)),
         schedule=make_schedule(cfg, begin.ckpt),
-        lora=begin.lora,
+        converter=begin.converter,
         start_iter=0 if begin.ckpt is None else begin.ckpt["iter_num"],
         best_val_loss=math.inf if begin.ckpt is None else begin.ckpt["best_val_loss"],
         best_accuracy=None if begin.ckpt is None else begin.ckpt.get("best_accuracy"),
@@ -474,6 +466,8 @@ def sized_loss_chunk(models, optimizers, task, cfg, rt, group):
     that a run with room to spare keeps its graphs; eager, the smallest chunk, so that the trial itself cannot run
     out of memory for its logits.
     """
+    from compiling import CompiledModel  # imported here: on CPUs compile is off by default, and nothing is sized
+
     device, model = rt.device, models.raw
     compiled = isinstance(models.step, CompiledModel) and not models.step.failed
     if not compiled:
@@ -778,6 +772,8 @@ def backward(loss, step_model):
         loss.backward()
     # what a failed compilation raises: Inductor's InductorError, any backend's BackendCompilerFailed
     except torch._dynamo.exc.TorchDynamoException as e:
+        from compiling import CompiledModel
+
         if not isinstance(step_model, CompiledModel) or step_model.failed:
             raise
         raise ConfigError(f"the compiled backward failed ({one_line(e)}); run with --compile=false") from e
@@ -875,8 +871,9 @@ def evaluate_and_save(run, iter_num, last):
         if rt.fsdp:
             check_shards_finite([run.models.kept], rt, iter_num)
         # under FSDP, gathered one tensor at a time onto rank 0's CPU: the optimizer's state is never gathered.
-        # With LoRA, the adapters alone (gathered on every rank)
-        weights = whole_weights(run.models.kept, rt) if run.lora is None else adapter_state(run.models.kept)
+        # a converted model's state alone (gathered on every rank)
+        converter = run.converter
+        weights = whole_weights(run.models.kept, rt) if converter is None else converter.state(run.models.kept)
         if rt.rank == 0:
             role = "weights" if run.models.average is None else "average"
             state = weights_state(
@@ -887,7 +884,7 @@ def evaluate_and_save(run, iter_num, last):
                 iter_num,
                 run.best_val_loss,
                 role,
-                lora=run.lora,
+                converter=run.converter,
                 best_accuracy=run.best_accuracy,
             )
             save_checkpoint(state, Path(cfg.out_dir) / "best.pt")
@@ -993,8 +990,8 @@ def val_accuracy(run):
     if rt.rank == 0:
         with torch.random.fork_rng(devices=[]):  # its initial values are overwritten: they must not move rank 0's RNG
             model = build_model(run.models.raw.config)
-        if run.lora is not None:  # the gathered weights are the adapted model's: the same adapters to load them into
-            add_adapters(model, LoRASettings.from_record(run.lora), run.lora["token_rows"], generator=torch.Generator())
+        if run.converter is not None:  # the gathered weights are the converted model's: converted alike to load them
+            run.converter.convert(model, torch.Generator())
         model.load_state_dict(weights)
         # a Runtime of one process: exact_match then decodes every pair, in autocast where FSDP would cast
         one = Runtime(device=rt.device, dtype=rt.dtype)
@@ -1021,9 +1018,9 @@ def save_training_state(run, iter_num):
     """
     ckpt.pt: everything a resume needs (every rank takes part: their RNG states are gathered). Under FSDP, a
     sharded checkpoint (a folder) that every rank writes its part of: no rank ever holds the whole model or optimizer;
-    with LoRA one file still, of the adapters and their optimizer state only.
+    a converted model's one file still, of its state (the trained tensors) and their optimizer state only.
     """
-    sharded = run.rt.fsdp and run.lora is None
+    sharded = run.rt.fsdp and run.converter is None
     state = training_state(
         run.models.raw,
         ema_model=run.models.average,
@@ -1040,7 +1037,7 @@ def save_training_state(run, iter_num):
         device=run.rt.device,
         world_size=run.rt.world_size,
         sharded=sharded,
-        lora=run.lora,
+        converter=run.converter,
     )
     path = Path(run.cfg.out_dir) / "ckpt.pt"
     if sharded:

@@ -38,7 +38,7 @@ def one_thread():
     """
     threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"  # what train.main's own choice of threads (devices.pick_threads) reads
+    os.environ["OMP_NUM_THREADS"] = "1"  # what train.main's own choice of threads (runtime.pick_threads) reads
     yield
     torch.set_num_threads(threads)
     if env is None:

@@ -320,7 +320,7 @@ def chat_dir(tmp_path_factory):
 
 def test_chat_batches_match_an_explicit_loop(chat_dir):
     meta = load_meta(chat_dir)
-    task = data.make_task("gpt", meta)
+    task = data.make_task("auto", "gpt", meta)
     assert isinstance(task, data.Chat) and task.varying and task.pad_id is None
     assert task.model_vocab == meta["vocab_size"]
     split = task.load_split(chat_dir, "train", 64)
@@ -346,7 +346,7 @@ def test_chat_batches_match_an_explicit_loop(chat_dir):
 
 def test_a_micro_batch_depends_on_its_seed_only(chat_dir):
     meta = load_meta(chat_dir)
-    task = data.make_task("gpt", meta)
+    task = data.make_task("auto", "gpt", meta)
     split = task.load_split(chat_dir, "train", 64)
 
     def batch(seed):
@@ -362,7 +362,7 @@ def test_a_micro_batch_depends_on_its_seed_only(chat_dir):
 
 def test_padding_fraction_counts_every_start(chat_dir):
     meta = load_meta(chat_dir)
-    task = data.make_task("gpt", meta)
+    task = data.make_task("auto", "gpt", meta)
     split = task.load_split(chat_dir, "val", 64)
     n, B = len(split.order), 6
     padding = positions = 0
@@ -378,7 +378,7 @@ def test_chat_data_fits_block_size_or_says_so(chat_dir, capsys):
     meta = load_meta(chat_dir)
     lengths = np.diff(load_conversations(chat_dir, "train").index)
     block = int(np.median(lengths))
-    task = data.make_task("gpt", meta)
+    task = data.make_task("auto", "gpt", meta)
     split = task.load_split(chat_dir, "train", block)
     assert sorted(split.order.tolist()) == np.flatnonzero(lengths <= block + 1).tolist()
     assert "do not fit block_size" in capsys.readouterr().out
@@ -386,7 +386,7 @@ def test_chat_data_fits_block_size_or_says_so(chat_dir, capsys):
         task.load_split(chat_dir, "train", 2)
     for arch in ("encoder", "encoder_decoder"):
         with pytest.raises(ConfigError, match="only arch=gpt"):
-            data.make_task(arch, meta)
+            data.make_task("auto", arch, meta)
 
 
 # ----------------------------------------------------------------------------- the Shakespeare quiz
@@ -483,11 +483,11 @@ def test_shakespeare_chat_is_deterministic_held_out_and_right(tmp_path, shakespe
 
 def test_compile_tries_the_graph_that_conversations_of_any_length_reuse(chat_dir):
     """compile's trial on the task's example batch builds one dynamic graph: real batches, shorter, compile nothing."""
-    task = data.make_task("gpt", load_meta(chat_dir))
+    task = data.make_task("auto", "gpt", load_meta(chat_dir))
     split = task.load_split(chat_dir, "train", 64)
     model = build_model(ModelConfig(vocab_size=task.model_vocab, block_size=64, n_layer=1, n_head=2, n_embd=16))
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="eager", dynamic=None)  # as parallel.py compiles varying batches
+    compiled = torch.compile(model, backend="eager", dynamic=None)  # as runtime.parallelize compiles varying batches
     task.loss(compiled, *task.to_device(*task.example_batch(4, 64), torch.device("cpu"))).backward()
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed in range(3):

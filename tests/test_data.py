@@ -1,4 +1,4 @@
-"""Token files, tokenizers (tokens.py), every dataset (prepare_data.py) and the synthetic tasks (tasks.py).
+"""Token files, tokenizers (tokens.py), every dataset (prepare_data.py) and the synthetic datasets (synthetic.py).
 
 Each is checked against independent references: the raw text, tiktoken itself (r50k_base: the same
 ids as gpt2, and loadable offline), struct-parsed headers and explicit loops, never this module's own output.
@@ -25,10 +25,10 @@ import tiktoken
 import tokenizers
 
 import prepare_data
-import tasks
+import synthetic
 import tokens
 from prepare_data import DATASETS, prepare
-from tasks import solve
+from synthetic import solve
 from tokens import (
     DownloadError,
     Tokenizer,
@@ -682,10 +682,10 @@ def test_distinct_sources_counts_what_random_source_draws():
     rng = random.Random(0)
     for task, opts, every in [
         ("num2words", {"max_number": 99}, {str(n) for n in range(100)}),
-        ("reverse", {"min_len": 1, "max_len": 1}, set(tasks.SYMBOLS)),
+        ("reverse", {"min_len": 1, "max_len": 1}, set(synthetic.SYMBOLS)),
     ]:
-        assert tasks.distinct_sources(task, opts) == len(every)
-        assert {tasks.random_source(task, rng, opts) for _ in range(5000)} == every
+        assert synthetic.distinct_sources(task, opts) == len(every)
+        assert {synthetic.random_source(task, rng, opts) for _ in range(5000)} == every
 
 
 @pytest.mark.parametrize("task", ["reverse", "sort", "num2words"])

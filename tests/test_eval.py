@@ -518,7 +518,7 @@ def test_wrong_architecture_missing_split_and_other_mistakes(gpt_dir, encoder_di
     assert "not found" in bad(capsys, "--out_dir", gpt_dir, "--input", tmp_path / "nope.txt")
     assert "not both" in bad(capsys, "--out_dir", gpt_dir, "--input", hellaswag, "--split=val")
     assert "seq2seq, not to task=lm" in bad(capsys, "--out_dir", gpt_dir, "--beam_size=4")
-    assert "--stride applies to a GPT" in bad(capsys, "--out_dir", encoder_dir, "--stride=8")
+    assert "--stride applies to task=lm, not to task=masked_lm" in bad(capsys, "--out_dir", encoder_dir, "--stride=8")
     assert "at most the model's block_size=32" in bad(capsys, "--out_dir", gpt_dir, "--stride=64")
     assert "give --split, not --input" in bad(capsys, "--out_dir", seq2seq_dir, "--input", hellaswag)
     assert "unknown key 'splt'" in bad(capsys, "--splt=val")

@@ -23,12 +23,13 @@ import sample
 import start
 import tokens
 import train
-from checkpoint import load_checkpoint
+from chat import grow_vocabulary
+from checkpoint import load_checkpoint, saved_converter
 from generate import generate
-from lora import LoRALinear, LoRASettings, add_adapters, grow_vocabulary, merge
+from lora import LoRALinear, LoRASettings, add_adapters, merge
 from model import MODEL_KEYS, ModelConfig, build_model
-from parallel import Models, Runtime
-from start import adapted_model, load_model, model_from_checkpoint
+from runtime import Models, Runtime
+from start import load_model, model_from_checkpoint
 from train import TrainConfig, main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,6 +51,11 @@ def with_random_updates(model, seed=0):
             if name.endswith(("lora_b", "row_delta")):
                 p.copy_(0.1 * torch.randn(p.shape, generator=generator))
     return model
+
+
+def unmerged_model(ckpt):
+    """A LoRA checkpoint's model with its adapters apart, as a resume trains it."""
+    return saved_converter(ckpt).adapted_model(ckpt)
 
 
 def adapter_names(model):
@@ -225,7 +231,7 @@ def test_lora_resume_is_exact(data_root, base, tmp_path, extra):
 def test_a_resume_takes_the_checkpoints_lora_settings(data_root, lora_run, tmp_path, capsys):
     out = shutil.copytree(lora_run, tmp_path / "run")
     main(tiny(data_root, out, init_from="resume", max_iters=5, lora_rank=8))
-    assert "note: resuming with the checkpoint's LoRA settings: lora_rank=4" in capsys.readouterr().out
+    assert "note: resuming with the checkpoint's fine-tuning settings: lora_rank=4" in capsys.readouterr().out
     assert load_checkpoint(out / "ckpt.pt")["lora"]["rank"] == 4
 
 
@@ -234,9 +240,9 @@ def test_a_resume_takes_the_checkpoints_lora_settings(data_root, lora_run, tmp_p
 
 
 def test_load_model_merges_the_adapters_and_samples_as_the_unmerged_model(lora_run):
-    model, _, meta = load_model("resume", out_dir=str(lora_run), checkpoint="ckpt.pt", dataset="", device="cpu")
+    model, _, meta, _ = load_model("resume", out_dir=str(lora_run), checkpoint="ckpt.pt", dataset="", device="cpu")
     assert not any(isinstance(m, (LoRALinear, lora.RowsEmbedding, lora.RowsHead)) for m in model.modules())
-    unmerged = adapted_model(load_checkpoint(lora_run / "ckpt.pt")).eval()
+    unmerged = unmerged_model(load_checkpoint(lora_run / "ckpt.pt")).eval()
     assert any(isinstance(m, LoRALinear) for m in unmerged.modules())
     prompt = torch.tensor([tokens.Tokenizer.from_meta(meta).encode("ROMEO:")])
     greedy = [generate(m, prompt, 24, temperature=0) for m in (model, unmerged)]
@@ -248,7 +254,7 @@ def test_load_model_merges_the_adapters_and_samples_as_the_unmerged_model(lora_r
 def test_export_writes_the_merged_weights(lora_run, tmp_path):
     export.main(export.ExportConfig(out_dir=str(lora_run), checkpoint="ckpt.pt", dest=str(tmp_path / "hf")))
     exported = hf.from_pretrained(tmp_path / "hf").eval()
-    unmerged = adapted_model(load_checkpoint(lora_run / "ckpt.pt")).eval()
+    unmerged = unmerged_model(load_checkpoint(lora_run / "ckpt.pt")).eval()
     idx = torch.randint(65, (2, 32))
     with torch.no_grad():
         torch.testing.assert_close(exported(idx)[0], unmerged(idx)[0], rtol=1e-5, atol=1e-5)
@@ -303,8 +309,8 @@ def test_lora_on_a_hugging_face_folder(llama_dir, tmp_path, capsys):
     main(tiny(str(tmp_path / "data"), tmp_path / "run", **{**settings, "block_size": 16, "max_iters": 4}))
     record = load_checkpoint(tmp_path / "run" / "ckpt.pt")["lora"]
     assert record["base"]["source"] == "pretrained" and record["base"]["model_config"]["block_size"] == 16
-    merged, _, _ = load_model("resume", out_dir=str(tmp_path / "run"), checkpoint="", dataset="", device="cpu")
-    unmerged = adapted_model(load_checkpoint(tmp_path / "run" / "ckpt.pt")).eval()
+    merged, _, _, _ = load_model("resume", out_dir=str(tmp_path / "run"), checkpoint="", dataset="", device="cpu")
+    unmerged = unmerged_model(load_checkpoint(tmp_path / "run" / "ckpt.pt")).eval()
     idx = torch.randint(300, (2, 16))
     torch.testing.assert_close(merged(idx)[0], unmerged(idx)[0], rtol=1e-5, atol=1e-5)
     shutil.rmtree(folder)
@@ -396,9 +402,9 @@ def test_a_lora_fine_tune_on_chat_data_grows_the_vocabulary_and_trains_the_chat_
     begin = start.fit_to_data(start.Start(cfg, model, None, meta), meta)
     out = capsys.readouterr().out
     assert "the token embedding grown from 65 to 69 ids" in out and "the rows of token ids 65, 66, 67, 68" in out
-    assert begin.lora["token_rows"] == [65, 66, 67, 68] and begin.model.config.vocab_size == 69
+    assert begin.converter.record["token_rows"] == [65, 66, 67, 68] and begin.model.config.vocab_size == 69
     # the base the checkpoints name is the one loaded, before its vocabulary grew
-    assert begin.lora["base"]["model_config"]["vocab_size"] == 65
+    assert begin.converter.record["base"]["model_config"]["vocab_size"] == 65
     assert begin.model.body.wte.row_delta.shape == (4, 128) and begin.model.body.wte.row_delta.requires_grad
 
 
@@ -406,9 +412,9 @@ def test_the_rows_trained_are_the_builtin_chat_tokens_and_the_new_ids():
     gpt2 = {"vocab_size": 50261, "chat": {"template": "builtin"}}
     gpt2["special_tokens"] = {name: 50257 + i for i, name in enumerate(BUILTIN)}
     # inside GPT-2's padded 50304: no new rows, but the four markers were never trained
-    assert start.trained_rows(gpt2, 50304) == [50257, 50258, 50259, 50260]
+    assert lora.trained_rows(gpt2, 50304) == [50257, 50258, 50259, 50260]
     # a folder's own template uses tokens the model knows
-    assert start.trained_rows({"vocab_size": 300, "chat": {"template": "{{ x }}"}, "special_tokens": {}}, 300) == []
+    assert lora.trained_rows({"vocab_size": 300, "chat": {"template": "{{ x }}"}, "special_tokens": {}}, 300) == []
 
 
 @pytest.fixture(scope="module")
@@ -434,7 +440,9 @@ def test_a_lora_chat_fine_tune_of_a_character_model_trains_the_chat_rows_and_res
     assert ckpt["lora"]["token_rows"] == [65, 66, 67, 68] and ckpt["model_config"]["vocab_size"] == 69
     # the run keeps the chat data's meta: its markers and template, for sample.py --chat
     assert ckpt["meta"]["chat"] == {"template": "builtin"} and ckpt["meta"]["special_tokens"]["end_of_turn"] == 68
-    model, _, meta = load_model("resume", out_dir=str(tmp_path / "a"), checkpoint="ckpt.pt", dataset="", device="cpu")
+    model, _, meta, _ = load_model(
+        "resume", out_dir=str(tmp_path / "a"), checkpoint="ckpt.pt", dataset="", device="cpu"
+    )
     assert meta == ckpt["meta"]
     # merged: the old rows as the base had them, the chat rows the mean of the old ones plus what they learnt
     table, old = model.body.wte.weight.detach(), base.body.wte.weight.detach()
@@ -488,7 +496,7 @@ def test_hugging_face_gpt2_grows_to_the_chat_tokens(chat_root, tmp_path, capsys)
     ckpt = load_checkpoint(tmp_path / "run" / "ckpt.pt")
     assert ckpt["lora"]["token_rows"] == [50257, 50258, 50259, 50260] and ckpt["model_config"]["vocab_size"] == 50261
     # merged: GPT-2's own rows untouched, the head still tied to them
-    model, _, _ = load_model("resume", out_dir=str(tmp_path / "run"), checkpoint="", dataset="", device="cpu")
+    model, _, _, _ = load_model("resume", out_dir=str(tmp_path / "run"), checkpoint="", dataset="", device="cpu")
     gpt2 = transformers.GPT2LMHeadModel.from_pretrained(folder)
     assert torch.equal(model.body.wte.weight[:50257], gpt2.transformer.wte.weight)
     assert model.lm_head.weight is model.body.wte.weight

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from hf_reference import TINY_LLAMA, VOCAB, assert_same_greedy_tokens, max_logit_difference, with_large_weights
 
-from devices import peak_flops
 from generate import beam_search, generate, sample_next, translate
 from hf import from_pretrained
 from model import (
@@ -30,6 +29,7 @@ from model import (
     build_model,
     rope_tables,
 )
+from runtime import peak_flops
 
 POS = ("learned", "sinusoidal", "rope")
 V = 37  # a vocabulary no power of two, so shape mix-ups show

@@ -17,8 +17,8 @@ import torch
 
 import plan
 from config import ConfigError, parse_config
-from devices import GPUS, peak_flops
 from model import ModelConfig, build_model
+from runtime import GPUS, peak_flops
 from train import TrainConfig, cli, make_optimizers, micro_step, update_weights
 
 REPO = Path(__file__).resolve().parent.parent

@@ -29,13 +29,13 @@ from functorch.compile import aot_module_simplified, make_boxed_compiler
 from tiny_run import TINY, tiny
 
 import checkpoint
+import compiling
 import data
-import devices
-import parallel
+import log
 import plan
-import progress
+import runtime
 import start
-import tasks
+import synthetic
 import tokens
 import train
 from checkpoint import kept_weights, load_checkpoint, move_into_place, save_checkpoint
@@ -43,7 +43,7 @@ from config import ConfigError, parse_config
 from data import CausalLM, MaskedLM, Seq2Seq, mask_tokens, seq2seq_batch
 from generate import translate
 from model import IGNORE_INDEX, LOSS_CHUNK_BYTES, MODEL_KEYS, Block, ModelConfig, build_model, loss_chunk_budget
-from parallel import Models, Runtime, split_accumulation
+from runtime import Models, Runtime, split_accumulation
 from start import model_from_checkpoint, start_run
 from train import (
     Schedule,
@@ -487,7 +487,7 @@ def test_a_mistyped_path_name_or_switch_is_answered_with_what_was_meant(
     (tmp_path / "run-b").mkdir()
     (tmp_path / "run-b" / "ckpt.pt").write_bytes(b"")  # a run folder beside the mistyped one
     monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setattr(devices, "busy_cores", lambda: 1.0)
+    monkeypatch.setattr(runtime, "busy_cores", lambda: 1.0)
     assert cli([*args, f"--data_dir={data_root}", "--threads=0"]) == 2
     out, err = capsys.readouterr()
     assert err.startswith("train.py: error: ") and message in err and err.count("\n") == 1, err
@@ -497,7 +497,7 @@ def test_a_mistyped_path_name_or_switch_is_answered_with_what_was_meant(
 
 def test_the_thread_note_comes_with_the_run_s_description(tmp_path, data_root, monkeypatch, capsys):
     monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setattr(devices, "busy_cores", lambda: 1.0)
+    monkeypatch.setattr(runtime, "busy_cores", lambda: 1.0)
     main(tiny(data_root, tmp_path, threads=0, max_iters=1))
     lines = capsys.readouterr().out.splitlines()
     note = next(i for i, line in enumerate(lines) if "thread(s) per process: other jobs keep about 1" in line)
@@ -508,19 +508,19 @@ def test_threads_leave_busy_cores_to_other_jobs(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     for load, ranks, expected in [(0.2, 1, 4), (1.4, 1, 3), (3.0, 1, 1), (9.0, 1, 1), (0.0, 2, 2), (2.0, 2, 1)]:
-        monkeypatch.setattr(devices, "busy_cores", lambda load=load: load)
-        threads, note = devices.pick_threads(0, ranks)
+        monkeypatch.setattr(runtime, "busy_cores", lambda load=load: load)
+        threads, note = runtime.pick_threads(0, ranks)
         assert threads == expected and (note is None) == (round(load) == 0)
-    assert devices.pick_threads(3, 1) == (3, None)  # --threads wins
+    assert runtime.pick_threads(3, 1) == (3, None)  # --threads wins
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert devices.pick_threads(0, 1) == (2, None)
+    assert runtime.pick_threads(0, 1) == (2, None)
 
 
 def test_busy_cores_sees_a_job_that_just_started():
     # one spinning process beside this one: always running, long before a 1-minute load average would show it
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        assert devices.busy_cores() >= 1
+        assert runtime.busy_cores() >= 1
     finally:
         spin.kill()
         spin.wait()
@@ -596,10 +596,10 @@ def test_batches_reach_the_device_from_dense_pinned_memory(monkeypatch, shakespe
     if arch == "encoder_decoder":
         folder = data.prepared_dataset("reverse", data_root, REVERSE)
         meta = tokens.load_meta(folder)
-        split = data.make_task(arch, meta).load_split(folder, "train", 16)
+        split = data.make_task("auto", arch, meta).load_split(folder, "train", 16)
     else:
         meta, split = tokens.load_meta(shakespeare_char_dir), tokens.load_tokens(shakespeare_char_dir / "train.bin")
-    inputs, targets = data.make_task(arch, meta).batch(split, 4, 16, torch.Generator().manual_seed(0))
+    inputs, targets = data.make_task("auto", arch, meta).batch(split, 4, 16, torch.Generator().manual_seed(0))
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
     monkeypatch.setattr(torch.Tensor, "to", to)
@@ -652,7 +652,7 @@ def test_val_bpb_is_the_val_loss_in_bits_per_byte_of_its_targets(data_root, shak
     """
     cfg = tiny(data_root, "unused", eval_iters=3, batch_size=2)
     meta = tokens.load_meta(shakespeare_char_dir)
-    task = data.make_task("gpt", meta)
+    task = data.make_task("auto", "gpt", meta)
     splits = {split: task.load_split(shakespeare_char_dir, split, cfg.block_size) for split in ("train", "val")}
     vocab_size = task.model_vocab
     torch.manual_seed(0)
@@ -699,7 +699,7 @@ def test_loss_falls_from_uniform(tmp_path, data_root, arch, extra):
 
 def test_seq2seq_learns_and_its_exact_match_agrees_with_the_task_solver(tmp_path, data_root):
     """Sorting short strings: the loss falls from uniform, and the logged accuracy equals one computed here by
-    decoding the checkpoint greedily, one source at a time, and grading with tasks.solve."""
+    decoding the checkpoint greedily, one source at a time, and grading with synthetic.solve."""
     cfg = tiny(
         data_root,
         tmp_path,
@@ -730,7 +730,7 @@ def test_seq2seq_learns_and_its_exact_match_agrees_with_the_task_solver(tmp_path
     for i in range(100):
         src_text = tokenizer.decode(pairs[i][0])
         out = translate(model, torch.tensor([tokenizer.encode(src_text)]), 8, bos, eos)[0].tolist()
-        correct += eos in out and tokenizer.decode(out[: out.index(eos)]) == tasks.solve("sort", src_text)
+        correct += eos in out and tokenizer.decode(out[: out.index(eos)]) == synthetic.solve("sort", src_text)
     assert 20 <= correct < 100  # partly trained: right and wrong answers to tell apart
     # padded batches there, single sources here: a near-tie could flip one answer
     assert last["accuracy"] == pytest.approx(correct / 100, abs=0.011)
@@ -1274,7 +1274,7 @@ def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
     train_tokens = tokens.load_tokens(Path(data_root) / "shakespeare_char" / "train.bin")
     rt = Runtime(device=device, dtype=torch.bfloat16)
     stream = data.TrainBatches(train_tokens, CausalLM({}), cfg, torch.Generator().manual_seed(0), rt, per_rank=2)
-    steps = progress.Progress(cfg, rt, progress.Scalars(cfg, active=False), peak_flops=None)
+    steps = log.Progress(cfg, rt, log.Scalars(cfg, active=False), peak_flops=None)
     try:
         for iteration in range(4):  # the first step creates the optimizer's state: not checked
             micro_batches, n_targets, _ = stream.peek()
@@ -1292,7 +1292,7 @@ def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
                     lrs={"adamw": 1e-3},
                     grad_clip=1.0,
                 )
-                step = progress.Step(loss, grad_norm, skipped, lr=1e-3, tokens=0, flops=0.0, seconds=0.0)
+                step = log.Step(loss, grad_norm, skipped, lr=1e-3, tokens=0, flops=0.0, seconds=0.0)
                 steps.add(iteration, step)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
@@ -2337,7 +2337,7 @@ def test_regional_compilation_equals_eager_with_one_graph_for_every_block(config
         return aot_module_simplified(gm, example_inputs, fw_compiler=as_traced, bw_compiler=as_traced)
 
     dynamic = None if cfg.arch == "encoder_decoder" else False
-    parallel.compile_regions(model, backend=backend, dynamic=dynamic)
+    compiling.compile_regions(model, backend=backend, dynamic=dynamic)
     for batch in (*batches, batches[0]):
         inputs, targets = batch
         losses = []
@@ -2351,7 +2351,7 @@ def test_regional_compilation_equals_eager_with_one_graph_for_every_block(config
             assert_close_at_scale(p.grad, q.grad, 1e-5, f"{name}'s gradient")
     if cfg.arch == "gpt":
         assert len(graphs) == 2
-    parallel.compile_regions(model, enabled=False)
+    compiling.compile_regions(model, enabled=False)
     assert all(b._compiled_call_impl is None for b in model.modules() if isinstance(b, Block))
     assert "chunk_loss" not in vars(model)
     before = len(graphs)
@@ -2424,10 +2424,10 @@ def test_the_trial_step_sizes_the_chunk_from_its_peak_and_leaves_no_trace(monkey
 
 AGREED_CHUNK = """
 import os, sys, torch.distributed as dist
-import parallel
+import runtime
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-chunk = parallel.agreed_minimum([7 * 2**30, 5 * 2**30][rank], 2)  # what each rank's own memory would give
+chunk = runtime.agreed_minimum([7 * 2**30, 5 * 2**30][rank], 2)  # what each rank's own memory would give
 with open(os.path.join(sys.argv[1], f"chunk{rank}.txt"), "w") as f:
     f.write(str(chunk))
 dist.barrier()  # as train.main ends: gloo's workers release the last collective's tensors before the teardown
@@ -2477,13 +2477,13 @@ def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_replay(tmp_path, 
 def test_cuda_graphs_take_one_micro_batch_per_rank_and_no_fsdp(monkeypatch, world_size, settings, message):
     """Refused before any process group or data (make_runtime is main's first call), on every rank alike."""
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    monkeypatch.setattr(parallel, "resolve_device", lambda device, local_rank: torch.device("cuda", local_rank))
+    monkeypatch.setattr(runtime, "resolve_device", lambda device, local_rank: torch.device("cuda", local_rank))
     cfg = TrainConfig(cuda_graphs=True, compile=True, dtype="float32", **settings)
     if message is None:
-        assert parallel.make_runtime(cfg).world_size == world_size
+        assert runtime.make_runtime(cfg).world_size == world_size
     else:
         with pytest.raises(ConfigError, match=re.escape(message)):
-            parallel.make_runtime(cfg)
+            runtime.make_runtime(cfg)
 
 
 def test_cuda_graphs_are_refused_for_batches_of_varying_length(tmp_path, data_root, monkeypatch):
@@ -2581,7 +2581,7 @@ def second_backward_fails(model):
         return make_boxed_func(gm)
 
     backend = aot_autograd(fw_compiler=lambda gm, inputs: make_boxed_func(gm), bw_compiler=backward_compiler)
-    compiled = parallel.CompiledModel.__new__(parallel.CompiledModel)
+    compiled = compiling.CompiledModel.__new__(compiling.CompiledModel)
     torch.nn.Module.__init__(compiled)
     compiled.module, compiled.failed = model, False
     compiled.compiled = torch.compile(model, backend=backend, dynamic=False)  # a new length recompiles
@@ -2623,7 +2623,7 @@ class FailingBackward(torch.autograd.Function):
 def test_a_backward_error_that_is_no_compile_failure_keeps_its_message():
     """Only a failed compilation becomes backward's one line: any other error is raised as it is, cause and all."""
     model = build_model(ModelConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=16))
-    compiled = parallel.CompiledModel.__new__(parallel.CompiledModel)
+    compiled = compiling.CompiledModel.__new__(compiling.CompiledModel)
     torch.nn.Module.__init__(compiled)
     compiled.module, compiled.failed = model, False
 
@@ -2644,20 +2644,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 out, tests = sys.argv[1:3]
 sys.path.insert(0, tests)
 from test_train import second_backward_fails
-import parallel
+import runtime
 from config import ConfigError
 from data import CausalLM
 from model import ModelConfig, build_model
 from train import accumulate_gradients
 dist.init_process_group("gloo")
-rt = parallel.Runtime(rank=dist.get_rank(), world_size=2)
+rt = runtime.Runtime(rank=dist.get_rank(), world_size=2)
 torch.manual_seed(0)  # the same weights on both ranks
 model = build_model(ModelConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=16))
 reference = build_model(model.config)
 reference.load_state_dict(model.state_dict())
 ddp = DDP(model)
-compiled, backward_graphs = second_backward_fails(ddp)  # DDP compiled, as parallel.parallelize does
-models, task = parallel.Models(raw=model, step=compiled, ddp=ddp), CausalLM({})
+compiled, backward_graphs = second_backward_fails(ddp)  # DDP compiled, as runtime.parallelize does
+models, task = runtime.Models(raw=model, step=compiled, ddp=ddp), CausalLM({})
 scaler = torch.amp.GradScaler("cpu", enabled=False)
 def batches(length):  # each rank's own batch, and both ranks' for the reference
     ids = [torch.randint(0, 20, (2, length + 1), generator=torch.Generator().manual_seed(r)) for r in range(2)]
@@ -2696,10 +2696,10 @@ def test_a_failed_backward_recompilation_under_ddp_is_one_line_on_each_rank(tmp_
 
 DDP_GRAPHS = """
 import os, sys, torch
-import parallel, train
+import compiling, train
 out = sys.argv.pop(1)  # the folder for each rank's count: a file, not stdout, which torchrun's pipes lost once in CI
 graphs, counts = [], []
-real_compile, real_compile_model = torch.compile, parallel.compile_model
+real_compile, real_compile_model = torch.compile, compiling.compile_model
 def backend(gm, example_inputs):
     graphs.append(gm)
     return gm.forward
@@ -2708,7 +2708,7 @@ def compile_model(*args, **kwargs):
     counts.append(len(graphs))  # the graphs of the first forward and backward, inside DDP
     return compiled
 torch.compile = lambda module, **kwargs: real_compile(module, backend=backend, **kwargs)
-parallel.compile_model = compile_model
+compiling.compile_model = compile_model
 code = train.cli(sys.argv[1:])
 with open(os.path.join(out, f"graphs{os.environ['RANK']}.txt"), "w") as f:
     f.write(str(counts[0]))
@@ -2786,16 +2786,16 @@ def test_a_compile_failure_on_one_rank_is_every_ranks(tmp_path, env, where):
 FSDP_HELD_GRADIENTS = """
 import os, sys, torch, torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-import parallel, train
+import runtime, train
 from model import ModelConfig, build_model
 dist.init_process_group("gloo")
-rt = parallel.Runtime(rank=dist.get_rank(), world_size=2, fsdp=True)
+rt = runtime.Runtime(rank=dist.get_rank(), world_size=2, fsdp=True)
 with torch.device("meta"):
     model = build_model(ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
-parallel.shard_model(model, rt, seed=0)
-models = parallel.Models(raw=model, step=model)
+runtime.shard_model(model, rt, seed=0)
+models = runtime.Models(raw=model, step=model)
 x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rt.rank))
-with parallel.gradient_sync(models, enabled=False):  # a micro-batch before the step's last
+with runtime.gradient_sync(models, enabled=False):  # a micro-batch before the step's last
     model(x, x)[1].backward()
 held = 0  # bytes of whole (unsharded) gradients FSDP keeps on this rank until the step's last micro-batch
 for module in model.modules():
@@ -2852,11 +2852,11 @@ def test_auto_dtype_takes_float16_where_bfloat16_is_only_emulated(monkeypatch):
     """A V100 or T4: is_bf16_supported() says True by emulation unless asked not to count it."""
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert devices.resolve_dtype("auto", cuda) == torch.float16
+    assert runtime.resolve_dtype("auto", cuda) == torch.float16
     with pytest.raises(ConfigError, match="no native bfloat16"):
-        devices.resolve_dtype("bfloat16", cuda)
+        runtime.resolve_dtype("bfloat16", cuda)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # an A100 or newer
-    assert devices.resolve_dtype("auto", cuda) == torch.bfloat16
+    assert runtime.resolve_dtype("auto", cuda) == torch.bfloat16
 
 
 def free_port():

@@ -1,26 +1,189 @@
 """
-How a training run is spread over processes and devices: this process's place (Runtime: rank, device, dtype), the
-process group and the few collectives train.py needs, and parallelize(), which applies activation checkpointing,
-then FSDP2 or DDP, then torch.compile, in that order, and returns the model under the names of its uses (Models).
+Where a script runs: its device and precision (the `device` and `dtype` settings resolved for this machine, autocast
+for mixed precision), the CPU threads it takes, and the GPUs known by name (memory, peak FLOP/s for MFU, bf16). And
+how a training run is spread over processes: this process's place (Runtime: rank, device, dtype), the process group
+and the few collectives train.py needs, and parallelize(), which applies activation checkpointing, then FSDP2 or
+DDP, then torch.compile (compiling.py), in that order, and returns the model under the names of its uses (Models).
 """
 
 import contextlib
 import copy
+import ctypes
 import inspect
 import os
+import re
+import statistics
+import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from config import ConfigError, log, one_line
-from devices import autocast, resolve_device, resolve_dtype
+from config import ConfigError
 from model import Block, build_model
+
+# -----------------------------------------------------------------------------
+# The device, the precision, the threads and the known GPUs
+
+# what every script's dtype setting accepts; resolve_dtype turns auto into one of the others
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_device(name, local_rank):
+    """torch.device for 'auto' (cuda, mps, cpu in that order) or an explicit name; CUDA ranks get their own GPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device={name!r} is not a device; use auto, cpu, cuda, cuda:N or mps") from None
+    # torch.device('cuda') parses on any machine: whether it is there is a separate question
+    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not available.get(device.type, True):
+        raise ConfigError(f"device={name!r} is not available on this machine; use --device=cpu")
+    # a bare 'cuda' means this rank's own GPU, so that 8 ranks on one machine do not all use GPU 0
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    return device
+
+
+def resolve_dtype(name, device, native_bf16=None, gpu="this GPU"):
+    """
+    The torch dtype for dtype setting `name` on device ('auto' resolved); ConfigError where it cannot run.
+    native_bf16: whether the GPU (named gpu in messages) computes bfloat16 natively; None: ask this machine's.
+    """
+    # V100s and T4s run bfloat16 only by emulation (slowly): they count as having none, and get float16 + scaler
+    if native_bf16 is None:
+        native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    if name == "auto":
+        name = "float32" if device.type != "cuda" else "bfloat16" if native_bf16 else "float16"
+    if name == "float16" and device.type != "cuda":
+        raise ConfigError(f"dtype=float16 needs CUDA (its gradient scaler); on {device.type} use bfloat16 or float32")
+    if name == "bfloat16" and device.type == "cuda" and not native_bf16:
+        raise ConfigError(f"{gpu} has no native bfloat16; use --dtype=float16")
+    return getattr(torch, name)
+
+
+def autocast(device, dtype):
+    """Mixed precision for forward passes when dtype is not float32; a no-op otherwise."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def pick_threads(requested, local_ranks):
+    """
+    (intra-op threads for this process, why: a line to log or None). requested > 0 wins; then OMP_NUM_THREADS
+    (torchrun sets 1 per rank); else the cores of this machine that other jobs are not using (busy_cores), shared
+    among the local_ranks processes. On a busy machine, threads that wait for a taken core make every op wait for
+    the slowest one (docs/training.md#devices-and-threads has the measurements).
+    """
+    if requested > 0:
+        return requested, None
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"])), None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    busy = min(round(busy_cores()), cores - 1)
+    threads = max(1, (cores - busy) // local_ranks)
+    if busy == 0:
+        return threads, None
+    return threads, (
+        f"note: {threads} thread(s) per process: other jobs keep about {busy} of the {cores} cores busy; "
+        "--threads=N overrides, and one job at a time is fastest"
+    )
+
+
+def busy_cores(looks=20):
+    """
+    About how many cores other jobs use now: on Linux the median, over `looks` looks 5 ms apart, of the tasks
+    running (the fourth field of /proc/loadavg, this process left out). Elsewhere the 1-minute load average, which
+    lags behind: a job that just ended still counts for a minute or more.
+    """
+    try:
+        counts = []
+        for _ in range(looks):
+            # "0.91 0.86 1.02 2/90 14010": 2 tasks running (this one among them) of 90
+            counts.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1)
+            time.sleep(0.005)
+        return statistics.median(counts)
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
+def keep_freed_memory():
+    """
+    Have glibc keep freed memory for reuse instead of handing it back to the OS. A CPU training step frees and
+    reallocates the same activation buffers every time; by default glibc maps the large ones afresh, and the page
+    faults of touching them again cost 5-15% of a small model's step (docs/performance.md). No-op without glibc.
+    """
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # macOS, Windows, musl, or a C library without mallopt
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+    mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum: blocks up to 32 MiB come from the reusable heap
+    mallopt(m_trim_threshold, 1 << 30)  # and up to 1 GiB of freed heap is kept rather than returned
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A GPU that MFU is measured on and plans are made for (--plan_device)."""
+
+    name: str  # as --plan_device names it
+    pattern: str  # searched in the name torch.cuda.get_device_name returns
+    memory_gib: int  # from the vendor's data sheet
+    flops: float  # peak dense bf16 tensor-core FLOP/s with float32 accumulation (what training runs; no sparsity)
+    bf16: bool = True  # False: bfloat16 only by emulation, so float16 with a gradient scaler (and fp16's peak)
+    # streaming multiprocessors of the whole GPU, where MIG splits it into slices ("NVIDIA H100 80GB HBM3 MIG
+    # 1g.10gb"), each computing with its own share of them. The "Ng" of a profile's name is only nominal: on an H100
+    # a 1g.10gb slice has 16 of the 132, a 1g.20gb 26, a 7g.80gb all 132; on an A100 a 7g.40gb has 98 of the 108
+    multiprocessors: int | None = None
+
+
+# From the vendors' data sheets. Tried in order by a device's name: a variant comes before the family name it
+# contains (a later entry of the same family, the 40 GB A100 say, is there for plans by name only)
+GPUS = (
+    GPU("H100 PCIe", r"\bH100 PCIe\b", 80, 756e12, multiprocessors=114),  # "NVIDIA H100 PCIe"
+    GPU("H100 NVL", r"\bH100 NVL\b", 94, 835e12, multiprocessors=132),  # "NVIDIA H100 NVL"
+    GPU("H200 NVL", r"\bH200 NVL\b", 141, 835e12, multiprocessors=132),
+    GPU("H100", r"\bH100\b", 80, 989e12, multiprocessors=132),  # SXM: "NVIDIA H100 80GB HBM3"
+    GPU("H200", r"\bH200\b", 141, 989e12, multiprocessors=132),  # "NVIDIA H200"
+    GPU("GH200", r"\bGH200\b", 96, 989e12, multiprocessors=132),  # the Grace Hopper superchip's GPU, the H100 SXM's
+    GPU("A100", r"\bA100\b", 80, 312e12, multiprocessors=108),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB"
+    GPU("A100 40GB", r"\bA100\b", 40, 312e12, multiprocessors=108),
+    GPU("A10G", r"\bA10G\b", 24, 70e12),
+    GPU("A10", r"\bA10\b", 24, 125e12),
+    GPU("L40S", r"\bL40S\b", 48, 362e12),
+    GPU("L40", r"\bL40\b", 48, 181e12),
+    GPU("L4", r"\bL4\b", 24, 121e12),
+    # fp16 for Volta and Turing, which have no bf16
+    GPU("V100 PCIe", r"\bV100-PCIE\b", 32, 112e12, bf16=False),  # "Tesla V100-PCIE-32GB"
+    GPU("V100S", r"\bV100S\b", 32, 130e12, bf16=False),  # "Tesla V100S-PCIE-32GB"
+    GPU("V100", r"\bV100\b", 32, 125e12, bf16=False),  # "Tesla V100-SXM2-16GB"
+    GPU("V100 16GB", r"\bV100\b", 16, 125e12, bf16=False),
+    GPU("T4", r"\bT4\b", 16, 65e12, bf16=False),  # "Tesla T4"
+    # GeForce, from NVIDIA's architecture whitepapers (Ada Lovelace, appendix table of the RTX 4090; Ampere GA102,
+    # appendix A, RTX 3090): "Peak BF16 Tensor TFLOPS with FP32 Accumulate" 165.2 and 71 dense. The doubled figures
+    # beside them (330.3, 142) accumulate in FP16; the halved ones (82.6, 35.6) are the TF32 and CUDA-core FP32 rates.
+    GPU("RTX 4090", r"\bRTX 4090\b", 24, 165.2e12),  # "NVIDIA GeForce RTX 4090"
+    GPU("RTX 3090", r"\bRTX 3090\b", 24, 71e12),
+)
+
+
+def peak_flops(device_name, multiprocessors=None):
+    """
+    Peak dense bf16 FLOP/s of a GPU from its torch.cuda.get_device_name(); None for one not in GPUS.
+    A MIG slice gets the whole GPU's peak times its share of the streaming multiprocessors: multiprocessors is the
+    slice's own count (torch.cuda.get_device_properties(device).multi_processor_count); None without it.
+    """
+    gpu = next((gpu for gpu in GPUS if re.search(gpu.pattern, device_name)), None)
+    if gpu is None or not re.search(r"\bMIG\b", device_name):
+        return None if gpu is None else gpu.flops
+    whole = gpu.multiprocessors
+    return gpu.flops * multiprocessors / whole if whole and multiprocessors else None
+
 
 # -----------------------------------------------------------------------------
 # Processes
@@ -211,6 +374,8 @@ def parallelize(model, cfg, rt, task):
         # fixed shapes (windows): graphs specialised to them; pairs and conversations vary in length: one dynamic graph
         how = dict(dynamic=None if task.varying else False, regions=cfg.compile_regions)
         how["mode"] = "reduce-overhead" if cfg.cuda_graphs else None
+        from compiling import CompiledModel, compile_model  # imported here: compile is off on CPUs by default
+
         step = compile_model(step, task, cfg.batch_size, cfg.block_size, rt, **how)
         if isinstance(step, CompiledModel):
             # evaluation stays outside DDP and measures the average if there is one: compiled apart, unless it is
@@ -229,6 +394,10 @@ def shard_model(model, rt, seed, mesh=None):
     autocast: weights gathered in rt.dtype for the forward and backward, gradients reduced in float32, the sharded
     weights and AdamW's state kept in float32. mesh: the ranks' DeviceMesh; None: a new one over all of them.
     """
+    # imported here: only FSDP runs shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     if mesh is None:
         mesh = init_device_mesh(rt.device.type, (rt.world_size,))
     policy = MixedPrecisionPolicy()  # float32: no casts
@@ -268,92 +437,3 @@ def gradient_sync(models, enabled):
     if models.ddp is not None and not enabled:
         return models.ddp.no_sync()
     return contextlib.nullcontext()
-
-
-# -----------------------------------------------------------------------------
-# Compilation
-
-
-class CompiledModel(nn.Module):
-    """
-    torch.compile(module), falling back to the eager module with one warning if a compilation fails, whenever it
-    happens: at the first call or at a later recompilation (evaluation mode, say). A backward graph is compiled at
-    its first use, in loss.backward(): train.accumulate_gradients turns a failure there into a one-line error.
-    regions: compile each Block and the loss instead of the whole model (compile_regions); mode: torch.compile's,
-    "reduce-overhead" for CUDA graphs.
-    """
-
-    def __init__(self, module, dynamic=None, regions=False, mode=None):
-        super().__init__()
-        self.module, self.failed = module, False  # the eager module is kept for the fallback; both share parameters
-        if regions:
-            compile_regions(module, dynamic=dynamic, mode=mode)
-            self.compiled = module  # the glue between the regions (embeddings, the final norm) runs eagerly
-        else:
-            self.compiled = torch.compile(module, dynamic=dynamic, mode=mode)
-
-    def forward(self, *args, **kwargs):
-        if not self.failed:
-            try:
-                return self.compiled(*args, **kwargs)
-            except torch._dynamo.exc.TorchDynamoException as e:  # what compilation raises, not the model's errors
-                self.fall_back(e)
-        return self.module(*args, **kwargs)
-
-    def fall_back(self, error):
-        self.failed = True
-        compile_regions(self.module, enabled=False)  # a no-op unless the regions were compiled
-        log(f"warning: torch.compile failed ({type(error).__name__}: {one_line(error)}); going on without it")
-
-
-def compile_regions(module, enabled=True, **options):
-    """
-    Regional compilation: torch.compile each Block of module (a model, or DDP around one) and its loss, in place, or
-    with enabled=False undo that. The blocks share their code, so one graph serves them all: compiled once instead of
-    n_layer times over, which shortens the wait for the first step, for the same kernels within each block.
-    """
-    model = module.module if isinstance(module, DDP) else module
-    for block in model.modules():
-        if isinstance(block, Block):
-            if enabled:
-                block.compile(**options)
-            else:
-                block._compiled_call_impl = None  # what nn.Module.compile set: calls go to the eager forward again
-    if enabled:  # the head's matmul, soft-cap and cross-entropy fused, as whole-model compilation fuses them
-        model.chunk_loss = torch.compile(model.chunk_loss, **options)
-    else:
-        model.__dict__.pop("chunk_loss", None)  # the method again
-
-
-def compile_model(model, task, batch_size, block_size, rt, dynamic=None, regions=False, mode=None):
-    """
-    CompiledModel(model), tried on one forward and backward pass of the task's example batch with the training
-    step's exact call (the backward is compiled at its first call); if that fails, one warning and the eager model,
-    on every rank if it failed on any. Running out of memory or a failed collective is no compile failure: it is
-    raised. Under FSDP a backward that fails to compile leaves the ranks' gathers of weights half done: one line, no
-    fallback.
-    """
-    compiled = CompiledModel(model, dynamic, regions, mode)
-    inputs, targets = task.to_device(*task.example_batch(batch_size, block_size), rt.device)
-    # DDP's no_sync: the trial's backward exchanges nothing, so a rank whose backward fails to compile leaves no
-    # other rank waiting in an all-reduce, and all can agree below
-    no_sync = model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()
-    try:
-        # the trial leaves every random generator as it was, so compiling does not change the run
-        with torch.random.fork_rng(devices=[rt.device.index] if rt.device.type == "cuda" else []), no_sync:
-            with rt.autocast():
-                # the training step's exact call, so that training reuses this graph instead of compiling another
-                loss = task.loss(compiled, inputs, targets)
-            loss.backward()
-    except (torch.OutOfMemoryError, dist.DistError):
-        raise
-    except Exception as e:  # a missing C compiler, an unsupported operator, ...: all mean eager mode
-        if rt.fsdp:  # a forward's failure falls back inside CompiledModel: this one is a backward's
-            raise ConfigError(f"torch.compile failed in a backward ({one_line(e)}); run with --compile=false") from None
-        compiled.fall_back(e)
-    # every rank must run the same graphs, or their collectives would not pair: one rank's failure is everyone's
-    if rt.world_size > 1 and all_reduce([compiled.failed], rt).item() and not compiled.failed:
-        compiled.fall_back(RuntimeError("it failed on another rank"))
-    # the trial's gradients must not add to the first real step's
-    model.zero_grad(set_to_none=True)
-    return model if compiled.failed else compiled

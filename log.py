@@ -1,11 +1,13 @@
 """
-What a run reports while it trains: a progress line every log_interval steps (loss, learning rate, gradient norm,
-ms/iter, tokens/s, MFU on known GPUs, time left) and TensorBoard (and W&B) scalars; at the end each rank's memory.
-Step losses stay on the device until a progress line or an evaluation reads them back.
+What the scripts say. Every script: log, a line printed on rank 0 alone, and one_line, an error shortened to the one
+line an error report quotes. A training run, while it trains: a progress line every log_interval steps (loss,
+learning rate, gradient norm, ms/iter, tokens/s, MFU on known GPUs, time left) and TensorBoard (and W&B) scalars;
+at the end each rank's memory. Step losses stay on the device until a progress line or an evaluation reads them back.
 """
 
 import contextlib
 import math
+import os
 import re
 import sys
 import time
@@ -16,7 +18,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from config import ConfigError, log
+from config import ConfigError
+
+
+def log(message):
+    """Print on rank 0 only (torchrun sets RANK); flushed so piped logs stay current."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, flush=True)
+
+
+def one_line(error):
+    """The first line of an error's message (at most 300 characters), for one-line error reports."""
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else type(error).__name__
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The synthetic seq2seq tasks: what a source looks like, how one is drawn, and its one right answer.
+"""The synthetic datasets, drawn rather than downloaded, each question with one right answer: the seq2seq puzzles
+(what a source looks like, how one is drawn, its answer) and the Shakespeare quiz of the chat demo.
 
 reverse and sort take a string of digits and lowercase letters; num2words takes a whole number written in
 digits and answers in English words (1234 -> one thousand two hundred thirty-four). solve() gives the answer:

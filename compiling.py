@@ -1,0 +1,102 @@
+"""
+Compilation: torch.compile applied to a training run's model, whole or block by block (regional), falling back to
+the eager model with one warning where compiling fails. runtime.parallelize applies it, after FSDP or DDP; a run
+without compile never imports this file.
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from config import ConfigError
+from log import log, one_line
+from model import Block
+from runtime import all_reduce
+
+
+class CompiledModel(nn.Module):
+    """
+    torch.compile(module), falling back to the eager module with one warning if a compilation fails, whenever it
+    happens: at the first call or at a later recompilation (evaluation mode, say). A backward graph is compiled at
+    its first use, in loss.backward(): train.backward turns a failure there into a one-line error.
+    regions: compile each Block and the loss instead of the whole model (compile_regions); mode: torch.compile's,
+    "reduce-overhead" for CUDA graphs.
+    """
+
+    def __init__(self, module, dynamic=None, regions=False, mode=None):
+        super().__init__()
+        self.module, self.failed = module, False  # the eager module is kept for the fallback; both share parameters
+        if regions:
+            compile_regions(module, dynamic=dynamic, mode=mode)
+            self.compiled = module  # the glue between the regions (embeddings, the final norm) runs eagerly
+        else:
+            self.compiled = torch.compile(module, dynamic=dynamic, mode=mode)
+
+    def forward(self, *args, **kwargs):
+        if not self.failed:
+            try:
+                return self.compiled(*args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as e:  # what compilation raises, not the model's errors
+                self.fall_back(e)
+        return self.module(*args, **kwargs)
+
+    def fall_back(self, error):
+        self.failed = True
+        compile_regions(self.module, enabled=False)  # a no-op unless the regions were compiled
+        log(f"warning: torch.compile failed ({type(error).__name__}: {one_line(error)}); going on without it")
+
+
+def compile_regions(module, enabled=True, **options):
+    """
+    Regional compilation: torch.compile each Block of module (a model, or DDP around one) and its loss, in place, or
+    with enabled=False undo that. The blocks share their code, so one graph serves them all: compiled once instead of
+    n_layer times over, which shortens the wait for the first step, for the same kernels within each block.
+    """
+    model = module.module if isinstance(module, DDP) else module
+    for block in model.modules():
+        if isinstance(block, Block):
+            if enabled:
+                block.compile(**options)
+            else:
+                block._compiled_call_impl = None  # what nn.Module.compile set: calls go to the eager forward again
+    if enabled:  # the head's matmul, soft-cap and cross-entropy fused, as whole-model compilation fuses them
+        model.chunk_loss = torch.compile(model.chunk_loss, **options)
+    else:
+        model.__dict__.pop("chunk_loss", None)  # the method again
+
+
+def compile_model(model, task, batch_size, block_size, rt, dynamic=None, regions=False, mode=None):
+    """
+    CompiledModel(model), tried on one forward and backward pass of the task's example batch with the training
+    step's exact call (the backward is compiled at its first call); if that fails, one warning and the eager model,
+    on every rank if it failed on any. Running out of memory or a failed collective is no compile failure: it is
+    raised. Under FSDP a backward that fails to compile leaves the ranks' gathers of weights half done: one line, no
+    fallback.
+    """
+    compiled = CompiledModel(model, dynamic, regions, mode)
+    inputs, targets = task.to_device(*task.example_batch(batch_size, block_size), rt.device)
+    # DDP's no_sync: the trial's backward exchanges nothing, so a rank whose backward fails to compile leaves no
+    # other rank waiting in an all-reduce, and all can agree below
+    no_sync = model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()
+    try:
+        # the trial leaves every random generator as it was, so compiling does not change the run
+        with torch.random.fork_rng(devices=[rt.device.index] if rt.device.type == "cuda" else []), no_sync:
+            with rt.autocast():
+                # the training step's exact call, so that training reuses this graph instead of compiling another
+                loss = task.loss(compiled, inputs, targets)
+            loss.backward()
+    except (torch.OutOfMemoryError, dist.DistError):
+        raise
+    except Exception as e:  # a missing C compiler, an unsupported operator, ...: all mean eager mode
+        if rt.fsdp:  # a forward's failure falls back inside CompiledModel: this one is a backward's
+            raise ConfigError(f"torch.compile failed in a backward ({one_line(e)}); run with --compile=false") from None
+        compiled.fall_back(e)
+    # every rank must run the same graphs, or their collectives would not pair: one rank's failure is everyone's
+    if rt.world_size > 1 and all_reduce([compiled.failed], rt).item() and not compiled.failed:
+        compiled.fall_back(RuntimeError("it failed on another rank"))
+    # the trial's gradients must not add to the first real step's
+    model.zero_grad(set_to_none=True)
+    return model if compiled.failed else compiled
