@@ -350,13 +350,11 @@ def bench_sampling(cfg, out_dir):
         cached += sampling_speed(*args, use_cache=True, batched=True, repeats=1, dtype=dtype)
         uncached += sampling_speed(*args, use_cache=False, batched=False, repeats=1, dtype=dtype)
     what = f"{cfg.samples} x {cfg.sample_tokens} tokens"
+    speedups = [c / u for c, u in zip(cached, uncached)]
     return [
         (f"sampling tokens/s, KV cache, batched ({what})", summary(cached, "{:,.0f}")),
         (f"sampling tokens/s, no cache, one at a time ({what})", summary(uncached, "{:,.0f}")),
-        (
-            "sampling speedup (each cached run over the uncached run after it)",
-            summary([c / u for c, u in zip(cached, uncached)], "{:.1f}x"),
-        ),
+        ("sampling speedup (each cached run over the uncached run after it)", summary(speedups, "{:.1f}x")),
     ]
 
 
@@ -821,9 +819,8 @@ def main(cfg):
         if "train" in parts:
             header, rows = training_table(cfg, work)
             if "sample" in parts and not cfg.out_dir:  # each config's last run's checkpoint, still in work
-                by_config = [
-                    bench_sampling(cfg, work / f"config{i}-run{cfg.runs - 1}") for i in range(len(cfg.configs))
-                ]
+                folders = [work / f"config{i}-run{cfg.runs - 1}" for i in range(len(cfg.configs))]
+                by_config = [bench_sampling(cfg, folder) for folder in folders]
                 rows += [(name, [rs[j][1] for rs in by_config]) for j, (name, _) in enumerate(by_config[0])]
             show((header, rows))
         if "sample" in parts and cfg.out_dir:  # one given checkpoint: a table of its own
@@ -910,9 +907,8 @@ def wait_for_server(url, proc, log, timeout=120):
 def stream_completion(url, max_tokens, seed):
     """One streamed completion of max_tokens tokens: (seconds to its first text, seconds in all)."""
     body = {"prompt": "\n", "max_tokens": max_tokens, "temperature": 1.0, "seed": seed, "stream": True}
-    request = urllib.request.Request(
-        f"{url}/v1/completions", json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+    data = json.dumps(body).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", data, headers={"Content-Type": "application/json"})
     begin, first = time.perf_counter(), None
     with urllib.request.urlopen(request, timeout=600) as response:
         for line in response:  # server-sent events: 'data: {chunk}' lines, then 'data: [DONE]'

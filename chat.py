@@ -120,18 +120,12 @@ def with_chat_tokens(meta):
     and meta["chat"] = {"template": "builtin"}. Tokens the meta holds already keep their ids, so a chat model's
     meta comes back unchanged. The meta passed in is not modified.
     """
-    special, vocab_size = dict(meta["special_tokens"]), meta["vocab_size"]
+    special, vocab = dict(meta["special_tokens"]), meta["vocab_size"]
     for name in BUILTIN_TOKENS:
         if name not in special:
-            special[name] = vocab_size
-            vocab_size += 1
-    return {
-        **meta,
-        "kind": "chat",
-        "vocab_size": vocab_size,
-        "special_tokens": special,
-        "chat": {"template": "builtin"},
-    }
+            special[name] = vocab
+            vocab += 1
+    return {**meta, "kind": "chat", "vocab_size": vocab, "special_tokens": special, "chat": {"template": "builtin"}}
 
 
 def folder_chat(folder):

@@ -90,9 +90,7 @@ def set_rng_state(state, device):
 def all_finite(tensors):
     """A 0-d bool tensor: whether every floating tensor of the list is finite (integers always are)."""
     # one flag per tensor, stacked: the host waits for the GPU once, not once per tensor
-    return torch.stack(
-        [torch.isfinite(v).all() for v in tensors if v.is_floating_point()] or [torch.tensor(True)]
-    ).all()
+    return torch.stack([v.isfinite().all() for v in tensors if v.is_floating_point()] or [torch.tensor(True)]).all()
 
 
 def nonfinite_weights(iter_num):
@@ -544,14 +542,8 @@ def load_nanogpt(checkpoint, path):
 
     args = checkpoint["model_args"]
     # model_args as GPT2Config's settings: the same model, with exact GELU and (by default) the head tied
-    hf = {
-        "vocab_size": args["vocab_size"],
-        "n_positions": args["block_size"],
-        "n_layer": args["n_layer"],
-        "n_head": args["n_head"],
-        "n_embd": args["n_embd"],
-        "activation_function": "gelu",
-    }
+    hf = {"vocab_size": args["vocab_size"], "n_positions": args["block_size"], "activation_function": "gelu"}
+    hf |= {key: args[key] for key in ("n_layer", "n_head", "n_embd")}
     config = gpt2_model_config(hf, path, {"dropout": args.get("dropout", 0.0), "bias": args.get("bias", True)})
     # the causal-mask buffers of nanoGPT on PyTorch < 2 (".attn.bias", not c_attn's) are not weights
     state = {

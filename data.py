@@ -18,21 +18,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import tokens
 from config import ConfigError
 from log import log
 from model import IGNORE_INDEX
 from runtime import raise_if_any_failed
-from tokens import (
-    Conversations,
-    Pairs,
-    check_prepared,
-    dataset_dir,
-    is_prepared,
-    load_conversations,
-    load_pairs,
-    load_tokens,
-    token_byte_lengths,
-)
 
 # how long the other ranks of a torchrun job wait while one prepares the dataset
 PREPARE_TIMEOUT = timedelta(days=2)
@@ -81,13 +71,13 @@ class Task:
 
     def load_split(self, folder, split, block_size):
         """A split as batch() reads it: a memmap of token ids, its file staying on disk."""
-        tokens = load_tokens(folder / f"{split}.bin")
-        if len(tokens) <= block_size:  # a GPT's window is block_size + 1 tokens (inputs and targets)
+        ids = tokens.load_tokens(folder / f"{split}.bin")
+        if len(ids) <= block_size:  # a GPT's window is block_size + 1 tokens (inputs and targets)
             raise ConfigError(
-                f"{folder.name}'s {split} split has {len(tokens):,} tokens, too few for block_size={block_size}: "
-                f"use block_size <= {len(tokens) - 1}, or a dataset with a longer {split} split"
+                f"{folder.name}'s {split} split has {len(ids):,} tokens, too few for block_size={block_size}: "
+                f"use block_size <= {len(ids) - 1}, or a dataset with a longer {split} split"
             )
-        return tokens
+        return ids
 
     def batch(self, data, batch_size, block_size, generator):
         """One micro-batch of a split drawn with generator: (model inputs tuple, targets), int64 CPU tensors."""
@@ -143,11 +133,11 @@ class CausalLM(Task):
     @functools.cached_property
     def byte_lengths(self):
         """The UTF-8 bytes each id stands for (tokens.token_byte_lengths), read at the first evaluation."""
-        return token_byte_lengths(self.meta)
+        return tokens.token_byte_lengths(self.meta)
 
     def batch(self, data, batch_size, block_size, generator):
-        tokens = windows(data, batch_size, block_size + 1, generator)
-        return (tokens[:, :-1],), tokens[:, 1:]
+        window = windows(data, batch_size, block_size + 1, generator)
+        return (window[:, :-1],), window[:, 1:]
 
     def text_bytes(self, targets):
         return int(self.byte_lengths[targets[targets != IGNORE_INDEX].numpy()].sum())
@@ -179,11 +169,7 @@ class MaskedLM(Task):
         special = meta["special_tokens"]
         self.data_vocab = meta["vocab_size"] if data_vocab is None else data_vocab
         if "mask" not in special:
-            meta = {
-                **meta,
-                "vocab_size": meta["vocab_size"] + 1,
-                "special_tokens": {**special, "mask": self.data_vocab},
-            }
+            meta = {**meta, "vocab_size": meta["vocab_size"] + 1, "special_tokens": special | {"mask": self.data_vocab}}
         super().__init__(meta, label_smoothing=label_smoothing)
         self.mask_id, self.mask_prob = meta["special_tokens"]["mask"], mask_prob
 
@@ -201,8 +187,8 @@ class MaskedLM(Task):
     def evaluate(self, model, tokenizer, cfg, progress):
         import eval as evaluation
 
-        tokens, data = evaluation.lm_tokens(cfg, self.meta, tokenizer)
-        return evaluation.evaluate_masked(model, self.meta, tokens, data, cfg, progress)
+        ids, data = evaluation.lm_tokens(cfg, self.meta, tokenizer)
+        return evaluation.evaluate_masked(model, self.meta, ids, data, cfg, progress)
 
     def sample(self, model, tokenizer, text, cfg, out):
         import sample
@@ -227,10 +213,9 @@ class Seq2Seq(Task):
 
     def load_split(self, folder, split, block_size):
         """A PairSplit: the pairs, and those that fit block_size."""
-        pairs = load_pairs(folder, split)
-        return PairSplit(
-            pairs, usable_rows(fitting_pairs(pairs, block_size), len(pairs), f"{split} pair", folder, block_size)
-        )
+        pairs = tokens.load_pairs(folder, split)
+        usable = usable_rows(fitting_pairs(pairs, block_size), len(pairs), f"{split} pair", folder, block_size)
+        return PairSplit(pairs, usable)
 
     def batch(self, data, batch_size, block_size, generator):
         # random pairs among those that fit block_size (with replacement, like the windows)
@@ -285,7 +270,7 @@ class Chat(CausalLM):
 
     def load_split(self, folder, split, block_size):
         """A ChatSplit: the conversations that fit block_size + 1 ids, shortest first."""
-        conversations = load_conversations(folder, split)
+        conversations = tokens.load_conversations(folder, split)
         lengths = np.diff(conversations.index)
         # inputs and targets are a conversation's ids less one
         fits = np.flatnonzero(lengths <= block_size + 1)
@@ -432,7 +417,7 @@ def seq2seq_batch(pairs, rows, task):
 class PairSplit:
     """A split of pairs as Seq2Seq.batch reads it: its pairs, and the indices of those that fit block_size."""
 
-    pairs: Pairs
+    pairs: tokens.Pairs
     usable: np.ndarray
 
 
@@ -440,7 +425,7 @@ class PairSplit:
 class ChatSplit:
     """A chat split as Chat.batch reads it: its conversations, and those that fit block_size, shortest first."""
 
-    conversations: Conversations
+    conversations: tokens.Conversations
     # indices of the conversations that fit, by length; equal lengths in a fixed shuffled order, so that a file's
     # runs of one kind of conversation do not fill whole batches
     order: np.ndarray
@@ -503,9 +488,9 @@ def padding_fraction(split, batch_size):
 def prepared_dataset(name, data_dir, options):
     """The folder of dataset `name`, prepared first if missing or out of date; ConfigError says why it cannot be."""
     try:
-        folder = dataset_dir(name, data_dir)
+        folder = tokens.dataset_dir(name, data_dir)
         # prepare() keeps outputs that are up to date for these options: with none, an intact folder is enough
-        if not options and is_prepared(folder):
+        if not options and tokens.is_prepared(folder):
             return folder
         import prepare_data  # imported here: only data to prepare, or to explain, needs it
 
@@ -520,7 +505,7 @@ def prepared_dataset(name, data_dir, options):
                 raise ValueError(
                     f"not one of {', '.join(prepare_data.DATASETS)}, nor a folder in {folder.parent}{hint}"
                 )
-            check_prepared(folder)
+            tokens.check_prepared(folder)
         else:
             log(f"dataset {name}: preparing it in {folder.parent} unless up to date")
             folder = prepare_data.prepare(name, data_dir, **options)
@@ -560,10 +545,8 @@ def gpt_window(inputs, targets):
     if window is None or targets._base is not window or not window.is_contiguous():
         return None
     one_column_on = window.data_ptr() + window.element_size()
-    fits = window.shape == (targets.size(0), targets.size(1) + 1)
-    return (
-        window if fits and inputs[0].data_ptr() == window.data_ptr() and targets.data_ptr() == one_column_on else None
-    )
+    fits = window.shape == (targets.size(0), targets.size(1) + 1) and inputs[0].data_ptr() == window.data_ptr()
+    return window if fits and targets.data_ptr() == one_column_on else None
 
 
 def pinned(inputs, targets):

@@ -32,16 +32,8 @@ from data import TASKS, MaskedLM, Seq2Seq, chat_batch, fitting_pairs, make_task,
 from generate import decoded_pairs, decoded_replies, start_ids
 from model import IGNORE_INDEX
 from runtime import DTYPES, autocast, resolve_device, resolve_dtype
-from start import load_model
-from tokens import (
-    MIRROR_ENV,
-    dataset_dir,
-    load_conversations,
-    load_meta,
-    load_pairs,
-    load_tokens,
-    token_byte_lengths,
-)
+from start import load_configured
+from tokens import MIRROR_ENV, dataset_dir, load_conversations, load_meta, load_pairs, load_tokens, token_byte_lengths
 
 SPLITS = ("train", "val", "test")
 HELLASWAG_FILE = "hellaswag_val.jsonl"
@@ -205,16 +197,8 @@ def evaluate_lm(model, tokenizer, meta, cfg, progress):
     stride = cfg.stride or block
     if stride > block:
         raise ValueError(f"stride must be at most the model's block_size={block}, got {stride}")
-    counts = lm_loss(
-        model,
-        tokens,
-        token_byte_lengths(meta),
-        block_size=block,
-        stride=stride,
-        batch_size=cfg.batch_size,
-        limit=cfg.limit,
-        progress=progress,
-    )
+    windows = {"block_size": block, "stride": stride, "batch_size": cfg.batch_size, "limit": cfg.limit}
+    counts = lm_loss(model, tokens, token_byte_lengths(meta), progress=progress, **windows)
     loss = counts["nats"] / counts["tokens"]
     return {
         "data": data,
@@ -293,15 +277,8 @@ def evaluate_seq2seq(model, meta, cfg, progress):
         _, loss = model(src.to(device), tgt_in.to(device), targets.to(device), reduction="sum", return_logits=False)
         nats += loss.item()
         n_targets += int((targets != IGNORE_INDEX).sum())
-    outputs = decoded_pairs(
-        model,
-        batches,
-        task.bos_id,
-        task.eos_id,
-        max_len=block,
-        beam_size=cfg.beam_size,
-        length_penalty=cfg.length_penalty,
-    )
+    beams = {"beam_size": cfg.beam_size, "length_penalty": cfg.length_penalty}
+    outputs = decoded_pairs(model, batches, task.bos_id, task.eos_id, max_len=block, **beams)
     exact, correct, n_reference = 0, 0, 0
     for output, reference in tqdm(outputs, total=len(rows), unit="pair", file=sys.stderr, disable=not progress):
         exact += output == reference
@@ -581,14 +558,7 @@ def main(cfg, out=None):
     # the HellaSwag file is read and checked before the slow model load, so that a wrong one fails at once
     path = hellaswag_path(cfg.input) if cfg.task == "hellaswag" else None
     items = read_hellaswag(path) if path else None
-    model, tokenizer, meta, trained = load_model(
-        cfg.init_from,
-        out_dir=cfg.out_dir,
-        checkpoint=cfg.checkpoint,
-        dataset=cfg.dataset,
-        device=device,
-        compile=cfg.compile,
-    )
+    model, tokenizer, meta, trained = load_configured(cfg, device)
     task = eval_task(cfg, make_task(trained, model.config.arch, meta))
     progress = sys.stderr.isatty() if cfg.progress is None else cfg.progress
     source = cfg.init_from if cfg.init_from != "resume" else str(run_checkpoint(cfg.out_dir, cfg.checkpoint))

@@ -89,11 +89,9 @@ class Progress:
         self.pending.append((iter_num, step.loss))
         self.skipped += step.skipped
         window = self.window
-        window.steps, window.tokens, window.flops = (
-            window.steps + 1,
-            window.tokens + step.tokens,
-            window.flops + step.flops,
-        )
+        window.steps += 1
+        window.tokens += step.tokens
+        window.flops += step.flops
         if iter_num % self.log_interval == 0:
             self.read()  # waits for the device: the window's time is real
             self.log_line(iter_num, step)

@@ -144,11 +144,8 @@ def adapter_state(model):
     # imported here: a model in one process never needs torch.distributed.tensor (half a second of sample.py's start)
     from torch.distributed.tensor import DTensor
 
-    return {
-        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
+    trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for name, p in trained.items()}
 
 
 def load_adapters(model, tensors):
@@ -178,22 +175,18 @@ def merge(model):
             elif isinstance(child, (RowsEmbedding, RowsHead)) and id(child.row_delta) not in merged:
                 child.weight[child.rows] += child.row_delta
                 merged.add(id(child.row_delta))
+            # the plain module back, holding the same weight (and bias) Parameters
             if isinstance(child, (LoRALinear, RowsHead)):
-                setattr(parent, name, plain_linear(child))
+                with torch.device("meta"):
+                    plain = nn.Linear(child.in_features, child.out_features, bias=False)
+                plain.weight, plain.bias = child.weight, child.bias
+                setattr(parent, name, plain)
             elif isinstance(child, RowsEmbedding):
                 with torch.device("meta"):
-                    embedding = nn.Embedding(child.num_embeddings, child.embedding_dim)
-                embedding.weight = child.weight
-                setattr(parent, name, embedding)
+                    plain = nn.Embedding(child.num_embeddings, child.embedding_dim)
+                plain.weight = child.weight
+                setattr(parent, name, plain)
     return model.requires_grad_(True)
-
-
-def plain_linear(linear):
-    """An nn.Linear holding linear's weight and bias Parameters themselves."""
-    with torch.device("meta"):
-        plain = nn.Linear(linear.in_features, linear.out_features, bias=False)
-    plain.weight, plain.bias = linear.weight, linear.bias
-    return plain
 
 
 def fingerprint(model):

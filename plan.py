@@ -45,23 +45,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import hf
 import prepare_data
+import runtime
 import tokens
 from checkpoint import is_checkpoint, load_checkpoint
 from config import ConfigError
 from data import Task, count_targets, prepared_dataset
 from log import local_bytes, one_line, resident_peak, state_bytes
 from model import LOSS_CHUNK_BYTES, ModelConfig, build_model, loss_chunk_cap
-from runtime import (
-    GPUS,
-    Models,
-    Runtime,
-    check_cuda_graphs,
-    peak_flops,
-    pick_threads,
-    resolve_dtype,
-    shard_model,
-    split_accumulation,
-)
 from start import task_of
 
 # the MFU a plan times GPU steps at, measured with bench.py --parts=gpu (docs/performance.md#gpus): configs/gpt2.py's
@@ -95,15 +85,16 @@ def find_target(name, mfu, ranks):
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         if name != "cpu":
             props, bf16 = torch.cuda.get_device_properties(0), torch.cuda.is_bf16_supported(including_emulation=False)
-            return gpu_target(name, props.total_memory, peak_flops(name, props.multi_processor_count), mfu, bf16)
+            peak = runtime.peak_flops(name, props.multi_processor_count)
+            return gpu_target(name, props.total_memory, peak, mfu, bf16)
     if name.lower() == "cpu":
         # this CPU's float32 matmul rate with the threads each of the ranks would get
-        threads = pick_threads(0, ranks)[0]
+        threads = runtime.pick_threads(0, ranks)[0]
         measured = cpu_matmul_flops(threads)
         source = f"the quick start's, of matmuls measured now on {threads} thread(s)"
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
         return Target("cpu", memory, measured, mfu or CPU_MFU, "given" if mfu else source, gpu=False)
-    gpu = next((gpu for gpu in GPUS if squeeze(gpu.name) == squeeze(name)), None)
+    gpu = next((gpu for gpu in runtime.GPUS if squeeze(gpu.name) == squeeze(name)), None)
     if gpu is None:
         raise ConfigError(f"plan_device={name!r} is not a device plans know; use cpu or one of {gpu_names()}")
     return gpu_target(gpu.name, gpu.memory_gib * 2**30, gpu.flops, mfu, gpu.bf16)
@@ -111,7 +102,7 @@ def find_target(name, mfu, ranks):
 
 def gpu_names():
     """The GPUs plans know, for a message."""
-    return ", ".join(gpu.name for gpu in GPUS)
+    return ", ".join(gpu.name for gpu in runtime.GPUS)
 
 
 def squeeze(name):
@@ -126,7 +117,7 @@ def gpu_target(name, memory, flops, mfu, bf16=True):
     if mfu:
         return Target(name, memory, flops, mfu, "given", gpu=True, bf16=bf16)
     # the GPUS name this device's begins with, the longest ('NVIDIA H100 80GB HBM3' is an H100, 'H100 PCIe' its own)
-    known = [gpu.name for gpu in GPUS if squeeze(name).startswith(squeeze(gpu.name))]
+    known = [gpu.name for gpu in runtime.GPUS if squeeze(name).startswith(squeeze(gpu.name))]
     key = max(known, key=len, default=None)
     if key in MEASURED_MFU:
         return Target(name, memory, flops, MEASURED_MFU[key], f"measured on an {key}", gpu=True, bf16=bf16)
@@ -276,9 +267,9 @@ def trace_step(cfg, rt, config, task, batch_size, per_rank, target, train):
         model.set_activation_checkpointing(cfg.activation_checkpointing)
         average = None
         if rt.fsdp:
-            shard_model(model, rt, cfg.seed, mesh)
+            runtime.shard_model(model, rt, cfg.seed, mesh)
             if cfg.ema_decay:
-                average = shard_model(build_model(config), rt, cfg.seed, mesh).requires_grad_(False)
+                average = runtime.shard_model(build_model(config), rt, cfg.seed, mesh).requires_grad_(False)
         elif cfg.ema_decay:
             average = build_model(config).requires_grad_(False)
         optimizers, _ = train.make_optimizers(model, cfg, rt)
@@ -289,7 +280,7 @@ def trace_step(cfg, rt, config, task, batch_size, per_rank, target, train):
             tracker.track_external(model, *optimizers.values())
         if average is not None:
             tracker.track_external(average)
-        models = Models(model, model)
+        models = runtime.Models(model, model)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         vocab = VocabTensors(config.vocab_size)
         # a FlopCounterMode starts from 0 each time it is entered: its count is added up after each use
@@ -376,8 +367,9 @@ def make_plan(cfg, train):
             "--plan does not trace lora_rank: PyTorch's MemTracker hooks every weight's gradient, which frozen "
             "weights refuse; plan with --lora_rank=0, whose every-weight fine-tune bounds LoRA's memory from above"
         )
-    per_rank = split_accumulation(cfg.gradient_accumulation_steps, ranks)  # one line if plan_ranks does not divide
-    check_cuda_graphs(cfg, ranks)  # as train.py refuses it on so many ranks
+    # one line if plan_ranks does not divide
+    per_rank = runtime.split_accumulation(cfg.gradient_accumulation_steps, ranks)
+    runtime.check_cuda_graphs(cfg, ranks)  # as train.py refuses it on so many ranks
     target = find_target(cfg.plan_device, cfg.plan_mfu, ranks)
     dtype = planned_dtype(cfg, target)
     fsdp = cfg.fsdp and ranks > 1
@@ -388,7 +380,7 @@ def make_plan(cfg, train):
     # the second step runs two micro-batches (if it has two): the second adds to the first's gradients
     def trace(rank, batch_size, activation_checkpointing=cfg.activation_checkpointing):
         run = replace(cfg, activation_checkpointing=activation_checkpointing)
-        rt = Runtime(rank, rank, ranks, torch.device("cpu"), dtype, fsdp=fsdp)
+        rt = runtime.Runtime(rank, rank, ranks, torch.device("cpu"), dtype, fsdp=fsdp)
         # a GPU's bfloat16 traced in a CPU's autocast, whose kernels warn of what they would not fuse there
         with fake_group(rank, ranks), warnings.catch_warnings(action="ignore", category=UserWarning):
             return trace_step(run, rt, config, task, batch_size, min(per_rank, 2), target, train)
@@ -421,7 +413,7 @@ def print_plan(p):
 
 def planned_dtype(cfg, target):
     """The dtype the run computes in on the target: runtime.resolve_dtype's choice there, and FSDP's refusal."""
-    dtype = resolve_dtype(
+    dtype = runtime.resolve_dtype(
         cfg.dtype, torch.device("cuda" if target.gpu else "cpu"), native_bf16=target.bf16, gpu=target.name
     )
     if dtype == torch.float16 and cfg.fsdp and cfg.plan_ranks > 1:

@@ -369,7 +369,6 @@ def parallelize(model, cfg, rt, task):
             ddp = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, **no_sync)
     average = average_model(model, rt, cfg.seed) if cfg.ema_decay else None
     step, evaluated = ddp or model, model if average is None else average
-    eval_model = evaluated
     if cfg.compile or cfg.compile is None and rt.device.type == "cuda":
         # fixed shapes (windows): graphs specialised to them; pairs and conversations vary in length: one dynamic graph
         how = dict(dynamic=None if task.varying else False, regions=cfg.compile_regions)
@@ -380,8 +379,8 @@ def parallelize(model, cfg, rt, task):
         if isinstance(step, CompiledModel):
             # evaluation stays outside DDP and measures the average if there is one: compiled apart, unless it is
             # exactly what a step calls
-            eval_model = step if step.module is evaluated else CompiledModel(evaluated, **how)
-    return Models(model, step, ddp, average, eval_model)
+            evaluated = step if step.module is evaluated else CompiledModel(evaluated, **how)
+    return Models(model, step, ddp, average, evaluated)
 
 
 def shard_model(model, rt, seed, mesh=None):

@@ -23,17 +23,9 @@ import torch
 from chat import model_format
 from config import parse_config
 from data import TASKS, make_task
-from generate import (
-    ChatSession,
-    check_sampling_args,
-    end_of_text,
-    generate_stream,
-    prompt_start,
-    translate,
-    until_stop,
-)
+from generate import ChatSession, check_sampling_args, end_of_text, generate_stream, prompt_start, translate, until_stop
 from runtime import DTYPES, autocast, resolve_device, resolve_dtype
-from start import load_model
+from start import load_configured
 from synthetic import solve
 
 MASK = "[MASK]"  # what the encoder's prompt writes where a token is to be filled in
@@ -168,26 +160,15 @@ def sample_gpt(model, prompt, cfg, stop_token, generator, vocab_size):
     device = next(model.parameters()).device
     # (num_samples, T): the same prompt in every row; the rows diverge as they sample
     idx = torch.tensor([prompt] * cfg.num_samples, dtype=torch.long, device=device)
+    options = {"stop_token": stop_token, "generator": generator, "use_cache": cfg.use_cache, "vocab_size": vocab_size}
     # a generator: nothing runs until the caller iterates, then one forward pass per step
-    return generate_stream(
-        model,
-        idx,
-        cfg.max_new_tokens,
-        cfg.temperature,
-        cfg.top_k,
-        cfg.top_p,
-        stop_token=stop_token,
-        generator=generator,
-        use_cache=cfg.use_cache,
-        vocab_size=vocab_size,
-    )
+    return generate_stream(model, idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, **options)
 
 
 def print_stream(steps, shown, tokenizer, stop_token, out):
     """Print one sample as its (1, 1) steps arrive, up to stop_token; returns its new ids. See print_tokens."""
-    return print_tokens(
-        itertools.takewhile(lambda t: t != stop_token, (s[0, 0].item() for s in steps)), shown, tokenizer, out
-    )
+    tokens = itertools.takewhile(lambda t: t != stop_token, (s[0, 0].item() for s in steps))
+    return print_tokens(tokens, shown, tokenizer, out)
 
 
 def print_tokens(tokens, shown, tokenizer, out):
@@ -223,18 +204,11 @@ def chat(model, tokenizer, meta, cfg, out):
     GPT: a conversation in the terminal, each reply streamed as it comes and the KV cache kept from turn to turn;
     with --start, the reply to that one message.
     """
-    session = ChatSession(
-        model,
-        model_format(meta, cfg.init_from),
-        system=cfg.system,
-        max_new_tokens=cfg.max_new_tokens,
-        vocab_size=tokenizer.vocab_size,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
-        # seeded, on the model's device: the same seed and messages give the same replies
-        generator=torch.Generator(next(model.parameters()).device).manual_seed(cfg.seed),
-    )
+    # seeded, on the model's device: the same seed and messages give the same replies
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(cfg.seed)
+    sampling = {"temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p, "generator": generator}
+    limits = {"max_new_tokens": cfg.max_new_tokens, "vocab_size": tokenizer.vocab_size}
+    session = ChatSession(model, model_format(meta, cfg.init_from), system=cfg.system, **limits, **sampling)
     if cfg.start:
         return answer(session, read_prompt(cfg.start), tokenizer, out)
     print(CHAT_HELP, file=sys.stderr)
@@ -296,15 +270,9 @@ def show_translation(model, tokenizer, meta, text, cfg, out):
         raise ValueError(f"the source has {len(src)} tokens, more than the model's block_size={block}")
     expected = solve(meta["task"], text) if meta.get("task") else None  # first: it rejects sources the task cannot take
     special = meta["special_tokens"]
-    ids = translate(
-        model,
-        torch.tensor([src], dtype=torch.long, device=next(model.parameters()).device),
-        min(cfg.max_new_tokens, block),
-        special["bos"],
-        special["eos"],
-        beam_size=cfg.beam_size,
-        length_penalty=cfg.length_penalty,
-    )
+    source = torch.tensor([src], dtype=torch.long, device=next(model.parameters()).device)
+    beams = {"beam_size": cfg.beam_size, "length_penalty": cfg.length_penalty}
+    ids = translate(model, source, min(cfg.max_new_tokens, block), special["bos"], special["eos"], **beams)
     # (1, L) for the one source, without bos; eos and the padding after it are cut off
     output = until_stop(ids[0].tolist(), special["eos"])
     answer = tokenizer.decode(output)
@@ -464,14 +432,7 @@ def main(cfg, out=None):
     text = read_prompt(cfg.start)
     if cfg.chat and cfg.attention:
         raise ValueError("--attention draws one prompt's maps: drop it with --chat")
-    model, tokenizer, meta, task = load_model(
-        cfg.init_from,
-        out_dir=cfg.out_dir,
-        checkpoint=cfg.checkpoint,
-        dataset=cfg.dataset,
-        device=device,
-        compile=cfg.compile,
-    )
+    model, tokenizer, meta, task = load_configured(cfg, device)
     # needs the model's task, known only once it is loaded
     task = make_task(task, model.config.arch, meta)
     check_options(cfg, task)

@@ -46,7 +46,7 @@ from config import ConfigError, parse_config
 from generate import check_sampling_args, end_of_text, generate_stream, prompt_start, reply_tokens
 from log import one_line
 from runtime import DTYPES, autocast, resolve_device, resolve_dtype
-from start import load_model
+from start import load_configured
 
 PAGE = Path(__file__).resolve().parent / "serve.html"  # the chat page, one self-contained file
 API_KEY_VARIABLE = "NANOFORMER_API_KEY"  # the key, when --api_key is not given (a command line shows in `ps`)
@@ -154,23 +154,18 @@ class Engine:
                     active.remove(job)
 
 
-def completion_steps(model, prompt, n, max_tokens, sampling, *, stop, generator, vocab_size):
+def completion_steps(model, prompt, n, max_tokens, sampling, *, stop, generator, vocab):
     """n continuations of prompt (ids) in one batch, as sample.py draws them: a list of n ids per step."""
     idx = torch.tensor([prompt] * n, dtype=torch.long, device=next(model.parameters()).device)
-    steps = generate_stream(
-        model, idx, max_tokens, **sampling, stop_token=stop, generator=generator, vocab_size=vocab_size
-    )
+    steps = generate_stream(model, idx, max_tokens, **sampling, stop_token=stop, generator=generator, vocab_size=vocab)
     for step in steps:  # (n, 1)
         yield step[:, 0].tolist()
 
 
-def reply_steps(model, prompt, max_tokens, sampling, *, end_of_turn, generator, vocab_size):
+def reply_steps(model, prompt, max_tokens, sampling, *, end_of_turn, generator, vocab):
     """A chat reply to the rendered prompt, as sample.py --chat decodes it: [id] per step, through end-of-turn."""
-    steps = reply_tokens(
-        model, model.new_cache(), prompt, max_tokens, set(end_of_turn), **sampling, generator=generator,
-        vocab_size=vocab_size,
-    )  # fmt: skip
-    for token in steps:
+    cache, end = model.new_cache(), set(end_of_turn)
+    for token in reply_tokens(model, cache, prompt, max_tokens, end, **sampling, generator=generator, vocab_size=vocab):
         yield [token]
 
 
@@ -439,6 +434,7 @@ def make_app(served, *, api_key="", max_body=1_000_000):
     """The FastAPI app that serves `served`; its engine thread runs while the app does."""
     engine = Engine(served.device, served.dtype)
     model, tokenizer, block = served.model, served.tokenizer, served.model.config.block_size
+    vocab = tokenizer.vocab_size  # ids are drawn below it: a padded embedding has rows that the tokenizer lacks
     created = int(time.time())
 
     async def lifespan(app):
@@ -493,23 +489,12 @@ def make_app(served, *, api_key="", max_body=1_000_000):
         prompts = completion_prompts(body.prompt, served)
         max_tokens = fitted_max_tokens(body.max_tokens, max(len(ids) for ids, _ in prompts), block, "prompt")
         sampling, stops, stop = body.sampling(), body.stops(), end_of_text(served.meta)
+        end = [] if stop is None else [stop]
         plans = []  # prompt p's n samples: one batch, as sample.py --num_samples=n draws them; choices p * n + j
         for p, ((ids, shown), generator) in enumerate(zip(prompts, body.generators(served.device, len(prompts)))):
-            rows = [
-                Choice(
-                    p * body.n + j, tokenizer.decode, shown=shown, end=[stop] if stop is not None else [], stops=stops
-                )
-                for j in range(body.n)
-            ]
+            rows = [Choice(p * body.n + j, tokenizer.decode, shown=shown, end=end, stops=stops) for j in range(body.n)]
             steps = completion_steps(
-                model,
-                ids,
-                body.n,
-                max_tokens,
-                sampling,
-                stop=stop,
-                generator=generator,
-                vocab_size=tokenizer.vocab_size,
+                model, ids, body.n, max_tokens, sampling, stop=stop, generator=generator, vocab=vocab
             )
             plans.append((steps, rows))
         choices = [choice for _, rows in plans for choice in rows]
@@ -568,15 +553,7 @@ def make_app(served, *, api_key="", max_body=1_000_000):
         sampling, stops, end = body.sampling(), body.stops(), served.chat.end_of_turn
         plans = []  # each of the n replies decoded on its own, with seed + j: reply 0 is what n=1 gives
         for j, generator in enumerate(body.generators(served.device, body.n)):
-            steps = reply_steps(
-                model,
-                prompt,
-                max_tokens,
-                sampling,
-                end_of_turn=end,
-                generator=generator,
-                vocab_size=tokenizer.vocab_size,
-            )
+            steps = reply_steps(model, prompt, max_tokens, sampling, end_of_turn=end, generator=generator, vocab=vocab)
             plans.append((steps, [Choice(j, tokenizer.decode, end=end, stops=stops)]))
         choices = [rows[0] for _, rows in plans]
         head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": served.name}
@@ -600,16 +577,12 @@ def make_app(served, *, api_key="", max_body=1_000_000):
             texts = [""] * len(choices)
             async for choice, text in generate(engine, plans):
                 texts[choice.index] += text
+            replies = [{"role": "assistant", "content": text} for text in texts]
             return {
                 **head,
                 "object": "chat.completion",
                 "choices": [
-                    {
-                        "index": c.index,
-                        "message": {"role": "assistant", "content": texts[c.index]},
-                        "logprobs": None,
-                        "finish_reason": c.finish,
-                    }
+                    {"index": c.index, "message": replies[c.index], "logprobs": None, "finish_reason": c.finish}
                     for c in choices
                 ],
                 "usage": usage(len(prompt), choices),
@@ -734,10 +707,7 @@ def load_served(cfg):
     """The Served model of cfg's source; ConfigError when it is not a GPT."""
     device = resolve_device(cfg.device, 0)
     dtype = resolve_dtype(cfg.dtype, device)
-    model, tokenizer, meta, _ = load_model(
-        cfg.init_from, out_dir=cfg.out_dir, checkpoint=cfg.checkpoint, dataset=cfg.dataset, device=device,
-        compile=cfg.compile,
-    )  # fmt: skip
+    model, tokenizer, meta, _ = load_configured(cfg, device)
     arch = model.config.arch
     if arch != "gpt":
         raise ConfigError(

@@ -423,6 +423,12 @@ def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False
     return model, tokens.Tokenizer.from_meta(meta), meta, task
 
 
+def load_configured(cfg, device):
+    """load_model with the settings of sample.py, eval.py or serve.py (cfg): init_from, out_dir, ..., compile."""
+    settings = {"out_dir": cfg.out_dir, "checkpoint": cfg.checkpoint, "dataset": cfg.dataset, "compile": cfg.compile}
+    return load_model(cfg.init_from, device=device, **settings)
+
+
 def model_from_checkpoint(ckpt, **overrides):
     """
     The model a loaded checkpoint describes, with its weights, in eval mode. overrides: ModelConfig fields that

@@ -269,12 +269,8 @@ def load_pairs(dataset_dir, split):
     src, tgt, index, index_path = open_split(dataset_dir, split, "seq2seq", SEQ2SEQ_SPLITS, ("_src", "_tgt"))
     # a cheap consistency check: (n + 1, 2) rows from (0, 0) to the token files' lengths, so a stale
     # index or a mismatched file fails here instead of slicing the wrong ids
-    if not (
-        index.shape[1:] == (2,)
-        and len(index) >= 1
-        and tuple(index[0]) == (0, 0)
-        and tuple(index[-1]) == (len(src), len(tgt))
-    ):
+    shaped = index.shape[1:] == (2,) and len(index) >= 1
+    if not (shaped and tuple(index[0]) == (0, 0) and tuple(index[-1]) == (len(src), len(tgt))):
         raise ValueError(f"{index_path} does not match its token files; re-create the dataset with --force")
     return Pairs(src, tgt, index)
 
