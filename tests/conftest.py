@@ -1,5 +1,6 @@
 """Session-wide fixtures shared by the whole suite."""
 
+import json
 import os
 import shutil
 import sys
@@ -110,3 +111,58 @@ def llama_dir(shakespeare_path, tmp_path_factory) -> Path:
 def data_root(shakespeare_char_dir):
     """The folder holding the prepared shakespeare_char, as train.py's data_dir takes it."""
     return str(shakespeare_char_dir.parent)
+
+
+CHAT_QUESTIONS = ["abc", "bca", "cab", "aab", "bba", "cca", "abab", "baba", "acca", "caac", "bcb", "aca"]
+
+
+def conversation(question, answer, *more):
+    """{"messages": user question, assistant answer, then more (question, answer) turns}."""
+    turns = [(question, answer), *more]
+    return {
+        "messages": [m for q, a in turns for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})]
+    }
+
+
+@pytest.fixture(scope="session")
+def chat_run(tmp_path_factory):
+    """
+    A tiny GPT trained on conversations whose answer is "ok" when the question starts with a, else "no" (character
+    vocabulary, the built-in template, exact answers): (its data root, the prepared folder, train.main's summary).
+    """
+    import prepare_data
+    import train
+
+    root = tmp_path_factory.mktemp("chat")
+    lines = []
+    for k in range(240):
+        q = CHAT_QUESTIONS[k % len(CHAT_QUESTIONS)] + "abc"[k % 3] * (k % 4)
+        more = [(q[::-1], "ok" if q[-1] == "a" else "no")] if k % 5 == 0 else []
+        lines.append(json.dumps(conversation(q, "ok" if q[0] == "a" else "no", *more)))
+    (root / "talk.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    folder = prepare_data.prepare(
+        "chat", data_dir=root, input=str(root / "talk.jsonl"), tokenizer="char", exact_answers=True, val_fraction=0.2
+    )
+    cfg = train.TrainConfig(
+        out_dir=str(root / "out"),
+        data_dir=str(root),
+        dataset=folder.name,
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        block_size=48,
+        batch_size=8,
+        gradient_accumulation_steps=1,
+        max_iters=60,
+        eval_interval=60,
+        eval_iters=2,
+        log_interval=100,
+        learning_rate=1e-2,
+        min_lr=1e-3,
+        warmup_iters=0,
+        device="cpu",
+        tensorboard=False,
+        compile=False,
+    )
+    summary = train.main(cfg)
+    return root, folder, summary

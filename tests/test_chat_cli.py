@@ -2,7 +2,6 @@
 sample.py --chat; every number checked against full forward passes over explicitly built ids."""
 
 import io
-import json
 import sys
 
 import numpy as np
@@ -10,61 +9,11 @@ import pytest
 import torch
 
 import eval as evaluate
-import prepare_data
 import sample
-import train
 from checkpoint import load_checkpoint
 from config import parse_config
 from start import model_from_checkpoint
 from tokens import Tokenizer, load_conversations, load_meta
-
-QUESTIONS = ["abc", "bca", "cab", "aab", "bba", "cca", "abab", "baba", "acca", "caac", "bcb", "aca"]
-
-
-def conversation(question, answer, *more):
-    """{"messages": user question, assistant answer, then more (question, answer) turns}."""
-    turns = [(question, answer), *more]
-    return {
-        "messages": [m for q, a in turns for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})]
-    }
-
-
-@pytest.fixture(scope="module")
-def chat_run(tmp_path_factory):
-    """A tiny GPT trained on conversations whose answer is "ok" when the question starts with a, else "no"."""
-    root = tmp_path_factory.mktemp("chat")
-    lines = []
-    for k in range(240):
-        q = QUESTIONS[k % len(QUESTIONS)] + "abc"[k % 3] * (k % 4)
-        more = [(q[::-1], "ok" if q[-1] == "a" else "no")] if k % 5 == 0 else []
-        lines.append(json.dumps(conversation(q, "ok" if q[0] == "a" else "no", *more)))
-    (root / "talk.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    folder = prepare_data.prepare(
-        "chat", data_dir=root, input=str(root / "talk.jsonl"), tokenizer="char", exact_answers=True, val_fraction=0.2
-    )
-    cfg = train.TrainConfig(
-        out_dir=str(root / "out"),
-        data_dir=str(root),
-        dataset=folder.name,
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        block_size=48,
-        batch_size=8,
-        gradient_accumulation_steps=1,
-        max_iters=60,
-        eval_interval=60,
-        eval_iters=2,
-        log_interval=100,
-        learning_rate=1e-2,
-        min_lr=1e-3,
-        warmup_iters=0,
-        device="cpu",
-        tensorboard=False,
-        compile=False,
-    )
-    summary = train.main(cfg)
-    return root, folder, summary
 
 
 def model_and_meta(root):

@@ -18,53 +18,18 @@ import pytest
 import torch
 import uvicorn
 
-import prepare_data
 import sample
 import serve
-import train
 from checkpoint import load_checkpoint
 from config import parse_config
 from model import ModelConfig, build_model
 from tokens import Tokenizer
 
-QUESTIONS = ["abc", "bca", "cab", "aab", "bba", "cca", "abab", "baba", "acca", "caac"]
-
 
 @pytest.fixture(scope="module")
-def chat_dir(tmp_path_factory):
-    """A tiny GPT trained on conversations answered "ok" when the question starts with a, else "no"."""
-    root = tmp_path_factory.mktemp("serve")
-    lines = []
-    for k in range(120):
-        q = QUESTIONS[k % len(QUESTIONS)] + "abc"[k % 3] * (k % 4)
-        turns = [{"role": "user", "content": q}, {"role": "assistant", "content": "ok" if q[0] == "a" else "no"}]
-        lines.append(json.dumps({"messages": turns}))
-    (root / "talk.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    folder = prepare_data.prepare("chat", data_dir=root, input=str(root / "talk.jsonl"), tokenizer="char")
-    out = root / "out"
-    cfg = train.TrainConfig(
-        out_dir=str(out),
-        data_dir=str(root),
-        dataset=folder.name,
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        block_size=48,
-        batch_size=8,
-        gradient_accumulation_steps=1,
-        max_iters=30,
-        eval_interval=30,
-        eval_iters=1,
-        log_interval=100,
-        learning_rate=1e-2,
-        min_lr=1e-3,
-        warmup_iters=0,
-        device="cpu",
-        tensorboard=False,
-        compile=False,
-    )
-    train.main(cfg)
-    return out
+def chat_dir(chat_run):
+    """The folder of conftest's tiny chat GPT (answers "ok" to questions that start with a, else "no")."""
+    return chat_run[0] / "out"
 
 
 def free_port():
