@@ -888,13 +888,8 @@ def test_a_resume_keeps_the_best_val_loss_and_best_pt(tmp_path, data_root, monke
     assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
 
 
-def test_best_pt_is_the_best_exact_match_where_the_data_has_exact_answers(tmp_path, data_root, monkeypatch, capsys):
-    """
-    Evaluations whose val loss and exact match disagree (scripted: the lowest loss at 4, the best exact match at 6):
-    best.pt is 6's, chosen by exact match and said so, and a resume keeps it; data without exact answers keeps the
-    lowest val loss (4).
-    """
-    scripted = {0: (3.0, 0.0), 2: (2.0, 0.10), 4: (1.5, 0.05), 6: (1.8, 0.20), 8: (1.9, 0.20)}
+def script_evaluations(monkeypatch, scripted):
+    """Each evaluation's (val loss, exact match) taken from scripted, by the iteration it is made at."""
     evaluate_and_save, at = train.evaluate_and_save, []
 
     def noting_the_iteration(run, iter_num, last):
@@ -904,6 +899,16 @@ def test_best_pt_is_the_best_exact_match_where_the_data_has_exact_answers(tmp_pa
     monkeypatch.setattr(train, "evaluate_and_save", noting_the_iteration)
     monkeypatch.setattr(train, "evaluate", lambda *args, **kwargs: {"train": 1.0, "val": scripted[at[0]][0]})
     monkeypatch.setattr(train, "val_accuracy", lambda run: scripted[at[0]][1])
+
+
+def test_best_pt_is_the_best_exact_match_where_the_data_has_exact_answers(tmp_path, data_root, monkeypatch, capsys):
+    """
+    Evaluations whose val loss and exact match disagree (scripted: the lowest loss at 4, the best exact match at 6):
+    best.pt is 6's, chosen by exact match and said so, and a resume keeps it; data without exact answers keeps the
+    lowest val loss (4).
+    """
+    scripted = {0: (3.0, 0.0), 2: (2.0, 0.10), 4: (1.5, 0.05), 6: (1.8, 0.20), 8: (1.9, 0.20)}
+    script_evaluations(monkeypatch, scripted)
     common = dict(max_iters=6, eval_interval=2, eval_accuracy_examples=4)
     for exact, best_at in ((True, 6), (False, 4)):
         monkeypatch.setattr(data.CausalLM, "exact_answers", exact)
@@ -927,15 +932,7 @@ def test_a_best_pt_without_exact_match_is_replaced_only_by_a_lower_val_loss(tmp_
     decides from then on (10's higher val loss wins by exact match).
     """
     scripted = {0: (3.0, 0.0), 2: (2.0, 0.1), 4: (1.5, 0.1), 6: (1.8, 0.5), 8: (1.4, 0.3), 10: (1.6, 0.4)}
-    evaluate_and_save, at = train.evaluate_and_save, []
-
-    def noting_the_iteration(run, iter_num, last):
-        at[:] = [iter_num]
-        return evaluate_and_save(run, iter_num, last)
-
-    monkeypatch.setattr(train, "evaluate_and_save", noting_the_iteration)
-    monkeypatch.setattr(train, "evaluate", lambda *args, **kwargs: {"train": 1.0, "val": scripted[at[0]][0]})
-    monkeypatch.setattr(train, "val_accuracy", lambda run: scripted[at[0]][1])
+    script_evaluations(monkeypatch, scripted)
     monkeypatch.setattr(data.CausalLM, "exact_answers", True)
     main(tiny(data_root, tmp_path, max_iters=4, eval_interval=2, eval_accuracy_examples=0))
     assert load_checkpoint(tmp_path / "ckpt.pt")["best_accuracy"] is None
