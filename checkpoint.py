@@ -411,13 +411,15 @@ def save_checkpoint(state, path):
             tmp.unlink(missing_ok=True)
 
 
-def load_checkpoint(path, map_location="cpu", weights=True):
+def load_checkpoint(path, map_location="cpu", weights=True, mmap=False):
     """
     A checkpoint written by train.py, loaded with weights_only=True so that it cannot run code. A sharded one (a
     folder, written with fsdp) gives the same dict with the kept weights ("average" if there is one, else
     "weights") read whole into this process (the optimizer's state is left on disk), or, with weights=False, no
     tensors at all; "sharded" then names the folder (and "sharded_keys" its tensors), for load_sharded.
-    A missing, corrupt, newer-format or early-format (1, 2) checkpoint raises ConfigError with a one-line message.
+    mmap: a file's tensors mapped from it, read only where used (a caller after its settings alone: 1 s against 0.004
+    for a GPT-2 124M ckpt.pt). A missing, corrupt, newer-format or early-format (1, 2) checkpoint raises ConfigError
+    with a one-line message.
     """
     path = Path(path)
     # a sharded save killed between its two renames left the previous checkpoint under this name
@@ -427,7 +429,7 @@ def load_checkpoint(path, map_location="cpu", weights=True):
     if path.is_dir():
         if not (path / STATE_FILE).is_file():
             raise ConfigError(f"{path} is a folder but not a sharded checkpoint: it has no {STATE_FILE}")
-        ckpt = read_checkpoint(path / STATE_FILE, map_location, fallback="")
+        ckpt = read_checkpoint(path / STATE_FILE, map_location, fallback="", mmap=mmap)
         # the folder, where load_sharded reads the rest
         ckpt["sharded"] = path
         if weights:
@@ -447,7 +449,7 @@ def load_checkpoint(path, map_location="cpu", weights=True):
         fallback = "; best.pt beside it still holds the best weights (sample.py --checkpoint=best.pt)"
     elif path.name != "ckpt.pt" and path.with_name("ckpt.pt").exists():
         fallback = "; ckpt.pt beside it may still be usable"
-    return read_checkpoint(path, map_location, fallback)
+    return read_checkpoint(path, map_location, fallback, mmap)
 
 
 def run_checkpoint(out_dir, name=""):
@@ -473,14 +475,14 @@ def missing_checkpoint_hint(folder):
     return "train one first (python train.py configs/shakespeare.py), or point --out_dir at the run's folder"
 
 
-def read_checkpoint(path, map_location, fallback):
+def read_checkpoint(path, map_location, fallback, mmap=False):
     """The checks and the load of load_checkpoint for one file; fallback: what to suggest if it is damaged."""
     # torch.load's own message for an empty file is cryptic, and this case has a likely cause worth naming
     if path.stat().st_size == 0:
         raise ConfigError(f"{path} is empty, not a checkpoint (a save cut short?){fallback}")
     try:
         # map_location "cpu": a checkpoint saved from a GPU loads on any machine; the caller moves the model
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # truncated archive, refused unpickling, ...: all mean the file cannot be used
         if "Unsupported global" in str(e):  # objects that weights_only=True refuses to rebuild
             raise ConfigError(

@@ -151,7 +151,8 @@ def resumed_settings(cls, given, out_dir):
     trained with, each one given (given: {name: value}, from the command line and config files) overriding its saved
     value, said in one note. So `train.py --init_from=resume --out_dir=DIR` needs nothing else.
     """
-    ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt", weights=False)
+    # its settings alone: the tensors stay on disk until resume() reads the checkpoint
+    ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt", weights=False, mmap=True)
     # settings added since the checkpoint was written keep their defaults; those since removed are dropped
     names = {f.name for f in fields(cls)}
     saved = {k: v for k, v in ckpt["train_config"].items() if k in names}
