@@ -52,6 +52,10 @@ PAGE = Path(__file__).resolve().parent / "serve.html"  # the chat page, one self
 API_KEY_VARIABLE = "NANOFORMER_API_KEY"  # the key, when --api_key is not given (a command line shows in `ps`)
 DONE = "done"  # what a Job hands over when its steps run out
 MAX_STOPS = 4  # stop strings a request may give, as OpenAI allows
+MAX_STOP_CHARS = 256  # characters of each: every token checks whether the text ends in the start of one
+MAX_CHOICES = 64  # prompts x n of one completion request: each row holds a KV cache while it decodes
+# the smallest temperature that is not 0: logits divided by less overflow to inf, and the softmax to NaN
+MIN_TEMPERATURE = 0.01
 
 
 @dataclass
@@ -296,7 +300,8 @@ def settle(future, item):
 Temperature = Annotated[float | None, Field(ge=0, le=2)]  # 0: greedy; None: 1, OpenAI's default
 TopP = Annotated[float | None, Field(gt=0, le=1)]  # None: 1, all tokens
 TopK = Annotated[int | None, Field(ge=-1)]  # vLLM's extension: -1, 0 or None keep every token
-Stop = str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOPS)] | None
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None
 Seed = Annotated[int | None, Field(ge=0, lt=2**63)]
 NoPenalty = Annotated[float, Field(ge=0, le=0)]  # accepted so that clients sending 0 work; anything else is refused
 
@@ -326,6 +331,8 @@ class Sampling(BaseModel):
             "top_k": self.top_k if self.top_k and self.top_k > 0 else None,
             "top_p": self.top_p,
         }
+        if 0 < options["temperature"] < MIN_TEMPERATURE:
+            raise APIError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}", "temperature")
         try:
             check_sampling_args(**options)
         except ValueError as err:
@@ -487,6 +494,8 @@ def make_app(served, *, api_key="", max_body=1_000_000):
         if body.logprobs is not None and body.stream:
             raise APIError("logprobs are given with stream=false only", "logprobs")
         prompts = completion_prompts(body.prompt, served)
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise APIError(f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} choices a request", "n")
         max_tokens = fitted_max_tokens(body.max_tokens, max(len(ids) for ids, _ in prompts), block, "prompt")
         sampling, stops, stop = body.sampling(), body.stops(), end_of_text(served.meta)
         end = [] if stop is None else [stop]
@@ -524,11 +533,13 @@ def make_app(served, *, api_key="", max_body=1_000_000):
                 texts[choice.index] += text
             scores = [None] * len(choices)
             if body.logprobs is not None:  # each choice scored after the fact, by one forward pass over it all
-                for (ids, _), rows in zip(prompts, (rows for _, rows in plans)):
+                for (ids, shown), rows in zip(prompts, (rows for _, rows in plans)):
                     for choice in rows:
                         full = ids + choice.tokens
                         found = await one_result(engine, score_steps(model, full, tokenizer.vocab_size, body.logprobs))
-                        scores[choice.index] = logprobs_object(tokenizer, full, *found, 0 if body.echo else len(ids))
+                        # echoed: from the prompt's shown text on, without the ids put before it (a bos)
+                        start = len(ids) - len(shown) if body.echo else len(ids)
+                        scores[choice.index] = logprobs_object(tokenizer, full, *found, start)
             return {
                 **head,
                 "choices": [

@@ -214,7 +214,11 @@ def test_logprobs_are_the_models_own_log_softmax(client, chat_dir):
         ("/v1/completions", {"prompt": [[]]}, 400, "prompt"),
         ("/v1/completions", {"prompt": "ab", "temperature": -0.5}, 400, "temperature"),
         ("/v1/completions", {"prompt": "ab", "temperature": 3}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "ab", "temperature": 1e-40}, 400, "temperature"),
         ("/v1/completions", {"prompt": "ab", "top_p": 0}, 400, "top_p"),
+        ("/v1/completions", {"prompt": "ab", "stop": ""}, 400, "stop"),
+        ("/v1/completions", {"prompt": "ab", "stop": ["a" * 257]}, 400, "stop"),
+        ("/v1/completions", {"prompt": ["ab"] * 5, "n": 13}, 400, "n"),
         ("/v1/completions", {"prompt": "ab", "top_k": -2}, 400, "top_k"),
         ("/v1/completions", {"prompt": "ab", "frequency_penalty": 1}, 400, "frequency_penalty"),
         ("/v1/completions", {"prompt": "ab", "best_of": 3}, 400, "best_of"),
@@ -247,12 +251,24 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
     assert httpx.post(server.url + "/v1/completions", content=chunks()).status_code == 413
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_share_at_once(server):
+def test_a_client_that_leaves_mid_stream_frees_its_share_at_once(server, monkeypatch):
+    """Steps that never end on their own (a reply as long as a client wants): only the client's leaving ends them."""
+    closed = threading.Event()
+
+    def endless(model, prompt, n, *args, **kwargs):
+        try:
+            while True:
+                yield [prompt[0]] * n
+        finally:
+            closed.set()
+
+    monkeypatch.setattr(serve, "completion_steps", endless)
     engine = server.app.state.engine
     body = {"prompt": "a", "max_tokens": 47, "n": 4, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as response:
         next(response.iter_lines())  # the first chunk, then the client is gone
-    deadline = time.monotonic() + 5
+    assert closed.wait(timeout=30)  # the job's steps were closed: without the client's leaving, never
+    deadline = time.monotonic() + 5  # and the job is dropped right after
     while engine.active and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not engine.active
