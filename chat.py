@@ -45,8 +45,6 @@ from pathlib import Path
 
 import jinja2
 import jinja2.ext
-import torch
-import torch.nn as nn
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import tokens
@@ -425,7 +423,6 @@ def model_format(meta, source):
     return ChatFormat.from_meta(meta)
 
 
-@torch.no_grad()
 def grow_vocabulary(model, vocab_size):
     """
     A GPT's token embedding (and its head, if untied) grown in place to vocab_size rows, for data whose chat tokens
@@ -434,12 +431,14 @@ def grow_vocabulary(model, vocab_size):
     token starts out likely; the rows then differ by training. The old rows and their logits are unchanged.
     Returns model.
     """
+    import torch  # imported here: the templates alone (prepare_data.py) need no torch
+
     wte, head = model.body.wte, model.lm_head
     added = vocab_size - wte.num_embeddings
 
     def grown(weight):
-        mean = weight.float().mean(0, keepdim=True).to(weight.dtype)
-        return nn.Parameter(torch.cat([weight, mean.expand(added, -1)]), requires_grad=weight.requires_grad)
+        mean = weight.detach().float().mean(0, keepdim=True).to(weight.dtype)
+        return torch.nn.Parameter(torch.cat([weight.detach(), mean.expand(added, -1)]), weight.requires_grad)
 
     tied = head.weight is wte.weight
     wte.weight = grown(wte.weight)

@@ -335,6 +335,8 @@ def make_task(name, arch, meta, mask_prob=0.15, label_smoothing=0.0):
         # each architecture's task; a GPT's depends on its data
         mine = [task for task in TASKS.values() if task.arch == arch]
         name = next((task.name for task in mine if task.kind == kind), mine[0].name)
+    if name not in TASKS:  # a checkpoint of a task registered elsewhere, say
+        raise ConfigError(f"task={name!r} is not one of data.TASKS ({', '.join(TASKS)}): register it first")
     task = TASKS[name]
     if arch != task.arch:
         raise ConfigError(f"task={name} trains arch={task.arch!r}, not arch={arch!r}")

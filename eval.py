@@ -530,7 +530,7 @@ def eval_task(cfg, trained):
         raise ValueError(f"task={name} scores {scores}; this checkpoint's arch is {arch}: use --task={trained.name}")
     for owner in TASKS.values():
         for option in owner.eval_options:
-            if getattr(cfg, option) != getattr(EvalConfig, option) and owner is not task:
+            if getattr(cfg, option) != getattr(EvalConfig, option) and option not in getattr(task, "eval_options", ()):
                 raise ValueError(f"--{option} applies to task={owner.name}, not to task={name}")
     if task is None and cfg.split is not None:
         raise ValueError("HellaSwag reads its jsonl file (--input), not a --split")

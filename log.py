@@ -14,10 +14,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-
 from config import ConfigError
 
 
@@ -37,9 +33,10 @@ def one_line(error):
 class Step:
     """One optimizer step's results: device tensors (loss, grad_norm, skipped) and host numbers."""
 
-    loss: torch.Tensor  # this rank's share of the step's mean loss
-    grad_norm: torch.Tensor
-    skipped: torch.Tensor  # 1.0 if the gradient was not finite and the weights were left as they were
+    # device tensors (torch, imported where used: the scripts that only log, prepare_data.py, never load it)
+    loss: object  # this rank's share of the step's mean loss
+    grad_norm: object
+    skipped: object  # 1.0 if the gradient was not finite and the weights were left as they were
     lr: float
     tokens: int  # input tokens on all ranks
     flops: float  # of this rank's matmuls (counted only where MFU is reported)
@@ -81,6 +78,8 @@ class Progress:
         self.peak_flops = peak_flops  # of this GPU, for MFU; None on CPUs and unknown GPUs
         self.world_size, self.window, self.losses = rt.world_size, Window(), {}
         self.pending = []  # (iteration, this rank's share of the step's mean loss), not read back yet
+        import torch
+
         self.skipped = torch.zeros((), device=rt.device)  # steps with a non-finite gradient since the last read
         self.unreported = 0  # skipped steps read back but not yet said
 
@@ -104,6 +103,9 @@ class Progress:
         """
         if not self.pending:
             return
+        import torch
+        import torch.distributed as dist
+
         # one stacked tensor: one all-reduce and one device-to-host copy for all the pending steps
         losses = torch.stack([loss for _, loss in self.pending])
         if self.world_size > 1:
@@ -203,6 +205,8 @@ class Scalars:
 
 def local_bytes(tensors):
     """The bytes of tensors that this rank holds: of a DTensor, its local part."""
+    from torch.distributed.tensor import DTensor
+
     return sum(t.numel() * t.element_size() for t in (x.to_local() if isinstance(x, DTensor) else x for x in tensors))
 
 
@@ -216,7 +220,7 @@ def state_bytes(model, optimizers):
     return {
         "weights": local_bytes(params),
         "gradients": local_bytes(p for p in params if p.requires_grad),
-        "optimizer": local_bytes(v for v in states if torch.is_tensor(v)),
+        "optimizer": local_bytes(v for v in states if hasattr(v, "element_size")),  # tensors, not step counts
     }
 
 
@@ -239,6 +243,8 @@ def memory_use(model, optimizers, device):
     This rank's memory in MiB: state_bytes' {"weights", "gradients", "optimizer"} and "peak": the most CUDA memory
     allocated, or on a CPU the process's peak resident set (the Python interpreter and the libraries included).
     """
+    import torch
+
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else resident_peak()
     return {name: n / 2**20 for name, n in {**state_bytes(model, optimizers), "peak": peak}.items()}
 
@@ -250,6 +256,8 @@ def log_memory(model, optimizers, rt):
     """
     uses = [memory_use(model, optimizers, rt.device)]
     if rt.world_size > 1:
+        import torch.distributed as dist
+
         mine, uses = uses[0], [None] * rt.world_size
         dist.all_gather_object(uses, mine)
     where = "CUDA allocated" if rt.device.type == "cuda" else "process resident set"

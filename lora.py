@@ -21,7 +21,7 @@ its vocabulary did not have (the builtin chat template's markers), and with LoRA
 Written here rather than taken from peft: peft wraps each Linear in a module of its own (the base weight under
 `base_layer.weight`, another state-dict name), wraps the model in a PeftModel and needs transformers, while
 checkpoints, FSDP's per-Block sharding, Muon's block_matrices and export all name our weights as model.py does;
-what this needs is the hundred lines below.
+what this needs is the few hundred lines below.
 """
 
 import hashlib

@@ -357,8 +357,11 @@ def setup(cfg, rt, stack):
     generator = torch.Generator().manual_seed(cfg.seed)  # the training data stream: the same on every rank
     if begin.ckpt is not None:
         restore(begin.ckpt, models, optimizers=optimizers, scaler=scaler, generator=generator, cfg=cfg, rt=rt)
-    if rt.device.type == "cuda" and not cfg.loss_chunk_mb:
-        models.raw.loss_chunk_bytes = sized_loss_chunk(models, optimizers, task, cfg, rt, host_group)
+    if rt.device.type == "cuda" and not cfg.loss_chunk_mb and not cfg.eval_only:  # evaluation alone needs no trial
+        chunk = sized_loss_chunk(models, optimizers, task, cfg, rt, host_group)
+        for model in (models.raw, models.average):  # the average evaluates with the same chunk
+            if model is not None:
+                model.loss_chunk_bytes = chunk
 
     batches = TrainBatches(splits["train"], task, cfg, generator, rt, per_rank)
     stack.callback(batches.close)

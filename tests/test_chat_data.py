@@ -401,7 +401,7 @@ NUMBERS = {
 
 
 def number(words):
-    """An English number up to 999, parsed independently of tasks.number_words: 'one hundred forty-four'."""
+    """An English number up to 999, parsed independently of synthetic.number_words: 'one hundred forty-four'."""
     total = 0
     for word in words.replace("-", " ").split():
         total = total * 100 if word == "hundred" else total + NUMBERS[word]

@@ -2404,7 +2404,7 @@ def test_the_trial_step_sizes_the_chunk_from_its_peak_and_leaves_no_trace(monkey
     for name, value in memory.items():
         monkeypatch.setattr(torch.cuda, name, lambda device, value=value: value)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
-    model = build_model(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    model = build_model(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.1))
     cfg = TrainConfig(batch_size=2, block_size=16, dropout=0.1)
     optimizers, _ = train.make_optimizers(model, cfg, Runtime())
     trials = []
