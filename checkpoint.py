@@ -13,11 +13,9 @@ optimizers (each optimizer's state dict under its name: "adamw", and with optimi
 (every rank's generators) and sampler (the data stream). Formats 1 and 2, of the repo's first days, are refused in
 one line naming the commit that still reads them.
 
-With LoRA (lora_rank), ckpt.pt and best.pt hold the adapters only, as "weights" (the trained tensors, small), and
-"lora": their settings, the token rows they train and their base (where it was loaded from, its model settings and
-a fingerprint of its weights); saved_converter gives its lora.LoRA, which loads the base, checks it, and merges the
-adapters into it (start.model_from_checkpoint).
-Such a checkpoint is one file, also under FSDP (AdamW's state of the adapters, whole): best.pt is format 4.
+A converted run's checkpoints (converters/: LoRA, with lora_rank) hold "converter": the converter's name and its
+record, and as "weights" what the converter keeps (LoRA: the adapters alone, small; its record names their base,
+which start.model_from_checkpoint loads again). Such a checkpoint is one file, also under FSDP: format 6.
 
 With fsdp, ckpt.pt is a folder instead, a sharded checkpoint (torch.distributed.checkpoint) that every rank writes
 its part of: weights, optimizers and average keyed by parameter name, and beside them state.pt, the rest of the
@@ -40,15 +38,17 @@ import torch
 import torch.distributed as dist
 
 from config import ConfigError
+from hf import check_names, gpt2_model_config, gpt2_names, load_checked
 from log import one_line
 from model import GPT, ModelConfig, build_model
 from tokens import GPT2_META
 
 # of checkpoints; a checkpoint with a larger number needs newer code. 3: weights and average by role; 4: LoRA
-# adapters and their base; 5: the optimizers' states by name (ckpt.pt only). Each file is written with the
-# lowest number that has what it holds, so that older code reads the others
-FORMAT_VERSION = 5
-PLAIN_FORMAT, LORA_FORMAT = 3, 4
+# adapters and their base under "lora" (read, no longer written); 5: the optimizers' states by name (ckpt.pt only);
+# 6: a converter's name and record under "converter". Each file is written with the lowest number that has what it
+# holds, so that older code reads the others
+FORMAT_VERSION = 6
+PLAIN_FORMAT, OPTIMIZERS_FORMAT, CONVERTED_FORMAT = 3, 5, 6
 # formats 1 and 2, of the repo's first days ("model" and "train_model", cross-attention's q and kv stacked), are
 # refused in one line: OLD_FORMATS_COMMIT is the last commit that reads them
 OLDEST_FORMAT = 3
@@ -114,11 +114,11 @@ def weights_state(
     """
     What best.pt holds: weights (a state dict) under its role, "weights" or, with ema_decay, "average"; the
     model's settings (a ModelConfig), the run's, the dataset's meta. weights None: all but the weights (a sharded
-    checkpoint's state.pt; its weights are saved apart). converter: a LoRA run's (lora.LoRA), whose record is
-    kept under its key and whose state (the adapters) weights then holds.
+    checkpoint's state.pt; its weights are saved apart). converter: a converted run's (converters/), whose name and
+    record are kept and whose state (LoRA: the adapters) weights then holds.
     """
     state = {
-        "format_version": PLAIN_FORMAT if converter is None else LORA_FORMAT,
+        "format_version": PLAIN_FORMAT if converter is None else CONVERTED_FORMAT,
         # settings as plain dicts: enough to rebuild the architecture (model_from_checkpoint) and the run
         "model_config": asdict(model_config),
         "train_config": asdict(cfg),
@@ -134,7 +134,7 @@ def weights_state(
         # tensors keyed by parameter name, from the unwrapped model: no `module.` (DDP) or `_orig_mod.` prefix
         state[role] = finite_weights(weights, iter_num)
     if converter is not None:
-        state[converter.key] = converter.record
+        state["converter"] = {"name": converter.name, "record": converter.record}
     return state
 
 
@@ -161,8 +161,8 @@ def training_state(
     What ckpt.pt holds: weights_state (model's trained weights) plus all a resume needs, with ema_model's weights as
     "average" where there is one. Call it on every rank: RNG states are gathered.
     sharded: all but the weights and the optimizer's state, which sharded_state gives (a sharded checkpoint).
-    converter: a LoRA run's (lora.LoRA): its state, the adapters, and AdamW's state of them, whole also under FSDP
-    (gathered on every rank), instead of every weight.
+    converter: a converted run's: its state (LoRA: the adapters) and the optimizers' state of it, whole also under
+    FSDP (gathered on every rank), instead of every weight.
     """
     # each rank has its own generators (dropout differs per rank): all are gathered, in rank order, for rank 0 to save
     rng = [rng_state(device)]
@@ -171,11 +171,11 @@ def training_state(
         dist.all_gather_object(rng, mine)
     weights = None if sharded else model.state_dict() if converter is None else converter.state(model)
     state = {
-        # format 5 (the optimizers' states by name), whichever weights_state gives best.pt
         **weights_state(
             weights, model.config, cfg, meta, iter_num, best_val_loss, converter=converter, best_accuracy=best_accuracy
         ),
-        "format_version": FORMAT_VERSION,
+        # the optimizers' states by name, whichever weights_state gives best.pt
+        "format_version": OPTIMIZERS_FORMAT if converter is None else CONVERTED_FORMAT,
         # float16's current loss scale; an empty dict when no scaler is in use
         "scaler": scaler.state_dict(),
         "rng": rng,
@@ -505,6 +505,8 @@ def read_checkpoint(path, map_location, fallback, mmap=False):
             f"{path} was written by an early nanoformer (checkpoint format {version}), a format this code no longer "
             f"reads: read it with the code of git checkout {OLD_FORMATS_COMMIT}, or start a new run"
         )
+    if "lora" in ckpt:  # format 4 kept LoRA's record under a key of its own
+        ckpt["converter"] = {"name": "lora", "record": ckpt.pop("lora")}
     if "optimizer" in ckpt:  # formats 3 and 4 held AdamW's state and Muon's under keys of their own
         ckpt["optimizers"] = {"adamw": ckpt.pop("optimizer"), **({"muon": ckpt.pop("muon")} if "muon" in ckpt else {})}
     return ckpt
@@ -539,9 +541,7 @@ def load_nanogpt(checkpoint, path):
     head) with exact GELU and nn.Linear weights (not GPT-2's transposed Conv1D), biases as model_args says. A
     compiled run's keys carry "_orig_mod.".
     """
-    # imported here: only nanoGPT's checkpoints need them. nanoGPT's names are GPT-2's, and so is its model
-    from hf import check_names, gpt2_model_config, gpt2_names, load_checked
-
+    # nanoGPT's names are GPT-2's, and so is its model
     args = checkpoint["model_args"]
     # model_args as GPT2Config's settings: the same model, with exact GELU and (by default) the head tied
     hf = {"vocab_size": args["vocab_size"], "n_positions": args["block_size"], "activation_function": "gelu"}
@@ -609,23 +609,3 @@ def is_checkpoint(path):
 def kept_weights(ckpt):
     """The weights to evaluate, sample or start a new run from: the average if the checkpoint has one."""
     return ckpt["average"] if "average" in ckpt else ckpt["weights"]
-
-
-def saved_converter(ckpt, cfg=None):
-    """
-    The converter whose state a checkpoint holds instead of every weight: a LoRA run's (lora.LoRA, from its "lora"
-    record), or None. cfg: the TrainConfig of a run resuming it, whose dropout the converter takes.
-    """
-    if "lora" not in ckpt:
-        return None
-    from lora import LoRA  # imported here: only LoRA checkpoints need it
-
-    return LoRA(ckpt["lora"], 0.0 if cfg is None else cfg.lora_dropout)
-
-
-def converter_settings(ckpt):
-    """The settings a run resuming ckpt takes from it beside the model's: a LoRA run's adapters fit only their own."""
-    if "lora" not in ckpt:
-        return {"lora_rank": 0}  # a run of every weight
-    lora = ckpt["lora"]
-    return {"lora_rank": lora["rank"], "lora_alpha": lora["alpha"], "lora_targets": ",".join(lora["targets"])}

@@ -49,10 +49,11 @@ import runtime
 import tokens
 from checkpoint import is_checkpoint, load_checkpoint
 from config import ConfigError
-from data import Task, count_targets, prepared_dataset
+from data import count_targets, prepared_dataset
 from log import local_bytes, one_line, resident_peak, state_bytes
 from model import LOSS_CHUNK_BYTES, ModelConfig, build_model, loss_chunk_cap
 from start import task_of
+from tasks import Task
 
 # the MFU a plan times GPU steps at, measured with bench.py --parts=gpu (docs/performance.md#gpus): configs/gpt2.py's
 # model at 12 x 1024 x 4 micro-batches a step, bf16, compiled, fused AdamW. A GPU not measured yet gets the H100's

@@ -1,7 +1,8 @@
 """
 Generate from a checkpoint of train.py, or from GPT-2's weights, for every architecture:
-a GPT continues the prompt, an encoder-decoder translates it, an encoder fills in its [MASK]s. The decoding itself
-is generate.py's; this file reads the prompt, prints what comes out and draws the attention maps.
+a GPT continues the prompt (or talks, with --chat), an encoder-decoder translates it, an encoder fills in its
+[MASK]s: what the model's task shows of a prompt (Task.sample, in tasks/). This file loads the model, reads the
+prompt, hands it to the task and draws the attention maps.
 
     python sample.py --out_dir=out-shakespeare --start "ROMEO:" --num_samples=3 --temperature=0.8
     python sample.py --init_from=gpt2 --start "The meaning of life is" --top_p=0.9
@@ -12,7 +13,6 @@ is generate.py's; this file reads the prompt, prints what comes out and draws th
     python sample.py --help
 """
 
-import itertools
 import math
 import sys
 from dataclasses import dataclass
@@ -20,15 +20,12 @@ from pathlib import Path
 
 import torch
 
-from chat import model_format
 from config import parse_config
-from data import TASKS, make_task
-from generate import ChatSession, check_sampling_args, end_of_text, generate_stream, prompt_start, translate, until_stop
+from generate import check_sampling_args
 from runtime import DTYPES, autocast, resolve_device, resolve_dtype
 from start import load_configured
-from synthetic import solve
+from tasks import TASKS, make_task
 
-MASK = "[MASK]"  # what the encoder's prompt writes where a token is to be filled in
 MAX_TICK_LABELS = 32  # token labels per axis of a heat map; more would overlap
 
 
@@ -89,252 +86,6 @@ def read_prompt(start):
         raise FileNotFoundError(f"prompt file {path} not found") from None
     except UnicodeDecodeError:
         raise ValueError(f"prompt file {path} is not UTF-8 text") from None
-
-
-# -----------------------------------------------------------------------------
-# GPT: continue the prompt
-
-
-def show_samples(model, tokenizer, meta, text, cfg, out):
-    """GPT: print cfg.num_samples continuations of text, streamed or all at the end. Returns (prompt ids,)."""
-    stop = end_of_text(meta)
-    head = prompt_start(tokenizer, meta, text)
-    # only the prompt the user gave is printed, never the start tokens before it
-    shown = crop_prompt(tokenizer.encode(text), model.config.block_size, len(head)) if text else []
-    prompt = head + shown
-    # a seeded generator of our own, on the model's device: the same seed gives the same text, and the
-    # global RNG is left alone
-    generator = torch.Generator(next(model.parameters()).device).manual_seed(cfg.seed)
-    steps = sample_gpt(model, prompt, cfg, stop, generator, tokenizer.vocab_size)
-    # by default only one sample to a terminal streams: piped output gets whole samples
-    stream = cfg.stream if cfg.stream is not None else cfg.num_samples == 1 and out.isatty()
-    if stream:
-        new = [print_stream(steps, shown, tokenizer, stop, out)]
-    else:
-        # each step is (num_samples, 1): column 0 holds every row's next token
-        rows = [[] for _ in range(cfg.num_samples)]
-        for step in steps:
-            for row, token in zip(rows, step[:, 0].tolist()):
-                row.append(token)
-        # rows that stopped early repeat the stop token; cut it off
-        new = [until_stop(row, stop) for row in rows]
-        for i, ids in enumerate(new):
-            if i:
-                print("-" * 15, file=out)
-            print(tokenizer.decode(shown + ids), file=out)
-    # a blank line alone would look like a failure: say what happened
-    empty = [str(i + 1) for i, ids in enumerate(new) if not ids]
-    if empty and cfg.max_new_tokens:
-        print(
-            f"note: sample {', '.join(empty)} ended at once: the model's first new token was its end of text "
-            f"(id {stop}); another --seed or a higher --temperature may go further",
-            file=sys.stderr,
-        )
-    return (prompt,)
-
-
-def crop_prompt(ids, block_size, reserved=0):
-    """
-    The last block_size - reserved ids of the prompt (reserved: ids that go before it, such as bos), with a notice
-    on stderr when that drops some.
-    """
-    room = block_size - reserved
-    if len(ids) <= room:
-        return ids
-    beside = f" beside {reserved} start token(s)" if reserved else ""
-    print(
-        f"note: the prompt has {len(ids)} tokens, more than the model's block_size={block_size} holds{beside}; "
-        f"keeping its last {room}",
-        file=sys.stderr,
-    )
-    # the end, since a GPT continues from the last tokens of its context
-    return ids[-room:]
-
-
-def sample_gpt(model, prompt, cfg, stop_token, generator, vocab_size):
-    """
-    Continue prompt (a list of ids) cfg.num_samples times in one batch with cfg's sampling options, drawing only
-    ids below vocab_size (the tokenizer's; BPE models pad their embedding to 50304). Returns an iterator over the
-    (num_samples, 1) new tokens of each step; rows that reached stop_token repeat it.
-    """
-    device = next(model.parameters()).device
-    # (num_samples, T): the same prompt in every row; the rows diverge as they sample
-    idx = torch.tensor([prompt] * cfg.num_samples, dtype=torch.long, device=device)
-    options = {"stop_token": stop_token, "generator": generator, "use_cache": cfg.use_cache, "vocab_size": vocab_size}
-    # a generator: nothing runs until the caller iterates, then one forward pass per step
-    return generate_stream(model, idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, **options)
-
-
-def print_stream(steps, shown, tokenizer, stop_token, out):
-    """Print one sample as its (1, 1) steps arrive, up to stop_token; returns its new ids. See print_tokens."""
-    tokens = itertools.takewhile(lambda t: t != stop_token, (s[0, 0].item() for s in steps))
-    return print_tokens(tokens, shown, tokenizer, out)
-
-
-def print_tokens(tokens, shown, tokenizer, out):
-    """
-    Print text as its ids (an iterator of ints) arrive; returns them. shown: the prompt ids to print first.
-    The whole sequence is decoded each step and only the new text printed, and text ending in an
-    incomplete UTF-8 character (which BPE splits over several tokens) waits for the next token.
-    """
-    ids = list(shown)
-    printed = tokenizer.decode(ids)
-    print(printed, end="", file=out, flush=True)
-    for token in tokens:
-        ids.append(token)
-        text = tokenizer.decode(ids)
-        # U+FFFD: tiktoken's (and a byte-level tokenizer.json's) stand-in for an incomplete character; wait for the rest
-        if not text.endswith("\ufffd"):
-            print(text[len(printed) :], end="", file=out, flush=True)
-            printed = text
-    # whatever was held back, then the final newline
-    print(tokenizer.decode(ids)[len(printed) :], file=out)
-    return ids[len(shown) :]
-
-
-# -----------------------------------------------------------------------------
-# GPT: chat
-
-
-CHAT_HELP = "type a message and press Enter; /reset starts a new conversation, /quit (or Ctrl-D) ends"
-
-
-def chat(model, tokenizer, meta, cfg, out):
-    """
-    GPT: a conversation in the terminal, each reply streamed as it comes and the KV cache kept from turn to turn;
-    with --start, the reply to that one message.
-    """
-    # seeded, on the model's device: the same seed and messages give the same replies
-    generator = torch.Generator(next(model.parameters()).device).manual_seed(cfg.seed)
-    sampling = {"temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p, "generator": generator}
-    limits = {"max_new_tokens": cfg.max_new_tokens, "vocab_size": tokenizer.vocab_size}
-    session = ChatSession(model, model_format(meta, cfg.init_from), system=cfg.system, **limits, **sampling)
-    if cfg.start:
-        return answer(session, read_prompt(cfg.start), tokenizer, out)
-    print(CHAT_HELP, file=sys.stderr)
-    while True:
-        try:
-            text = input("> ")
-        except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: the end, not an error
-            print(file=out)
-            return
-        command = text.strip().lower()
-        if command in ("/quit", "/exit"):
-            return
-        if command == "/reset":
-            session.reset()
-            print("(a new conversation)", file=sys.stderr)
-        elif command.startswith("/"):
-            print(f"unknown command {command}: {CHAT_HELP}", file=sys.stderr)
-        elif command:
-            dropped = session.dropped
-            try:
-                answer(session, text, tokenizer, out)
-            except ValueError as err:  # the message alone outgrew block_size: say so, and keep the prompt
-                print(f"note: {err}", file=sys.stderr)
-            if session.dropped and not dropped:  # said the first time only: from then on it happens as needed
-                kept = " (the system prompt stays)" if cfg.system else ""
-                print(
-                    f"note: the conversation outgrew the {model.config.block_size} tokens the model reads "
-                    f"(block_size): its oldest turns are left out from now on{kept}",
-                    file=sys.stderr,
-                )
-
-
-def answer(session, text, tokenizer, out):
-    """Stream the session's reply to text; a reply cut short says why on stderr."""
-    print_tokens(session.reply(text, tokenizer.decode), [], tokenizer, out)
-    if session.ended == "block_size":
-        block = session.model.config.block_size
-        print(
-            f"note: the reply was cut where the conversation reached the model's block_size={block} tokens; "
-            "the next message goes on without the oldest turns",
-            file=sys.stderr,
-        )
-    elif session.ended == "max_new_tokens":
-        print(f"note: the reply was cut at --max_new_tokens={session.max_new_tokens}", file=sys.stderr)
-
-
-# -----------------------------------------------------------------------------
-# Encoder-decoder: translate the prompt
-
-
-def show_translation(model, tokenizer, meta, text, cfg, out):
-    """Encoder-decoder: print the output for the source text, and for a synthetic task whether it is right.
-    Returns (source ids, decoder input ids) for the attention maps."""
-    src = tokenizer.encode(text)
-    block = model.config.block_size
-    if not src:
-        raise ValueError('an encoder-decoder translates --start: give it a source, e.g. --start "hello42"')
-    if len(src) > block:  # cropping would change the question, so refuse
-        raise ValueError(f"the source has {len(src)} tokens, more than the model's block_size={block}")
-    expected = solve(meta["task"], text) if meta.get("task") else None  # first: it rejects sources the task cannot take
-    special = meta["special_tokens"]
-    source = torch.tensor([src], dtype=torch.long, device=next(model.parameters()).device)
-    beams = {"beam_size": cfg.beam_size, "length_penalty": cfg.length_penalty}
-    ids = translate(model, source, min(cfg.max_new_tokens, block), special["bos"], special["eos"], **beams)
-    # (1, L) for the one source, without bos; eos and the padding after it are cut off
-    output = until_stop(ids[0].tolist(), special["eos"])
-    answer = tokenizer.decode(output)
-    print(answer, file=out)
-    if expected is not None:
-        print("correct" if answer == expected else f"wrong: expected {expected!r}", file=out)
-    # the decoder's input as it was during generation: bos, then the output, within block_size
-    return src, [special["bos"], *output][:block]
-
-
-# -----------------------------------------------------------------------------
-# Encoder: fill in the [MASK]s
-
-
-def show_fills(model, tokenizer, meta, text, cfg, out):
-    """Encoder: print text with each [MASK] filled by its likeliest token, then the candidates per mask.
-    Returns (the ids with the masks,) for the attention maps."""
-    special = meta["special_tokens"]
-    ids, positions = encode_masked(text, tokenizer, special["mask"])
-    block = model.config.block_size
-    if len(ids) > block:
-        raise ValueError(f"the text has {len(ids)} tokens, more than the model's block_size={block}")
-    # special tokens, and the ids that pad the embedding beyond the tokenizer's vocabulary, are no answer
-    exclude = sorted({*special.values(), *range(tokenizer.vocab_size, model.config.vocab_size)})
-    # never ask topk for more tokens than remain
-    k = min(cfg.candidates, model.config.vocab_size - len(exclude))
-    fills = fill_mask(model, ids, positions, k, exclude)
-    best = list(ids)
-    # candidates are likeliest first: the best fill is the first one's id
-    for position, candidates in zip(positions, fills):
-        best[position] = candidates[0][0]
-    print(tokenizer.decode(best), file=out)
-    for n, candidates in enumerate(fills, 1):
-        print(f"{MASK} {n}: " + "  ".join(f"{tokenizer.decode([t])!r} {p:.3f}" for t, p in candidates), file=out)
-    return (ids,)
-
-
-def encode_masked(text, tokenizer, mask_id):
-    """(ids, positions of the masks) for text holding [MASK]s; each piece between them is encoded on its own."""
-    pieces = text.split(MASK)
-    if len(pieces) == 1:
-        raise ValueError(f'an encoder fills in masks: put {MASK} in --start, e.g. --start "To be or {MASK} to be"')
-    # positions: where each mask id lands in ids
-    ids, positions = tokenizer.encode(pieces[0]), []
-    for piece in pieces[1:]:
-        positions.append(len(ids))
-        ids += [mask_id, *tokenizer.encode(piece)]
-    return ids, positions
-
-
-def fill_mask(model, ids, positions, k, exclude):
-    """
-    The k likeliest (token id, probability) pairs at each masked position of ids.
-    exclude: token ids never proposed (special tokens, and ids the tokenizer cannot decode).
-    """
-    idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
-    # model(idx) is (logits, loss); .float(): probabilities in full precision under autocast
-    logits = model(idx)[0][0, positions].float()  # (masks, V)
-    # -inf: softmax gives them probability 0, so topk never proposes them
-    logits[:, exclude] = float("-inf")
-    probs, tokens = logits.softmax(dim=-1).topk(k, dim=-1)
-    return [list(zip(t.tolist(), p.tolist())) for t, p in zip(tokens, probs)]
 
 
 # -----------------------------------------------------------------------------
@@ -410,7 +161,7 @@ def token_ticks(labels):
 
 
 def check_options(cfg, task):
-    """Refuse options that the model's task (a data.Task) does not use, rather than ignore them silently."""
+    """Refuse options that the model's task (a tasks.Task) does not use, rather than ignore them silently."""
     for other in TASKS.values():
         # options have defaults, so only a changed value is a request
         given = [
@@ -437,9 +188,6 @@ def main(cfg, out=None):
     task = make_task(task, model.config.arch, meta)
     check_options(cfg, task)
     # no_grad: no graph kept while generating; autocast: matmuls in cfg's dtype
-    if cfg.chat:
-        with autocast(device, dtype):
-            return chat(model, tokenizer, meta, cfg, out)
     with torch.no_grad(), autocast(device, dtype):
         inputs = task.sample(model, tokenizer, text, cfg, out)
         if cfg.attention:

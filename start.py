@@ -10,35 +10,37 @@ dataset's meta) returning a Start; start_run() picks one by init_from:
 
 Weights from a checkpoint or Hugging Face decide the model's settings: the Start's settings carry them. A new run
 from such weights is then fitted to its data (fit_to_data): the vocabulary grown for chat tokens beyond the model's,
-and the converter its settings ask for applied (TrainConfig.model_converter: adapters on a frozen base). Once the
+and the converter its settings ask for applied (converters/: LoRA's adapters on a frozen base). Once the
 model is on its devices and the optimizers exist, restore() puts a resume's state back, in one place. load_model
 gives sample.py, eval.py and export.py the same sources as models in eval mode: a checkpoint (ours, a converted
 run's made plain, nanoGPT's) or Hugging Face weights.
 """
 
 import contextlib
+import hashlib
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+import converters
+import hf
 import tokens
+from chat import grow_vocabulary
 from checkpoint import (
-    converter_settings,
     is_checkpoint,
     kept_weights,
     load_checkpoint,
     load_sharded,
     nanogpt_meta,
     run_checkpoint,
-    saved_converter,
     set_rng_state,
 )
 from config import ConfigError, read_config_file
-from data import Task, make_task
 from log import log, one_line
 from model import MODEL_KEYS, ModelConfig, Stack, build_model
+from tasks import Task, make_task
 
 CONFIGS = Path(__file__).resolve().parent / "configs"  # the shipped configs, to name one that fits a checkpoint
 
@@ -52,7 +54,7 @@ class Start:
     task: Task
     meta: dict  # the tokenizer's meta that the run's checkpoints store (an encoder's includes its [MASK] id)
     ckpt: dict | None = None  # resume: the checkpoint it goes on from (a sharded one without its tensors)
-    converter: object = None  # what fit_to_data or the checkpoint applied to the model (TrainConfig.model_converter)
+    converter: object = None  # what fit_to_data or the checkpoint applied to the model (a converters.Converter)
 
 
 def start_run(cfg, meta, lazy=False):
@@ -119,11 +121,11 @@ def resume(cfg, meta, lazy):
     # the checkpoint's settings completed with today's defaults: a checkpoint older than a setting lacks it
     config = ModelConfig.from_dict(ckpt["model_config"])
     # the checkpoint's settings win: its weights fit only the architecture they were trained in, a converter's
-    # state only its own settings (checkpoint.converter_settings)
+    # state only its own settings (Converter.run_settings)
     cfg = with_model_settings(cfg, config, "resuming with the checkpoint's model settings")
-    cfg = with_saved_settings(
-        cfg, converter_settings(ckpt), asdict(cfg), "resuming with the checkpoint's fine-tuning settings"
-    )
+    converter = converters.saved(ckpt, cfg)
+    fine_tuning = converter.run_settings() if converter else {"converter": "", "lora_rank": 0}
+    cfg = with_saved_settings(cfg, fine_tuning, asdict(cfg), "resuming with the checkpoint's fine-tuning settings")
     averaged = "average" in (ckpt["sharded_keys"] if "sharded" in ckpt else ckpt)
     if averaged and not cfg.ema_decay and not cfg.eval_only:
         log("note: training goes on from the un-averaged weights; their average is dropped (ema_decay=0)")
@@ -135,9 +137,8 @@ def resume(cfg, meta, lazy):
     )
     # a resumed run keeps the checkpoint's meta, which already has an encoder's [MASK] id
     task = task_of(cfg, meta)
-    converter = saved_converter(ckpt, cfg)
-    if converter is not None:  # its base, checked against the fingerprint taken when the run began, converted again
-        return Start(cfg, converter.adapted_model(ckpt).train(), task, ckpt["meta"], ckpt, converter)
+    if converter is not None:  # its base (checked against its fingerprint where it is partial), converted again
+        return Start(cfg, converted_model(converter, ckpt).train(), task, ckpt["meta"], ckpt, converter)
     with torch.device("meta") if lazy and "sharded" in ckpt else contextlib.nullcontext():
         model = build_model(config)
     if "sharded" not in ckpt:
@@ -247,8 +248,6 @@ def from_pretrained(cfg, meta):
             f"init_from={name} needs data in the model's token ids: a GPT-2 BPE dataset (e.g. dataset='shakespeare') "
             "for GPT-2, else one prepared with its tokenizer.json (--tokenizer)"
         )
-    import hf  # imported here: only Hugging Face weights need it
-
     try:
         if not folder.is_dir():
             # a hub id: its config.json and tokenizer.json come down with the weights (or from the local cache)
@@ -290,16 +289,14 @@ def fit_to_data(begin, meta):
     """
     A new run's Start from other weights (a checkpoint, Hugging Face's), fitted to its data (meta): a GPT's token
     embedding (and untied head) grown to the data's vocabulary where its chat tokens lie beyond the model's (see
-    chat.grow_vocabulary), then the converter the run's settings ask for applied (TrainConfig.model_converter).
+    chat.grow_vocabulary), then the converter the run's settings ask for applied (converters.for_new_run).
     """
     cfg, model = begin.cfg, begin.model
     base_vocab = model.config.vocab_size
-    # taken before the vocabulary grows: a converter records the base as it will load it again to resume or sample
-    converter = cfg.model_converter(model, meta)
+    # taken before the vocabulary grows: a converter records the base as load_base will load it to resume or sample
+    converter = converters.for_new_run(cfg, model, meta, base_record(cfg.init_from, model))
     # only chat data (a GPT's) has ids beyond its model's: other data shares its checkpoint's tokenizer (other_ids)
     if meta["vocab_size"] > base_vocab:
-        from chat import grow_vocabulary  # imported here: only chat fine-tunes grow a vocabulary
-
         grow_vocabulary(model, meta["vocab_size"])
         head = "" if model.lm_head.weight is model.body.wte.weight else " and head"
         log(
@@ -385,7 +382,7 @@ def load_whole_optimizer_state(model, optimizer, state):
 def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False):
     """
     (model in eval mode on device, its Tokenizer, its data's meta, the name of its task: its run's task setting, else
-    "auto", for data.make_task) for sampling and evaluation. init_from: "resume"
+    "auto", for tasks.make_task) for sampling and evaluation. init_from: "resume"
     (out_dir/checkpoint), a checkpoint file or sharded folder (ours or nanoGPT's; dataset names the prepared data
     of a nanoGPT character-level model's characters), else Hugging Face weights (a hub id or a folder). compile:
     torch.compile the layer stacks, which generation calls.
@@ -403,8 +400,6 @@ def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False
         except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit
             raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
     else:
-        import hf  # imported here: only Hugging Face weights need it
-
         folder = Path(init_from).expanduser()
         if not folder.is_dir():
             # a hub id: its config.json and tokenizer.json come down with the weights (or from the local cache)
@@ -433,13 +428,79 @@ def load_configured(cfg, device):
 def model_from_checkpoint(ckpt, **overrides):
     """
     The model a loaded checkpoint describes, with its weights, in eval mode. overrides: ModelConfig fields that
-    keep the weights, such as dropout for a new run from them. A converted run's checkpoint (saved_converter): its
+    keep the weights, such as dropout for a new run from them. A converted run's checkpoint (converters.saved): its
     model made plain, as sample.py, eval.py and export.py use it.
     """
-    converter = saved_converter(ckpt)
+    converter = converters.saved(ckpt)
     if converter is not None:
-        return converter.plain_model(ckpt, **overrides)
+        return converter.plain(converted_model(converter, ckpt, **overrides))
     # the architecture from the saved settings, then its weights: load_state_dict is strict, so a mismatch raises
     model = build_model(ModelConfig.from_dict({**ckpt["model_config"], **overrides}))
     model.load_state_dict(kept_weights(ckpt))
     return model.eval()
+
+
+def converted_model(converter, ckpt, **overrides):
+    """
+    A converted run's model, to train on, made again from its checkpoint: on its base (a partial converter's, as
+    load_base loads it) or on a model of its settings, with the run's own dropout (which may differ from the base's).
+    """
+    overrides = {"dropout": ckpt["model_config"]["dropout"], **overrides}
+    if converter.partial:
+        base = load_base(converter.record["base"], **overrides)
+    else:
+        base = build_model(ModelConfig.from_dict({**ckpt["model_config"], **overrides}))
+    return converter.restore(base, ckpt)
+
+
+# -----------------------------------------------------------------------------
+# The base model of a partial converter (LoRA's adapters): recorded when the run starts, loaded and checked again
+
+
+def base_record(init_from, base):
+    """What a run records of the model it starts from: where it was loaded from, its settings and a fingerprint."""
+    where = Path(init_from).expanduser()
+    return {
+        "source": "checkpoint" if is_checkpoint(where) else "pretrained",
+        # absolute, so that sample.py finds it from any folder; a hub id as it is
+        "init_from": str(where.resolve()) if where.exists() else init_from,
+        "model_config": asdict(base.config),
+        "fingerprint": fingerprint(base),
+    }
+
+
+def fingerprint(model):
+    """
+    A cheap fingerprint of a model's weights (16 hex digits): names, shapes and 4,096 evenly spaced values of each
+    tensor. A partial converter's checkpoint keeps its base's, to refuse a base that changed since.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().flatten()
+        sample = flat[:: max(1, flat.numel() // 4096)][:4096].float().cpu().contiguous()
+        digest.update(f"{name}{tuple(tensor.shape)}".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def load_base(base, **overrides):
+    """
+    The plain model a partial converter's state was trained on, from base (base_record's record of it): a checkpoint
+    file or folder, or Hugging Face weights. ConfigError with one line if it is gone or has changed since.
+    """
+    where = base["init_from"]
+    fix = "put it back, or fine-tune again from the base you have"
+    if base["source"] == "checkpoint":
+        if not is_checkpoint(where):
+            raise ConfigError(f"the adapters' base checkpoint {where} is not there (moved or deleted?): {fix}")
+        model = model_from_checkpoint(load_checkpoint(where), **overrides)
+    else:  # a folder or a hub id, cut to the positions the run used, as from_pretrained did
+        if Path(where).is_absolute() and not Path(where).is_dir():
+            raise ConfigError(f"the adapters' base folder {where} is not there (moved or deleted?): {fix}")
+        model = hf.from_pretrained(where, **{"block_size": base["model_config"]["block_size"], **overrides})
+    if (found := fingerprint(model)) != base["fingerprint"]:
+        raise ConfigError(
+            f"the adapters' base {where} has changed since they were trained on it (its weights' fingerprint is "
+            f"{found}, not {base['fingerprint']}): {fix}"
+        )
+    return model

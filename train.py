@@ -12,7 +12,8 @@ shared out over the ranks, so a config means the same optimisation on one device
 
 The file reads top to bottom in the order a run goes: TrainConfig (every setting), main (the loop), setup (the
 stages before the first step), train_step (one optimizer step, then the helpers it calls, in that order),
-evaluation and saving, the command line. Beside it: data.py (the tasks and their batches), start.py (how a run
+evaluation and saving, the command line. Beside it: tasks/ (what is trained: a task's batches,
+loss and evaluation, one file each), data.py (the dataset and the stream of batches), start.py (how a run
 starts or resumes), runtime.py (devices, ranks, FSDP or DDP), log.py (what a run prints and logs), checkpoint.py
 (what is saved); compiling.py (torch.compile) where a run compiles.
 """
@@ -27,7 +28,7 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+import converters
 import tokens
 from checkpoint import (
     all_finite,
@@ -48,7 +50,7 @@ from checkpoint import (
     weights_state,
 )
 from config import ConfigError, given_values, make_config
-from data import TASKS, Task, TrainBatches, count_targets, find_dataset, micro_seeds, pinned
+from data import TrainBatches, count_targets, find_dataset, micro_seeds, pinned
 from log import Clock, Progress, Scalars, Step, log, log_memory, one_line, state_bytes
 from model import (
     LOSS_CHUNK_BYTES,
@@ -76,6 +78,7 @@ from runtime import (
     split_accumulation,
 )
 from start import restore, resumed_settings, start_run
+from tasks import TASKS, Task
 
 
 @dataclass
@@ -104,8 +107,8 @@ class TrainConfig(ModelSettings):
     data_options: dict = field(default_factory=dict)  # prepare_data.py options, e.g. {'input': 'x.tsv'}; CLI's merge in
     gradient_accumulation_steps: int = 40  # micro-batches per step over all ranks together: a multiple of the ranks
     batch_size: int = 12  # sequences per micro-batch per rank
-    # task (data.py)
-    task: str = "auto"  # a name in data.TASKS; 'auto': the architecture's for the data (lm, masked_lm, seq2seq, chat)
+    # task (tasks/)
+    task: str = "auto"  # a task's name (tasks/); 'auto': the architecture's for the data (lm, masked_lm, seq2seq, chat)
     mask_prob: float = 0.15  # encoder: fraction of tokens to predict; 80% shown as [MASK], 10% random, 10% unchanged
     label_smoothing: float = 0.0  # 0.1 in the 2017 paper; evaluation losses are always plain cross-entropy
     eval_accuracy_examples: int = 200  # val pairs (or chat replies with exact answers) greedily decoded: exact match
@@ -120,7 +123,10 @@ class TrainConfig(ModelSettings):
     beta2: float = 0.95  # AdamW beta2
     grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping (the norm is logged either way)
     ema_decay: float = 0.0  # evaluate, save and sample a moving average of the weights (e.g. 0.99); 0: off
-    # LoRA: fine-tune decoder-only weights (init_from) that stay frozen, through small adapters (lora.py)
+    # converters (converters/): rewrites of the model before training, LoRA's adapters on frozen weights among them
+    converter: str = ""  # a converter's name; "": none, or "lora" where lora_rank > 0 (converters/lora.py)
+    converter_options: dict = field(default_factory=dict)  # the settings of a converter that has no fields here
+    # LoRA: fine-tune decoder-only weights (init_from) that stay frozen, through small adapters (converters/lora.py)
     lora_rank: int = 0  # > 0: train rank-r adapters beside the weights, which stay frozen; 0: off, train every weight
     lora_alpha: float = 16.0  # the adapters' update is scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0  # dropout on the adapters' input (e.g. 0.05 on little data)
@@ -210,25 +216,11 @@ class TrainConfig(ModelSettings):
             raise ConfigError("mask_prob must be in (0, 1) and label_smoothing in [0, 1)")
         if self.lr_schedule == "noam" and self.warmup_iters < 1:
             raise ConfigError("lr_schedule='noam' needs warmup_iters >= 1 (4000 in the paper)")
-        if any(getattr(self, f.name) != f.default for f in fields(self) if f.name.startswith("lora_")):
-            from lora import check_settings  # imported here: only runs that change LoRA's settings need it
-
-            check_settings(self)
+        converters.check(self)
         try:  # the model settings, checked now rather than after the data is prepared
             self.model_config(vocab_size=1)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-
-    def model_converter(self, base, meta):
-        """
-        What these settings convert a new run's model into, applied to `base` (as loaded, on data of this meta) before
-        it is spread over the ranks: with lora_rank, LoRA adapters on it, frozen (lora.LoRA); else None.
-        """
-        if not self.lora_rank:
-            return None
-        from lora import LoRA  # imported here: only LoRA runs use it
-
-        return LoRA.for_new_run(self, base, meta)
 
     def model_config(self, vocab_size, pad_token_id=None):
         """The ModelConfig these settings describe, for a vocabulary of vocab_size ids."""
@@ -250,7 +242,7 @@ class Run:
     ema_pairs: tuple  # with a weight average: (its parameters, the trained ones), for update_ema; else ()
     optimizers: dict  # {name: optimizer}: {"adamw": AdamW}, with optimizer='muon' also "muon": Muon
     scaler: torch.amp.GradScaler
-    task: Task  # what is trained: its batches, loss and evaluation extras (data.py)
+    task: Task  # what is trained: its batches, loss and evaluation extras (tasks/)
     batches: TrainBatches  # the training stream
     splits: dict  # "train" and "val" data, as the task's batch() reads them
     meta: dict  # the tokenizer's meta, as checkpoints store it
@@ -259,7 +251,7 @@ class Run:
     host_group: object  # a gloo group for numbers the host already has; None in one process
     clock: Clock  # the run's training time, which max_minutes budgets
     schedule: "Schedule"  # the learning rate of each step (defined with train_step below)
-    converter: object = None  # what the model was converted into (TrainConfig.model_converter), or None
+    converter: object = None  # what the model was converted into (a converters.Converter), or None
     start_iter: int = 0
     best_val_loss: float = math.inf  # the val loss of best.pt's evaluation
     best_accuracy: float | None = None  # its exact match, where the data has exact answers (which then choose best.pt)

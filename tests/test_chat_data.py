@@ -13,11 +13,12 @@ import pytest
 import tiktoken
 import torch
 
-import data
 import prepare_data
 from config import ConfigError
 from model import IGNORE_INDEX, ModelConfig, build_model
 from prepare_data import prepare
+from tasks import make_task
+from tasks.chat import Chat, chat_batch, chat_rows, padding_fraction
 from tokens import Tokenizer, check_prepared, final_reply, load_conversations, load_meta
 
 GOOD = [
@@ -121,7 +122,7 @@ def test_loss_mask_by_hand(tmp_path):
     conversations = load_conversations(folder, split)
     assert conversations[row][1].tolist() == mask
     # the batch: inputs ids[:-1], targets ids[1:] where the next id is learned
-    inputs, targets = data.chat_batch(conversations, [row])
+    inputs, targets = chat_batch(conversations, [row])
     expected = [i if m else IGNORE_INDEX for i, m in zip(ids[1:], mask[1:])]
     assert inputs.tolist() == [ids[:-1]] and targets.tolist() == [expected]
     # exact match asks for the last reply after everything before it, up to <assistant>
@@ -320,15 +321,15 @@ def chat_dir(tmp_path_factory):
 
 def test_chat_batches_match_an_explicit_loop(chat_dir):
     meta = load_meta(chat_dir)
-    task = data.make_task("auto", "gpt", meta)
-    assert isinstance(task, data.Chat) and task.varying and task.pad_id is None
+    task = make_task("auto", "gpt", meta)
+    assert isinstance(task, Chat) and task.varying and task.pad_id is None
     assert task.model_vocab == meta["vocab_size"]
     split = task.load_split(chat_dir, "train", 64)
     conversations = split.conversations
     lengths = np.diff(conversations.index)
     for seed in range(5):
         (inputs,), targets = task.batch(split, 8, 64, torch.Generator().manual_seed(seed))
-        rows = data.chat_rows(split, 8, torch.Generator().manual_seed(seed))
+        rows = chat_rows(split, 8, torch.Generator().manual_seed(seed))
         # neighbours in length order: at most one step back, where the order wraps around
         assert sum(np.diff(lengths[rows]) < 0) <= 1
         T = max(lengths[rows]) - 1
@@ -346,7 +347,7 @@ def test_chat_batches_match_an_explicit_loop(chat_dir):
 
 def test_a_micro_batch_depends_on_its_seed_only(chat_dir):
     meta = load_meta(chat_dir)
-    task = data.make_task("auto", "gpt", meta)
+    task = make_task("auto", "gpt", meta)
     split = task.load_split(chat_dir, "train", 64)
 
     def batch(seed):
@@ -362,23 +363,23 @@ def test_a_micro_batch_depends_on_its_seed_only(chat_dir):
 
 def test_padding_fraction_counts_every_start(chat_dir):
     meta = load_meta(chat_dir)
-    task = data.make_task("auto", "gpt", meta)
+    task = make_task("auto", "gpt", meta)
     split = task.load_split(chat_dir, "val", 64)
     n, B = len(split.order), 6
     padding = positions = 0
     for start in range(n):
         rows = [split.order[(start + i) % n] for i in range(B)]
-        inputs, targets = data.chat_batch(split.conversations, rows)
+        inputs, targets = chat_batch(split.conversations, rows)
         positions += inputs.numel()
         padding += inputs.numel() - task.count_tokens((inputs,), targets)
-    assert data.padding_fraction(split, B) == pytest.approx(padding / positions)
+    assert padding_fraction(split, B) == pytest.approx(padding / positions)
 
 
 def test_chat_data_fits_block_size_or_says_so(chat_dir, capsys):
     meta = load_meta(chat_dir)
     lengths = np.diff(load_conversations(chat_dir, "train").index)
     block = int(np.median(lengths))
-    task = data.make_task("auto", "gpt", meta)
+    task = make_task("auto", "gpt", meta)
     split = task.load_split(chat_dir, "train", block)
     assert sorted(split.order.tolist()) == np.flatnonzero(lengths <= block + 1).tolist()
     assert "do not fit block_size" in capsys.readouterr().out
@@ -386,7 +387,7 @@ def test_chat_data_fits_block_size_or_says_so(chat_dir, capsys):
         task.load_split(chat_dir, "train", 2)
     for arch in ("encoder", "encoder_decoder"):
         with pytest.raises(ConfigError, match="only arch=gpt"):
-            data.make_task("auto", arch, meta)
+            make_task("auto", arch, meta)
 
 
 # ----------------------------------------------------------------------------- the Shakespeare quiz
@@ -483,7 +484,7 @@ def test_shakespeare_chat_is_deterministic_held_out_and_right(tmp_path, shakespe
 
 def test_compile_tries_the_graph_that_conversations_of_any_length_reuse(chat_dir):
     """compile's trial on the task's example batch builds one dynamic graph: real batches, shorter, compile nothing."""
-    task = data.make_task("auto", "gpt", load_meta(chat_dir))
+    task = make_task("auto", "gpt", load_meta(chat_dir))
     split = task.load_split(chat_dir, "train", 64)
     model = build_model(ModelConfig(vocab_size=task.model_vocab, block_size=64, n_layer=1, n_head=2, n_embd=16))
     torch._dynamo.reset()

@@ -16,9 +16,11 @@ import prepare_data
 import tokens
 import train
 from checkpoint import load_checkpoint
-from data import MaskedLM, mask_tokens
 from hf import from_pretrained, pretrained_meta
 from start import model_from_checkpoint
+from tasks.hellaswag import HELLASWAG_URL, ending_logprobs, hellaswag_sequences, read_hellaswag
+from tasks.lm import lm_loss, window_starts
+from tasks.masked_lm import MaskedLM, mask_tokens
 
 # train.py's settings for a real checkpoint in a second or two: 2 layers, 32 wide, 32 positions
 TINY = dict(
@@ -219,14 +221,12 @@ def test_lm_loss_and_bits_per_byte_equal_a_float64_loop(gpt_dir):
     lengths = tokens.token_byte_lengths(wide)
     block = model.config.block_size
     for stride, batch_size in ((block, 1), (block, 3), (5, 4), (block // 2, 16)):
-        counts = evaluation.lm_loss(
-            model, np.array(ids), lengths, block_size=block, stride=stride, batch_size=batch_size
-        )
+        counts = lm_loss(model, np.array(ids), lengths, block_size=block, stride=stride, batch_size=batch_size)
         nats = reference_nats(model, ids, block, stride)
         assert counts["tokens"] == len(ids) - 1  # every token but the first, once
         assert counts["bytes"] == len(text.encode("utf-8")) - 1  # the first character is one byte
         assert counts["nats"] == pytest.approx(math.fsum(nats), rel=1e-5)
-        assert counts["windows"] == len(evaluation.window_starts(len(ids), block, stride))
+        assert counts["windows"] == len(window_starts(len(ids), block, stride))
         bits_per_byte = math.fsum(nats) / math.log(2) / sum(len(c.encode("utf-8")) for c in text[1:])
         assert counts["nats"] / math.log(2) / counts["bytes"] == pytest.approx(bits_per_byte, rel=1e-5)
 
@@ -355,15 +355,15 @@ def reference_hellaswag(model, tokenizer, block_size):
 def test_hellaswag_equals_a_per_token_loop(gpt_dir, capsys, tmp_path):
     model, tokenizer, _ = load(gpt_dir)
     path = write_jsonl(tmp_path / "hellaswag_val.jsonl", HELLASWAG)
-    items = evaluation.read_hellaswag(path)
+    items = read_hellaswag(path)
     assert [item.context for item in items] == CONTEXTS and [item.label for item in items] == [0, 0, 3, 2, 1]
     lls, acc, acc_norm = reference_hellaswag(model, tokenizer, 32)
-    sequences, cut = evaluation.hellaswag_sequences(items, tokenizer, 32, path)
+    sequences, cut = hellaswag_sequences(items, tokenizer, 32, path)
     # one character a token: an item is cut when a context, a space and an ending exceed 33 characters
     assert cut == sum(any(len(c) + 1 + len(e) > 33 for e in item["endings"]) for c, item in zip(CONTEXTS, HELLASWAG))
     assert 0 < cut < len(HELLASWAG)
     for batch_size in (1, 8, 12):
-        scores = evaluation.ending_logprobs(model, sequences, batch_size=batch_size).view(-1, 4)
+        scores = ending_logprobs(model, sequences, batch_size=batch_size).view(-1, 4)
         torch.testing.assert_close(scores, lls, rtol=1e-5, atol=1e-5)
 
     result = run_json(capsys, "--out_dir", gpt_dir, "--task=hellaswag", "--input", path, "--batch_size=2")
@@ -490,7 +490,7 @@ def test_bad_hellaswag_files_name_the_line_and_field(gpt_dir, capsys, tmp_path):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("NANOFORMER_DATA_MIRROR", str(tmp_path / "nowhere"))
         err = bad(capsys, "--out_dir", gpt_dir, "--task=hellaswag")
-    assert evaluation.HELLASWAG_URL in err and "--input" in err
+    assert HELLASWAG_URL in err and "--input" in err
 
 
 def test_wrong_architecture_missing_split_and_other_mistakes(gpt_dir, encoder_dir, seq2seq_dir, capsys, tmp_path):

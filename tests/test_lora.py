@@ -1,6 +1,6 @@
-"""LoRA (lora.py) and how a fine-tune starts (start.fit_to_data): adapters against the explicit low-rank product,
-merged against unmerged, a frozen base, adapter checkpoints and their base, exact resume, DDP and FSDP, and the
-vocabulary grown for chat tokens."""
+"""LoRA (converters/lora.py) and how a fine-tune starts (start.fit_to_data): adapters against the explicit low-rank
+product, merged against unmerged, a frozen base, adapter checkpoints and their base, exact resume, DDP and FSDP, and
+the vocabulary grown for chat tokens."""
 
 import copy
 import re
@@ -14,22 +14,23 @@ import torch
 import torch.nn as nn
 from tiny_run import TINY, tiny
 
-import data
+import converters
+import converters.lora as lora
 import export
 import hf
-import lora
 import prepare_data
 import sample
 import start
 import tokens
 import train
 from chat import grow_vocabulary
-from checkpoint import load_checkpoint, saved_converter
+from checkpoint import load_checkpoint
+from converters.lora import LoRALinear, LoRASettings, add_adapters, merge
 from generate import generate
-from lora import LoRALinear, LoRASettings, add_adapters, merge
 from model import MODEL_KEYS, ModelConfig, build_model
 from runtime import Models, Runtime
 from start import load_model, model_from_checkpoint
+from tasks.lm import CausalLM
 from train import TrainConfig, main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,7 +56,7 @@ def with_random_updates(model, seed=0):
 
 def unmerged_model(ckpt):
     """A LoRA checkpoint's model with its adapters apart, as a resume trains it."""
-    return saved_converter(ckpt).adapted_model(ckpt)
+    return start.converted_model(converters.saved(ckpt), ckpt)
 
 
 def adapter_names(model):
@@ -167,7 +168,7 @@ def test_only_the_adapters_change_and_only_they_have_gradients_and_optimizer_sta
     for _ in range(3):
         models = Models(raw=model, step=model)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
-        train.accumulate_gradients(models, data.CausalLM({}), batches, 128, scaler, Runtime())
+        train.accumulate_gradients(models, CausalLM({}), batches, 128, scaler, Runtime())
         assert all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
         train.update_weights(model, optimizers, torch.amp.GradScaler("cpu", enabled=False), grad_clip=1.0)
     trained = dict(model.named_parameters())
@@ -181,8 +182,9 @@ def test_only_the_adapters_change_and_only_they_have_gradients_and_optimizer_sta
 
 def test_a_lora_run_saves_small_adapters_that_name_their_base(lora_run, base, capsys):
     ckpt, best = load_checkpoint(lora_run / "ckpt.pt"), load_checkpoint(lora_run / "best.pt")
-    assert (ckpt["format_version"], best["format_version"]) == (5, 4) and ckpt["lora"] == best["lora"]
-    record = ckpt["lora"]
+    assert (ckpt["format_version"], best["format_version"]) == (6, 6) and ckpt["converter"] == best["converter"]
+    assert ckpt["converter"]["name"] == "lora"
+    record = ckpt["converter"]["record"]
     assert {k: record[k] for k in ("rank", "alpha", "targets", "token_rows")} == {
         "rank": 4,
         "alpha": 8.0,
@@ -191,7 +193,7 @@ def test_a_lora_run_saves_small_adapters_that_name_their_base(lora_run, base, ca
     }
     base_model = model_from_checkpoint(load_checkpoint(base))
     assert record["base"]["source"] == "checkpoint" and record["base"]["init_from"] == str(base.resolve())
-    assert record["base"]["fingerprint"] == lora.fingerprint(base_model)
+    assert record["base"]["fingerprint"] == start.fingerprint(base_model)
     assert all(k.endswith(("lora_a", "lora_b")) for k in ckpt["weights"])
     # AdamW's state covers the adapters and nothing else
     state = ckpt["optimizers"]["adamw"]["state"]
@@ -232,7 +234,7 @@ def test_a_resume_takes_the_checkpoints_lora_settings(data_root, lora_run, tmp_p
     out = shutil.copytree(lora_run, tmp_path / "run")
     main(tiny(data_root, out, init_from="resume", max_iters=5, lora_rank=8))
     assert "note: resuming with the checkpoint's fine-tuning settings: lora_rank=4" in capsys.readouterr().out
-    assert load_checkpoint(out / "ckpt.pt")["lora"]["rank"] == 4
+    assert load_checkpoint(out / "ckpt.pt")["converter"]["record"]["rank"] == 4
 
 
 # -----------------------------------------------------------------------------
@@ -307,7 +309,7 @@ def test_lora_on_a_hugging_face_folder(llama_dir, tmp_path, capsys):
     data = prepare_data.prepare("shakespeare", data_dir=tmp_path / "data", tokenizer=str(folder))
     settings = dict(dataset=data.name, data_dir=str(tmp_path / "data"), init_from=str(folder), **LORA)
     main(tiny(str(tmp_path / "data"), tmp_path / "run", **{**settings, "block_size": 16, "max_iters": 4}))
-    record = load_checkpoint(tmp_path / "run" / "ckpt.pt")["lora"]
+    record = load_checkpoint(tmp_path / "run" / "ckpt.pt")["converter"]["record"]
     assert record["base"]["source"] == "pretrained" and record["base"]["model_config"]["block_size"] == 16
     merged, _, _, _ = load_model("resume", out_dir=str(tmp_path / "run"), checkpoint="", dataset="", device="cpu")
     unmerged = unmerged_model(load_checkpoint(tmp_path / "run" / "ckpt.pt")).eval()
@@ -437,7 +439,7 @@ def test_a_lora_chat_fine_tune_of_a_character_model_trains_the_chat_rows_and_res
     second = main(tiny(chat_root, tmp_path / "b", **{**chat, "init_from": "resume"}))
     assert {**first["losses"], **second["losses"]} == straight["losses"] and "accuracy" in straight["evals"][-1]
     ckpt = load_checkpoint(tmp_path / "a" / "ckpt.pt")
-    assert ckpt["lora"]["token_rows"] == [65, 66, 67, 68] and ckpt["model_config"]["vocab_size"] == 69
+    assert ckpt["converter"]["record"]["token_rows"] == [65, 66, 67, 68] and ckpt["model_config"]["vocab_size"] == 69
     # the run keeps the chat data's meta: its markers and template, for sample.py --chat
     assert ckpt["meta"]["chat"] == {"template": "builtin"} and ckpt["meta"]["special_tokens"]["end_of_turn"] == 68
     model, _, meta, _ = load_model(
@@ -494,7 +496,8 @@ def test_hugging_face_gpt2_grows_to_the_chat_tokens(chat_root, tmp_path, capsys)
     main(tiny(chat_root, tmp_path / "run", batch_size=4, eval_accuracy_examples=0, **settings))
     assert "the token embedding grown from 50,257 to 50,261 ids" in capsys.readouterr().out
     ckpt = load_checkpoint(tmp_path / "run" / "ckpt.pt")
-    assert ckpt["lora"]["token_rows"] == [50257, 50258, 50259, 50260] and ckpt["model_config"]["vocab_size"] == 50261
+    assert ckpt["converter"]["record"]["token_rows"] == [50257, 50258, 50259, 50260]
+    assert ckpt["model_config"]["vocab_size"] == 50261
     # merged: GPT-2's own rows untouched, the head still tied to them
     model, _, _, _ = load_model("resume", out_dir=str(tmp_path / "run"), checkpoint="", dataset="", device="cpu")
     gpt2 = transformers.GPT2LMHeadModel.from_pretrained(folder)

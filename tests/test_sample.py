@@ -20,6 +20,7 @@ import checkpoint
 import prepare_data
 import sample
 import start
+import tasks.lm
 import tokens
 import train
 from config import parse_config
@@ -235,13 +236,13 @@ def test_top_p_samples_only_from_the_nucleus(gpt_dir, capsys):
 
 
 def test_cached_and_uncached_give_the_same_samples(gpt_dir, capsys, monkeypatch):
-    used, generate_stream = [], sample.generate_stream
+    used, generate_stream = [], tasks.lm.generate_stream
 
     def spy(*args, **options):
         used.append(options["use_cache"])
         return generate_stream(*args, **options)
 
-    monkeypatch.setattr(sample, "generate_stream", spy)
+    monkeypatch.setattr(tasks.lm, "generate_stream", spy)
     # 60 new tokens run past block_size=32: the context window slides, and both paths must agree about it
     args = ("--out_dir", gpt_dir, "--start", "ROMEO:", "--num_samples=2", "--max_new_tokens=60", "--temperature=1.0")
     code, cached, _ = cli(capsys, *args)
@@ -252,7 +253,7 @@ def test_cached_and_uncached_give_the_same_samples(gpt_dir, capsys, monkeypatch)
 
 def test_bfloat16_autocast(gpt_dir, capsys, monkeypatch):
     """--dtype=bfloat16 generates under CPU autocast to bfloat16: its Linears give bfloat16 outputs; float32 none."""
-    outputs, generate_stream = [], sample.generate_stream
+    outputs, generate_stream = [], tasks.lm.generate_stream
 
     def spy(model, *args, **options):
         # what a Linear of the model gives while the tokens are generated, inside sample.py's autocast context
@@ -260,7 +261,7 @@ def test_bfloat16_autocast(gpt_dir, capsys, monkeypatch):
         yield from generate_stream(model, *args, **options)
         hook.remove()
 
-    monkeypatch.setattr(sample, "generate_stream", spy)
+    monkeypatch.setattr(tasks.lm, "generate_stream", spy)
     args = ("--out_dir", gpt_dir, "--start", "ROMEO:", "--max_new_tokens=20", "--temperature=0", "--device=cpu")
     for dtype in ("bfloat16", "float32"):
         outputs.clear()
@@ -413,7 +414,7 @@ def test_streaming_never_prints_half_a_character():
     assert any("\ufffd" in tokenizer.decode([token]) for token in new)  # some tokens hold part of a character
     steps = (torch.tensor([[token]]) for token in [*new, tokens.GPT2_META["special_tokens"]["eot"], 0])
     out = Terminal()
-    sample.print_stream(steps, prompt, tokenizer, tokens.GPT2_META["special_tokens"]["eot"], out)
+    tasks.lm.print_stream(steps, prompt, tokenizer, tokens.GPT2_META["special_tokens"]["eot"], out)
     assert out.getvalue() == text + "\n"  # stopped at end-of-text, which is not printed
     assert "\ufffd" not in "".join(out.written)
 

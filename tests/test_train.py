@@ -40,11 +40,14 @@ import tokens
 import train
 from checkpoint import kept_weights, load_checkpoint, move_into_place, save_checkpoint
 from config import ConfigError, parse_config
-from data import CausalLM, MaskedLM, Seq2Seq, mask_tokens, seq2seq_batch
 from generate import translate
 from model import IGNORE_INDEX, LOSS_CHUNK_BYTES, MODEL_KEYS, Block, ModelConfig, build_model, loss_chunk_budget
 from runtime import Models, Runtime, split_accumulation
 from start import model_from_checkpoint, start_run
+from tasks.base import windows
+from tasks.lm import CausalLM
+from tasks.masked_lm import MaskedLM, mask_tokens
+from tasks.seq2seq import Seq2Seq, seq2seq_batch
 from train import (
     Schedule,
     TrainConfig,
@@ -565,7 +568,7 @@ def test_windows_start_wherever_a_whole_window_fits_and_evenly():
     (a false failure about once in 10^6), and hold consecutive tokens. A GPT batch is one window shifted by one.
     """
     n, length, draws = 10, 4, 28_000
-    drawn = data.windows(np.arange(n, dtype=np.uint16), draws, length, torch.Generator().manual_seed(0))
+    drawn = windows(np.arange(n, dtype=np.uint16), draws, length, torch.Generator().manual_seed(0))
     assert drawn.dtype == torch.int64 and torch.equal(drawn - drawn[:, :1], torch.arange(length).expand(draws, -1))
     counts, p = torch.bincount(drawn[:, 0], minlength=n).double(), 1 / (n - length + 1)
     assert (counts[n - length + 1 :] == 0).all()
@@ -911,7 +914,7 @@ def test_best_pt_is_the_best_exact_match_where_the_data_has_exact_answers(tmp_pa
     script_evaluations(monkeypatch, scripted)
     common = dict(max_iters=6, eval_interval=2, eval_accuracy_examples=4)
     for exact, best_at in ((True, 6), (False, 4)):
-        monkeypatch.setattr(data.CausalLM, "exact_answers", exact)
+        monkeypatch.setattr(CausalLM, "exact_answers", exact)
         main(tiny(data_root, tmp_path / str(exact), **common))
         best = load_checkpoint(tmp_path / str(exact) / "best.pt")
         assert best["iter_num"] == best_at and best["best_val_loss"] == scripted[best_at][0]
@@ -933,7 +936,7 @@ def test_a_best_pt_without_exact_match_is_replaced_only_by_a_lower_val_loss(tmp_
     """
     scripted = {0: (3.0, 0.0), 2: (2.0, 0.1), 4: (1.5, 0.1), 6: (1.8, 0.5), 8: (1.4, 0.3), 10: (1.6, 0.4)}
     script_evaluations(monkeypatch, scripted)
-    monkeypatch.setattr(data.CausalLM, "exact_answers", True)
+    monkeypatch.setattr(CausalLM, "exact_answers", True)
     main(tiny(data_root, tmp_path, max_iters=4, eval_interval=2, eval_accuracy_examples=0))
     assert load_checkpoint(tmp_path / "ckpt.pt")["best_accuracy"] is None
     best = {}
@@ -2643,7 +2646,7 @@ sys.path.insert(0, tests)
 from test_train import second_backward_fails
 import runtime
 from config import ConfigError
-from data import CausalLM
+from tasks.lm import CausalLM
 from model import ModelConfig, build_model
 from train import accumulate_gradients
 dist.init_process_group("gloo")

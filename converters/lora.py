@@ -24,20 +24,17 @@ checkpoints, FSDP's per-Block sharding, Muon's block_matrices and export all nam
 what this needs is the few hundred lines below.
 """
 
-import hashlib
 import math
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from chat import grow_vocabulary
-from checkpoint import is_checkpoint, load_checkpoint
 from config import ConfigError
+from converters.base import Converter
 from model import Block
-from start import model_from_checkpoint
 
 # which Linears of each block an adapter target names: (the block's submodule, its Linears); MLP's `up` is swiglu's
 TARGETS = {"attention": ("attn", ("qkv", "proj")), "mlp": ("mlp", ("fc", "up", "proj"))}
@@ -189,93 +186,74 @@ def merge(model):
     return model.requires_grad_(True)
 
 
-def fingerprint(model):
-    """
-    A cheap fingerprint of a model's weights (16 hex digits): names, shapes and 4,096 evenly spaced values of each
-    tensor. An adapter checkpoint keeps its base's, to refuse a base that changed since (a run that trained on).
-    """
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().flatten()
-        sample = flat[:: max(1, flat.numel() // 4096)][:4096].float().cpu().contiguous()
-        digest.update(f"{name}{tuple(tensor.shape)}".encode())
-        digest.update(sample.numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
 # -----------------------------------------------------------------------------
-# LoRA as a model converter: what start.py applies between building the model and spreading it over the ranks, and
-# what train.py and the checkpoints save, without asking whether it is LoRA
+# LoRA as a converter: what start.py applies between building the model and spreading it over the ranks, and what
+# train.py and the checkpoints save, without asking whether it is LoRA
 
 
-def check_settings(cfg):
-    """The lora_* settings' one-line errors (cfg: a TrainConfig): their values, and what LoRA does not combine with."""
-    targets = cfg.lora_targets.split(",")
-    if not set(targets) <= set(TARGETS) or len(set(targets)) < len(targets):
-        raise ConfigError(f"lora_targets={cfg.lora_targets!r} must be 'attention', 'mlp' or 'attention,mlp'")
-    if cfg.lora_alpha <= 0 or not 0 <= cfg.lora_dropout < 1:
-        raise ConfigError(
-            f"lora_alpha must be positive and lora_dropout in [0, 1), got {cfg.lora_alpha}, {cfg.lora_dropout}"
-        )
-    if not cfg.lora_rank:
-        return
-    if cfg.arch != "gpt":
-        raise ConfigError(
-            f"lora_rank is for fine-tuning decoder-only models (arch='gpt'), not arch={cfg.arch!r}: train an "
-            "encoder or an encoder-decoder whole (lora_rank=0)"
-        )
-    if cfg.init_from == "scratch":
-        raise ConfigError(
-            "lora_rank adapts trained weights, which init_from='scratch' has none of: give --init_from a "
-            "checkpoint, a nanoGPT checkpoint or a Hugging Face folder (or 'resume')"
-        )
-    if cfg.optimizer == "muon" or cfg.ema_decay:
-        raise ConfigError(
-            "lora_rank trains small adapters with AdamW: optimizer='muon' (whole matrices) and ema_decay (an "
-            "average of every weight) do not apply; use optimizer='adamw' and ema_decay=0"
-        )
-
-
-class LoRA:
+class LoRA(Converter):
     """
-    The converter of a LoRA run: its settings, and record, what the checkpoints keep of it under "lora": the
-    adapters' rank, alpha and targets, the token rows they train and their base (where it was loaded from, its model
-    settings, the fingerprint of its weights). Its checkpoints hold the adapters alone, as "weights" (state), one
-    file also under FSDP; a model is made of them again with adapted_model, or merged with plain_model.
+    The converter of a LoRA run (lora_rank > 0). Its record, what the checkpoints keep: the adapters' rank, alpha
+    and targets, the token rows they train and their base (start.py's record of it: where it was loaded from, its
+    model settings, the fingerprint of its weights). Its checkpoints hold the adapters alone, as "weights" (state),
+    one file also under FSDP; restore puts them on the base again, plain merges them into it.
     """
 
-    key = "lora"  # the checkpoints' entry of record
+    name, partial = "lora", True
 
-    def __init__(self, record, dropout=0.0):
-        self.record = record
+    def __init__(self, record, cfg=None):
+        super().__init__(record, cfg)
+        dropout = 0.0 if cfg is None else cfg.lora_dropout
         self.settings = LoRASettings(record["rank"], record["alpha"], tuple(record["targets"]), dropout)
 
     @classmethod
-    def for_new_run(cls, cfg, base, meta):
-        """The converter of a new run with cfg's lora_* settings on `base`, as loaded, for data with this meta."""
-        where = Path(cfg.init_from).expanduser()
+    def check(cls, cfg):
+        """The lora_* settings' one-line errors: their values, and what LoRA does not combine with."""
+        targets = cfg.lora_targets.split(",")
+        if not set(targets) <= set(TARGETS) or len(set(targets)) < len(targets):
+            raise ConfigError(f"lora_targets={cfg.lora_targets!r} must be 'attention', 'mlp' or 'attention,mlp'")
+        if cfg.lora_alpha <= 0 or not 0 <= cfg.lora_dropout < 1:
+            raise ConfigError(
+                f"lora_alpha must be positive and lora_dropout in [0, 1), got {cfg.lora_alpha}, {cfg.lora_dropout}"
+            )
+        if cfg.converter == cls.name and not cfg.lora_rank:
+            raise ConfigError("converter='lora' needs lora_rank > 0 (the adapters' rank, e.g. --lora_rank=8)")
+        if not cfg.lora_rank:
+            return
+        if cfg.converter not in ("", cls.name):
+            raise ConfigError(f"lora_rank asks for LoRA, and converter={cfg.converter!r} for another: choose one")
+        if cfg.arch != "gpt":
+            raise ConfigError(
+                f"lora_rank is for fine-tuning decoder-only models (arch='gpt'), not arch={cfg.arch!r}: train an "
+                "encoder or an encoder-decoder whole (lora_rank=0)"
+            )
+        if cfg.init_from == "scratch":
+            raise ConfigError(
+                "lora_rank adapts trained weights, which init_from='scratch' has none of: give --init_from a "
+                "checkpoint, a nanoGPT checkpoint or a Hugging Face folder (or 'resume')"
+            )
+        if cfg.optimizer == "muon" or cfg.ema_decay:
+            raise ConfigError(
+                "lora_rank trains small adapters with AdamW: optimizer='muon' (whole matrices) and ema_decay (an "
+                "average of every weight) do not apply; use optimizer='adamw' and ema_decay=0"
+            )
+
+    @classmethod
+    def for_new_run(cls, cfg, base, meta, base_record):
         record = {
             "rank": cfg.lora_rank,
             "alpha": cfg.lora_alpha,
             "targets": cfg.lora_targets.split(","),
             "token_rows": trained_rows(meta, base.config.vocab_size),
-            # the base as load_base will load it again to resume or sample
-            "base": {
-                "source": "checkpoint" if is_checkpoint(where) else "pretrained",
-                # absolute, so that sample.py finds it from any folder; a hub id as it is
-                "init_from": str(where.resolve()) if where.exists() else cfg.init_from,
-                "model_config": asdict(base.config),
-                "fingerprint": fingerprint(base),
-            },
+            "base": base_record,
         }
-        return cls(record, cfg.lora_dropout)
+        return cls(record, cfg)
 
     def convert(self, model, generator):
         """model (grown to the data's vocabulary) frozen, with the adapters; generator draws their A matrices."""
         return add_adapters(model, self.settings, self.record["token_rows"], generator=generator)
 
     def describe(self, model):
-        """The line a run logs about its adapters: what is trained, how much of the model that is."""
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total, settings, rows = sum(p.numel() for p in model.parameters()), self.settings, self.record["token_rows"]
         rows = f"; the rows of token ids {', '.join(map(str, rows))} trained too" if rows else ""
@@ -284,25 +262,28 @@ class LoRA:
             f"{trained:,} trained parameters ({trained / total:.2%} of {total:,}), the base frozen{rows}"
         )
 
-    state = staticmethod(adapter_state)  # what a checkpoint keeps of a model: its adapters (under FSDP a collective)
+    def state(self, model):
+        return adapter_state(model)  # the adapters alone (under FSDP a collective)
 
-    def adapted_model(self, ckpt, **overrides):
-        """
-        The checkpoint's model, unmerged, to train on: its base (load_base), grown to the checkpoint's vocabulary where
-        the run grew it, with the checkpoint's adapters. overrides: ModelConfig fields for the base, as dropout.
-        """
-        # the run's own dropout, which may differ from the base's
-        model = load_base(self.record["base"], **{"dropout": ckpt["model_config"]["dropout"], **overrides})
-        if ckpt["model_config"]["vocab_size"] > model.config.vocab_size:
-            grow_vocabulary(model, ckpt["model_config"]["vocab_size"])
+    def restore(self, base, ckpt):
+        """The checkpoint's model, unmerged: base grown to its vocabulary where the run grew it, with its adapters."""
+        if ckpt["model_config"]["vocab_size"] > base.config.vocab_size:
+            grow_vocabulary(base, ckpt["model_config"]["vocab_size"])
         # the A matrices drawn here are overwritten: a generator of their own leaves the run's generators alone
-        self.convert(model, torch.Generator())
-        load_adapters(model, ckpt["weights"])
-        return model
+        self.convert(base, torch.Generator())
+        load_adapters(base, ckpt["weights"])
+        return base
 
-    def plain_model(self, ckpt, **overrides):
-        """The checkpoint's model with its adapters merged in, in eval mode: what sample.py, eval.py, export.py use."""
-        return merge(self.adapted_model(ckpt, **overrides)).eval()
+    def plain(self, model):
+        return merge(model).eval()
+
+    def run_settings(self):
+        return {
+            "converter": "",
+            "lora_rank": self.record["rank"],
+            "lora_alpha": self.record["alpha"],
+            "lora_targets": ",".join(self.record["targets"]),
+        }
 
 
 def trained_rows(meta, base_vocab):
@@ -315,29 +296,3 @@ def trained_rows(meta, base_vocab):
     if meta.get("chat", {}).get("template") == "builtin":
         rows |= {meta["special_tokens"][name] for name in ("system", "user", "assistant", "end_of_turn")}
     return sorted(rows)
-
-
-def load_base(base, **overrides):
-    """
-    The plain model that LoRA adapters were trained on, from base (an adapter checkpoint's record of it: where it
-    came from, its settings, the fingerprint of its weights): a checkpoint file or folder, or Hugging Face weights.
-    ConfigError with one line if it is gone or has changed since.
-    """
-    where = base["init_from"]
-    fix = "put it back, or fine-tune again from the base you have"
-    if base["source"] == "checkpoint":
-        if not is_checkpoint(where):
-            raise ConfigError(f"the adapters' base checkpoint {where} is not there (moved or deleted?): {fix}")
-        model = model_from_checkpoint(load_checkpoint(where), **overrides)
-    else:  # a folder or a hub id, cut to the positions the run used, as start.from_pretrained did
-        if Path(where).is_absolute() and not Path(where).is_dir():
-            raise ConfigError(f"the adapters' base folder {where} is not there (moved or deleted?): {fix}")
-        from hf import from_pretrained  # imported here: only a Hugging Face base needs it
-
-        model = from_pretrained(where, **{"block_size": base["model_config"]["block_size"], **overrides})
-    if (found := fingerprint(model)) != base["fingerprint"]:
-        raise ConfigError(
-            f"the adapters' base {where} has changed since they were trained on it (its weights' fingerprint is "
-            f"{found}, not {base['fingerprint']}): {fix}"
-        )
-    return model

@@ -1,0 +1,58 @@
+"""
+The tasks, one file each: what is trained (batches, loss), how it is evaluated (eval.py) and what sample.py shows of
+it, for one kind of model and data. tasks/base.py holds the contract (Task); lm.py, masked_lm.py, seq2seq.py and
+chat.py the trained tasks, hellaswag.py a benchmark. A task is registered by its file: every module of this folder
+is imported here, and each Task class it defines with a name is in TASKS. To add one, add a file (docs/model.md).
+"""
+
+import importlib
+import pkgutil
+
+from config import ConfigError
+from tasks.base import Task
+
+
+def discovered_tasks():
+    """{name: Task class} of every module in this folder, in the order of their file names."""
+    found = {}
+    for module in sorted(info.name for info in pkgutil.iter_modules(__path__)):
+        for value in vars(importlib.import_module(f"tasks.{module}")).values():
+            # the classes a module defines, not those it imports
+            if (
+                isinstance(value, type)
+                and issubclass(value, Task)
+                and value.name
+                and value.__module__ == f"tasks.{module}"
+            ):
+                found[value.name] = value
+    return found
+
+
+TASKS = discovered_tasks()
+
+
+def make_task(name, arch, meta, mask_prob=0.15, label_smoothing=0.0):
+    """
+    Task `name` ("auto": the default task of arch on the data's kind, meta["kind"]) of a model of arch trained on a
+    dataset with this meta; ConfigError where they do not go together.
+    """
+    kind, dataset = meta.get("kind", "lm"), meta.get("name", "this dataset")
+    if name == "auto":
+        if kind == "chat" and arch != "gpt":
+            raise ConfigError(
+                f"{dataset} is chat data, which only arch=gpt trains on (a reply is the next tokens of the "
+                f"conversation); arch={arch} needs another dataset"
+            )
+        # a default is declared by its own class (vars), never inherited: a subclass is no one's default
+        defaults = [task for task in TASKS.values() if task.arch == arch and vars(task).get("auto")]
+        name = next((task.name for task in defaults if task.kind == kind), defaults[0].name)
+    if name not in TASKS:  # a checkpoint of a task whose file is not here, say
+        raise ConfigError(f"task={name!r} is not one of the tasks ({', '.join(TASKS)}): add its file to tasks/")
+    task = TASKS[name]
+    if task.kind is None:
+        raise ConfigError(f"task={name} is a benchmark that eval.py scores; it trains nothing")
+    if arch != task.arch:
+        raise ConfigError(f"task={name} trains arch={task.arch!r}, not arch={arch!r}")
+    if kind != task.kind:
+        raise ConfigError(f"arch={arch} needs a {task.kind} dataset ({task.examples}); {dataset} is {kind}")
+    return task.for_run(meta, label_smoothing=label_smoothing, mask_prob=mask_prob)
