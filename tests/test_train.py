@@ -44,6 +44,7 @@ from generate import translate
 from model import IGNORE_INDEX, LOSS_CHUNK_BYTES, MODEL_KEYS, Block, ModelConfig, build_model, loss_chunk_budget
 from runtime import Models, Runtime, split_accumulation
 from start import model_from_checkpoint, start_run
+from tasks import make_task
 from tasks.base import windows
 from tasks.lm import CausalLM
 from tasks.masked_lm import MaskedLM, mask_tokens
@@ -599,10 +600,10 @@ def test_batches_reach_the_device_from_dense_pinned_memory(monkeypatch, shakespe
     if arch == "encoder_decoder":
         folder = data.prepared_dataset("reverse", data_root, REVERSE)
         meta = tokens.load_meta(folder)
-        split = data.make_task("auto", arch, meta).load_split(folder, "train", 16)
+        split = make_task("auto", arch, meta).load_split(folder, "train", 16)
     else:
         meta, split = tokens.load_meta(shakespeare_char_dir), tokens.load_tokens(shakespeare_char_dir / "train.bin")
-    inputs, targets = data.make_task("auto", arch, meta).batch(split, 4, 16, torch.Generator().manual_seed(0))
+    inputs, targets = make_task("auto", arch, meta).batch(split, 4, 16, torch.Generator().manual_seed(0))
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
     monkeypatch.setattr(torch.Tensor, "to", to)
@@ -655,7 +656,7 @@ def test_val_bpb_is_the_val_loss_in_bits_per_byte_of_its_targets(data_root, shak
     """
     cfg = tiny(data_root, "unused", eval_iters=3, batch_size=2)
     meta = tokens.load_meta(shakespeare_char_dir)
-    task = data.make_task("auto", "gpt", meta)
+    task = make_task("auto", "gpt", meta)
     splits = {split: task.load_split(shakespeare_char_dir, split, cfg.block_size) for split in ("train", "val")}
     vocab_size = task.model_vocab
     torch.manual_seed(0)
