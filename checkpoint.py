@@ -606,6 +606,34 @@ def is_checkpoint(path):
     return path.is_file() or (path / STATE_FILE).is_file()
 
 
+def check_local_path(init_from):
+    """
+    ConfigError if init_from is spelt as a local path (a .pt file, or starting with /, . or ~, or inside a folder
+    that is here) that does not exist, naming the nearest path that does (out-shakespear/best.pt: did you mean
+    out-shakespeare/best.pt?). A hub id (gpt2, org/name) passes.
+    """
+    path = Path(init_from).expanduser()
+    inside_here = len(path.parts) > 1 and path.parent.is_dir()
+    if path.exists() or not (path.suffix in (".pt", ".pth") or init_from.startswith(("/", ".", "~")) or inside_here):
+        return
+    # from the deepest folder that exists, each missing part replaced by the closest name there
+    found, parts = Path(path.anchor or "."), path.parts[1 if path.is_absolute() else 0 :]
+    for part in parts:
+        if not (found / part).exists():
+            names = [p.name for p in found.iterdir()] if found.is_dir() else []
+            close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
+            if not close:
+                break
+            part = close[0]
+        found = found / part
+    else:  # every missing part had a close name: that path exists
+        raise ConfigError(f"init_from={init_from}: no such file or folder; did you mean {found}?")
+    raise ConfigError(
+        f"init_from={init_from}: no such file or folder (train a run first, e.g. python train.py "
+        "configs/shakespeare.py, or give its checkpoint's path)"
+    )
+
+
 def kept_weights(ckpt):
     """The weights to evaluate, sample or start a new run from: the average if the checkpoint has one."""
     return ckpt["average"] if "average" in ckpt else ckpt["weights"]

@@ -158,6 +158,8 @@ def read_config_file(arg, names):
     path = Path(arg)
     if not path.is_file() and not path.is_absolute() and (Path(__file__).resolve().parent / path).is_file():
         path = Path(__file__).resolve().parent / path  # so configs/x.py works from any working directory
+    if path.is_dir():  # a run's folder where a config file goes: python sample.py out-shakespeare
+        raise ConfigError(f"{arg} is a folder, not a config file: name a run's folder with --out_dir={arg}")
     if not path.is_file():
         raise ConfigError(f"config file {arg} not found; {closest_path(arg)}")
     try:

@@ -29,6 +29,7 @@ import hf
 import tokens
 from chat import grow_vocabulary
 from checkpoint import (
+    check_local_path,
     is_checkpoint,
     kept_weights,
     load_checkpoint,
@@ -67,6 +68,7 @@ def start_run(cfg, meta, lazy=False):
         return from_scratch(cfg, meta, lazy)
     if cfg.init_from == "resume":
         return resume(cfg, meta, lazy)
+    check_local_path(cfg.init_from)
     begin = from_checkpoint(cfg, meta) if is_checkpoint(cfg.init_from) else from_pretrained(cfg, meta)
     return fit_to_data(begin, meta)
 
@@ -387,6 +389,8 @@ def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False
     of a nanoGPT character-level model's characters), else Hugging Face weights (a hub id or a folder). compile:
     torch.compile the layer stacks, which generation calls.
     """
+    if init_from != "resume":
+        check_local_path(init_from)
     if init_from == "resume" or is_checkpoint(init_from):
         path = run_checkpoint(out_dir, checkpoint) if init_from == "resume" else Path(init_from).expanduser()
         # to the CPU first: a checkpoint saved on a GPU loads on any machine; .to(device) below moves it

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 import checkpoint
+import eval as evaluation
+import export
 import prepare_data
 import sample
 import start
@@ -790,3 +792,25 @@ def test_init_from_a_train_out_dir_says_to_resume(gpt_dir, capsys):
     code, out, err = cli(capsys, "--init_from", gpt_dir, "--start", "Hi", "--device=cpu")
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "is not a Hugging Face model folder" in err and f"--init_from=resume --out_dir={gpt_dir}" in err
+
+
+def test_a_missing_path_is_named_with_the_nearest_that_exists(gpt_dir, capsys, monkeypatch, tmp_path):
+    """A mistyped checkpoint path is named as missing in every script that loads one, with the path meant."""
+    monkeypatch.chdir(Path(gpt_dir).parent)
+    name = Path(gpt_dir).name
+    typo, meant = f"{name[:-1]}/ckpt.pt", f"{name}/ckpt.pt"
+    message = f"init_from={typo}: no such file or folder; did you mean {meant}?"
+    for script, args in (
+        (sample.cli, []),
+        (evaluation.cli, []),
+        (train.cli, ["--dataset=shakespeare_char", "--device=cpu"]),
+    ):
+        assert script([f"--init_from={typo}", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    # export.py reads a run's folder: its typo is answered with the folder meant
+    assert export.cli([f"--out_dir={name[:-1]}", f"--dest={tmp_path / 'hf'}"]) == 2
+    assert f"did you mean --out_dir={name}?" in capsys.readouterr().err
+    # a run's folder given where a config file goes
+    code, out, err = cli(capsys, name)
+    assert code == 2 and f"{name} is a folder, not a config file: name a run's folder with --out_dir={name}" in err
