@@ -54,5 +54,7 @@ def make_task(name, arch, meta, mask_prob=0.15, label_smoothing=0.0):
     if arch != task.arch:
         raise ConfigError(f"task={name} trains arch={task.arch!r}, not arch={arch!r}")
     if kind != task.kind:
-        raise ConfigError(f"arch={arch} needs a {task.kind} dataset ({task.examples}); {dataset} is {kind}")
+        fits = [t.name for t in TASKS.values() if t.arch == arch and t.kind == kind]
+        fix = f"--task={fits[0]} (or auto)" if fits else f"a {task.kind} dataset ({task.examples})"
+        raise ConfigError(f"task={name} trains on {task.kind} data, and {dataset} is {kind} data: use {fix}")
     return task.for_run(meta, label_smoothing=label_smoothing, mask_prob=mask_prob)

@@ -388,6 +388,11 @@ def test_chat_data_fits_block_size_or_says_so(chat_dir, capsys):
     for arch in ("encoder", "encoder_decoder"):
         with pytest.raises(ConfigError, match="only arch=gpt"):
             make_task("auto", arch, meta)
+    # a task that trains on other data names the one that fits
+    with pytest.raises(
+        ConfigError, match=r"task=lm trains on lm data, and .* is chat data: use --task=chat \(or auto\)"
+    ):
+        make_task("lm", "gpt", meta)
 
 
 # ----------------------------------------------------------------------------- the Shakespeare quiz
