@@ -130,6 +130,9 @@ def cli(argv):
     except torch.OutOfMemoryError:
         print(f"eval.py: error: out of memory with batch_size={cfg.batch_size}: lower --batch_size", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; eval.py writes nothing
+        print("eval.py: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -321,6 +321,9 @@ def cli(argv):
     except (ValueError, OSError) as err:
         print(f"export.py: error: {' '.join(str(err).splitlines())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line; the folder is written aside and renamed in whole (write_folder)
+        print("export.py: interrupted; no half-written export is left", file=sys.stderr)
+        return 130
     return 0
 
 

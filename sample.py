@@ -203,6 +203,11 @@ def cli(argv):
     except (ValueError, OSError, ImportError) as err:
         print(f"sample.py: error: {' '.join(str(err).splitlines())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while it generates: one line (a streamed sample's line ended first), no trace
+        if sys.stdout.isatty():
+            print()
+        print("sample.py: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

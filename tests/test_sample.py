@@ -7,9 +7,11 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -814,3 +816,36 @@ def test_a_missing_path_is_named_with_the_nearest_that_exists(gpt_dir, capsys, m
     # a run's folder given where a config file goes
     code, out, err = cli(capsys, name)
     assert code == 2 and f"{name} is a folder, not a config file: name a run's folder with --out_dir={name}" in err
+
+
+def interrupted(args, started, tmp_path):
+    """
+    Run a script (args) in a child, send it Ctrl-C (SIGINT) once `started` ("stdout" or "stderr") shows its work has
+    begun, and return (exit status, stdout, stderr). Bounded: a child that does not stop is killed, failing the test.
+    """
+    streams = {"stdout": tmp_path / "out.txt", "stderr": tmp_path / "err.txt"}
+    with streams["stdout"].open("w") as out, streams["stderr"].open("w") as err:
+        child = subprocess.Popen([sys.executable, *args], stdout=out, stderr=err, cwd=Path(sample.__file__).parent)
+        try:
+            deadline = time.monotonic() + 120
+            while not streams[started].stat().st_size and child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            child.send_signal(signal.SIGINT)
+            code = child.wait(timeout=60)
+        finally:
+            child.kill()
+    return code, streams["stdout"].read_text(), streams["stderr"].read_text()
+
+
+def test_ctrl_c_in_sample_and_eval_is_one_line_and_exit_130(gpt_dir, shakespeare_path, tmp_path):
+    code, out, err = interrupted(
+        ["sample.py", f"--out_dir={gpt_dir}", "--stream=True", "--max_new_tokens=1000000", "--device=cpu"],
+        "stdout",
+        tmp_path,
+    )
+    assert (code, err) == (130, "sample.py: interrupted\n") and out
+    # eval.py's progress bar on stderr says it has begun: a million windows of one token each
+    args = ["eval.py", f"--out_dir={gpt_dir}", f"--input={shakespeare_path}", "--stride=1", "--progress=True"]
+    code, out, err = interrupted([*args, "--device=cpu"], "stderr", tmp_path)
+    assert code == 130 and out == "" and "Traceback" not in err
+    assert err.splitlines()[-1].endswith("eval.py: interrupted"), err
