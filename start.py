@@ -102,6 +102,14 @@ def resume(cfg, meta, lazy):
     # the weights were trained on another tokenizer's ids: on this data they would read nonsense
     if ckpt["meta"]["tokenizer"] != meta["tokenizer"]:
         raise other_ids(path, ckpt["meta"], meta, cfg)
+    # the same tokenizer with tokens beyond the model's ids (chat data's markers after a character model's): the
+    # embedding has no rows for them, and a resume goes on with the model as it was
+    if meta["vocab_size"] > ckpt["model_config"]["vocab_size"]:
+        raise ConfigError(
+            f"{path}'s model reads {ckpt['model_config']['vocab_size']:,} ids and dataset={cfg.dataset} holds "
+            f"{meta['vocab_size']:,}: a resume cannot grow the vocabulary. Start a new run from it, which grows it: "
+            f"--init_from={path} --out_dir=NEW_DIR"
+        )
     # resuming a finished run would train nothing and only save it again
     if ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
         raise ConfigError(

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 import tiktoken
 import torch
+from tiny_run import tiny
 
 import prepare_data
+import train
 from config import ConfigError
 from model import IGNORE_INDEX, ModelConfig, build_model
 from prepare_data import prepare
@@ -500,3 +502,18 @@ def test_compile_tries_the_graph_that_conversations_of_any_length_reuse(chat_dir
             batch = task.batch(split, 4, 64, torch.Generator().manual_seed(seed))
             assert batch[1].size(1) < 64  # shorter than the trial's
             task.loss(compiled, *task.to_device(*batch, torch.device("cpu"))).backward()
+
+
+def test_resuming_a_character_model_on_chat_data_is_one_line_and_rewrites_nothing(data_root, tmp_path, capsys):
+    """Chat data's tokens lie beyond a character model's ids: a resume cannot grow them, and says what can."""
+    out = tmp_path / "run"
+    train.main(tiny(data_root, out, max_iters=4))
+    chat_root = tmp_path / "chat"
+    prepare("shakespeare_chat", data_dir=chat_root, num_train=40, num_val=20)
+    config = (out / "config.json").read_bytes()
+    capsys.readouterr()
+    args = ["--init_from=resume", f"--out_dir={out}", "--dataset=shakespeare_chat", f"--data_dir={chat_root}"]
+    assert train.cli([*args, "--max_iters=8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot grow" in err and f"--init_from={out / 'ckpt.pt'}" in err, err
+    assert (out / "config.json").read_bytes() == config
