@@ -1,0 +1,77 @@
+"""
+The house's plan, read from the source: every import of the project's modules (those inside functions too) forms
+no circle, and a project import inside a function is a rare one that says why beside it.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def project_modules():
+    """{module name: path} of the top-level .py files and the packages' modules (tasks.lm, converters.lora)."""
+    modules = {p.stem: p for p in ROOT.glob("*.py")}
+    for package in ("tasks", "converters"):
+        for path in (ROOT / package).glob("*.py"):
+            modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return modules
+
+
+def imports(path, modules):
+    """(the project module imported, whether inside a function, the line) for every import statement of path."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            # `from tasks.base import Task` imports tasks.base; `from tasks import lm` imports tasks.lm
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        else:
+            continue
+        name = next((n for n in names if n in modules), None)
+        if name is not None:
+            found.append((name, id(node) not in top, node.lineno))
+    return found
+
+
+def test_no_module_imports_another_that_imports_it_back():
+    modules = project_modules()
+    graph = {name: {m for m, _, _ in imports(path, modules)} - {name} for name, path in modules.items()}
+    # depth-first search for a back edge: a module reached again while its own imports are being followed
+    state, circle = {}, []
+
+    def visit(name, trail):
+        state[name] = "open"
+        for other in sorted(graph[name]):
+            if state.get(other) == "open":
+                circle.append(trail[trail.index(other) :] + [other])
+            elif other not in state:
+                visit(other, [*trail, other])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circle, f"import circles: {[' -> '.join(c) for c in circle]}"
+    # the layering: the library never imports the scripts a user runs
+    scripts = {"train", "sample", "eval", "serve", "export", "bench"}
+    library = set(modules) - scripts - {"prepare_data", "plan"}
+    against = sorted(f"{m} -> {s}" for m in library for s in graph[m] & scripts)
+    assert not against, f"library modules importing scripts: {against}"
+
+
+def test_project_imports_inside_functions_are_few_and_say_why():
+    modules = project_modules()
+    inner = []
+    for name, path in modules.items():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for module, inside, line in imports(path, modules):
+            if inside:
+                # the reason: a comment on the import's line or the line before it
+                said = "#" in lines[line - 1] or lines[line - 2].strip().startswith("#")
+                inner.append((f"{name}:{line} imports {module}", said))
+    assert len(inner) <= 5, inner
+    assert all(said for _, said in inner), [where for where, said in inner if not said]
