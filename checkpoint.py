@@ -192,7 +192,7 @@ def save_weights(path, model, rt, *, converter=None, **saved):
     """
     if rt.fsdp:
         check_shards_finite([model], saved["iter_num"])
-    weights = whole_weights(model) if converter is None else converter.state(model)
+    weights = whole_weights(model, rt) if converter is None else converter.state(model)
     if rt.rank == 0:
         save_checkpoint(weights_state(weights, model.config, converter=converter, **saved), path)
 
@@ -205,13 +205,13 @@ def check_shards_finite(models, iter_num):
         raise nonfinite_weights(iter_num)
 
 
-def whole_weights(model):
+def whole_weights(model, rt):
     """model's state dict, whole; under FSDP gathered onto rank 0's CPU (the others get {}): call it on every rank."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(model, FSDPModule):
+    if not rt.fsdp:
         return model.state_dict()
+    # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -221,7 +221,7 @@ def whole_model(model, rt, converter=None):
     other ranks. Call it on every rank. converter: what model was converted with, which the copy is converted with
     too, since the gathered weights are the converted model's.
     """
-    weights = whole_weights(model)
+    weights = whole_weights(model, rt)
     if rt.rank != 0:
         return None
     with torch.random.fork_rng(devices=[]):  # its initial values are overwritten: they must not move rank 0's RNG

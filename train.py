@@ -68,9 +68,11 @@ CHOICES = {
     "backend": ("auto", "nccl", "gloo"),
     "optimizer": ("adamw", "muon"),
 }
-# TrainConfig's settings that take a range of values, by their names: (whether a value is in it, what the error says)
-AT_LEAST_1 = (lambda v: v >= 1, "must be at least 1")  # 0 would divide by zero (intervals are taken modulo)
-NOT_NEGATIVE = (lambda v: v >= 0, "must not be negative")  # 0 means something (no steps, no warmup, no clipping)
+# TrainConfig's settings that take a range of values, by their names: (whether a value is in it, what the error says).
+# At least 1 where 0 would divide by zero (the intervals are taken modulo) or make empty batches; not negative where 0
+# means something (no steps, no warmup, no clipping)
+AT_LEAST_1 = (lambda v: v >= 1, "must be at least 1")
+NOT_NEGATIVE = (lambda v: v >= 0, "must not be negative")
 RANGES = {
     "eval_interval log_interval eval_iters gradient_accumulation_steps batch_size dist_timeout plan_ranks": AT_LEAST_1,
     "max_iters max_minutes threads warmup_iters lr_decay_iters eval_accuracy_examples grad_clip min_lr": NOT_NEGATIVE,
