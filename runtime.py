@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,7 +24,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import compiling
@@ -498,7 +498,9 @@ def clip_gradients(parameters, max_norm):
     before. Under FSDP each rank holds a shard of each gradient: the norm is taken over all the shards of all ranks.
     """
     norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
-    if isinstance(norm, DTensor):
+    # a DTensor exists only once FSDP has imported its module, which a script that never shards need not import
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(norm, dtensor.DTensor):
         norm = norm.full_tensor()  # every rank's part of the sum of squares, added up
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
     return norm
