@@ -1,9 +1,9 @@
 """
 The Transformer, read top to bottom: the config, norms and positions, attention (its mask and KV cache), the MLP
 and the block, the Stack of blocks every model is built on, what the models share (initialisation, the head and the
-loss, parameter and FLOP counts), then the three models: GPT (decoder-only), Encoder (BERT-style
-masked LM) and EncoderDecoder (the 2017 paper's). Generating from them is in generate.py; Hugging Face and nanoGPT
-weights in hf.py.
+loss with its chunk's size, parameter and FLOP counts), then the three models: GPT (decoder-only), Encoder
+(BERT-style masked LM) and EncoderDecoder (the 2017 paper's). Generating from them is in generate.py; Hugging Face
+and nanoGPT weights in hf.py.
 
 Shape letters used in comments:
     B batch, T target (query) length, S source (key) length, H heads, D head dim,

@@ -223,7 +223,7 @@ class Run:
     splits: dict  # "train" and "val" data, as the task's batch() reads them
     meta: dict  # the tokenizer's meta, as checkpoints store it
     progress: Progress
-    stop: "StopRequest"  # defined with setup's stages below
+    stop: StopRequest  # a SIGINT or SIGTERM received (runtime.py)
     host_group: object  # a gloo group for numbers the host already has; None in one process
     clock: Clock  # the run's training time, which max_minutes budgets
     schedule: Schedule  # the learning rate of each step (optim.py)
