@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+import train
 from checkpoint import load_checkpoint
 from config import parse_config
 from generate import generate
@@ -418,8 +419,6 @@ def measure_case(cfg):
     then time up to cfg.steps steps of train.train_step (device events on a GPU), the optimizer's part of each on
     its own, and optionally profile 3 more. Prints one line, "result: " and JSON, for the parent to read.
     """
-    import train  # the training code, imported in the child only: the parent stays light
-
     words = shlex.split(cfg.child)
     with tempfile.TemporaryDirectory() as out_dir:
         args = [*words, f"--out_dir={out_dir}", "--tensorboard=false", "--overwrite=true"]

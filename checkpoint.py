@@ -2,7 +2,7 @@
 Checkpoints: what ckpt.pt and best.pt hold, written atomically (a file, or a sharded folder) and read with
 torch.load(weights_only=True); nanoGPT's checkpoints read as ours (load_nanogpt). start.py makes models of them.
 
-    save_checkpoint(training_state(...), out_dir / "ckpt.pt")    # everything a resume needs
+    save_training(out_dir / "ckpt.pt", model, rt, ...)           # everything a resume needs
     ckpt = load_checkpoint("out/best.pt")                        # start.model_from_checkpoint(ckpt): the model
 
 A checkpoint is a dict: format_version, model_config, train_config, meta (the dataset's meta.json, so a tokenizer
@@ -138,62 +138,98 @@ def weights_state(
     return state
 
 
-def training_state(
-    model,
-    *,
-    ema_model,
-    cfg,
-    meta,
-    iter_num,
-    best_val_loss,
-    train_seconds,
-    optimizers,
-    scaler,
-    best_accuracy=None,
-    schedule_from=None,
-    sampler_state,
-    device,
-    world_size,
-    sharded,
-    converter=None,
+def save_training(
+    path, model, rt, *, ema_model, optimizers, scaler, sampler_state, train_seconds, schedule_from, converter, **saved
 ):
     """
-    What ckpt.pt holds: weights_state (model's trained weights) plus all a resume needs, with ema_model's weights as
-    "average" where there is one. Call it on every rank: RNG states are gathered.
-    sharded: all but the weights and the optimizer's state, which sharded_state gives (a sharded checkpoint).
-    converter: a converted run's: its state (LoRA: the adapters) and the optimizers' state of it, whole also under
-    FSDP (gathered on every rank), instead of every weight.
+    Save ckpt.pt at path: weights_state (model's trained weights; saved: its cfg, meta, iter_num, best_val_loss and
+    best_accuracy) plus all a resume needs, with ema_model's weights as "average" where there is one. Call it on
+    every rank (rt: this process's runtime.Runtime): their RNG states are gathered, and under FSDP it is a sharded
+    checkpoint (a folder) that every rank writes its part of, so that no rank ever holds the whole model or
+    optimizer. converter: a converted run's (converters/) or None: its state (LoRA: the adapters) and the
+    optimizers' state of it, whole also under FSDP (gathered on every rank) in one file, instead of every weight.
     """
+    sharded, iter_num = rt.fsdp and converter is None, saved["iter_num"]
     # each rank has its own generators (dropout differs per rank): all are gathered, in rank order, for rank 0 to save
-    rng = [rng_state(device)]
-    if world_size > 1:
-        mine, rng = rng[0], [None] * world_size
+    rng = [rng_state(rt.device)]
+    if rt.world_size > 1:
+        mine, rng = rng[0], [None] * rt.world_size
         dist.all_gather_object(rng, mine)
     weights = None if sharded else model.state_dict() if converter is None else converter.state(model)
     state = {
-        **weights_state(
-            weights, model.config, cfg, meta, iter_num, best_val_loss, converter=converter, best_accuracy=best_accuracy
-        ),
+        **weights_state(weights, model.config, converter=converter, **saved),
         # the optimizers' states by name, whichever weights_state gives best.pt
         "format_version": OPTIMIZERS_FORMAT if converter is None else CONVERTED_FORMAT,
         # float16's current loss scale; an empty dict when no scaler is in use
         "scaler": scaler.state_dict(),
         "rng": rng,
         # the training time so far, for a time budget (max_minutes) to go on from, and where the learning-rate
-        # schedule of a run resumed with another length went on from (train.Schedule's resumed_at)
+        # schedule of a run resumed with another length went on from (optim.Schedule's resumed_at)
         "train_seconds": train_seconds,
         "schedule_from": schedule_from,
         # the data stream's generator as it was before the pending step's batches were drawn
         "sampler": {"generator": sampler_state},
     }
-    if sharded:
-        return state
+    if sharded:  # the weights and the optimizers' states apart, each rank its part, keyed by parameter name
+        check_shards_finite([m for m in (model, ema_model) if m is not None], iter_num)
+        save_sharded(sharded_state(model, ema_model=ema_model, optimizers=optimizers), state, path, rt.rank)
+        return
     # AdamW's moments and step counts, Muon's momentum: without them a resume would restart its estimates from zero
     state["optimizers"] = {name: whole_optimizer_state(model, optimizer) for name, optimizer in optimizers.items()}
     if ema_model is not None:
         # what best.pt and sample.py use; training goes on from "weights", or the run would change
         state["average"] = finite_weights(ema_model.state_dict(), iter_num)
-    return state
+    if rt.rank == 0:  # every rank built the state (gathering the RNG states is a collective); one writes it
+        save_checkpoint(state, path)
+
+
+def save_weights(path, model, rt, *, converter=None, **saved):
+    """
+    Save best.pt at path: weights_state of model's weights, or of a converted model's state (converter), with
+    weights_state's other arguments (saved: cfg, meta, iter_num, ...). Call it on every rank: under FSDP the
+    shards are checked on every rank, then gathered onto rank 0's CPU one tensor at a time (the optimizer's state is
+    never gathered), and rank 0 writes the file.
+    """
+    if rt.fsdp:
+        check_shards_finite([model], saved["iter_num"])
+    weights = whole_weights(model, rt) if converter is None else converter.state(model)
+    if rt.rank == 0:
+        save_checkpoint(weights_state(weights, model.config, converter=converter, **saved), path)
+
+
+def check_shards_finite(models, iter_num):
+    """Under FSDP, before a save: nonfinite_weights's error on every rank if any rank's shards hold inf or nan."""
+    failed = (~all_finite([p.to_local() for model in models for p in model.parameters()])).float()
+    dist.all_reduce(failed)
+    if failed.item():
+        raise nonfinite_weights(iter_num)
+
+
+def whole_weights(model, rt):
+    """model's state dict, whole; under FSDP gathered onto rank 0's CPU (the others get {}): call it on every rank."""
+    if not rt.fsdp:
+        return model.state_dict()
+    # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def whole_model(model, rt, converter=None):
+    """
+    On rank 0, a copy of FSDP-sharded model whole on rt.device, its weights gathered (whole_weights); None on the
+    other ranks. Call it on every rank. converter: what model was converted with, which the copy is converted with
+    too, since the gathered weights are the converted model's.
+    """
+    weights = whole_weights(model, rt)
+    if rt.rank != 0:
+        return None
+    with torch.random.fork_rng(devices=[]):  # its initial values are overwritten: they must not move rank 0's RNG
+        whole = build_model(model.config)
+    if converter is not None:
+        converter.convert(whole, torch.Generator())
+    whole.load_state_dict(weights)
+    return whole.to(rt.device)
 
 
 def whole_optimizer_state(model, optimizer):
@@ -240,7 +276,7 @@ def sharded_state(model, *, ema_model, optimizers):
 def save_sharded(tensors, state, path, rank):
     """
     Write a sharded checkpoint to folder path: every rank its part of tensors (sharded_state), in parallel, and
-    rank 0 the rest (state: the dict of training_state without its tensors) as state.pt. Atomically: the folder is
+    rank 0 the rest (state: the dict of save_training without its tensors) as state.pt. Atomically: the folder is
     written beside path and renamed into place once complete, so a run killed during the save keeps the previous
     checkpoint (found by load_checkpoint). Call it on every rank; a failed write raises OSError as save_checkpoint,
     on every rank at once.
@@ -473,6 +509,39 @@ def missing_checkpoint_hint(folder):
     if close:
         return f"did you mean --out_dir={folder.parent / close[0]}?"
     return "train one first (python train.py configs/shakespeare.py), or point --out_dir at the run's folder"
+
+
+def out_dir_problem(cfg):
+    """
+    Why a training run could not write cfg.out_dir (None if it can), found before any work is done, creating
+    nothing: a folder that cannot be, or one holding another run that a new run would overwrite.
+    """
+    out_dir = cfg.out_dir
+    if cfg.init_from != "resume" and not cfg.overwrite and (files := run_files(out_dir)):
+        names = [p.name for p in files if not p.name.startswith("events.")]
+        shown = ", ".join(names + (["TensorBoard logs"] if len(names) < len(files) else []))
+        return (
+            f"out_dir={out_dir} already holds a run ({shown}): go on with it with --init_from=resume, write this "
+            f"run elsewhere with --out_dir=..., or replace it with --overwrite=True"
+        )
+    path = Path(out_dir).absolute()
+    # the deepest part of the path that exists: the folder in which the rest would be created
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"out_dir={out_dir} cannot be a folder: {existing} is a file; choose another --out_dir"
+    # write to create entries in it, execute to enter it
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"out_dir={out_dir} cannot be written: {existing} is not writable by this user; choose another --out_dir"
+    return None
+
+
+def run_files(out_dir):
+    """The files of a run in out_dir, sorted: its checkpoints (a sharded one is a folder) and TensorBoard logs."""
+    folder = Path(out_dir)
+    if not folder.is_dir():
+        return []
+    names = ("ckpt.pt", "best.pt", ".ckpt.pt.old")
+    return sorted(p for p in folder.iterdir() if p.name in names or p.name.startswith("events.out.tfevents."))
 
 
 def read_checkpoint(path, map_location, fallback, mmap=False):

@@ -1,7 +1,7 @@
 """
 Compilation: torch.compile applied to a training run's model, whole or block by block (regional), falling back to
-the eager model with one warning where compiling fails. runtime.parallelize applies it, after FSDP or DDP; a run
-without compile never imports this file.
+the eager model with one warning where compiling fails. runtime.parallelize applies it, after FSDP or DDP. Its trial
+step (one forward and backward as training takes it) also sizes the loss chunk on a GPU (model.sized_loss_chunk).
 """
 
 import contextlib
@@ -14,7 +14,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from config import ConfigError
 from log import log, one_line
 from model import Block
-from runtime import all_reduce
 
 
 class CompiledModel(nn.Module):
@@ -70,24 +69,14 @@ def compile_regions(module, enabled=True, **options):
 
 def compile_model(model, task, batch_size, block_size, rt, dynamic=None, regions=False, mode=None):
     """
-    CompiledModel(model), tried on one forward and backward pass of the task's example batch with the training
-    step's exact call (the backward is compiled at its first call); if that fails, one warning and the eager model,
-    on every rank if it failed on any. Running out of memory or a failed collective is no compile failure: it is
-    raised. Under FSDP a backward that fails to compile leaves the ranks' gathers of weights half done: one line, no
-    fallback.
+    CompiledModel(model), tried on a trial_step (the backward is compiled at its first call); if that fails, one
+    warning and the eager model, on every rank if it failed on any. Running out of memory or a failed collective is
+    no compile failure: it is raised. Under FSDP a backward that fails to compile leaves the ranks' gathers of
+    weights half done: one line, no fallback.
     """
     compiled = CompiledModel(model, dynamic, regions, mode)
-    inputs, targets = task.to_device(*task.example_batch(batch_size, block_size), rt.device)
-    # DDP's no_sync: the trial's backward exchanges nothing, so a rank whose backward fails to compile leaves no
-    # other rank waiting in an all-reduce, and all can agree below
-    no_sync = model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()
     try:
-        # the trial leaves every random generator as it was, so compiling does not change the run
-        with torch.random.fork_rng(devices=[rt.device.index] if rt.device.type == "cuda" else []), no_sync:
-            with rt.autocast():
-                # the training step's exact call, so that training reuses this graph instead of compiling another
-                loss = task.loss(compiled, inputs, targets)
-            loss.backward()
+        trial_step(compiled, task, batch_size, block_size, rt, ddp=model if isinstance(model, DDP) else None)
     except (torch.OutOfMemoryError, dist.DistError):
         raise
     except Exception as e:  # a missing C compiler, an unsupported operator, ...: all mean eager mode
@@ -95,8 +84,26 @@ def compile_model(model, task, batch_size, block_size, rt, dynamic=None, regions
             raise ConfigError(f"torch.compile failed in a backward ({one_line(e)}); run with --compile=false") from None
         compiled.fall_back(e)
     # every rank must run the same graphs, or their collectives would not pair: one rank's failure is everyone's
-    if rt.world_size > 1 and all_reduce([compiled.failed], rt).item() and not compiled.failed:
-        compiled.fall_back(RuntimeError("it failed on another rank"))
+    if rt.world_size > 1:
+        failed = torch.tensor(float(compiled.failed), device=rt.device)
+        dist.all_reduce(failed)
+        if failed.item() and not compiled.failed:
+            compiled.fall_back(RuntimeError("it failed on another rank"))
     # the trial's gradients must not add to the first real step's
     model.zero_grad(set_to_none=True)
     return model if compiled.failed else compiled
+
+
+def trial_step(step, task, batch_size, block_size, rt, ddp=None):
+    """
+    One forward and backward of the task's example batch through step, with the training step's exact call (so that
+    training reuses the graphs a compiled step makes here), leaving every random generator as it was; the gradients
+    are left for the caller to clear. ddp: the DDP module inside step, whose no_sync keeps the trial from exchanging
+    anything, so that a rank whose backward fails to compile leaves no other rank waiting in an all-reduce.
+    """
+    inputs, targets = task.to_device(*task.example_batch(batch_size, block_size), rt.device)
+    no_sync = ddp.no_sync() if ddp is not None else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=[rt.device.index] if rt.device.type == "cuda" else []), no_sync:
+        with rt.autocast():
+            loss = task.loss(step, inputs, targets)
+        loss.backward()

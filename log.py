@@ -1,11 +1,13 @@
 """
 What the scripts say. Every script: log, a line printed on rank 0 alone, and one_line, an error shortened to the one
-line an error report quotes. A training run, while it trains: a progress line every log_interval steps (loss,
-learning rate, gradient norm, ms/iter, tokens/s, MFU on known GPUs, time left) and TensorBoard (and W&B) scalars;
-at the end each rank's memory. Step losses stay on the device until a progress line or an evaluation reads them back.
+line an error report quotes; train.py's fail, that line reported once over the ranks. A training run: the lines
+that open it (describe_run), while it trains a progress line every log_interval steps (loss, learning rate, gradient
+norm, ms/iter, tokens/s, MFU on known GPUs, time left) and TensorBoard (and W&B) scalars, at the end each rank's
+memory. Step losses stay on the device until a progress line or an evaluation reads them back.
 """
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -27,6 +29,64 @@ def one_line(error):
     """The first line of an error's message (at most 300 characters), for one-line error reports."""
     lines = str(error).strip().splitlines()
     return lines[0][:300] if lines else type(error).__name__
+
+
+# seconds a rank other than 0 waits before printing its error (fail)
+ERROR_GRACE = 5.0
+
+
+def fail(message, status):
+    """
+    Report `train.py: error: message` once and return status. Under torchrun, the first rank to exit makes torchrun
+    end the others: rank 0 reports at once, the other ranks only after ERROR_GRACE seconds, so that an error all
+    ranks meet (a setting, or one that setup shares among them) is reported by rank 0 alone, while rank 0 is still
+    there, and an error of one rank alone still shows. torchrun's summary of the failure, the last thing it prints,
+    then carries the line (through the error file it reads from each failed rank) in place of a traceback.
+    """
+    if int(os.environ.get("RANK", "0")):
+        time.sleep(ERROR_GRACE)
+    line = f"train.py: error: {message}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        # the error file's format (torch.distributed.elastic's ErrorHandler): the summary shows py_callstack
+        extra = {"py_callstack": line, "timestamp": str(int(time.time()))}
+        Path(error_file).write_text(json.dumps({"message": {"message": line, "extraInfo": extra}}))
+    else:
+        print(line, file=sys.stderr, flush=True)
+    return status
+
+
+def describe_run(cfg, rt, dataset, model, per_rank, optimizer_summary, schedule_notes):
+    """
+    The lines that open a training run's log: what trains on what, the step's shape (per_rank micro-batches per
+    rank), the learning rate's notes (optim.schedule_notes), the optimizers, and notes.
+    """
+    log(
+        f"{cfg.arch} on {dataset}: {model.num_params():,} parameters, {rt.device} {str(rt.dtype)[6:]}, "
+        f"{rt.world_size} rank(s); {cfg.batch_size * per_rank * rt.world_size} sequences per step "
+        f"({cfg.batch_size} x {per_rank} micro-batches x {rt.world_size} rank(s))"
+    )
+    if per_rank * rt.world_size > cfg.gradient_accumulation_steps:
+        log(
+            f"note: gradient_accumulation_steps={cfg.gradient_accumulation_steps} is fewer than the "
+            f"{rt.world_size} ranks: each rank runs one micro-batch, so a step sees {rt.world_size} x batch_size "
+            "sequences"
+        )
+    if cfg.fsdp and not rt.fsdp:
+        log("note: fsdp=True with one process: nothing to shard over, the model is trained whole")
+    if cfg.max_minutes:
+        log(
+            f"a time budget: {cfg.max_minutes:g} minute(s) of training, at most {cfg.max_iters:,} steps; the "
+            "learning rate follows whichever is further along (--max_minutes=0 for a run that repeats exactly)"
+        )
+    for line in (*schedule_notes, optimizer_summary):
+        log(line)
+    if cfg.optimizer == "muon" and rt.device.type == "cpu":
+        # docs/performance.md, "The modern recipe on 2 CPU cores"
+        log(
+            "note: Muon orthogonalises in float32 on a CPU: about 1.3x an AdamW step here; optimizer='adamw' is "
+            "the faster choice on CPUs"
+        )
 
 
 @dataclass

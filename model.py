@@ -1,9 +1,9 @@
 """
 The Transformer, read top to bottom: the config, norms and positions, attention (its mask and KV cache), the MLP
 and the block, the Stack of blocks every model is built on, what the models share (initialisation, the head and the
-loss, parameter and FLOP counts, optimizer groups), then the three models: GPT (decoder-only), Encoder (BERT-style
-masked LM) and EncoderDecoder (the 2017 paper's). Generating from them is in generate.py; Hugging Face and nanoGPT
-weights in hf.py.
+loss with its chunk's size, parameter and FLOP counts), then the three models: GPT (decoder-only), Encoder
+(BERT-style masked LM) and EncoderDecoder (the 2017 paper's). Generating from them is in generate.py; Hugging Face
+and nanoGPT weights in hf.py.
 
 Shape letters used in comments:
     B batch, T target (query) length, S source (key) length, H heads, D head dim,
@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from log import state_bytes
 
 IGNORE_INDEX = -100  # targets with this value add nothing to the loss (padding, unmasked MLM positions)
 
@@ -605,13 +607,13 @@ class Stack(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Shared model machinery: init, head and loss, counting, optimizer
+# Shared model machinery: init, head and loss, counting
 
 # float32 logits the loss computes at a time (see TransformerModel.head_and_loss), unless a model's loss_chunk_bytes
 # says otherwise. On CPUs glibc serves allocations below its 32 MiB mmap threshold from a heap it reuses, instead of
 # mapping and zeroing fresh pages every step (docs/performance.md, "What moved the numbers"). It is also the smallest
 # chunk a GPU's sizing gives (loss_chunk_budget).
-# On a GPU train.py sizes the chunk from a trial step (loss_chunk_budget): a micro-batch's whole logits mostly fit,
+# On a GPU train.py sizes the chunk from a trial step (sized_loss_chunk): a micro-batch's whole logits mostly fit,
 # and then no chunk is computed twice.
 LOSS_CHUNK_BYTES = 16 * 2**20
 ACCELERATOR_LOSS_CHUNK_BYTES = 2**30
@@ -638,6 +640,31 @@ def loss_chunk_budget(trial_chunk, spare_bytes, total_bytes, copies):
     """
     chunk = trial_chunk + spare_bytes // copies
     return int(min(loss_chunk_cap(total_bytes), max(LOSS_CHUNK_BYTES, chunk)))
+
+
+def sized_loss_chunk(model, trial_step, optimizers, compiled):
+    """
+    On a GPU, model's loss chunk sized once from trial_step() (compiling.trial_step: a forward and backward as a
+    training step takes it) with the weights, the gradients and the activations on the device, and the optimizers'
+    state ({name: optimizer}) counted, made or not: loss_chunk_budget of what that leaves. Compiled, the trial takes
+    the chunk compiled with (the cap), so that a run with room to spare keeps its graphs; eager, the smallest chunk,
+    so that the trial itself cannot run out of memory for its logits. This rank's chunk: train.py takes the smallest
+    over the ranks, so that every rank cuts the loss alike.
+    """
+    device = next(model.parameters()).device
+    if not compiled:
+        model.loss_chunk_bytes = LOSS_CHUNK_BYTES
+    torch.cuda.reset_peak_memory_stats(device)
+    trial_step()
+    model.zero_grad(set_to_none=True)
+    # AdamW's two moments of every trained weight (Muon's one: counted high), less what a resume has made already
+    use = state_bytes(model, optimizers)
+    unmade = max(0, 2 * use["gradients"] - use["optimizer"])
+    free, total = torch.cuda.mem_get_info(device)
+    # what the device could give at the trial's peak: what is free, and what the allocator keeps cached, less a
+    # tenth of the card (fragmentation, cuBLAS's and NCCL's workspaces: plan.FULL's margin)
+    spare = free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device) - unmade - total // 10
+    return loss_chunk_budget(model.loss_chunk_bytes, spare, total, copies=1 if compiled else 3)
 
 
 def default_inits_discarded():
@@ -669,7 +696,7 @@ def init_normal(param, std):
 
 
 class TransformerModel(nn.Module):
-    """What the three models share: GPT-2 initialisation, the head and loss, parameter and FLOP counts, AdamW."""
+    """What the three models share: GPT-2 initialisation, the head and loss, parameter and FLOP counts."""
 
     # float32 logits the loss computes at a time; None: LOSS_CHUNK_BYTES on a CPU, ACCELERATOR_LOSS_CHUNK_BYTES on
     # other devices. train.py sizes it on a GPU from a trial step, plan.py takes the planned GPU's cap
@@ -851,43 +878,6 @@ class TransformerModel(nn.Module):
     def block_matrices(self):
         """The 2-D weights inside the blocks (attention qkv/proj, cross-attention q/kv/proj, MLP fc/up/proj): Muon's."""
         return [p for m in self.modules() if isinstance(m, Block) for p in m.parameters() if p.dim() == 2]
-
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, optimizer="adamw", muon_lr=0.02):
-        """
-        {"adamw": AdamW}, or with optimizer="muon" {"adamw": AdamW, "muon": Muon}: Muon for block_matrices(), AdamW
-        for the rest (embeddings, head, norms, biases, the encoder's transform). AdamW decays matrices and embeddings
-        (dim >= 2) and not biases and norm gains; Muon decays all its matrices. Fused AdamW where PyTorch has it
-        (CUDA, and CPU since 2.4). Returns (optimizers, one-line summary).
-        """
-        params = [p for p in self.parameters() if p.requires_grad]
-        hidden = {id(p) for p in self.block_matrices()} if optimizer == "muon" else set()
-        muon = [p for p in params if id(p) in hidden]
-        rest = [p for p in params if id(p) not in hidden]
-        # none on biases and norm gains: pulling a gain towards 0 would only shrink its norm's output
-        decay = [p for p in rest if p.dim() >= 2]
-        no_decay = [p for p in rest if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        fused = device_type in ("cuda", "cpu")
-        optimizers = {"adamw": torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)}
-        summary = (
-            f"AdamW{' (fused)' if fused else ''}: {len(decay)} tensors with weight decay "
-            f"({sum(p.numel() for p in decay):,} params), "
-            f"{len(no_decay)} without ({sum(p.numel() for p in no_decay):,} params)"
-        )
-        if muon:
-            from muon import Muon  # imported here: only optimizer='muon' runs use it
-
-            # Keller Jordan's settings: Nesterov momentum 0.95, the update scaled by sqrt(max(1, rows / cols))
-            # ("original"), so that muon_lr ~0.02 suits any width. Decoupled weight decay, as AdamW's
-            optimizers["muon"] = Muon(
-                muon, lr=muon_lr, weight_decay=weight_decay, momentum=0.95, nesterov=True, adjust_lr_fn="original"
-            )
-            summary = (
-                f"Muon: {len(muon)} block matrices (attention qkv/proj, cross-attention q/kv, MLP fc/up/proj) "
-                "with weight decay "
-                f"({sum(p.numel() for p in muon):,} params); {summary} (embeddings, head, norms, biases)"
-            )
-        return optimizers, summary
 
     def new_cache(self):
         """An empty KV cache for incremental decoding: one (self, cross) pair of KVCaches per decoder block."""

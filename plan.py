@@ -360,6 +360,8 @@ def make_plan(cfg, train):
     The Plan of the run cfg describes on cfg.plan_ranks ranks of cfg.plan_device, its training step traced with
     train.py's functions (train, a TrainStep): nothing trains.
     """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("--plan runs in one process: use python train.py ... --plan --plan_ranks=N, not torchrun")
     # the interpreter and libraries, measured before any data is read or prepared
     baseline = resident_peak()
     ranks = cfg.plan_ranks

@@ -1,9 +1,10 @@
 """
 Where a script runs: its device and precision (the `device` and `dtype` settings resolved for this machine, autocast
 for mixed precision), the CPU threads it takes, and the GPUs known by name (memory, peak FLOP/s for MFU, bf16). And
-how a training run is spread over processes: this process's place (Runtime: rank, device, dtype), the process group
-and the few collectives train.py needs, and parallelize(), which applies activation checkpointing, then FSDP2 or
-DDP, then torch.compile (compiling.py), in that order, and returns the model under the names of its uses (Models).
+how a training run is spread over processes: this process's place (Runtime: rank, device, dtype), the process group,
+the few collectives train.py needs and the signals that stop it, and parallelize(), which applies activation
+checkpointing, then FSDP2 or DDP, then torch.compile (compiling.py), in that order, and returns the model under the
+names of its uses (Models); and what a step does differently over the ranks (gradient_sync, clip_gradients).
 """
 
 import contextlib
@@ -12,7 +13,9 @@ import ctypes
 import inspect
 import os
 import re
+import signal
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import compiling
 from config import ConfigError
 from model import Block, build_model
 
@@ -93,6 +97,24 @@ def pick_threads(requested, local_ranks):
         f"note: {threads} thread(s) per process: other jobs keep about {busy} of the {cores} cores busy; "
         "--threads=N overrides, and one job at a time is fastest"
     )
+
+
+def use_device(cfg, rt):
+    """
+    Set this process up on its device, before anything uses it; returns a note on the CPU threads taken, or None.
+    On a CPU, the cores other jobs leave free (pick_threads), shared among this machine's ranks (torchrun sets
+    LOCAL_WORLD_SIZE). On CUDA, this rank's GPU becomes the current one before anything uses CUDA (NCCL,
+    allocations), or a context on GPU 0 would take its memory on every rank; and TF32 matmuls (Ampere and newer):
+    far faster than float32, and precise enough for training.
+    """
+    if rt.device.type == "cuda":
+        torch.cuda.set_device(rt.device)
+        torch.set_float32_matmul_precision("high")
+    if rt.device.type != "cpu":
+        return None
+    threads, note = pick_threads(cfg.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(threads)
+    return note
 
 
 def busy_cores(looks=20):
@@ -183,6 +205,15 @@ def peak_flops(device_name, multiprocessors=None):
         return None if gpu is None else gpu.flops
     whole = gpu.multiprocessors
     return gpu.flops * multiprocessors / whole if whole and multiprocessors else None
+
+
+def device_peak_flops(device):
+    """peak_flops of device, this machine's GPU (a MIG slice's share of it); None on other devices."""
+    if device.type != "cuda":
+        return None
+    return peak_flops(
+        torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).multi_processor_count
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -309,6 +340,26 @@ def raise_if_any_failed(error, world_size, group=None):
         raise ConfigError(failed)
 
 
+class StopRequest:
+    """SIGINT and SIGTERM set a flag: the loop finishes its step, saves and exits. A second signal acts as usual."""
+
+    def __enter__(self):
+        self.signal = None
+        # the handlers replaced are kept, to be put back after the first signal and at exit
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def handle(self, signum, frame):
+        # the name ('SIGTERM') for the log; the loop checks it before each step
+        self.signal = signal.Signals(signum).name
+        # so that a second Ctrl-C interrupts at once, should the save hang
+        signal.signal(signum, self.previous[signum])
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
 # -----------------------------------------------------------------------------
 # The model over the ranks
 
@@ -338,6 +389,11 @@ class Models:
     def kept(self):
         """What is saved as best.pt, decoded for accuracy and sampled: the average if there is one, else raw."""
         return self.raw if self.average is None else self.average
+
+    @property
+    def compiled(self):
+        """Whether a step runs compiled graphs: step is compiled and has not fallen back to the eager model."""
+        return isinstance(self.step, compiling.CompiledModel) and not self.step.failed
 
 
 def parallelize(model, cfg, rt, task):
@@ -373,13 +429,11 @@ def parallelize(model, cfg, rt, task):
         # fixed shapes (windows): graphs specialised to them; pairs and conversations vary in length: one dynamic graph
         how = dict(dynamic=None if task.varying else False, regions=cfg.compile_regions)
         how["mode"] = "reduce-overhead" if cfg.cuda_graphs else None
-        from compiling import CompiledModel, compile_model  # imported here: compile is off on CPUs by default
-
-        step = compile_model(step, task, cfg.batch_size, cfg.block_size, rt, **how)
-        if isinstance(step, CompiledModel):
+        step = compiling.compile_model(step, task, cfg.batch_size, cfg.block_size, rt, **how)
+        if isinstance(step, compiling.CompiledModel):
             # evaluation stays outside DDP and measures the average if there is one: compiled apart, unless it is
             # exactly what a step calls
-            evaluated = step if step.module is evaluated else CompiledModel(evaluated, **how)
+            evaluated = step if step.module is evaluated else compiling.CompiledModel(evaluated, **how)
     return Models(model, step, ddp, average, evaluated)
 
 
@@ -436,3 +490,17 @@ def gradient_sync(models, enabled):
     if models.ddp is not None and not enabled:
         return models.ddp.no_sync()
     return contextlib.nullcontext()
+
+
+def clip_gradients(parameters, max_norm):
+    """
+    Scale the gradients of parameters (a list) so that their global norm is at most max_norm; returns the norm from
+    before. Under FSDP each rank holds a shard of each gradient: the norm is taken over all the shards of all ranks.
+    """
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    # a DTensor exists only once FSDP has imported its module, which a script that never shards need not import
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(norm, dtensor.DTensor):
+        norm = norm.full_tensor()  # every rank's part of the sum of squares, added up
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return norm

@@ -12,73 +12,78 @@ shared out over the ranks, so a config means the same optimisation on one device
 
 The file reads top to bottom in the order a run goes: TrainConfig (every setting), main (the loop), setup (the
 stages before the first step), train_step (one optimizer step, then the helpers it calls, in that order),
-evaluation and saving, the command line. Beside it: tasks/ (what is trained: a task's batches,
-loss and evaluation, one file each), data.py (the dataset and the stream of batches), start.py (how a run
-starts or resumes), runtime.py (devices, ranks, FSDP or DDP), log.py (what a run prints and logs), checkpoint.py
-(what is saved); compiling.py (torch.compile) where a run compiles.
+evaluation and saving, the command line. Beside it: tasks/ (what is trained: a task's batches, loss, evaluation
+and sampling, one file each), data.py (the dataset and the stream of batches), start.py (how a run starts or
+resumes), runtime.py (devices, ranks, FSDP or DDP, compiling.py's torch.compile), optim.py (the optimizers and the
+learning-rate schedule), log.py (what a run prints and logs), checkpoint.py (what is saved, whole or sharded),
+model.py (the model, its loss and the loss chunk's size).
 """
 
 import contextlib
 import functools
-import json
 import math
 import os
 import shlex
-import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 import converters
 import tokens
-from checkpoint import (
-    all_finite,
-    nonfinite_weights,
-    remove,
-    save_checkpoint,
-    save_sharded,
-    sharded_state,
-    training_state,
-    weights_state,
-)
+from checkpoint import out_dir_problem, remove, run_files, save_training, save_weights, whole_model
+from compiling import trial_step
 from config import ConfigError, given_values, make_config
 from data import TrainBatches, count_targets, find_dataset, micro_seeds, pinned
-from log import Clock, Progress, Scalars, Step, log, log_memory, one_line, state_bytes
-from model import (
-    LOSS_CHUNK_BYTES,
-    MODEL_KEYS,
-    ModelConfig,
-    ModelSettings,
-    build_model,
-    loss_chunk_budget,
-    loss_chunk_cap,
-)
+from log import Clock, Progress, Scalars, Step, describe_run, fail, log, log_memory, one_line
+from model import MODEL_KEYS, ModelConfig, ModelSettings, loss_chunk_cap, sized_loss_chunk
+from optim import Schedule, make_optimizers, make_schedule, schedule_notes
 from runtime import (
     DTYPES,
     Models,
     Runtime,
+    StopRequest,
     agreed_minimum,
     all_reduce,
+    clip_gradients,
+    device_peak_flops,
     gradient_sync,
     init_distributed,
     keep_freed_memory,
     make_runtime,
     parallelize,
-    peak_flops,
-    pick_threads,
     raise_if_any_failed,
     split_accumulation,
+    use_device,
 )
 from start import restore, resumed_settings, start_run
 from tasks import TASKS, Task
+
+# TrainConfig's settings with a fixed set of values; the model's own (arch, norm, ...) are ModelConfig's to check
+CHOICES = {
+    "dtype": DTYPES,
+    "lr_schedule": ("cosine", "noam"),
+    "backend": ("auto", "nccl", "gloo"),
+    "optimizer": ("adamw", "muon"),
+}
+# TrainConfig's settings that take a range of values, by their names: (whether a value is in it, what the error says).
+# At least 1 where 0 would divide by zero (the intervals are taken modulo) or make empty batches; not negative where 0
+# means something (no steps, no warmup, no clipping)
+AT_LEAST_1 = (lambda v: v >= 1, "must be at least 1")
+NOT_NEGATIVE = (lambda v: v >= 0, "must not be negative")
+RANGES = {
+    "eval_interval log_interval eval_iters gradient_accumulation_steps batch_size dist_timeout plan_ranks": AT_LEAST_1,
+    "max_iters max_minutes threads warmup_iters lr_decay_iters eval_accuracy_examples grad_clip min_lr": NOT_NEGATIVE,
+    "loss_chunk_mb lora_rank": NOT_NEGATIVE,
+    "plan_mfu": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0: the default)"),
+    "learning_rate muon_lr": (lambda v: v > 0, "must be positive"),
+    "ema_decay": (lambda v: 0 <= v < 1, "must be in [0, 1) (0: off)"),
+}
 
 
 @dataclass
@@ -157,48 +162,13 @@ class TrainConfig(ModelSettings):
     plan_mfu: float = 0.0  # plan: the model FLOPs utilisation to time steps at; 0: CPU_MFU on a CPU, else 40%
 
     def __post_init__(self):
-        choices = {
-            # settings with a fixed set of values; the model's own (arch, norm, ...) are checked by ModelConfig below
-            "dtype": DTYPES,
-            "lr_schedule": ("cosine", "noam"),
-            "backend": ("auto", "nccl", "gloo"),
-            "optimizer": ("adamw", "muon"),
-        }
-        for name, allowed in choices.items():
+        for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        # 0 would divide by zero (the intervals are taken modulo) or make empty batches
-        for name in (
-            "eval_interval",
-            "log_interval",
-            "eval_iters",
-            "gradient_accumulation_steps",
-            "batch_size",
-            "dist_timeout",
-            "plan_ranks",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        # 0 means something here (no steps, no warmup, no clipping); a negative value never does
-        for name in (
-            "max_iters",
-            "max_minutes",
-            "threads",
-            "warmup_iters",
-            "lr_decay_iters",
-            "eval_accuracy_examples",
-            "grad_clip",
-            "min_lr",
-            "lora_rank",
-            "loss_chunk_mb",
-        ):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
-        if not 0 <= self.plan_mfu <= 1:
-            raise ConfigError(f"plan_mfu must be in [0, 1] (0: the default), got {self.plan_mfu}")
-        for name in ("learning_rate", "muon_lr"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for names, (fits, needs) in RANGES.items():
+            for name in names.split():
+                if not fits(getattr(self, name)):
+                    raise ConfigError(f"{name} {needs}, got {getattr(self, name)}")
         if self.fsdp and self.optimizer == "muon":
             raise ConfigError(
                 "fsdp=True cannot train with optimizer='muon': Muon orthogonalises each whole matrix, which FSDP "
@@ -208,8 +178,6 @@ class TrainConfig(ModelSettings):
             raise ConfigError(
                 "cuda_graphs=True replays compiled graphs: it needs compile (not --compile=false); drop --cuda_graphs"
             )
-        if not 0 <= self.ema_decay < 1:
-            raise ConfigError(f"ema_decay must be in [0, 1) (0: off), got {self.ema_decay}")
         if self.task not in ("auto", *TASKS):
             raise ConfigError(f"task={self.task!r} is not one of auto, {', '.join(TASKS)}")
         if not 0 < self.mask_prob < 1 or not 0 <= self.label_smoothing < 1:
@@ -247,10 +215,10 @@ class Run:
     splits: dict  # "train" and "val" data, as the task's batch() reads them
     meta: dict  # the tokenizer's meta, as checkpoints store it
     progress: Progress
-    stop: "StopRequest"  # defined with setup's stages below
+    stop: StopRequest  # a SIGINT or SIGTERM received (runtime.py)
     host_group: object  # a gloo group for numbers the host already has; None in one process
     clock: Clock  # the run's training time, which max_minutes budgets
-    schedule: "Schedule"  # the learning rate of each step (defined with train_step below)
+    schedule: Schedule  # the learning rate of each step (optim.py)
     converter: object = None  # what the model was converted into (a converters.Converter), or None
     start_iter: int = 0
     best_val_loss: float = math.inf  # the val loss of best.pt's evaluation
@@ -350,14 +318,16 @@ def setup(cfg, rt, stack):
     if begin.ckpt is not None:
         restore(begin.ckpt, models, optimizers=optimizers, scaler=scaler, generator=generator, cfg=cfg, rt=rt)
     if rt.device.type == "cuda" and not cfg.loss_chunk_mb and not cfg.eval_only:  # evaluation alone needs no trial
-        chunk = sized_loss_chunk(models, optimizers, task, cfg, rt, host_group)
+        trial = functools.partial(trial_step, models.step, task, cfg.batch_size, cfg.block_size, rt, models.ddp)
+        chunk = sized_loss_chunk(models.raw, trial, optimizers, models.compiled)
+        chunk = agreed_minimum(chunk, rt.world_size, host_group)  # every rank cuts the loss alike: the smallest
         for model in (models.raw, models.average):  # the average evaluates with the same chunk
             if model is not None:
                 model.loss_chunk_bytes = chunk
 
     batches = TrainBatches(splits["train"], task, cfg, generator, rt, per_rank)
     stack.callback(batches.close)
-    describe_run(cfg, rt, folder.name, models.raw, per_rank, summary)
+    describe_run(cfg, rt, folder.name, models.raw, per_rank, summary, schedule_notes(cfg))
     for note in (threads_note, task.describe(splits["train"], cfg.batch_size)):
         if note:
             log(note)
@@ -395,18 +365,8 @@ def join_processes(cfg, rt, stack):
     """
     # checked before any process group or data: a bad setting fails at once
     per_rank = split_accumulation(cfg.gradient_accumulation_steps, rt.world_size)
-    # the cores other jobs leave free, shared among this machine's ranks (torchrun sets LOCAL_WORLD_SIZE); the note
-    # on how many is said with the run's description, after every check that could refuse the run
-    note = None
-    if rt.device.type == "cpu":
-        threads, note = pick_threads(cfg.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        torch.set_num_threads(threads)
-    if rt.device.type == "cuda":
-        # this rank's GPU is the current one before anything uses CUDA (NCCL, allocations), or a context on GPU 0
-        # would take its memory on every rank
-        torch.cuda.set_device(rt.device)
-        # TF32 matmuls (Ampere and newer): far faster than float32, and precise enough for training
-        torch.set_float32_matmul_precision("high")
+    # the note on the CPU threads is said with the run's description, after every check that could refuse the run
+    note = use_device(cfg, rt)
     host_group = init_distributed(cfg, rt, stack)
     torch.manual_seed(cfg.seed + rt.rank)  # dropout differs per rank; DDP copies rank 0's initial weights
     # an unwritable out_dir is found now, not at the first save hours later; rank 0 alone writes, eval_only never
@@ -415,138 +375,17 @@ def join_processes(cfg, rt, stack):
     return per_rank, host_group, is_writer, note
 
 
-def out_dir_problem(cfg):
-    """
-    Why cfg.out_dir could not be written (None if it can), found before any work is done, creating nothing: a
-    folder that cannot be, or one holding another run that a new run would overwrite.
-    """
-    out_dir = cfg.out_dir
-    if cfg.init_from != "resume" and not cfg.overwrite and (files := run_files(out_dir)):
-        names = [p.name for p in files if not p.name.startswith("events.")]
-        shown = ", ".join(names + (["TensorBoard logs"] if len(names) < len(files) else []))
-        return (
-            f"out_dir={out_dir} already holds a run ({shown}): go on with it with --init_from=resume, write this "
-            f"run elsewhere with --out_dir=..., or replace it with --overwrite=True"
-        )
-    path = Path(out_dir).absolute()
-    # the deepest part of the path that exists: the folder in which the rest would be created
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        return f"out_dir={out_dir} cannot be a folder: {existing} is a file; choose another --out_dir"
-    # write to create entries in it, execute to enter it
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"out_dir={out_dir} cannot be written: {existing} is not writable by this user; choose another --out_dir"
-    return None
-
-
 def loss_chunk_bytes(cfg, rt, group):
     """
     The bytes of float32 logits the loss computes at a time (TransformerModel.loss_chunk_bytes) as the model is
     compiled: loss_chunk_mb if given, for good; on a GPU the largest chunk (model.loss_chunk_cap, the smallest over
-    the ranks), until sized_loss_chunk sizes it; None elsewhere (the model's CPU budget).
+    the ranks), until model.sized_loss_chunk sizes it; None elsewhere (the model's CPU budget).
     """
     if cfg.loss_chunk_mb:
         return int(cfg.loss_chunk_mb * 2**20)
     if rt.device.type == "cuda":
         return agreed_minimum(loss_chunk_cap(torch.cuda.mem_get_info(rt.device)[1]), rt.world_size, group)
     return None
-
-
-def sized_loss_chunk(models, optimizers, task, cfg, rt, group):
-    """
-    On a GPU, the run's loss chunk, sized once from a trial step (a forward and backward of the task's example batch
-    through models.step, as a step calls it) with the weights, the gradients and the activations on the device, and
-    the optimizers' state counted, made or not: model.loss_chunk_budget of what that leaves, the smallest over the
-    ranks, so that every rank cuts the loss alike. Compiled, the trial takes the chunk compiled with (the cap), so
-    that a run with room to spare keeps its graphs; eager, the smallest chunk, so that the trial itself cannot run
-    out of memory for its logits.
-    """
-    from compiling import CompiledModel  # imported here: on CPUs compile is off by default, and nothing is sized
-
-    device, model = rt.device, models.raw
-    compiled = isinstance(models.step, CompiledModel) and not models.step.failed
-    if not compiled:
-        model.loss_chunk_bytes = LOSS_CHUNK_BYTES
-    torch.cuda.reset_peak_memory_stats(device)
-    inputs, targets = task.to_device(*task.example_batch(cfg.batch_size, cfg.block_size), device)
-    # DDP's no_sync: the trial exchanges nothing; the random generators are left as they were, as compiling leaves them
-    no_sync = models.ddp.no_sync() if models.ddp is not None else contextlib.nullcontext()
-    with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []), no_sync:
-        with rt.autocast():
-            loss = task.loss(models.step, inputs, targets)
-        loss.backward()
-    model.zero_grad(set_to_none=True)
-    # AdamW's two moments of every trained weight (Muon's one: counted high), less what a resume has made already
-    use = state_bytes(model, optimizers)
-    unmade = max(0, 2 * use["gradients"] - use["optimizer"])
-    free, total = torch.cuda.mem_get_info(device)
-    # what the device could give at the trial's peak: what is free, and what the allocator keeps cached, less a
-    # tenth of the card (fragmentation, cuBLAS's and NCCL's workspaces: plan.FULL's margin)
-    spare = free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device) - unmade - total // 10
-    chunk = loss_chunk_budget(model.loss_chunk_bytes, spare, total, copies=1 if compiled else 3)
-    return agreed_minimum(chunk, rt.world_size, group)
-
-
-def make_optimizers(model, cfg, rt):
-    """
-    ({name: optimizer}, a one-line summary) over model's parallelized (sharded, on device) parameters: AdamW, and
-    with optimizer='muon' Muon for the blocks' matrices; weight decay on matrices and embeddings only. Every
-    parameter group keeps its peak learning rate as "initial_lr", which train_step's schedule scales.
-    """
-    betas = (cfg.beta1, cfg.beta2)
-    optimizers, summary = model.configure_optimizers(
-        cfg.weight_decay, cfg.learning_rate, betas, rt.device.type, optimizer=cfg.optimizer, muon_lr=cfg.muon_lr
-    )
-    for group in (group for optimizer in optimizers.values() for group in optimizer.param_groups):
-        group["initial_lr"] = group["lr"]
-    return optimizers, summary
-
-
-def describe_run(cfg, rt, dataset, model, per_rank, optimizer_summary):
-    """The lines that open a run's log: what trains on what, the step's shape, the optimizers, and notes."""
-    log(
-        f"{cfg.arch} on {dataset}: {model.num_params():,} parameters, {rt.device} {str(rt.dtype)[6:]}, "
-        f"{rt.world_size} rank(s); {cfg.batch_size * per_rank * rt.world_size} sequences per step "
-        f"({cfg.batch_size} x {per_rank} micro-batches x {rt.world_size} rank(s))"
-    )
-    if per_rank * rt.world_size > cfg.gradient_accumulation_steps:
-        log(
-            f"note: gradient_accumulation_steps={cfg.gradient_accumulation_steps} is fewer than the "
-            f"{rt.world_size} ranks: each rank runs one micro-batch, so a step sees {rt.world_size} x batch_size "
-            "sequences"
-        )
-    if cfg.fsdp and not rt.fsdp:
-        log("note: fsdp=True with one process: nothing to shard over, the model is trained whole")
-    if cfg.max_minutes:
-        log(
-            f"a time budget: {cfg.max_minutes:g} minute(s) of training, at most {cfg.max_iters:,} steps; the "
-            "learning rate follows whichever is further along (--max_minutes=0 for a run that repeats exactly)"
-        )
-    log_schedule_notes(cfg)
-    log(optimizer_summary)
-    if cfg.optimizer == "muon" and rt.device.type == "cpu":
-        # docs/performance.md, "The modern recipe on 2 CPU cores"
-        log(
-            "note: Muon orthogonalises in float32 on a CPU: about 1.3x an AdamW step here; optimizer='adamw' is "
-            "the faster choice on CPUs"
-        )
-
-
-def log_schedule_notes(cfg):
-    """One line for each way the learning-rate schedule does not fit the run's length (a short run's surprises)."""
-    if not cfg.decay_lr or cfg.lr_schedule != "cosine":
-        return
-    if cfg.lr_decay_iters > cfg.max_iters:
-        end = make_schedule(cfg).lr(cfg.max_iters - 1)
-        log(
-            f"note: lr_decay_iters={cfg.lr_decay_iters:,} is beyond max_iters={cfg.max_iters:,}: the run ends at "
-            f"learning rate {end:.2e}, not min_lr={cfg.min_lr:.2e}; --lr_decay_iters=0 ends the decay with the run"
-        )
-    if cfg.warmup_iters >= min(cfg.max_iters, cfg.lr_decay_iters or cfg.max_iters) > 0:
-        log(
-            f"note: warmup_iters={cfg.warmup_iters:,} fills the whole run of {cfg.max_iters:,} steps: the learning "
-            "rate never decays; lower --warmup_iters"
-        )
 
 
 def open_outputs(cfg, rt, is_writer, model_config, meta, stack):
@@ -567,41 +406,8 @@ def open_outputs(cfg, rt, is_writer, model_config, meta, stack):
         # the run's settings in readable JSON beside the checkpoints, for people and tools without torch
         run_config = {"train_config": asdict(cfg), "model_config": asdict(model_config), "meta": meta}
         tokens.write_json({**run_config, "world_size": rt.world_size}, out_dir / "config.json")
-    # this GPU's peak bf16 FLOP/s, for MFU (a MIG slice's share of it); None where unknown
-    peak = None
-    if rt.device.type == "cuda":
-        gpu = torch.cuda.get_device_properties(rt.device)
-        peak = peak_flops(torch.cuda.get_device_name(rt.device), gpu.multi_processor_count)
-    return Progress(cfg, rt, scalars, peak)
-
-
-def run_files(out_dir):
-    """The files of a run in out_dir, sorted: its checkpoints (a sharded one is a folder) and TensorBoard logs."""
-    folder = Path(out_dir)
-    if not folder.is_dir():
-        return []
-    names = ("ckpt.pt", "best.pt", ".ckpt.pt.old")
-    return sorted(p for p in folder.iterdir() if p.name in names or p.name.startswith("events.out.tfevents."))
-
-
-class StopRequest:
-    """SIGINT and SIGTERM set a flag: the loop finishes its step, saves and exits. A second signal acts as usual."""
-
-    def __enter__(self):
-        self.signal = None
-        # the handlers replaced are kept, to be put back after the first signal and at exit
-        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def handle(self, signum, frame):
-        # the name ('SIGTERM') for the log; the loop checks it before each step
-        self.signal = signal.Signals(signum).name
-        # so that a second Ctrl-C interrupts at once, should the save hang
-        signal.signal(signum, self.previous[signum])
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
+    # this GPU's peak bf16 FLOP/s, for MFU; None where unknown
+    return Progress(cfg, rt, scalars, device_peak_flops(rt.device))
 
 
 # -----------------------------------------------------------------------------
@@ -654,80 +460,6 @@ def train_step(run, iter_num):
     return Step(loss / n_targets, grad_norm, skipped, lr, n_tokens, flops, seconds)
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """
-    The learning rate of each step. 'cosine': linear warmup to learning_rate over warmup_iters steps, then a cosine
-    decay to min_lr at decay_iters steps, or at the end of a time budget of max_minutes if that comes first (the
-    schedule follows whichever is further along), min_lr after. 'noam' (the 2017 paper): the same warmup, then
-    learning_rate * sqrt(warmup_iters / step); the paper's d_model**-0.5 * warmup_iters**-0.5 is learning_rate here.
-    """
-
-    learning_rate: float
-    min_lr: float
-    warmup_iters: int
-    decay_iters: int
-    kind: str = "cosine"
-    max_minutes: float = 0.0  # a time budget; 0: the steps alone
-    # (iteration, seconds, fraction decayed): a run resumed with another length than its checkpoint's goes on from
-    # the fraction its schedule had decayed, over the steps and time that are left; None: counted from the start
-    resumed_at: tuple | None = None
-
-    def lr(self, it, seconds=0.0):
-        """The learning rate of step it (0-based), begun after `seconds` of training."""
-        # 1-based: the first step (it 0) already gets a nonzero learning rate
-        step = it + 1
-        if self.kind == "noam":
-            return self.learning_rate * min(step / self.warmup_iters, math.sqrt(self.warmup_iters / step))
-        if step <= self.warmup_iters:
-            return self.learning_rate * step / self.warmup_iters
-        decayed = self.decayed(it, seconds)
-        if decayed >= 1:
-            return self.min_lr
-        # the cosine factor goes 1 -> 0 as the fraction decayed goes 0 -> 1
-        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * decayed)) * (self.learning_rate - self.min_lr)
-
-    def decayed(self, it, seconds):
-        """The fraction of the decay done at step it (from 0 at the end of warmup to 1 at its end), at least 0."""
-        start_it, start_seconds, done = self.resumed_at or (0, 0.0, 0.0)
-        start_it = max(start_it, self.warmup_iters)
-        steps = (it - start_it) / (self.decay_iters - start_it) if it < self.decay_iters else 1.0
-        budget = 60 * self.max_minutes - start_seconds
-        clock = 0.0 if not self.max_minutes else (seconds - start_seconds) / budget if budget > 0 else 1.0
-        return max(done + (1 - done) * max(steps, clock), 0.0)
-
-
-def make_schedule(cfg, ckpt=None):
-    """
-    cfg's Schedule; resuming ckpt, one that goes on from where the checkpoint's stood when the run's length differs
-    (a larger max_iters, another max_minutes, the clock switched off or on): the learning rate never jumps back up.
-    """
-    schedule = Schedule(
-        cfg.learning_rate,
-        cfg.min_lr,
-        cfg.warmup_iters,
-        cfg.lr_decay_iters or cfg.max_iters,
-        cfg.lr_schedule,
-        cfg.max_minutes,
-    )
-    if ckpt is None or cfg.lr_schedule != "cosine":
-        return schedule
-    saved = ckpt["train_config"]
-    before = Schedule(
-        saved["learning_rate"],
-        saved["min_lr"],
-        saved["warmup_iters"],
-        saved["lr_decay_iters"] or saved["max_iters"],
-        max_minutes=saved.get("max_minutes", 0.0),
-        resumed_at=ckpt.get("schedule_from"),
-    )
-    lengths = ("warmup_iters", "decay_iters", "max_minutes")
-    if all(getattr(before, name) == getattr(schedule, name) for name in lengths):
-        return replace(schedule, resumed_at=before.resumed_at)  # the same schedule: exactly as it was
-    it, seconds = ckpt["iter_num"], ckpt.get("train_seconds", 0.0)
-    return replace(schedule, resumed_at=(it, seconds, min(before.decayed(it, seconds), 1.0)))
-
-
 def accumulate_gradients(models, task, batches, n_targets, scaler, rt):
     """
     Forward and backward over this rank's micro-batches with models.step (micro_step, one at a time); returns their
@@ -753,11 +485,11 @@ def micro_step(models, task, batch, last, n_targets, scaler, rt):
             # the model sums the loss itself, in chunks of positions: the (B, T, V) logits never exist whole
             loss = task.loss(models.step, inputs, targets)
         # / n_targets: this micro-batch's part of the step's mean loss; * world_size: undoes the ranks' average
-        backward(scaler.scale(loss * (rt.world_size / n_targets)), models.step)
+        backward(scaler.scale(loss * (rt.world_size / n_targets)), models)
     return loss.detach()
 
 
-def backward(loss, step_model):
+def backward(loss, models):
     """
     loss.backward(). A compiled graph's backward is compiled at its first use, in here: a failure to compile it
     (after a recompilation) leaves the step half done, and ends the run with one line. Any other error (a device-side
@@ -767,9 +499,7 @@ def backward(loss, step_model):
         loss.backward()
     # what a failed compilation raises: Inductor's InductorError, any backend's BackendCompilerFailed
     except torch._dynamo.exc.TorchDynamoException as e:
-        from compiling import CompiledModel
-
-        if not isinstance(step_model, CompiledModel) or step_model.failed:
+        if not models.compiled:
             raise
         raise ConfigError(f"the compiled backward failed ({one_line(e)}); run with --compile=false") from e
 
@@ -800,18 +530,6 @@ def update_weights(model, optimizers, scaler, grad_clip):
         optimizer.zero_grad(set_to_none=True)
     scaler.update()  # after every optimizer's step; a no-op without float16
     return grad_norm, skipped
-
-
-def clip_gradients(parameters, max_norm):
-    """
-    Scale the gradients of parameters (a list) so that their global norm is at most max_norm; returns the norm from
-    before. Under FSDP each rank holds a shard of each gradient: the norm is taken over all the shards of all ranks.
-    """
-    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()  # every rank's part of the sum of squares, added up
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
-    return norm
 
 
 def update_ema(averages, weights, decay, step):
@@ -863,26 +581,18 @@ def evaluate_and_save(run, iter_num, last):
     if (trained or starting) and improves(result, run.best_val_loss, run.best_accuracy):
         metric = "exact match" if by_exact_match(result, run.best_val_loss, run.best_accuracy) else "val loss"
         run.best_val_loss, run.best_accuracy = result["val"], result.get("accuracy")
-        if rt.fsdp:
-            check_shards_finite([run.models.kept], rt, iter_num)
-        # under FSDP, gathered one tensor at a time onto rank 0's CPU: the optimizer's state is never gathered.
-        # a converted model's state alone (gathered on every rank)
-        converter = run.converter
-        weights = whole_weights(run.models.kept, rt) if converter is None else converter.state(run.models.kept)
-        if rt.rank == 0:
-            role = "weights" if run.models.average is None else "average"
-            state = weights_state(
-                weights,
-                run.models.raw.config,
-                cfg,
-                run.meta,
-                iter_num,
-                run.best_val_loss,
-                role,
-                converter=run.converter,
-                best_accuracy=run.best_accuracy,
-            )
-            save_checkpoint(state, Path(cfg.out_dir) / "best.pt")
+        save_weights(
+            Path(cfg.out_dir) / "best.pt",
+            run.models.kept,
+            rt,
+            role="weights" if run.models.average is None else "average",
+            converter=run.converter,
+            cfg=cfg,
+            meta=run.meta,
+            iter_num=iter_num,
+            best_val_loss=run.best_val_loss,
+            best_accuracy=run.best_accuracy,
+        )
         saved.append(f"best.pt, by {metric}")
     # after the last step main saves ckpt.pt anyway, with the final state
     if iter_num > run.start_iter and cfg.always_save_checkpoint and not last:
@@ -981,16 +691,10 @@ def val_accuracy(run):
     rows = run.task.answer_rows(split)[: cfg.eval_accuracy_examples]
     if not rt.fsdp:
         return exact_match(run.models.kept, run.task, split, rows, cfg, rt)
-    weights, correct = whole_weights(run.models.kept, rt), 0.0
-    if rt.rank == 0:
-        with torch.random.fork_rng(devices=[]):  # its initial values are overwritten: they must not move rank 0's RNG
-            model = build_model(run.models.raw.config)
-        if run.converter is not None:  # the gathered weights are the converted model's: converted alike to load them
-            run.converter.convert(model, torch.Generator())
-        model.load_state_dict(weights)
+    model, correct = whole_model(run.models.kept, rt, run.converter), 0.0
+    if model is not None:
         # a Runtime of one process: exact_match then decodes every pair, in autocast where FSDP would cast
-        one = Runtime(device=rt.device, dtype=rt.dtype)
-        correct = exact_match(model.to(rt.device), run.task, split, rows, cfg, one)
+        correct = exact_match(model, run.task, split, rows, cfg, Runtime(device=rt.device, dtype=rt.dtype))
     return all_reduce([correct], rt).item()
 
 
@@ -1010,14 +714,11 @@ def exact_match(model, task, split, rows, cfg, rt):
 
 
 def save_training_state(run, iter_num):
-    """
-    ckpt.pt: everything a resume needs (every rank takes part: their RNG states are gathered). Under FSDP, a
-    sharded checkpoint (a folder) that every rank writes its part of: no rank ever holds the whole model or optimizer;
-    a converted model's one file still, of its state (the trained tensors) and their optimizer state only.
-    """
-    sharded = run.rt.fsdp and run.converter is None
-    state = training_state(
+    """ckpt.pt: everything a resume needs (checkpoint.save_training). Every rank takes part."""
+    save_training(
+        Path(run.cfg.out_dir) / "ckpt.pt",
         run.models.raw,
+        run.rt,
         ema_model=run.models.average,
         cfg=run.cfg,
         meta=run.meta,
@@ -1029,33 +730,8 @@ def save_training_state(run, iter_num):
         optimizers=run.optimizers,
         scaler=run.scaler,
         sampler_state=run.batches.resume_state,
-        device=run.rt.device,
-        world_size=run.rt.world_size,
-        sharded=sharded,
         converter=run.converter,
     )
-    path = Path(run.cfg.out_dir) / "ckpt.pt"
-    if sharded:
-        check_shards_finite([m for m in (run.models.raw, run.models.average) if m is not None], run.rt, iter_num)
-        tensors = sharded_state(run.models.raw, ema_model=run.models.average, optimizers=run.optimizers)
-        save_sharded(tensors, state, path, run.rt.rank)
-    # every rank built the state (gathering the RNG states is a collective); one writes it
-    elif run.rt.rank == 0:
-        save_checkpoint(state, path)
-
-
-def check_shards_finite(models, rt, iter_num):
-    """Under FSDP, before a save: the error of finite_weights on every rank if any rank's shards hold inf or nan."""
-    shards = [p.to_local() for model in models for p in model.parameters()]
-    if all_reduce([~all_finite(shards)], rt).item():
-        raise nonfinite_weights(iter_num)
-
-
-def whole_weights(model, rt):
-    """model's state dict, whole; under FSDP gathered onto rank 0's CPU (the others get {}): call it on every rank."""
-    if not rt.fsdp:
-        return model.state_dict()
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 # -----------------------------------------------------------------------------
@@ -1082,10 +758,6 @@ def cli(argv):
                 "of hours), or name a config, e.g. python train.py configs/shakespeare.py (two minutes on a laptop)"
             )
         if cfg.plan:
-            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                raise ConfigError(
-                    "--plan runs in one process: use python train.py ... --plan --plan_ranks=N, not torchrun"
-                )
             # imported here only: the planner's tracing tools (torch.distributed._tools, ...) take seconds to
             # import, which a run's launch would otherwise wait for. It traces this file's own step functions
             from plan import TrainStep, make_plan, print_plan
@@ -1114,30 +786,6 @@ def cli(argv):
         return 130
     return 0
 
-
-def fail(message, status):
-    """
-    Report `train.py: error: message` once and return status. Under torchrun, the first rank to exit makes torchrun
-    end the others: rank 0 reports at once, the other ranks only after ERROR_GRACE seconds, so that an error all
-    ranks meet (a setting, or one that setup shares among them) is reported by rank 0 alone, while rank 0 is still
-    there, and an error of one rank alone still shows. torchrun's summary of the failure, the last thing it prints,
-    then carries the line (through the error file it reads from each failed rank) in place of a traceback.
-    """
-    if int(os.environ.get("RANK", "0")):
-        time.sleep(ERROR_GRACE)
-    line = f"train.py: error: {message}"
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        # the error file's format (torch.distributed.elastic's ErrorHandler): the summary shows py_callstack
-        extra = {"py_callstack": line, "timestamp": str(int(time.time()))}
-        Path(error_file).write_text(json.dumps({"message": {"message": line, "extraInfo": extra}}))
-    else:
-        print(line, file=sys.stderr, flush=True)
-    return status
-
-
-# seconds a rank other than 0 waits before printing its error (fail)
-ERROR_GRACE = 5.0
 
 if __name__ == "__main__":
     sys.exit(cli(sys.argv[1:]))

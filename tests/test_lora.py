@@ -28,6 +28,7 @@ from checkpoint import load_checkpoint
 from converters.lora import LoRALinear, LoRASettings, add_adapters, merge
 from generate import generate
 from model import MODEL_KEYS, ModelConfig, build_model
+from optim import configure_optimizers
 from runtime import Models, Runtime
 from start import load_model, model_from_checkpoint
 from tasks.lm import CausalLM
@@ -162,7 +163,7 @@ def test_only_the_adapters_change_and_only_they_have_gradients_and_optimizer_sta
         copy.deepcopy(base), LoRASettings(4, 8.0, ("attention", "mlp")), [5], generator=torch.Generator()
     )
     # weight decay on: a frozen weight it reached would move
-    optimizers, _ = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
+    optimizers, _ = configure_optimizers(model, 0.1, 1e-2, (0.9, 0.95), "cpu")
     windows = [torch.randint(20, (4, 17), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     batches = [((w[:, :-1],), w[:, 1:]) for w in windows]
     for _ in range(3):

@@ -29,6 +29,7 @@ from model import (
     build_model,
     rope_tables,
 )
+from optim import configure_optimizers
 from runtime import peak_flops
 
 POS = ("learned", "sinusoidal", "rope")
@@ -843,8 +844,8 @@ def test_peak_flops_of_mig_slices(name, multiprocessors, peak):
 
 def test_optimizer_groups():
     model = build_model(tiny(arch="encoder_decoder"))
-    optimizers, summary = model.configure_optimizers(
-        weight_decay=0.1, learning_rate=1e-3, betas=(0.9, 0.95), device_type="cpu"
+    optimizers, summary = configure_optimizers(
+        model, weight_decay=0.1, learning_rate=1e-3, betas=(0.9, 0.95), device_type="cpu"
     )
     assert list(optimizers) == ["adamw"]
     decay, no_decay = optimizers["adamw"].param_groups
@@ -862,7 +863,7 @@ BLOCK_MATRIX = re.compile(r"(body|encoder|decoder)\.blocks\.\d+\.(attn|cross_att
 def test_muon_gets_exactly_the_block_matrices(arch):
     """Every trainable parameter is in exactly one optimizer; Muon's are the blocks' matrices, checked by name."""
     model = build_model(tiny(arch=arch, activation="swiglu", qk_norm=True, bias=True, tie_embeddings=False))
-    optimizers, summary = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu", optimizer="muon", muon_lr=0.02)
+    optimizers, summary = configure_optimizers(model, 0.1, 1e-3, (0.9, 0.95), "cpu", optimizer="muon", muon_lr=0.02)
     assert list(optimizers) == ["adamw", "muon"] and summary.startswith("Muon: ")
     names = {id(p): name for name, p in model.named_parameters()}
     held = [names[id(p)] for opt in optimizers.values() for group in opt.param_groups for p in group["params"]]

@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import ModelConfig, build_model
 from muon import NS_COEFFICIENTS, Muon, newton_schulz
+from optim import configure_optimizers
 from train import update_weights
 
 # tall, square and wide matrices; (24, 16) twice, so that one batch holds two
@@ -189,7 +190,7 @@ def test_train_updates_with_muon_and_adamw_without_a_host_sync(monkeypatch):
     """train.update_weights with configure_optimizers's Muon and fused AdamW: a step and a skipped step, no sync."""
     torch.manual_seed(0)
     model = build_model(ModelConfig(vocab_size=20, block_size=8, n_layer=2, n_head=2, n_embd=16))
-    optimizers, _ = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu", optimizer="muon", muon_lr=0.02)
+    optimizers, _ = configure_optimizers(model, 0.1, 1e-3, (0.9, 0.95), "cpu", optimizer="muon", muon_lr=0.02)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     idx = torch.randint(0, 20, (2, 8))
     forbid_host_reads(monkeypatch)

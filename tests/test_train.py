@@ -39,9 +39,20 @@ import synthetic
 import tokens
 import train
 from checkpoint import kept_weights, load_checkpoint, move_into_place, save_checkpoint
+from compiling import trial_step
 from config import ConfigError, parse_config
 from generate import translate
-from model import IGNORE_INDEX, LOSS_CHUNK_BYTES, MODEL_KEYS, Block, ModelConfig, build_model, loss_chunk_budget
+from model import (
+    IGNORE_INDEX,
+    LOSS_CHUNK_BYTES,
+    MODEL_KEYS,
+    Block,
+    ModelConfig,
+    build_model,
+    loss_chunk_budget,
+    sized_loss_chunk,
+)
+from optim import configure_optimizers
 from runtime import Models, Runtime, split_accumulation
 from start import model_from_checkpoint, start_run
 from tasks import make_task
@@ -1270,7 +1281,7 @@ def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
     device = torch.device("cuda")
     cfg = tiny(data_root, "unused", device="cuda", log_interval=100)  # iteration 0's line only: a step not checked
     model = build_model(cfg.model_config(vocab_size=65)).to(device)
-    optimizers, _ = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda")  # fused: skips on the device
+    optimizers, _ = configure_optimizers(model, 0.1, 1e-3, (0.9, 0.95), "cuda")  # fused: skips on the device
     scaler = torch.amp.GradScaler("cuda", enabled=False)
     train_tokens = tokens.load_tokens(Path(data_root) / "shakespeare_char" / "train.bin")
     rt = Runtime(device=device, dtype=torch.bfloat16)
@@ -1438,7 +1449,7 @@ def test_ddp_indivisible_accumulation_fails_fast_on_every_rank(tmp_path, data_ro
     # each rank finds the error by itself, before any collective (so none waits for the other), and would say so
     # if it were the only one: rank by rank
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(train, "ERROR_GRACE", 0.0)
+    monkeypatch.setattr(log, "ERROR_GRACE", 0.0)
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("LOCAL_RANK", rank)
@@ -2168,7 +2179,7 @@ def test_a_muon_step_is_muon_and_adamw_by_hand_and_skips_a_non_finite_gradient()
     config = ModelConfig(vocab_size=20, block_size=8, n_layer=2, n_head=2, n_embd=16, arch="encoder_decoder")
     model, reference = build_model(config), build_model(config)
     reference.load_state_dict(model.state_dict())
-    optimizers, _ = model.configure_optimizers(0.1, 1.0, (0.9, 0.95), "cpu", optimizer="muon", muon_lr=1.0)
+    optimizers, _ = configure_optimizers(model, 0.1, 1.0, (0.9, 0.95), "cpu", optimizer="muon", muon_lr=1.0)
     # the reference's dtype: torch.optim.Muon orthogonalises in bfloat16, muon.Muon in float32 on a CPU by default
     optimizers["muon"].ns_dtype = torch.bfloat16
     step = {"n_targets": 16, "lrs": {"adamw": 1e-3, "muon": 0.02}, "grad_clip": 1.0}
@@ -2399,7 +2410,7 @@ def test_the_loss_chunk_is_sized_from_what_a_step_leaves_and_capped():
 
 def test_the_trial_step_sizes_the_chunk_from_its_peak_and_leaves_no_trace(monkeypatch):
     """
-    sized_loss_chunk (a GPU's memory figures given here): an eager trial step in the smallest chunks, its peak and
+    model.sized_loss_chunk (a GPU's memory figures given here): an eager trial step in the smallest chunks, its peak and
     AdamW's two moments (not made yet) counted, a tenth of the card kept, three copies a chunk; the trial leaves no
     gradient and the random generator as it was.
     """
@@ -2414,9 +2425,11 @@ def test_the_trial_step_sizes_the_chunk_from_its_peak_and_leaves_no_trace(monkey
     trials = []
     model.register_forward_hook(lambda module, args, output: trials.append(module.loss_chunk_bytes))
     rng = torch.get_rng_state()
-    chunk = train.sized_loss_chunk(
-        Models(raw=model, step=model), optimizers, CausalLM({"vocab_size": 64}), cfg, Runtime(), None
-    )
+
+    def trial():  # the trial step as train.py's setup hands it over
+        trial_step(model, CausalLM({"vocab_size": 64}), cfg.batch_size, cfg.block_size, Runtime())
+
+    chunk = sized_loss_chunk(model, trial, optimizers, compiled=False)
     weights = sum(p.numel() * 4 for p in model.parameters())
     assert trials == [LOSS_CHUNK_BYTES]
     assert chunk == LOSS_CHUNK_BYTES + (20 * gib + 10 * gib - 12 * gib - 2 * weights - 8 * gib) // 3
