@@ -536,11 +536,14 @@ def out_dir_problem(cfg):
 
 
 def run_files(out_dir):
-    """The files of a run in out_dir, sorted: its checkpoints (a sharded one is a folder) and TensorBoard logs."""
+    """
+    The files of a run in out_dir, sorted: its checkpoints (a sharded one is a folder), the base a LoRA run keeps
+    (start.keep_base) and TensorBoard logs.
+    """
     folder = Path(out_dir)
     if not folder.is_dir():
         return []
-    names = ("ckpt.pt", "best.pt", ".ckpt.pt.old")
+    names = ("ckpt.pt", "best.pt", ".ckpt.pt.old", "base.pt", "base")
     return sorted(p for p in folder.iterdir() if p.name in names or p.name.startswith("events.out.tfevents."))
 
 

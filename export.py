@@ -295,7 +295,7 @@ def main(cfg, out=None):
     try:
         # the layout is checked on the settings alone, before any model is built
         layout = hf_layout(ModelConfig.from_dict(ckpt["model_config"]))
-        model = model_from_checkpoint(ckpt)
+        model = model_from_checkpoint(ckpt, path.parent)
     except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit
         raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
     # nanoGPT's character-level checkpoints take their characters from the dataset named, as in sample.py

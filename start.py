@@ -18,6 +18,8 @@ run's made plain, nanoGPT's) or Hugging Face weights.
 
 import contextlib
 import hashlib
+import os
+import shutil
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -148,7 +150,7 @@ def resume(cfg, meta, lazy):
     # a resumed run keeps the checkpoint's meta, which already has an encoder's [MASK] id
     task = task_of(cfg, meta)
     if converter is not None:  # its base (checked against its fingerprint where it is partial), converted again
-        return Start(cfg, converted_model(converter, ckpt).train(), task, ckpt["meta"], ckpt, converter)
+        return Start(cfg, converted_model(converter, ckpt, path.parent).train(), task, ckpt["meta"], ckpt, converter)
     with torch.device("meta") if lazy and "sharded" in ckpt else contextlib.nullcontext():
         model = build_model(config)
     if "sharded" not in ckpt:
@@ -235,7 +237,7 @@ def from_checkpoint(cfg, meta):
     if saved_meta["tokenizer"] != meta["tokenizer"]:
         raise other_ids(path, saved_meta, meta, cfg)
     # its architecture and weights; dropout is the new run's (0 to evaluate, 0.1 to fine-tune on little data)
-    model = model_from_checkpoint(ckpt, dropout=cfg.dropout).train()
+    model = model_from_checkpoint(ckpt, path.parent, dropout=cfg.dropout).train()
     cfg = with_model_settings(cfg, model.config, f"init_from={cfg.init_from} decides the model settings")
     # the task from the dataset, the meta to save from the checkpoint (an encoder's holds its [MASK] id), or from
     # the data where the task says so (chat: its tokens and template, which sample.py --chat needs)
@@ -408,7 +410,7 @@ def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False
         meta = ckpt["meta"] or nanogpt_meta(ckpt, path, named, "name a prepared dataset with --dataset")
         task = ckpt.get("train_config", {}).get("task", "auto")  # "auto" for weights saved without a run
         try:
-            model = model_from_checkpoint(ckpt)
+            model = model_from_checkpoint(ckpt, path.parent)
         except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit
             raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
     else:
@@ -437,29 +439,31 @@ def load_configured(cfg, device):
     return load_model(cfg.init_from, device=device, **settings)
 
 
-def model_from_checkpoint(ckpt, **overrides):
+def model_from_checkpoint(ckpt, folder=None, **overrides):
     """
     The model a loaded checkpoint describes, with its weights, in eval mode. overrides: ModelConfig fields that
     keep the weights, such as dropout for a new run from them. A converted run's checkpoint (converters.saved): its
-    model made plain, as sample.py, eval.py and export.py use it.
+    model made plain, as sample.py, eval.py and export.py use it; folder: the checkpoint's, where its run keeps the
+    base of a partial converter.
     """
     converter = converters.saved(ckpt)
     if converter is not None:
-        return converter.plain(converted_model(converter, ckpt, **overrides))
+        return converter.plain(converted_model(converter, ckpt, folder, **overrides))
     # the architecture from the saved settings, then its weights: load_state_dict is strict, so a mismatch raises
     model = build_model(ModelConfig.from_dict({**ckpt["model_config"], **overrides}))
     model.load_state_dict(kept_weights(ckpt))
     return model.eval()
 
 
-def converted_model(converter, ckpt, **overrides):
+def converted_model(converter, ckpt, folder=None, **overrides):
     """
     A converted run's model, to train on, made again from its checkpoint: on its base (a partial converter's, as
-    load_base loads it) or on a model of its settings, with the run's own dropout (which may differ from the base's).
+    load_base loads it from folder, the run's) or on a model of its settings, with the run's own dropout (which may
+    differ from the base's).
     """
     overrides = {"dropout": ckpt["model_config"]["dropout"], **overrides}
     if converter.partial:
-        base = load_base(converter.record["base"], **overrides)
+        base = load_base(converter.record["base"], folder, **overrides)
     else:
         base = build_model(ModelConfig.from_dict({**ckpt["model_config"], **overrides}))
     return converter.restore(base, ckpt)
@@ -470,15 +474,44 @@ def converted_model(converter, ckpt, **overrides):
 
 
 def base_record(init_from, base):
-    """What a run records of the model it starts from: where it was loaded from, its settings and a fingerprint."""
+    """
+    What a run records of the model it starts from: where it was loaded from, its settings, a fingerprint, and the
+    name of the copy a partial converter's run keeps of it in its own folder (keep_base).
+    """
     where = Path(init_from).expanduser()
+    source = "checkpoint" if is_checkpoint(where) else "pretrained"
     return {
-        "source": "checkpoint" if is_checkpoint(where) else "pretrained",
+        "source": source,
         # absolute, so that sample.py finds it from any folder; a hub id as it is
         "init_from": str(where.resolve()) if where.exists() else init_from,
         "model_config": asdict(base.config),
         "fingerprint": fingerprint(base),
+        # a checkpoint file as a file, a sharded checkpoint or a Hugging Face folder as a folder
+        "kept": "base.pt" if source == "checkpoint" and where.is_file() else "base",
     }
+
+
+def keep_base(converter, out_dir):
+    """
+    A partial converter's run keeps its base in its own folder (out_dir/base.pt, or out_dir/base/ for a folder),
+    so that the base run going on, or writing a better best.pt, never strands the adapters: each file hard-linked
+    (no space taken; the base run's atomic rewrites make new files and leave these alone), copied where a link
+    cannot be made (another file system). Nothing for a run without a converter or with a whole one.
+    """
+    if converter is None or not converter.partial:
+        return
+    base = converter.record["base"]
+    source = Path(base["init_from"]).expanduser()
+    if base["source"] == "pretrained" and not source.is_dir():  # a hub id: the files of its local snapshot
+        source = hf.download_from_hub(base["init_from"])
+    files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
+    for path in files:
+        dest = out_dir / base["kept"] if source.is_file() else out_dir / base["kept"] / path.relative_to(source)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:  # the file itself, not a hub snapshot's symbolic link to it
+            os.link(path.resolve(), dest)
+        except OSError:
+            shutil.copy2(path.resolve(), dest)
 
 
 def fingerprint(model):
@@ -495,17 +528,20 @@ def fingerprint(model):
     return digest.hexdigest()[:16]
 
 
-def load_base(base, **overrides):
+def load_base(base, folder=None, **overrides):
     """
-    The plain model a partial converter's state was trained on, from base (base_record's record of it): a checkpoint
-    file or folder, or Hugging Face weights. ConfigError with one line if it is gone or has changed since.
+    The plain model a partial converter's state was trained on, from base (base_record's record of it): the copy its
+    run keeps (keep_base) in folder, the run's folder, else where it was loaded from (a checkpoint file or folder,
+    or Hugging Face weights; runs from before keep_base). ConfigError with one line if it is gone or has changed.
     """
     where = base["init_from"]
+    if folder is not None and "kept" in base and (Path(folder) / base["kept"]).exists():
+        where = str(Path(folder) / base["kept"])
     fix = "put it back, or fine-tune again from the base you have"
     if base["source"] == "checkpoint":
         if not is_checkpoint(where):
             raise ConfigError(f"the adapters' base checkpoint {where} is not there (moved or deleted?): {fix}")
-        model = model_from_checkpoint(load_checkpoint(where), **overrides)
+        model = model_from_checkpoint(load_checkpoint(where), Path(where).parent, **overrides)
     else:  # a folder or a hub id, cut to the positions the run used, as from_pretrained did
         if Path(where).is_absolute() and not Path(where).is_dir():
             raise ConfigError(f"the adapters' base folder {where} is not there (moved or deleted?): {fix}")

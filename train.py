@@ -61,7 +61,7 @@ from runtime import (
     split_accumulation,
     use_device,
 )
-from start import restore, resumed_settings, start_run
+from start import keep_base, restore, resumed_settings, start_run
 from tasks import TASKS, Task
 
 # TrainConfig's settings with a fixed set of values; the model's own (arch, norm, ...) are ModelConfig's to check
@@ -343,7 +343,7 @@ def setup(cfg, rt, stack):
         batches=batches,
         splits=splits,
         meta=begin.meta,
-        progress=open_outputs(cfg, rt, is_writer, models.raw.config, begin.meta, stack),
+        progress=open_outputs(cfg, rt, is_writer, models.raw.config, begin.meta, begin.converter, stack),
         stop=stack.enter_context(StopRequest()),
         host_group=host_group,
         # started last, so that the time budget counts the loop's time: a resume goes on from the time saved
@@ -388,10 +388,10 @@ def loss_chunk_bytes(cfg, rt, group):
     return None
 
 
-def open_outputs(cfg, rt, is_writer, model_config, meta, stack):
+def open_outputs(cfg, rt, is_writer, model_config, meta, converter, stack):
     """
-    The last stage: config.json beside the checkpoints and TensorBoard (on the writing rank), and the Progress that
-    reports to them, closed with the run.
+    The last stage: config.json beside the checkpoints (and a partial converter's base: start.keep_base) and
+    TensorBoard (on the writing rank), and the Progress that reports to them, closed with the run.
     """
     if is_writer and cfg.init_from != "resume":
         # out_dir_problem let a new run in only where there was no run, or with overwrite=True: its files go, so that
@@ -406,6 +406,8 @@ def open_outputs(cfg, rt, is_writer, model_config, meta, stack):
         # the run's settings in readable JSON beside the checkpoints, for people and tools without torch
         run_config = {"train_config": asdict(cfg), "model_config": asdict(model_config), "meta": meta}
         tokens.write_json({**run_config, "world_size": rt.world_size}, out_dir / "config.json")
+        if cfg.init_from != "resume":
+            keep_base(converter, out_dir)
     # this GPU's peak bf16 FLOP/s, for MFU; None where unknown
     return Progress(cfg, rt, scalars, device_peak_flops(rt.device))
 

@@ -16,6 +16,7 @@ from tiny_run import TINY, tiny
 
 import converters
 import converters.lora as lora
+import eval as evaluation
 import export
 import hf
 import prepare_data
@@ -24,7 +25,7 @@ import start
 import tokens
 import train
 from chat import grow_vocabulary
-from checkpoint import load_checkpoint
+from checkpoint import load_checkpoint, save_checkpoint
 from converters.lora import LoRALinear, LoRASettings, add_adapters, merge
 from generate import generate
 from model import MODEL_KEYS, ModelConfig, build_model
@@ -263,14 +264,28 @@ def test_export_writes_the_merged_weights(lora_run, tmp_path):
         torch.testing.assert_close(exported(idx)[0], unmerged(idx)[0], rtol=1e-5, atol=1e-5)
 
 
-def test_a_missing_or_changed_base_is_one_line(data_root, base, tmp_path, capsys):
-    own_base = shutil.copy(base, tmp_path / "base.pt")
-    main(tiny(data_root, tmp_path / "run", init_from=str(own_base), max_iters=1, **LORA))
-    # another run's weights where the base was: refused, not silently used
+def test_a_lora_run_keeps_its_base_and_outlives_the_base_run(data_root, base, tmp_path, capsys):
+    """The base run going on (its checkpoint rewritten) leaves a LoRA run whole: it keeps its base, hard-linked."""
+    own_base = shutil.copy(base, tmp_path / "own.pt")
+    run = tmp_path / "run"
+    main(tiny(data_root, run, init_from=str(own_base), max_iters=2, **LORA))
+    assert (run / "base.pt").stat().st_ino == Path(own_base).stat().st_ino  # a link: no space taken
+    argv = [f"--out_dir={run}", "--max_new_tokens=8", "--temperature=0", "--device=cpu", "--start=ab"]
+    capsys.readouterr()
+    assert sample.cli(argv) == 0
+    before = capsys.readouterr().out
+    # the base run goes on: train.py writes its checkpoint anew (atomically), here with other weights
     other = load_checkpoint(own_base)
     other["weights"] = {k: v + 0.01 for k, v in other["weights"].items()}
-    torch.save(other, own_base)
-    argv = [f"--out_dir={tmp_path / 'run'}", "--max_new_tokens=2", "--num_samples=1", "--device=cpu"]
+    save_checkpoint(other, own_base)
+    # sample, evaluate, export and resume as before: the adapters' own base, checked against its fingerprint
+    assert sample.cli(argv) == 0 and capsys.readouterr().out == before
+    assert evaluation.cli([f"--out_dir={run}", "--device=cpu"]) == 0
+    assert export.cli([f"--out_dir={run}", f"--dest={tmp_path / 'hf'}"]) == 0
+    assert main(tiny(data_root, run, init_from="resume", max_iters=3))["iter_num"] == 3
+    # a run that keeps no base (from before) reads the base where it was: changed, then gone, each one line
+    (run / "base.pt").unlink()
+    capsys.readouterr()
     assert sample.cli(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"the adapters' base {own_base} has changed since they were trained on it" in err
@@ -279,7 +294,7 @@ def test_a_missing_or_changed_base_is_one_line(data_root, base, tmp_path, capsys
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"the adapters' base checkpoint {own_base} is not there" in err
     with pytest.raises(train.ConfigError, match="is not there"):
-        main(tiny(data_root, tmp_path / "run", init_from="resume", max_iters=2))
+        main(tiny(data_root, run, init_from="resume", max_iters=4))
 
 
 @pytest.mark.parametrize(
@@ -316,7 +331,12 @@ def test_lora_on_a_hugging_face_folder(llama_dir, tmp_path, capsys):
     unmerged = unmerged_model(load_checkpoint(tmp_path / "run" / "ckpt.pt")).eval()
     idx = torch.randint(300, (2, 16))
     torch.testing.assert_close(merged(idx)[0], unmerged(idx)[0], rtol=1e-5, atol=1e-5)
+    # the folder goes: the run keeps its own copy (hard links) and merges as before
+    assert sorted(p.name for p in (tmp_path / "run" / "base").iterdir()) == sorted(p.name for p in folder.iterdir())
     shutil.rmtree(folder)
+    again, _, _, _ = load_model("resume", out_dir=str(tmp_path / "run"), checkpoint="", dataset="", device="cpu")
+    torch.testing.assert_close(again(idx)[0], merged(idx)[0])
+    shutil.rmtree(tmp_path / "run" / "base")
     with pytest.raises(ValueError, match=f"the adapters' base folder {folder} is not there"):
         load_model("resume", out_dir=str(tmp_path / "run"), checkpoint="", dataset="", device="cpu")
 
