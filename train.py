@@ -747,9 +747,9 @@ def cli(argv):
     """
     try:
         given = given_values(TrainConfig, argv)
+        if given.get("init_from") == "resume":  # the run in out_dir says every setting not given: checked merged
+            given = resumed_settings(TrainConfig, given, given.get("out_dir", TrainConfig.out_dir))
         cfg = make_config(TrainConfig, given)
-        if cfg.init_from == "resume":  # the run in out_dir says every setting not given
-            cfg = make_config(TrainConfig, resumed_settings(TrainConfig, given, cfg.out_dir))
         # Without a config or --dataset the defaults train GPT-2 124M on OpenWebText (configs/gpt2.py's model, as
         # nanoGPT's defaults do): when its data is prepared, never by starting a download of hours
         default_run = cfg.init_from != "resume" and not any(a.endswith(".py") for a in argv) and "dataset" not in given

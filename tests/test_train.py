@@ -3149,3 +3149,16 @@ def test_activation_checkpointing_trains_the_same_steps(tmp_path, data_root, arc
     assert runs[0]["losses"] == runs[1]["losses"] and len(runs[0]["losses"]) == 4
     plain, recomputed = (ckpt_weights(tmp_path / str(on) / "ckpt.pt") for on in (False, True))
     assert all(torch.equal(plain[k], recomputed[k]) for k in plain)
+
+
+def test_a_resume_checks_its_settings_merged_with_the_runs(data_root, tmp_path, capsys):
+    """Options given to a resume are checked against the run's own settings, not the defaults (n_head=12)."""
+    out = tmp_path / "run"
+    main(tiny(data_root, out, max_iters=2))  # n_head=2, n_embd=32
+    resume = ["--init_from=resume", f"--out_dir={out}", "--max_iters=3"]
+    # 40 heads' worth is no multiple of the default n_head=12, but is of the run's 2: no error, the checkpoint's wins
+    assert train.cli([*resume, "--n_embd=40"]) == 0
+    assert "resuming with the checkpoint's model settings: n_embd=32" in capsys.readouterr().out
+    # a value wrong for the run itself is named with the run's own settings
+    assert train.cli([*resume, "--max_iters=4", "--n_kv_head=3"]) == 2
+    assert "n_kv_head=3 must divide n_head=2 into equal groups" in capsys.readouterr().err
