@@ -701,8 +701,12 @@ def test_bpe_checkpoint_without_tiktoken_files_is_one_line(tmp_path):
 
 def test_unknown_gpt2_weights_offline_is_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code, _, err = cli(capsys, "--init_from", tmp_path / "no-such-model")
+    # a hub id (no such folder here): the hub is asked, and is offline
+    code, _, err = cli(capsys, "--init_from", "no-such-org/no-such-model")
     assert code == 2 and err.count("\n") == 1 and "not a local directory" in err
+    # a path that is not there is named as missing, before any hub
+    code, _, err = cli(capsys, "--init_from", tmp_path / "no-such-model")
+    assert code == 2 and err.count("\n") == 1 and "no such file or folder" in err
 
 
 def test_encoder_inputs_that_do_not_fit(encoder_dir, seq2seq_dir, capsys):
