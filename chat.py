@@ -309,6 +309,20 @@ class ChatFormat:
         return self.render(messages, add_generation_prompt=True)[0]
 
 
+# The built-in template as a Hugging Face chat template (Jinja), which export.py writes: rendered by transformers'
+# apply_chat_template and tokenized with the markers as special tokens, it gives BuiltinChat.render's ids. Unlike
+# render, it gives a marker its id where a message's text spells one ('<user>'), as every Hugging Face template does
+BUILTIN_JINJA = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('the roles are system, user and assistant, not ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<' + message['role'] + '>' + message['content'] + '<end_of_turn>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}"
+)
+
+
 class BuiltinChat(ChatFormat):
     """The built-in template: role markers and end-of-turn special tokens around each message's text."""
 

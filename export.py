@@ -6,7 +6,9 @@ line of hf.py, which converts the weights and config.json, while this file adds 
 
 The folder holds config.json, model.safetensors (float32) and generation_config.json, plus the tokenizer: GPT-2's
 BPE (tokenizer.json, vocab.json, merges.txt), the dataset's own tokenizer.json, or one built for a character
-vocabulary. Then transformers' AutoTokenizer and AutoModelForCausalLM read the folder, with our model's logits.
+vocabulary. Then transformers' AutoTokenizer and AutoModelForCausalLM read the folder, with our model's logits. A chat
+model's tokenizer_config.json holds its chat template and generation_config.json its end-of-turn id as eos, so that
+transformers' apply_chat_template and generate (and vLLM, SGLang) chat with it as sample.py --chat does.
 
 Four layouts, picked by pos_encoding and, for rotary models, the attention (see hf.hf_layout):
     learned -> GPT2LMHeadModel: LayerNorm, GELU (exact or tanh) or ReLU (or squared), every head reads its own
@@ -32,6 +34,7 @@ from pathlib import Path
 import tokenizers
 from safetensors.torch import save_file
 
+from chat import BUILTIN_JINJA, ChatFormat
 from checkpoint import load_checkpoint, move_into_place, nanogpt_meta, run_checkpoint
 from config import parse_config
 from hf import EXPORT_KEY, hf_layout, to_hf
@@ -116,8 +119,11 @@ def gpt2_bpe(encoding):
     return vocab, merges
 
 
-def gpt2_tokenizer_files(encoding, block_size):
-    """tokenizer.json, vocab.json, merges.txt and tokenizer_config.json of GPT-2's byte-level BPE, by file name."""
+def gpt2_tokenizer_files(encoding, special, block_size):
+    """
+    (files, settings): tokenizer.json, vocab.json and merges.txt of GPT-2's byte-level BPE by file name, the special
+    tokens past its ids (a chat template's markers) added; and tokenizer_config.json's settings.
+    """
     vocab, merges = gpt2_bpe(encoding)
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges))
     # GPT-2's pre-tokenizer regex; tiktoken's r50k pattern splits the same (same ids on tiny Shakespeare whole)
@@ -127,6 +133,7 @@ def gpt2_tokenizer_files(encoding, block_size):
     # '<|endoftext|>' in a text is the end-of-text id, as GPT-2's tokenizer has it (tiktoken's encode_ordinary and
     # our Tokenizer keep it as text)
     tokenizer.add_special_tokens([tokenizers.AddedToken(END_OF_TEXT, special=True)])
+    add_markers(tokenizer, special)
     settings = {
         "tokenizer_class": "GPT2Tokenizer",  # also for a Llama-layout model, whose own default would be Llama's
         "bos_token": END_OF_TEXT,
@@ -136,37 +143,68 @@ def gpt2_tokenizer_files(encoding, block_size):
         "clean_up_tokenization_spaces": False,  # decode gives tiktoken's text back, " ." and " 's" untouched
         "model_max_length": block_size,
     }
-    return {
+    files = {
         TOKENIZER_JSON: tokenizer.to_str(),
         "vocab.json": json.dumps(vocab, ensure_ascii=False),
         "merges.txt": "\n".join(["#version: 0.2", *(f"{a} {b}" for a, b in merges)]),
-        "tokenizer_config.json": json.dumps(settings, indent=2),
     }
+    return files, settings
 
 
 def huggingface_tokenizer_files(meta, block_size):
-    """The dataset's tokenizer.json as it is, and a tokenizer_config.json naming its bos and eos."""
+    """
+    (files, settings): the dataset's tokenizer.json as it is, unless special tokens past its ids (the built-in chat
+    template's markers) are added to it; and tokenizer_config.json's settings, naming its bos and eos.
+    """
     text = meta["tokenizer"]["json"]
-    settings = fast_tokenizer_settings(tokenizers.Tokenizer.from_str(text), meta["special_tokens"], block_size)
-    return {TOKENIZER_JSON: text, "tokenizer_config.json": json.dumps(settings, indent=2)}
+    tokenizer = tokenizers.Tokenizer.from_str(text)
+    if add_markers(tokenizer, meta["special_tokens"]):
+        text = tokenizer.to_str()
+    return {TOKENIZER_JSON: text}, fast_tokenizer_settings(tokenizer, meta["special_tokens"], block_size)
 
 
 def char_tokenizer_files(meta, block_size):
     """
-    tokenizer.json and tokenizer_config.json of a character vocabulary, id i its i-th character: every character of
-    a text is its own piece (split before and after each one, newlines and spaces included), looked up whole
-    (WordLevel), and ids decode to their characters joined with nothing between (Fuse). The special tokens past the
-    characters (a chat template's markers) are written as our Tokenizer decodes them, e.g. '<user>'.
+    (files, settings): tokenizer.json of a character vocabulary, id i its i-th character: every character of a text is
+    its own piece (split before and after each one, newlines and spaces included), looked up whole (WordLevel), and
+    ids decode to their characters joined with nothing between (Fuse); the special tokens past the characters (a chat
+    template's markers) added. A character outside the list reads as the unk token (char_unk). And
+    tokenizer_config.json's settings.
     """
     chars, special = meta["tokenizer"]["chars"], meta["special_tokens"]
-    markers = {f"<{name}>": i for name, i in special.items() if i >= len(chars)}
-    vocab = {**{c: i for i, c in enumerate(chars)}, **markers}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab))
+    vocab = {c: i for i, c in enumerate(chars)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token=char_unk(chars)))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), behavior="isolated")
     tokenizer.decoder = tokenizers.decoders.Fuse()
-    tokenizer.add_special_tokens([tokenizers.AddedToken(marker, special=True) for marker in markers])
-    settings = fast_tokenizer_settings(tokenizer, special, block_size)
-    return {TOKENIZER_JSON: tokenizer.to_str(), "tokenizer_config.json": json.dumps(settings, indent=2)}
+    add_markers(tokenizer, special)
+    return {TOKENIZER_JSON: tokenizer.to_str()}, fast_tokenizer_settings(tokenizer, special, block_size)
+
+
+def char_unk(chars):
+    """
+    The character that one outside a character vocabulary reads as in tokenizer.json: the space (else the first
+    character), so that transformers, lm-eval and vLLM take any text, where our Tokenizer refuses it. It is named in
+    tokenizer.json's model only: named as tokenizer_config.json's unk_token, it would be a special token to
+    transformers, and decoding with skip_special_tokens (vLLM's default) would drop it from every text.
+    """
+    return " " if " " in chars else chars[0]
+
+
+def add_markers(tokenizer, special):
+    """
+    Add the special tokens past tokenizer's ids (a chat template's markers) to it (a tokenizers.Tokenizer), each at its
+    id, named as our Tokenizer decodes them ('<user>'); returns their names. ValueError if an id is not the next free
+    one, which the file could not hold.
+    """
+    markers = sorted((i, f"<{name}>") for name, i in special.items() if i >= tokenizer.get_vocab_size())
+    for i, marker in markers:
+        if i != tokenizer.get_vocab_size():
+            raise ValueError(
+                f"cannot write the special token {marker} at id {i}: the tokenizer's next free id is "
+                f"{tokenizer.get_vocab_size()}"
+            )
+        tokenizer.add_special_tokens([tokenizers.AddedToken(marker, special=True)])
+    return [marker for _, marker in markers]
 
 
 def fast_tokenizer_settings(tokenizer, special, block_size):
@@ -184,22 +222,38 @@ def fast_tokenizer_settings(tokenizer, special, block_size):
 
 def tokenizer_files(meta, block_size):
     """
-    (files by name, note): the Hugging Face tokenizer files of the dataset's tokenizer, or none and a one-line note
-    saying where the vocabulary is (a tiktoken encoding other than GPT-2's).
+    (files by name, note): the Hugging Face tokenizer files of the dataset's tokenizer, tokenizer_config.json with a
+    chat model's template, or none and a one-line note saying where the vocabulary is (a tiktoken encoding other than
+    GPT-2's).
     """
     spec = meta["tokenizer"]
     if spec.get("type") == "tiktoken" and spec.get("encoding") in GPT2_ENCODINGS:
-        return gpt2_tokenizer_files(spec["encoding"], block_size), None
-    if spec.get("type") == "huggingface":
-        return huggingface_tokenizer_files(meta, block_size), None
-    if spec.get("type") == "char":
-        return char_tokenizer_files(meta, block_size), None
-    # another tiktoken encoding: prepare_data.py writes none, but a checkpoint's meta may name one
-    note = (
-        f"no Hugging Face tokenizer written; the vocabulary {spec} is in config.json under {EXPORT_KEY}.meta, "
-        "as in the checkpoint"
-    )
-    return {}, note
+        files, settings = gpt2_tokenizer_files(spec["encoding"], meta["special_tokens"], block_size)
+    elif spec.get("type") == "huggingface":
+        files, settings = huggingface_tokenizer_files(meta, block_size)
+    elif spec.get("type") == "char":
+        files, settings = char_tokenizer_files(meta, block_size)
+    else:  # another tiktoken encoding: prepare_data.py writes none, but a checkpoint's meta may name one
+        note = (
+            f"no Hugging Face tokenizer written; the vocabulary {spec} is in config.json under {EXPORT_KEY}.meta, "
+            "as in the checkpoint"
+        )
+        return {}, note
+    files["tokenizer_config.json"] = json.dumps({**settings, **chat_settings(meta)}, indent=2)
+    return files, None
+
+
+def chat_settings(meta):
+    """
+    tokenizer_config.json's chat template of a chat model's meta ({} for another): the built-in template as Jinja
+    (chat.BUILTIN_JINJA), a Hugging Face one as it is, with the special token strings it reads (bos_token...).
+    """
+    chat = meta.get("chat")
+    if chat is None:
+        return {}
+    if chat["template"] == "builtin":
+        return {"chat_template": BUILTIN_JINJA}
+    return {**chat.get("tokens", {}), "chat_template": chat["template"]}
 
 
 # -----------------------------------------------------------------------------
@@ -225,16 +279,54 @@ def export(model, meta, dest):
         "pad_token_id": c.pad_token_id,
     }
     files, note = tokenizer_files(meta, c.block_size)
+    generation = {k: v for k, v in ids.items() if v is not None}
+    if "chat" in meta:  # a reply ends at its end-of-turn token, as sample.py --chat ends it
+        end_of_turn = list(ChatFormat.from_meta(meta).end_of_turn)
+        generation["eos_token_id"] = end_of_turn[0] if len(end_of_turn) == 1 else end_of_turn
     # our settings in config.json: what was exported, and the data's meta that --init_from=FOLDER reads back
-    if meta["tokenizer"].get("type") == "huggingface":
-        meta = {**meta, "tokenizer": {"type": "huggingface", "file": TOKENIZER_JSON}}  # its text is the file
+    if meta["tokenizer"].get("type") == "huggingface" and files.get(TOKENIZER_JSON) == meta["tokenizer"]["json"]:
+        # its text is the file; where export added the chat markers to the file, the meta keeps the dataset's own
+        meta = {**meta, "tokenizer": {"type": "huggingface", "file": TOKENIZER_JSON}}
     ours = {EXPORT_KEY: {"model_config": asdict(c), "meta": meta}}
     # the weights' dtype, under transformers 5's name and transformers 4's
     config = {**config, **ids, "dtype": "float32", "torch_dtype": "float32", "use_cache": True, **ours}
     files["config.json"] = json.dumps(config, indent=2)
-    files["generation_config.json"] = json.dumps({k: v for k, v in ids.items() if v is not None}, indent=2)
+    files["generation_config.json"] = json.dumps(generation, indent=2)
     write_folder(tensors, files, dest)
     return note
+
+
+def engine_warnings(config):
+    """
+    Why llama.cpp (a GGUF) or SGLang would not run a model of ModelConfig config as trained, one line each ([] where
+    both would): their GPT-2 computes tanh GELU whatever activation_function says, llama.cpp's converter writes its
+    MLP as 4 x n_embd wide whatever n_inner says, and SGLang's ties the head to the embedding (llama.cpp's
+    convert_hf_to_gguf.py and src/models/gpt2.cpp, SGLang's models/gpt2.py; docs/export.md). vLLM reads all three.
+    """
+    if hf_layout(config) != "gpt2":
+        return []
+    c, warnings = config, []
+    if c.activation != "gelu_tanh":
+        how = {"gelu": "close to it (each activation off by up to 5e-4), not the same"}.get(
+            c.activation, "another model"
+        )
+        warnings.append(
+            f"llama.cpp's and SGLang's GPT-2 compute tanh GELU whatever activation_function says: there this model's "
+            f"activation={c.activation!r} would run as tanh GELU, {how}; for them, train with --activation=gelu_tanh "
+            "or in the Llama layout"
+        )
+    if c.d_ff != 4 * c.n_embd:
+        warnings.append(
+            f"llama.cpp's GPT-2 converter writes the MLP as 4 x n_embd = {4 * c.n_embd} wide whatever n_inner says: "
+            f"a GGUF of this model (d_ff={c.d_ff}) would not load, its MLP weights having another shape; for GGUF, "
+            "train with the default d_ff or in the Llama layout"
+        )
+    if not c.tie_embeddings:
+        warnings.append(
+            "SGLang's GPT-2 ties the head to the embedding: there this model's own head (tie_embeddings=False) would "
+            "be dropped; for SGLang, train with tied embeddings or in the Llama layout"
+        )
+    return warnings
 
 
 def check_dest(dest):
@@ -312,6 +404,8 @@ def main(cfg, out=None):
     print(f"wrote {dest}: {kind}, {model.num_params():,} parameters; {files}", file=out)
     if note:
         print(f"note: {note}", file=out)
+    for warning in engine_warnings(model.config):
+        print(f"warning: {warning}", file=out)
 
 
 def cli(argv):

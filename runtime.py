@@ -134,6 +134,10 @@ def busy_cores(looks=20):
         return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
 
+# glibc's mmap threshold as keep_freed_memory sets it (its maximum): a smaller block comes from the heap, which keeps it
+MMAP_THRESHOLD = 32 << 20
+
+
 def keep_freed_memory():
     """
     Have glibc keep freed memory for reuse instead of handing it back to the OS. A CPU training step frees and
@@ -145,7 +149,7 @@ def keep_freed_memory():
     except (OSError, AttributeError):  # macOS, Windows, musl, or a C library without mallopt
         return
     m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
-    mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum: blocks up to 32 MiB come from the reusable heap
+    mallopt(m_mmap_threshold, MMAP_THRESHOLD)  # blocks up to 32 MiB come from the reusable heap
     mallopt(m_trim_threshold, 1 << 30)  # and up to 1 GiB of freed heap is kept rather than returned
 
 

@@ -6,6 +6,7 @@ greedy tokens; its AutoTokenizer must give tiktoken's ids. Then the refusals, th
 import dataclasses
 import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 import transformers  # a dev dependency (requirements-dev.txt): the reference; missing, the suite fails
 from hf_reference import assert_same_greedy_tokens, load_transformers, max_logit_difference, with_large_weights
 
+import chat
 import eval as evaluation
 import export
 import hf
@@ -187,6 +189,12 @@ def test_a_character_vocabulary_round_trips_every_character(tmp_path, shakespear
         ids = tokenizer(text)["input_ids"]
         assert ids == ours.encode(text) and tokenizer.decode(ids) == text
     assert tokenizer.bos_token is None and tokenizer.eos_token is None  # character data has neither
+    # a character outside the list reads as the space (the unk token), where ours refuses it; named in tokenizer.json
+    # only, so no character is a special token that skip_special_tokens would drop
+    space, a = chars.index(" "), chars.index("a")
+    assert tokenizer("aé日🤖a")["input_ids"] == [a, space, space, space, a]
+    assert json.loads((tmp_path / "hf" / "tokenizer.json").read_text())["model"]["unk_token"] == " "
+    assert tokenizer.all_special_ids == [] and tokenizer.decode([a, space, a], skip_special_tokens=True) == "a a"
     # a chat model's vocabulary: the built-in template's four markers after the characters
     names = ("system", "user", "assistant", "end_of_turn")
     chat = {**meta, "vocab_size": 69, "special_tokens": {name: 65 + k for k, name in enumerate(names)}}
@@ -196,6 +204,152 @@ def test_a_character_vocabulary_round_trips_every_character(tmp_path, shakespear
     assert tokenizer.decode(ids) == ours.decode(ids) == "<user>Who speaks?<end_of_turn><assistant>ROMEO<end_of_turn>"
     assert tokenizer(ours.decode(ids))["input_ids"] == ids
     assert tokenizer.decode(ids, skip_special_tokens=True) == "Who speaks?ROMEO"
+
+
+# -----------------------------------------------------------------------------
+# A chat model: its template and end of turn, for transformers (and vLLM, SGLang)
+
+CONVERSATIONS = [  # (system prompt, turns): each turn a question and an answer; the last answer is the model's to give
+    ("", [("abc", None)]),
+    ("", [("cab", None)]),
+    ("bc", [("abca", None)]),
+    ("", [("abc", "ok"), ("bca", None)]),
+    ("a", [("abc", "ok"), ("bca", "no"), ("aab", None)]),
+    ("cc", [("bba", "no"), ("acca", None)]),
+    ("", [("a", "ok"), ("b", "no"), ("c", "no"), ("ab", None)]),
+    ("abcabc", [("baba", None)]),
+    ("", [("caac", "no"), ("aca", "ok"), ("bcb", None)]),
+    ("b", [("cca", "ok"), ("abab", None)]),
+]
+
+
+def messages_of(system, turns):
+    """The conversation as messages, without the last (unknown) answer."""
+    messages = [{"role": "system", "content": system}] if system else []
+    for question, answer in turns:
+        messages.append({"role": "user", "content": question})
+        if answer is not None:
+            messages.append({"role": "assistant", "content": answer})
+    return messages
+
+
+def template_ids(tokenizer, messages):
+    """transformers' ids of the conversation with the generation prompt, rendered by the folder's chat template."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def test_a_chat_fine_tune_chats_in_transformers_as_sample_py_does(chat_run, tmp_path, monkeypatch, capsys):
+    """
+    conftest's chat model exported: apply_chat_template renders 10 conversations to chat.py's ids, and greedy
+    generate, which stops at generation_config.json's eos (the end-of-turn token), replies as sample.py --chat
+    --temperature=0, with and without a system prompt and over two turns.
+    """
+    root, _, _ = chat_run
+    out, folder = root / "out", tmp_path / "hf"
+    assert export.cli([f"--out_dir={out}", "--checkpoint=ckpt.pt", f"--dest={folder}"]) == 0
+    meta = load_checkpoint(out / "ckpt.pt")["meta"]
+    ours, end = chat.ChatFormat.from_meta(meta), meta["special_tokens"]["end_of_turn"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert model.generation_config.eos_token_id == end
+    for system, turns in CONVERSATIONS:
+        messages = messages_of(system, turns)
+        assert template_ids(tokenizer, messages) == ours.prompt_ids(messages), messages
+
+    def reply(messages):
+        ids = torch.tensor([template_ids(tokenizer, messages)])
+        new_tokens = model.config.n_positions - ids.size(1)
+        output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
+        assert output[0, -1] == end  # a reply that ended, not one cut at the context
+        return tokenizer.decode(output[0, ids.size(1) :], skip_special_tokens=True)
+
+    options = [f"--out_dir={out}", "--checkpoint=ckpt.pt", "--chat", "--temperature=0", "--device=cpu"]
+    for system in ("", "bc"):
+        said = io.StringIO()
+        sample.main(parse_config(SampleConfig, [*options, "--start=abca", f"--system={system}"]), out=said)
+        assert said.getvalue() == reply(messages_of(system, [("abca", None)])) + "\n"
+    first = reply(messages_of("", [("abc", None)]))
+    second = reply(messages_of("", [("abc", first), ("cab", None)]))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("abc\ncab\n/quit\n"))
+    said = io.StringIO()
+    sample.main(parse_config(SampleConfig, options), out=said)
+    assert said.getvalue() == f"{first}\n{second}\n" and first and second  # real replies are compared
+
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def chatml_folder(llama_dir, folder):
+    """llama_dir's tokenizer with ChatML's two special tokens and template, as a Hugging Face folder ships them."""
+    import tokenizers
+
+    tokenizer = tokenizers.Tokenizer.from_file(str(llama_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in ("<|im_start|>", "<|im_end|>")])
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    settings = {"chat_template": CHATML, "bos_token": "<s>", "eos_token": "<|im_end|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    return folder
+
+
+def test_the_chat_template_of_every_tokenizer_renders_chat_py_s_ids(tmp_path, llama_dir):
+    """
+    The built-in template's markers written into GPT-2's BPE and into a dataset's tokenizer.json too, at the ids the
+    meta gives them, and a Hugging Face template (ChatML) as it came: apply_chat_template gives chat.py's ids for texts
+    with spaces and punctuation, and ends a reply at chat.py's end of turn; the dataset's own tokenizer.json stays
+    in config.json, so the folder reads back with the checkpoint's tokenizer.
+    """
+    import prepare_data
+
+    chatml = chatml_folder(llama_dir, tmp_path / "chatml-source")
+    metas = {
+        "gpt2": chat.with_chat_tokens(GPT2_META),
+        "tokenizer.json": chat.with_chat_tokens({"kind": "lm", **huggingface_tokenizer(llama_dir)}),
+        "chatml": prepare_data.chat_meta(str(chatml), []),
+    }
+    assert metas["chatml"]["chat"]["template"] == CHATML  # the folder's own, which export must write back
+    texts = [("Be brief.", [("Who speaks?", " ROMEO, sir."), ("And then?", None)]), ("", [("  two  spaces\n", None)])]
+    for name, meta in metas.items():
+        folder = tmp_path / name
+        export.export(GPT(tiny(vocab_size=meta["vocab_size"])), meta, folder)
+        tokenizer, ours = transformers.AutoTokenizer.from_pretrained(folder), chat.ChatFormat.from_meta(meta)
+        for system, turns in texts:
+            messages = messages_of(system, turns)
+            assert template_ids(tokenizer, messages) == ours.prompt_ids(messages), (name, messages)
+        assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == ours.end_of_turn[0]
+        assert hf.pretrained_meta(folder)["tokenizer"] == meta["tokenizer"]
+    # ChatML's end of turn is <|im_end|>, the one the source folder's tokenizer gives
+    assert transformers.AutoTokenizer.from_pretrained(chatml).convert_tokens_to_ids("<|im_end|>") == ours.end_of_turn[0]
+
+
+def test_an_export_warns_where_llama_cpp_or_sglang_would_compute_another_model(tmp_path, capsys):
+    """
+    llama.cpp's and SGLang's GPT-2 compute tanh GELU whatever activation_function says, llama.cpp converts n_inner as
+    4 x n_embd and SGLang ties the head: an export says so for any other activation, width or head, and says nothing
+    for GPT-2's own or for the Llama layout.
+    """
+    warnings = {
+        case: export.engine_warnings(tiny(**changes))
+        for case, changes in {
+            "gelu_tanh": {"activation": "gelu_tanh"},
+            "gelu": {"activation": "gelu"},
+            "relu-narrow-untied": {"activation": "relu", "d_ff": 48, "tie_embeddings": False},
+            "llama": {**LLAMA, "d_ff": 48, "tie_embeddings": False},
+        }.items()
+    }
+    assert warnings["gelu_tanh"] == warnings["llama"] == []
+    assert len(warnings["gelu"]) == 1 and "activation='gelu' would run as tanh GELU, close to it" in warnings["gelu"][0]
+    relu, narrow, untied = warnings["relu-narrow-untied"]
+    assert "activation='relu' would run as tanh GELU, another model" in relu
+    assert "4 x n_embd = 128 wide whatever n_inner says" in narrow and "(d_ff=48) would not load" in narrow
+    assert "SGLang's GPT-2 ties the head to the embedding" in untied
+    save_run(tmp_path / "out", GPT(tiny(activation="relu")), CHAR_META)
+    assert export.cli([f"--out_dir={tmp_path / 'out'}", f"--dest={tmp_path / 'hf'}"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1:] == [f"warning: {export.engine_warnings(tiny(activation='relu'))[0]}"]
 
 
 # -----------------------------------------------------------------------------
