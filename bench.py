@@ -63,12 +63,13 @@ NANOGPT_STEP = (
 # (the recipe's own 200 cost four times as much: 53% of training's FLOPs against 13%)
 NANOGPT_RACE = "config/train_shakespeare_char.py --eval_iters=50"
 # --parts=gpu: every GPU measurement in one call (its length: docs/performance.md#gpus), most important first, each
-# table printed when done (plans need no GPU: train.py --plan --plan_device=H100 gives the same prediction anywhere):
+# table printed when done (plans need no GPU: train.py --plan --plan_device=H100 gives the same prediction anywhere;
+# --plan=true adds this machine's to stages 1 and 3, after their timings). train_args go to every case and race run:
 # 1. GPT-2 124M's shape as nanoGPT runs it, 12 x 1024 x 4 a step, beside nanoGPT's own train.py: ours compiled cold,
 #    then again from the cache it left (the warm launch), at batch 24, and the modern recipe; profiled. In turns
 #    with nanoGPT's run, `rounds` times, each round from empty compile caches.
 # 2. configs/shakespeare_gpu.py from its launch to val loss 1.47 (stopped there), beside nanoGPT's recipe for it, in
-#    turns, twice, every run compiling into an empty cache of its own.
+#    turns, `rounds` times, every run compiling into an empty cache of its own.
 # 3. both GPT-2 recipes at the configs' 40 micro-batches a step, and shakespeare_gpu's step with CUDA graphs.
 GPT2 = "configs/gpt2.py --dataset=shakespeare --gradient_accumulation_steps=4"
 GPU_CASES = ";".join(
@@ -96,7 +97,7 @@ class BenchConfig:
     target_loss: float = 1.88  # time-to-quality: seconds until the first evaluation at or below this val loss
     stop_at_target: bool = False  # train: stop each run at its first evaluation at or below target_loss
     budget: float = 120.0  # best val loss among evaluations within this many seconds of the launch
-    train_args: str = ""  # extra train.py overrides for every run, e.g. "--device=cpu --compile=true"
+    train_args: str = ""  # extra train.py overrides for every run and step case, e.g. "--device=cpu --compile=true"
     parts: str = "train,sample"  # what to measure: train (the runs above), sample (speed of generation), bpe
     out_dir: str = ""  # sample only: a checkpoint folder to sample from; "": the last training run's
     samples: int = 5  # sampling: continuations drawn
@@ -107,9 +108,9 @@ class BenchConfig:
     bpe_size_mb: float = 10.0  # bpe: the text is repeated to about this many MB
     ranks: int = 2  # memory: torchrun processes, each run with DDP and with FSDP
     memory_iters: int = 3  # memory: training steps per run (then one evaluation and a save)
-    cases: str = ""  # step: ';'-separated cases "CONFIG [--key=value ...]", a column each; "": --config + train_args
+    cases: str = ""  # step: ';'-separated cases "CONFIG [--key=value ...]", a column each, + train_args; "": --config
     steps: int = 20  # step: timed optimizer steps per case (fewer if step_seconds runs out first; at least 3)
-    rounds: int = 2  # step: every case, then nanoGPT's, measured in turns this many times (1, 2, ..., nanoGPT, 1, ...)
+    rounds: int = 2  # step: the cases, then nanoGPT's, in turns this many times (1, 2, nanoGPT, 1, ...); gpu: races too
     step_seconds: float = 10.0  # step: the most seconds of timed steps per case
     warmup: int = 3  # step: untimed steps first (compilation, the allocator's first blocks)
     profile: bool = False  # step: also profile 3 steps of each case: GPU busy share, time by kernel kind
@@ -119,6 +120,7 @@ class BenchConfig:
     nanogpt: str = ""  # a nanoGPT checkout to measure beside: its train.py at nanogpt_step (step) and nanogpt_race
     nanogpt_step: str = NANOGPT_STEP  # step: nanoGPT's train.py arguments for its column ("": no column)
     nanogpt_race: str = NANOGPT_RACE  # train: nanoGPT's train.py arguments, timed to target_loss ("": no column)
+    race_target: float = 1.47  # gpu: the race's target_loss, configs/shakespeare_gpu.py's and nanoGPT's recipe's
     child: str = ""  # internal: the one case a child process measures (the step part starts one per case)
     serve_from: str = ""  # serve: a checkpoint file to serve; "": the quick start's model, trained for a few steps
     serve_clients: str = "1,4,16"  # serve: how many clients stream at once, a table row each
@@ -154,10 +156,9 @@ class BenchConfig:
 
     @property
     def step_cases(self):
-        """The step part's cases, each a train.py command line (a config, then overrides) as a list of words."""
-        if self.cases:
-            return [shlex.split(case) for case in self.cases.split(";") if case.strip()]
-        return [[config, *shlex.split(self.train_args)] for config in self.configs]
+        """The step part's cases, each a train.py command line (a config, overrides, train_args) as a list of words."""
+        cases = [case for case in self.cases.split(";") if case.strip()] if self.cases else self.configs
+        return [[*shlex.split(case), *shlex.split(self.train_args)] for case in cases]
 
 
 def summary(values, fmt):
@@ -598,11 +599,17 @@ def step_run(cfg, words, index, work):
         return {"error": f"no result within case_timeout={cfg.case_timeout:g} s"}
     found = re.search(r"^result: (.*)$", run.stdout, re.M)
     if run.returncode or not found:
-        return {"error": f"exit status {run.returncode}: {one_line((run.stdout + run.stderr)[-1500:])}"}
+        return {"error": f"exit status {run.returncode}: {last_line(run.stdout + run.stderr)}"}
     result = json.loads(found[1])
     result["launch"] = result.pop("first_step") - begin
     result["cold"] = cold
     return result
+
+
+def last_line(output):
+    """A failed process's last line: its one-line error, or the exception under its traceback."""
+    lines = output.strip().splitlines()
+    return lines[-1][:300] if lines else "no output"
 
 
 def planned(words):
@@ -641,7 +648,7 @@ def nanogpt_step(cfg, work):
                 if int(m[1]) >= cfg.warmup:
                     times.append(float(m[2]))
     if proc.returncode or not times:
-        return {"error": f"exit status {proc.returncode}: {one_line(''.join(lines[-20:]))}"}
+        return {"error": f"exit status {proc.returncode}: {last_line(''.join(lines))}"}
     return {"ms": times, "launch": first, "cold": True, **({"tokens": tokens} if tokens else {})}
 
 
@@ -769,15 +776,21 @@ def print_table(header, rows):
 
 
 def bench_gpu(cfg, work, show):
-    """--parts=gpu: the three stages of the GPU_CASES comment, each table shown as soon as it is measured."""
+    """
+    --parts=gpu: the three stages of the GPU_CASES comment, each table shown as soon as it is measured. Every
+    stage's cases and race take train_args, so that tests/test_bench.py dry-runs this same call on a CPU at tiny
+    shapes.
+    """
     defaults = BenchConfig()
-    # the timing options keep the command line's values; every other option is the stage's own
-    timing = {k: getattr(cfg, k) for k in ("steps", "step_seconds", "warmup", "case_timeout", "rounds")}
-    core = replace(defaults, **timing, cases=cfg.cases or GPU_CASES, profile=True)
-    show(bench_steps(replace(core, nanogpt=cfg.nanogpt, nanogpt_step=cfg.nanogpt_step), work / "core"))
-    race = replace(defaults, config="configs/shakespeare_gpu.py", target_loss=1.47, runs=2, stop_at_target=True)
-    show(training_table(replace(race, nanogpt=cfg.nanogpt, nanogpt_race=cfg.nanogpt_race), work / "race"))
-    show(bench_steps(replace(defaults, **timing, cases=GPU_MORE_CASES, profile=True), work / "more"))
+    # these options keep the command line's values; every other option is the stage's own
+    given = {k: getattr(cfg, k) for k in ("steps", "step_seconds", "warmup", "case_timeout", "rounds", "plan")}
+    given.update(train_args=cfg.train_args, nanogpt=cfg.nanogpt)
+    core = replace(defaults, **given, cases=cfg.cases or GPU_CASES, profile=True, nanogpt_step=cfg.nanogpt_step)
+    show(bench_steps(core, work / "core"))
+    race = replace(defaults, config="configs/shakespeare_gpu.py", target_loss=cfg.race_target, runs=cfg.rounds)
+    race = replace(race, stop_at_target=True, train_args=cfg.train_args, nanogpt=cfg.nanogpt)
+    show(training_table(replace(race, nanogpt_race=cfg.nanogpt_race), work / "race"))
+    show(bench_steps(replace(core, cases=GPU_MORE_CASES, nanogpt_step=""), work / "more"))
 
 
 def training_table(cfg, work):

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -61,6 +62,38 @@ def shakespeare_path() -> Path:
     if not path.is_file():
         pytest.fail(f"{path} not found: NANOFORMER_DATA_MIRROR must name a folder holding tinyshakespeare.txt")
     return path
+
+
+@pytest.fixture(scope="session")
+def nanogpt_dir(shakespeare_path, tmp_path_factory) -> Path:
+    """
+    A copy of the nanoGPT checkout named by NANOFORMER_NANOGPT (which is never written to): its scripts, configs and
+    tiny Shakespeare, the two prepared datasets as the checkout holds them or else by its own prepare.py, which
+    reads the mirror's text as input.txt instead of downloading it (data/shakespeare's also needs tiktoken's gpt2).
+    """
+    source = os.environ.get("NANOFORMER_NANOGPT")
+    if not source:
+        pytest.fail(
+            "NANOFORMER_NANOGPT is not set: export NANOFORMER_NANOGPT=<a nanoGPT checkout> (git clone "
+            "https://github.com/karpathy/nanoGPT), as .ci/run does"
+        )
+    source = Path(source)
+    if not (source / "train.py").is_file():
+        pytest.fail(f"{source} has no train.py: NANOFORMER_NANOGPT must name a nanoGPT checkout")
+    copy = tmp_path_factory.mktemp("nanogpt")
+    # only what its train.py reads: a checkout's data/ may hold OpenWebText's 17 GB
+    wanted = [*source.glob("*.py"), *source.glob("config/*.py"), *source.glob("data/shakespeare*/*")]
+    for path in wanted:
+        (copy / path.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, copy / path.relative_to(source))  # the files, not the checkout's read-only modes
+    for data in (copy / "data" / "shakespeare_char", copy / "data" / "shakespeare"):
+        if not (data / "train.bin").is_file():
+            shutil.copyfile(shakespeare_path, data / "input.txt")
+            run = subprocess.run([sys.executable, "prepare.py"], cwd=data, capture_output=True, text=True, timeout=300)
+            if run.returncode:
+                lines = (run.stdout + run.stderr).strip().splitlines() or ["no output"]
+                pytest.fail(f"nanoGPT's {data.relative_to(copy)}/prepare.py failed: {lines[-1]}")
+    return copy
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,7 @@
-"""bench.py: BPE throughput on the pieces and batches prepare() encodes, sampling speed's counting, the tables."""
+"""
+bench.py: BPE throughput on the pieces and batches prepare() encodes, sampling speed's counting, the tables, the step
+harness, and the whole GPU call dry-run on the CPU beside the real nanoGPT.
+"""
 
 import itertools
 import re
@@ -335,3 +338,73 @@ def test_both_races_compile_cold_in_turns_and_evaluate_alike(tmp_path, monkeypat
     assert f"--eval_iters={ours.eval_iters}" in shlex.split(bench.NANOGPT_RACE)
     assert f"--eval_iters={ours.eval_iters}" in launched[1][1]
     assert len(rows["seconds to val loss <= 1.47"]) == 2
+
+
+def markdown_tables(output):
+    """The Markdown tables in a printed output: for each, its header cells and {row name: cells}."""
+    tables, lines = [], output.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("| ") and not (i and lines[i - 1].startswith("|")):
+            table = []
+            for row in lines[i:]:
+                if not row.startswith("|"):
+                    break
+                table.append([cell.strip() for cell in row.strip().strip("|").split("|")])
+            tables.append((table[0], {name: values for name, *values in table[2:]}))
+    return tables
+
+
+def test_the_gpu_call_dry_runs_on_a_cpu_beside_nanogpt(tmp_path, nanogpt_dir):
+    """
+    bench.py --parts=gpu as a GPU machine runs it, beside the real nanoGPT, on the CPU at tiny shapes, so that a
+    lent GPU's first minutes never go to a broken harness: every stage runs and prints its table. Stage 1 measures
+    GPT-2's case (the first of GPU_CASES) beside nanoGPT's step; stage 2 races configs/shakespeare_gpu.py and
+    nanoGPT's recipe to a tiny target; stage 3 every case of GPU_MORE_CASES, the CUDA-graphs one refused for its
+    device alone. With --plan=true both step stages plan each case beside its measured peak.
+    """
+    import prepare_data
+
+    data = tmp_path / "data"
+    for name in ("shakespeare", "shakespeare_char"):  # GPT-2's BPE and the race's characters
+        prepare_data.prepare(name, data_dir=data)
+    # one shape for both sides, in options both train.py's take; at this learning rate the race reaches 3.5 in ~20 steps
+    tiny = "--n_layer=1 --n_head=2 --n_embd=32 --block_size=32 --batch_size=4 --gradient_accumulation_steps=1"
+    tiny += " --dropout=0.0 --learning_rate=1e-2 --warmup_iters=0 --eval_interval=10 --eval_iters=2 --max_iters=200"
+    train_args = f"--device=cpu --data_dir={data} {tiny}"
+    nanogpt_step = f"{bench.NANOGPT_STEP} --device=cpu --compile=False --dtype=float32 {tiny}"
+    nanogpt_race = f"{bench.NANOGPT_RACE} --device=cpu --compile=False --dtype=float32 {tiny}"
+    command = [sys.executable, str(REPO / "bench.py"), "--parts=gpu", f"--nanogpt={nanogpt_dir}", "--plan=true"]
+    command += [f"--cases={bench.GPT2}", "--steps=2", "--warmup=1", "--rounds=1", "--race_target=3.5"]
+    command += [f"--train_args={train_args}", f"--nanogpt_step={nanogpt_step}", f"--nanogpt_race={nanogpt_race}"]
+    # about 45 s of CPU time, but 200 s on 2 cores that other suites kept busy: each case, then the whole call bounded
+    command += ["--case_timeout=120"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    (core_header, core), (race_header, race), (more_header, more) = markdown_tables(run.stdout)
+    number, spread = r"[\d,.]+", r"[\d,.]+ \([\d,.]+-[\d,.]+\)"
+
+    # 1: our case beside nanoGPT's, each timed from its launch; our peak beside the plan's
+    assert core_header[1:] == [f"1: {bench.GPT2} {train_args}", f"nanoGPT: {nanogpt_step}"]
+    assert all(re.fullmatch(spread, v) for v in core["ms per step"] + core["tokens/s"]), core
+    launches = core["launch to first step done, s"]
+    assert re.fullmatch(rf"{spread} \(no compile\)", launches[0]) and re.fullmatch(rf"{spread} \(cold\)", launches[1])
+    for name in ("peak memory MiB", "--plan: predicted peak MiB", "--plan: predicted ms per step"):
+        assert re.fullmatch(number, core[name][0]) and core[name][1] == "n/a", (name, core[name])
+
+    # 2: both sides reached the target (once each: --rounds=1), and ours stopped there
+    assert race_header[1:] == ["configs/shakespeare_gpu.py median (min-max)", f"nanoGPT: {nanogpt_race}"]
+    ours, theirs = race["seconds to val loss <= 3.5"]
+    assert re.fullmatch(spread, ours) and re.fullmatch(rf"{spread} \(at iteration \d+\)", theirs), race
+    assert 0 < float(race["val loss at the stop"][0].split()[0]) <= 3.5
+
+    # 3: every case of GPU_MORE_CASES timed and planned, but CUDA graphs', refused here for the CPU alone
+    cases = bench.GPU_MORE_CASES.split(";")
+    assert more_header[1:] == [f"{i + 1}: {case} {train_args}" for i, case in enumerate(cases)]
+    assert cases[-1].endswith("--cuda_graphs=true")
+    cells = {"ms per step": spread, "tokens/s": spread, "peak memory MiB": number}
+    cells["launch to first step done, s"] = rf"{spread} \(no compile\)"
+    for name, pattern in cells.items():
+        assert all(re.fullmatch(pattern, v) for v in more[name][:-1]), (name, more[name])
+        assert "cuda_graphs=True needs a CUDA GPU" in more[name][-1], (name, more[name])
+    for name in ("--plan: predicted peak MiB", "--plan: predicted ms per step"):
+        assert all(re.fullmatch(number, v) for v in more[name]), (name, more[name])
