@@ -382,6 +382,7 @@ def main(cfg, out=None):
     out = sys.stdout if out is None else out  # looked up now, not at import: tests may replace it
     dest = Path(cfg.dest).expanduser()
     check_dest(dest)  # before the slow load: a wrong --dest fails at once
+    replacing = dest.is_dir() and any(dest.iterdir())  # an earlier export, which check_dest let through
     path = run_checkpoint(cfg.out_dir, cfg.checkpoint)
     ckpt = load_checkpoint(path, map_location="cpu")
     try:
@@ -401,7 +402,8 @@ def main(cfg, out=None):
         "qwen3": "Qwen3ForCausalLM (Qwen3 layout)",
     }[layout]
     files = ", ".join(sorted(p.name for p in dest.iterdir()))
-    print(f"wrote {dest}: {kind}, {model.num_params():,} parameters; {files}", file=out)
+    said = "replaced the earlier export in" if replacing else "wrote"
+    print(f"{said} {dest}: {kind}, {model.num_params():,} parameters; {files}", file=out)
     if note:
         print(f"note: {note}", file=out)
     for warning in engine_warnings(model.config):

@@ -481,6 +481,10 @@ def test_cli_end_to_end_with_gpt2_bpe(tmp_path, capsys):
     assert export.cli([f"--out_dir={tmp_path / 'out'}", "--checkpoint=best.pt", f"--dest={dest}"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 1 and printed[0].startswith(f"wrote {dest}: GPT2LMHeadModel")
+    # again into the same folder: the earlier export replaced, and said so
+    assert export.cli([f"--out_dir={tmp_path / 'out'}", "--checkpoint=best.pt", f"--dest={dest}"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 1 and printed[0].startswith(f"replaced the earlier export in {dest}: GPT2LMHeadModel")
     hf, tokenizer = load_transformers(dest), transformers.AutoTokenizer.from_pretrained(dest)
     prompt = tokenizer("ROMEO: But, soft!", return_tensors="pt")["input_ids"]
     assert prompt[0].tolist() == Tokenizer.from_meta(GPT2_META).encode("ROMEO: But, soft!")
