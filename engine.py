@@ -1,0 +1,486 @@
+"""
+Continuous batching: the requests serve.py receives, decoded together, one forward pass a step for all of them.
+
+    Request    a prompt to continue n times (its rows), how to sample them, and where what they produce goes
+    Scheduler  which requests run: waiting ones are admitted in order while the budget of rows and positions allows
+    Runner     the model: a request's prompt is prefilled in bounded chunks into a KV cache of its own, then each of
+               its rows takes a slot (a row) of the batch's cache, and one forward pass decodes a token for every row
+    Engine     the worker thread: take new requests, free the rows that ended, run one step, hand out its tokens
+
+The pieces follow nano-vllm's engine/ (sequence, scheduler, model runner, engine) without its paged cache: a slot
+holds its row's positions from 0, so the cache is a rectangle of rows x the longest row's positions (SlotCache).
+Rows sit at different positions: model.py reads each row's position and masks each row's keys past its own
+(Stack's `positions`). A freed slot is taken by the last row, so that the rows of a step are slots 0 to B - 1.
+
+    engine = Engine(Runner(model, vocab_size=50257), Scheduler(max_rows=16, max_positions=16384), device, dtype)
+    engine.start()
+    engine.submit(Request(ids, max_tokens=50, deliver=print))   # Produced items, then DONE, on the worker thread
+
+Shape letters as in model.py (B rows of the batch, T positions, V vocabulary).
+"""
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from generate import sample_next
+from model import MIN_CACHE
+from runtime import autocast
+
+DONE = "done"  # what a request's deliver gets once all its rows have ended
+RATE_WINDOW = 10.0  # seconds over which Engine.stats counts tokens per second
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a request's next ids are picked, as generate.sample_next takes it, after a bias added to the logits."""
+
+    temperature: float = 1.0  # 0: greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    logit_bias: tuple = ()  # (id, bias) pairs added to those ids' logits before anything else
+
+
+class Token(NamedTuple):
+    """A row's new id: which row of its request, the id, and when asked its log p and the likeliest beside it."""
+
+    row: int
+    id: int
+    logprob: float | None = None
+    top: list | None = None  # [(id, log p)], the likeliest first
+
+
+@dataclass
+class Produced:
+    """What one step produced for a request: a Token for each of its rows that drew one, and the prompt's scores."""
+
+    tokens: list
+    # once, when the prompt is all fed and its scores were asked for: (log p, top) of each prompt id after the first
+    prompt: list | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """
+    A prompt (ids, as the model reads them) to continue n times: rows 0 to n - 1, each up to max_tokens ids (0: the
+    prompt is only scored), a row ending at any of stop_ids. generators: one torch.Generator (or None) that the rows
+    share, drawing together as sample.py's batch does, or one per row. logprobs: each new id's log p and that many
+    likeliest beside it (None: none); prompt_logprobs: the same for the prompt's ids. deliver is called on the worker
+    thread with each Produced, then DONE, or with the exception that failed the request.
+    """
+
+    ids: list
+    max_tokens: int
+    deliver: Callable[[Any], None]
+    n: int = 1
+    sampling: Sampling = Sampling()
+    generators: list = field(default_factory=lambda: [None])
+    stop_ids: frozenset = frozenset()
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
+    # set by the request's side, read by the worker between steps
+    cancelled: bool = False  # the client left: every row ends
+    ended: list = field(default_factory=list)  # ended[j]: row j wants no more ids (its text reached a stop string)
+    # the worker's own
+    cache: list | None = None  # the prompt's KV cache while it is prefilled
+    fed: int = 0  # prompt ids prefilled so far
+    scored: list = field(default_factory=list)  # the prompt's (log p, top) so far, when asked for
+    live: int = 0  # rows decoding
+
+    def __post_init__(self):
+        self.ended = [False] * self.n
+
+    @property
+    def positions(self):
+        """The most positions a row fills: the prompt and max_tokens (the last id drawn is never fed)."""
+        return len(self.ids) + self.max_tokens
+
+
+class Scheduler:
+    """
+    Which requests run. Requests wait in arrival order; the first is admitted when its rows fit the budget: at most
+    max_rows rows in all, and rows x the most positions one of them fills (Request.positions) at most max_positions,
+    the size of the batch's KV cache. One admitted request at a time is prefilled, a chunk a step; then it runs.
+    """
+
+    def __init__(self, max_rows, max_positions):
+        self.max_rows, self.max_positions = max_rows, max_positions
+        self.waiting = deque()
+        self.prefilling = None  # the admitted request whose prompt is being fed
+        self.running = []  # requests whose rows decode
+
+    def fits_alone(self, n, positions):
+        """Whether a request of n rows that fill `positions` each can ever run: else it would wait forever."""
+        return n <= self.max_rows and n * positions <= self.max_positions
+
+    def add(self, request):
+        self.waiting.append(request)
+
+    def admit(self):
+        """The request to prefill: the one being prefilled, else the first waiting one if it fits now; or None."""
+        if self.prefilling is None and self.waiting:
+            first = self.waiting[0]
+            rows = sum(r.live for r in self.running) + first.n
+            width = max([r.positions for r in self.running] + [first.positions])
+            if rows <= self.max_rows and rows * width <= self.max_positions:
+                self.prefilling = self.waiting.popleft()
+        return self.prefilling
+
+    def started(self, request):
+        """The prefilled request's rows decode from now on (none for a prompt only scored: then it is done)."""
+        self.prefilling = None
+        if request.live:
+            self.running.append(request)
+
+    def requests(self):
+        """Every request the engine holds: waiting, prefilling, running."""
+        return [*self.waiting, *([self.prefilling] if self.prefilling else []), *self.running]
+
+    def idle(self):
+        return not self.waiting and self.prefilling is None and not self.running
+
+    def remove(self, request):
+        """Forget a request that ended (the runner has freed its rows)."""
+        if request is self.prefilling:
+            self.prefilling = None
+        elif request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+
+class SlotView:
+    """
+    One layer's view of the batch's cache for one forward pass, used as model.py's attention uses a KVCache: append
+    stores row b's new keys and values at positions[b] and returns every row's up to the batch's width.
+    """
+
+    def __init__(self, k, v, positions):
+        self.k, self.v, self.positions = k, v, positions  # (B, H, width, D) views of the buffers; (B, T)
+        self.rows = torch.arange(k.size(0), device=k.device)[:, None]  # (B, 1)
+
+    def append(self, k, v):
+        # (B, H, T, D) -> (B, T, H, D): the layout of buffer[rows, :, positions]
+        self.k[self.rows, :, self.positions] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[self.rows, :, self.positions] = v.transpose(1, 2).to(self.v.dtype)
+        return self.k, self.v
+
+
+class SlotCache:
+    """
+    The KV cache of the rows being decoded: for every layer keys and values (rows, n_kv_head, width, D), slot s
+    holding its row's positions from 0. The buffers grow (doubling, within the budget) as rows and positions are
+    needed, take the dtype of the first prefilled cache, and are released when no row is left.
+    """
+
+    def __init__(self, max_rows, max_positions, block_size):
+        self.max_rows, self.max_positions, self.block_size = max_rows, max_positions, block_size
+        self.layers = None  # [(k, v)] per layer, or None when empty
+
+    def size(self):
+        """(rows, width) of the buffers; (0, 0) when empty."""
+        return (0, 0) if self.layers is None else (self.layers[0][0].size(0), self.layers[0][0].size(2))
+
+    def reserve(self, rows, width, like):
+        """Buffers of at least `rows` slots and `width` positions, of the dtype of `like` (a model.new_cache())."""
+        held_rows, held_width = self.size()
+        if rows <= held_rows and width <= held_width:
+            return
+        rows, width = max(rows, held_rows), max(width, held_width)
+        # doubled, so that growing is rare, within the caps; exactly what is needed where doubling passes the budget
+        doubled = min(self.block_size, max(width, 2 * held_width, MIN_CACHE))
+        width = doubled if rows * doubled <= self.max_positions else width
+        doubled = min(self.max_rows, max(rows, 2 * held_rows))
+        rows = doubled if doubled * width <= self.max_positions else rows
+        layers = []
+        for i, (layer, _) in enumerate(like):
+            shape = (rows, layer.k.size(1), width, layer.k.size(3))
+            k, v = layer.k.new_zeros(shape), layer.v.new_zeros(shape)
+            if self.layers is not None:  # the slots so far move over
+                k[:held_rows, :, :held_width], v[:held_rows, :, :held_width] = self.layers[i]
+            layers.append((k, v))
+        self.layers = layers
+
+    def put(self, slot, cache):
+        """Copy a prefilled KVCache of one row (model.new_cache()) into slot: its positions from 0."""
+        for (k, v), (layer, _) in zip(self.layers, cache):
+            # a sliding window's cache holds its last positions only: they go where they belong, the rest is never read
+            kept = min(layer.k.size(2), layer.length)
+            k[slot, :, layer.length - kept : layer.length] = layer.k[0, :, :kept]
+            v[slot, :, layer.length - kept : layer.length] = layer.v[0, :, :kept]
+
+    def move(self, source, slot, length):
+        """Slot `source`'s first `length` positions into `slot`."""
+        for k, v in self.layers:
+            k[slot, :, :length], v[slot, :, :length] = k[source, :, :length], v[source, :, :length]
+
+    def views(self, positions, width):
+        """model.body's cache for slots 0 to B - 1 that write at positions (B, T) and read `width` positions."""
+        B = positions.size(0)
+        return [(SlotView(k[:B, :, :width], v[:B, :, :width], positions), None) for k, v in self.layers]
+
+    def release(self):
+        self.layers = None
+
+
+@dataclass(eq=False)
+class Row:
+    """One row being decoded: its request, which of its rows, the positions its slot holds, the id to feed next."""
+
+    request: Request
+    index: int
+    length: int
+    token: int = -1
+    drawn: int = 0  # ids drawn so far
+
+
+class Runner:
+    """
+    The model's side of the engine: prefill a request (at most `chunk` prompt ids a call), decode every row by one
+    id, draw each row's id as its request asks, free rows. rows[s] is the row in slot s of the batch's cache.
+    max_rows and max_positions bound the cache (default: max_rows x block_size positions).
+    """
+
+    def __init__(self, model, vocab_size, *, chunk=256, max_rows=16, max_positions=None):
+        self.model, self.vocab_size, self.chunk = model, vocab_size, chunk
+        block = model.config.block_size
+        self.device = next(model.parameters()).device
+        self.slots = SlotCache(max_rows, max_positions or max_rows * block, block)
+        self.rows = []
+
+    def prefill(self, request):
+        """
+        Feed the next chunk of request's prompt. At its end: its scores if asked, and with max_tokens > 0 its rows'
+        slots and first ids. Returns the Produced to deliver then, else None (more of the prompt to feed).
+        """
+        if request.cache is None:
+            request.cache = self.model.new_cache()
+        start, ids = request.fed, request.ids
+        chunk = ids[start : start + self.chunk]
+        x, _ = self.model.body(torch.tensor([chunk], device=self.device), cache=request.cache)  # (1, T, C)
+        if request.prompt_logprobs:  # each position predicts the next prompt id: all but the prompt's last
+            targets = ids[start + 1 : start + len(chunk) + 1]
+            logits = self.model.head(x[0, : len(targets)])[:, : self.vocab_size]
+            request.scored += self.scores(logits, targets, request.logprobs or 0)
+        request.fed += len(chunk)
+        if request.fed < len(ids):
+            return None
+        cache, request.cache = request.cache, None
+        prompt = request.scored if request.prompt_logprobs else None
+        if request.max_tokens == 0:
+            return Produced([], prompt)
+        first = len(self.rows)
+        self.slots.reserve(first + request.n, request.positions, like=cache)
+        for j in range(request.n):  # the prompt computed once, copied into each row's slot
+            self.slots.put(first + j, cache)
+            self.rows.append(Row(request, j, length=len(ids)))
+        request.live = request.n
+        logits = self.model.head(x[:, -1]).expand(request.n, -1)  # (n, V): every row's first distribution
+        produced = self.pick(logits, self.rows[first:])[request]
+        produced.prompt = prompt
+        return produced
+
+    def decode(self):
+        """One id for every row, in one forward pass. Returns {request: Produced}."""
+        rows = self.rows
+        tokens = torch.tensor([[row.token] for row in rows], device=self.device)  # (B, 1)
+        positions = torch.tensor([[row.length] for row in rows], device=self.device)  # (B, 1): where each goes
+        width = max(row.length for row in rows) + 1
+        x, _ = self.model.body(tokens, cache=self.slots.views(positions, width), positions=positions)
+        for row in rows:
+            row.length += 1
+        return self.pick(self.model.head(x[:, -1]), rows)  # (B, V)
+
+    def pick(self, logits, rows):
+        """The next id of each row from its logits (B, V), as its request draws. Returns {request: Produced}."""
+        logits = logits[:, : self.vocab_size]  # ids past the tokenizer's (a padded embedding's) are never drawn
+        members = {}  # each request's (slot, row) pairs
+        for slot, row in enumerate(rows):
+            members.setdefault(row.request, []).append((slot, row))
+        plain = logits.argmax(dim=-1).tolist()  # what greedy rows without a logit bias take
+        out = {}
+        for request, pairs in members.items():
+            slots = [slot for slot, _ in pairs]
+            if request.sampling.temperature == 0 and not request.sampling.logit_bias:
+                ids = [plain[slot] for slot in slots]
+            else:
+                ids = self.draw(logits, pairs, request)
+            scores = [(None, None)] * len(ids)
+            if request.logprobs is not None:
+                scores = self.scores(logits[slots], ids, request.logprobs)
+            for (_, row), token in zip(pairs, ids):
+                row.token, row.drawn = token, row.drawn + 1
+            out[request] = Produced([Token(row.index, t, *s) for (_, row), t, s in zip(pairs, ids, scores)])
+        return out
+
+    def draw(self, logits, pairs, request):
+        """
+        The ids of a request's rows (pairs of slot, row) drawn from logits (B, V). Rows sharing one generator draw
+        as one (n, V) batch, as sample.py does, a row that ended drawing from a uniform distribution: what the others
+        draw does not depend on when it ended.
+        """
+        if len(request.generators) > 1:  # a generator each
+            return [
+                self.sample(logits[slot : slot + 1], request, request.generators[row.index])[0] for slot, row in pairs
+            ]
+        batch = logits.new_zeros(request.n, logits.size(1))  # (n, V)
+        for slot, row in pairs:
+            batch[row.index] = logits[slot]
+        drawn = self.sample(batch, request, request.generators[0])
+        return [drawn[row.index] for _, row in pairs]
+
+    @staticmethod
+    def sample(logits, request, generator):
+        """sample_next's ids for logits (B, V) with the request's Sampling, its logit bias added first: B ids."""
+        options = request.sampling
+        if options.logit_bias:
+            ids, values = zip(*options.logit_bias)
+            bias = torch.zeros(logits.size(-1), device=logits.device)
+            bias[list(ids)] = torch.tensor(values, device=logits.device)
+            logits = logits.float() + bias
+        picked = sample_next(
+            logits, options.temperature, options.top_k, options.top_p, generator=generator, min_p=options.min_p
+        )
+        return picked[:, 0].tolist()
+
+    @staticmethod
+    def scores(logits, ids, top):
+        """[(log p of ids[i] by row i of logits (N, V), the `top` likeliest [(id, log p)])], in float32."""
+        logprobs = logits.float().log_softmax(dim=-1)  # (N, V)
+        chosen = logprobs.gather(1, torch.tensor(ids, device=logprobs.device)[:, None])[:, 0].tolist()
+        values, index = logprobs.topk(min(top, logprobs.size(-1)), dim=-1)  # (N, top): no more than there are
+        return list(zip(chosen, [list(zip(i, v)) for i, v in zip(index.tolist(), values.tolist())]))
+
+    def ended(self):
+        """The rows that want no more ids: a stop id drawn, max_tokens reached, or their request's side said so."""
+        return [
+            row
+            for row in self.rows
+            if row.token in row.request.stop_ids
+            or row.drawn >= row.request.max_tokens
+            or row.request.cancelled
+            or row.request.ended[row.index]
+        ]
+
+    def free(self, rows):
+        """Free the slots of rows: the last row moves into each freed slot. Returns the requests left with none."""
+        emptied = []
+        for row in rows:
+            slot, last = self.rows.index(row), self.rows.pop()
+            if last is not row:
+                self.slots.move(len(self.rows), slot, last.length)
+                self.rows[slot] = last
+            row.request.live -= 1
+            if not row.request.live:
+                emptied.append(row.request)
+        if not self.rows:
+            self.slots.release()
+        return emptied
+
+
+class Engine:
+    """
+    The worker thread that owns the model: each step it takes new requests, frees the rows that ended (and drops the
+    requests whose client left), prefills one chunk of the admitted request, decodes every row once and hands each
+    request what it got. A failing step fails the requests in it; the engine goes on.
+    """
+
+    def __init__(self, runner, scheduler, device, dtype):
+        self.runner, self.scheduler, self.device, self.dtype = runner, scheduler, device, dtype
+        self.incoming = queue.SimpleQueue()  # new requests, and None to stop
+        self.thread = threading.Thread(target=self.run, name="serve-engine", daemon=True)
+        self.lock = threading.Lock()  # guards the counters below, read by other threads
+        self.generated, self.recent = 0, deque()  # ids drawn in all; (time, ids) of the last RATE_WINDOW seconds
+        self.running = self.waiting = 0  # requests decoding (or prefilling) and waiting, after the last step
+
+    def start(self):
+        self.thread.start()
+
+    def submit(self, request):
+        self.incoming.put(request)
+        return request
+
+    def stop(self):
+        self.incoming.put(None)
+        self.thread.join()
+
+    def run(self):
+        # no_grad and autocast hold per thread: they are entered here, where the model runs
+        with torch.no_grad(), autocast(self.device, self.dtype):
+            while self.take():
+                self.step()
+
+    def take(self):
+        """Move new requests to the scheduler, waiting for one when there is nothing to do; False: stop."""
+        arrived = [self.incoming.get()] if self.scheduler.idle() else []
+        while not self.incoming.empty():
+            arrived.append(self.incoming.get())
+        for request in arrived:
+            if request is None:
+                return False
+            self.scheduler.add(request)
+        return True
+
+    def step(self):
+        scheduler, runner = self.scheduler, self.runner
+        self.finish(runner.free(runner.ended()))
+        self.finish([r for r in scheduler.requests() if r.cancelled and not r.live])
+        produced = {}
+        if runner.rows:
+            try:
+                produced = runner.decode()
+            except Exception as err:  # every running request fails; the engine goes on
+                self.fail(scheduler.running, err)
+        request = scheduler.admit()
+        first = None
+        if request is not None:
+            try:
+                first = runner.prefill(request)
+            except Exception as err:  # this request fails; the others go on
+                self.fail([request], err)
+        if first is not None:
+            scheduler.started(request)
+            produced[request] = first
+        self.deliver(produced)
+        if first is not None and not request.live:  # a prompt only scored: done at once
+            self.finish([request])
+
+    def deliver(self, produced):
+        for request, items in produced.items():
+            request.deliver(items)
+        drawn = sum(len(items.tokens) for items in produced.values())
+        now = time.monotonic()
+        with self.lock:
+            self.generated += drawn
+            self.recent.append((now, drawn))
+            while self.recent and self.recent[0][0] < now - RATE_WINDOW:
+                self.recent.popleft()
+            self.running = len(self.scheduler.running) + (self.scheduler.prefilling is not None)
+            self.waiting = len(self.scheduler.waiting)
+
+    def finish(self, requests):
+        """Requests with no row left: forgotten, and told DONE."""
+        for request in requests:
+            self.scheduler.remove(request)
+            request.cache = None
+            request.deliver(DONE)
+
+    def fail(self, requests, err):
+        for request in list(requests):
+            self.runner.free([row for row in self.runner.rows if row.request is request])
+            request.cache = None
+            self.scheduler.remove(request)
+            request.deliver(err)
+
+    def stats(self):
+        """(requests running, requests waiting, ids drawn in all, ids a second over the last RATE_WINDOW seconds)."""
+        with self.lock:
+            recent = sum(count for t, count in self.recent if t >= time.monotonic() - RATE_WINDOW)
+            return self.running, self.waiting + self.incoming.qsize(), self.generated, recent / RATE_WINDOW
