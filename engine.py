@@ -78,13 +78,13 @@ class Request:
 
     ids: list
     max_tokens: int
-    deliver: Callable[[Any], None]
     n: int = 1
     sampling: Sampling = Sampling()
     generators: list = field(default_factory=lambda: [None])
     stop_ids: frozenset = frozenset()
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    deliver: Callable[[Any], None] | None = None  # set before it is submitted
     # set by the request's side, read by the worker between steps
     cancelled: bool = False  # the client left: every row ends
     ended: list = field(default_factory=list)  # ended[j]: row j wants no more ids (its text reached a stop string)

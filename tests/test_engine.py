@@ -80,7 +80,7 @@ def test_eight_greedy_requests_together_are_each_what_it_gives_alone(shape):
     max_tokens = [10 - k % 3 for k in range(8)]
     got = Collector(8)
     requests = [
-        Request(p, m, got.deliver(k, 1), sampling=Sampling(temperature=0))
+        Request(p, m, sampling=Sampling(temperature=0), deliver=got.deliver(k, 1))
         for k, (p, m) in enumerate(zip(prompts, max_tokens))
     ]
     # a chunk of 4 prompt ids a step: the long prompts are prefilled over several steps while others decode

@@ -1,7 +1,9 @@
 """
-serve.py end to end: a server on a free port with a tiny trained chat model, talked to with the official openai
-client, its answers checked against sample.py's own output and the model's log-softmax computed here; bad requests,
-the API key, a client that leaves mid-stream, and the chat page in a real browser (Debian's chromium).
+serve.py end to end: a server on a free port with a tiny trained chat model (and a tiny Llama-shaped BPE model whose
+template puts bos first, and a model that fails), talked to with the official openai client and with the bodies
+other clients send, its answers checked against sample.py's own output and the model's log-softmax computed here;
+concurrent requests, the budget, a conversation longer than the context, bad requests, the API key, a client that
+leaves mid-stream, lm-evaluation-harness, and the chat page in a real browser (Debian's chromium).
 """
 
 import io
@@ -10,6 +12,7 @@ import shutil
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 
 import httpx
@@ -43,6 +46,7 @@ class Running:
 
     def __init__(self, served, **options):
         self.app = serve.make_app(served, **options)
+        self.engine = self.app.state.api.engine
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
@@ -55,7 +59,8 @@ class Running:
 
     def stop(self):
         self.server.should_exit = True
-        self.thread.join()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the server did not stop"
 
 
 def served_from(out, **settings):
@@ -91,12 +96,20 @@ def test_models_lists_the_one_model_under_its_folder_name(client, chat_dir):
     assert model.model_extra["max_model_len"] == 48 and model.model_extra["chat"] is True
 
 
+KEEP_SPECIALS = {"skip_special_tokens": False}  # sample.py prints <end_of_turn> and the other markers
+
+
 @pytest.mark.parametrize("prompt", ["abca", "c"])
 def test_greedy_completion_is_sample_py_at_temperature_0(client, chat_dir, prompt):
     options = (f"--out_dir={chat_dir}", "--checkpoint=ckpt.pt", f"--start={prompt}", "--max_new_tokens=20")
     expected = sample_out(*options, "--temperature=0")
-    got = client.completions.create(model="out", prompt=prompt, max_tokens=20, temperature=0)
+    got = client.completions.create(model="out", prompt=prompt, max_tokens=20, temperature=0, extra_body=KEEP_SPECIALS)
     assert prompt + got.choices[0].text + "\n" == expected
+    assert "<end_of_turn>" in expected  # the markers this chat model writes, which completions skip by default:
+    default = client.completions.create(model="out", prompt=prompt, max_tokens=20, temperature=0).choices[0].text
+    assert prompt + default + "\n" == expected.replace("<end_of_turn>", "").replace("<user>", "").replace(
+        "<assistant>", ""
+    ).replace("<system>", "")
     assert got.choices[0].finish_reason == "length"  # character data has no end-of-text token
     assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == (
         len(prompt),
@@ -119,10 +132,26 @@ def test_greedy_chat_reply_is_sample_py_chat_at_temperature_0(client, chat_dir, 
     assert got.usage.completion_tokens == len(got.choices[0].message.content) + 1
 
 
+def test_eight_concurrent_greedy_requests_are_each_sample_py_alone(client, chat_dir):
+    """Eight prompts of different lengths share the batch, joining and leaving at different steps."""
+    prompts = ["a", "cb", "abc", "bcab", "cabca", "aabbcc", "abcabca", "bbbccaab"]
+    lengths = [12, 30, 7, 25, 18, 40, 3, 21]
+
+    def complete(k):
+        body = dict(model="out", prompt=prompts[k], max_tokens=lengths[k], temperature=0, extra_body=KEEP_SPECIALS)
+        return client.completions.create(**body).choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(complete, range(8)))
+    for prompt, length, text in zip(prompts, lengths, texts):
+        options = (f"--out_dir={chat_dir}", "--checkpoint=ckpt.pt", f"--start={prompt}", f"--max_new_tokens={length}")
+        assert prompt + text + "\n" == sample_out(*options, "--temperature=0")
+
+
 def test_samples_repeat_with_their_seed_and_are_sample_py_num_samples(client, chat_dir):
     def draw(seed):
-        got = client.completions.create(model="out", prompt="ab", max_tokens=12, temperature=1.0, n=3, seed=seed)
-        return [choice.text for choice in got.choices]
+        options = dict(prompt="ab", max_tokens=12, temperature=1.0, n=3, seed=seed, extra_body=KEEP_SPECIALS)
+        return [choice.text for choice in client.completions.create(model="out", **options).choices]
 
     first = draw(5)
     assert draw(5) == first and draw(6) != first
@@ -144,57 +173,352 @@ def stream_text(chunks):
 
 
 def test_streamed_chunks_join_into_the_unstreamed_text(client):
+    usage = {"stream_options": {"include_usage": True}}
     options = dict(prompt=["ab", "ca"], max_tokens=15, temperature=1.0, n=2, seed=3, stop=["cc"])
     whole = client.completions.create(model="out", **options)
-    texts, used = stream_text(client.completions.create(model="out", **options, stream=True))
+    texts, used = stream_text(client.completions.create(model="out", **options, stream=True, **usage))
     assert texts == [choice.text for choice in whole.choices] and used == whole.usage
     assert len(texts) == 4 and "cc" not in "".join(texts)
 
     options = dict(messages=[{"role": "user", "content": "bca"}], temperature=1.0, seed=1, n=2)
     whole = client.chat.completions.create(model="out", **options)
-    texts, used = stream_text(client.chat.completions.create(model="out", **options, stream=True))
+    texts, used = stream_text(client.chat.completions.create(model="out", **options, stream=True, **usage))
     assert texts == [choice.message.content for choice in whole.choices] and used == whole.usage
+    # without include_usage every chunk has a choice, as the usual `chunk.choices[0]` loop expects
+    chunks = list(client.chat.completions.create(model="out", **options, stream=True))
+    assert all(chunk.choices and chunk.usage is None for chunk in chunks)
 
 
 def test_stop_strings_cut_the_text_before_them(client):
-    free = client.completions.create(model="out", prompt="ab", max_tokens=20, temperature=0).choices[0]
+    def complete(**options):  # with the markers' text: the chat model's replies are short
+        options = dict(prompt="ab", max_tokens=30, temperature=0, extra_body=KEEP_SPECIALS, **options)
+        return client.completions.create(model="out", **options).choices[0]
+
+    free = complete()
     stop = free.text[3:5]  # a stop string that the free text holds
-    cut = client.completions.create(model="out", prompt="ab", max_tokens=20, temperature=0, stop=stop).choices[0]
+    assert len(stop) == 2
+    cut = complete(stop=stop)
     assert cut.text == free.text[: free.text.index(stop)] and cut.finish_reason == "stop"
+    # any number of them: the earliest one in the text cuts it
+    many = complete(stop=["zzzz"] * 8 + [free.text[6:8], stop])
+    assert many.text == free.text[: min(free.text.index(stop), free.text.index(free.text[6:8]))]
 
 
-def test_logprobs_are_the_models_own_log_softmax(client, chat_dir):
+def reference_logprobs(chat_dir, prompt, steps):
+    """Greedy continuation by full forward passes, and every position's log-softmax in float64: (ids, (T, V))."""
     ckpt = load_checkpoint(chat_dir / "ckpt.pt")
     model = build_model(ModelConfig.from_dict(ckpt["model_config"]))
     model.load_state_dict(ckpt["weights"])
     model.eval()
     tokenizer = Tokenizer.from_meta(ckpt["meta"])
-    # greedy by full forward passes, and every position's log-softmax in float64
-    ids = tokenizer.encode("abcab")
+    ids = tokenizer.encode(prompt)
     with torch.no_grad():
-        for _ in range(4):
+        for _ in range(steps):
             ids.append(int(model(torch.tensor([ids]))[0][0, -1, : tokenizer.vocab_size].argmax()))
         reference = model(torch.tensor([ids]))[0][0, :, : tokenizer.vocab_size].double().log_softmax(-1)  # (T, V)
-    for echo, max_tokens in [(True, 0), (True, 4), (False, 4)]:
-        got = client.completions.create(
-            model="out", prompt="abcab", max_tokens=max_tokens, temperature=0, logprobs=2, echo=echo
-        ).choices[0]
+    return ids, reference, tokenizer
+
+
+def test_logprobs_are_the_models_own_log_softmax(client, chat_dir):
+    ids, reference, tokenizer = reference_logprobs(chat_dir, "abcab", 4)
+    for echo, max_tokens, stream in [(True, 0, False), (True, 4, False), (False, 4, False), (True, 4, True)]:
+        options = dict(prompt="abcab", max_tokens=max_tokens, temperature=0, logprobs=2, echo=echo)
+        if stream:  # each chunk has the logprobs of its ids: joined, the same as unstreamed
+            chunks = list(client.completions.create(model="out", **options, stream=True, extra_body=KEEP_SPECIALS))
+            tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+            values = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
+            offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+            got_text = "".join(c.choices[0].text for c in chunks)
+        else:
+            got = client.completions.create(model="out", **options, extra_body=KEEP_SPECIALS).choices[0]
+            tokens, values = got.logprobs.tokens, got.logprobs.token_logprobs
+            offsets, got_text = got.logprobs.text_offset, got.text
         first = 0 if echo else 5  # the prompt's tokens come first with echo; the first has no log p
         shown = ids[first : 5 + max_tokens]
-        assert got.logprobs.tokens == [tokenizer.decode([i]) for i in shown]
-        assert got.text == ("abcab" if echo else "") + tokenizer.decode(ids[5 : 5 + max_tokens])
+        assert tokens == [tokenizer.decode([i]) for i in shown]
+        assert got_text == ("abcab" if echo else "") + tokenizer.decode(ids[5 : 5 + max_tokens])
+        assert all(got_text[at:].startswith(token) for at, token in zip(offsets, tokens, strict=True))
         expected = [None if t == 0 else float(reference[t - 1, ids[t]]) for t in range(first, 5 + max_tokens)]
-        assert got.logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
-        for t, top in zip(range(first, 5 + max_tokens), got.logprobs.top_logprobs):
-            if t:  # the two likeliest, the likeliest first
-                values = reference[t - 1].topk(2).values.tolist()
-                assert sorted(top.values(), reverse=True) == pytest.approx(values, abs=1e-4)
+        assert values == pytest.approx(expected, abs=1e-4)
+        if not stream:
+            for t, top in zip(range(first, 5 + max_tokens), got.logprobs.top_logprobs):
+                if t:  # the two likeliest, the likeliest first
+                    likeliest = reference[t - 1].topk(2).values.tolist()
+                    assert sorted(top.values(), reverse=True) == pytest.approx(likeliest, abs=1e-4)
     # one prompt id scored alone has no log p; asking for more likeliest ids than the vocabulary holds lists them all
     got = client.completions.create(model="out", prompt=ids[:1], max_tokens=1, logprobs=20, echo=True, temperature=0)
     assert got.choices[0].logprobs.token_logprobs[0] is None
     assert len(got.choices[0].logprobs.top_logprobs[1]) == len(
         {tokenizer.decode([i]) for i in range(tokenizer.vocab_size)}
     )
+
+
+def test_chat_logprobs_are_the_models_own_log_softmax(client, chat_dir):
+    got = client.chat.completions.create(
+        model="out", messages=[{"role": "user", "content": "abca"}], temperature=0, logprobs=True, top_logprobs=3
+    ).choices[0]
+    ckpt = load_checkpoint(chat_dir / "ckpt.pt")
+    model = build_model(ModelConfig.from_dict(ckpt["model_config"])).eval()
+    model.load_state_dict(ckpt["weights"])
+    tokenizer, special = Tokenizer.from_meta(ckpt["meta"]), ckpt["meta"]["special_tokens"]
+    prompt = [special["user"], *tokenizer.encode("abca"), special["end_of_turn"], special["assistant"]]
+    reply = tokenizer.encode(got.message.content)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + reply]))[0][0, len(prompt) - 1 :, : tokenizer.vocab_size]
+    reference = logits.double().log_softmax(-1)  # (reply + 1, V): each reply id's, then the end-of-turn's
+    entries = got.logprobs.content
+    assert [e.token for e in entries] == list(got.message.content) and entries
+    assert [e.logprob for e in entries] == pytest.approx(
+        [float(reference[k, i]) for k, i in enumerate(reply)], abs=1e-4
+    )
+    for k, entry in enumerate(entries):
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(reference[k].topk(3).values.tolist(), abs=1e-4)
+        assert entry.bytes == list(entry.token.encode())
+
+
+def test_a_reply_ends_at_any_role_marker_and_completions_skip_special_tokens(client, chat_dir):
+    special = load_checkpoint(chat_dir / "ckpt.pt")["meta"]["special_tokens"]
+    user = [{"role": "user", "content": "abca"}]
+    # the bias makes <user> the likeliest first id: the reply ends there, empty, and the next turn is answered
+    forced = {str(special["user"]): 100}
+    got = client.chat.completions.create(model="out", messages=user, temperature=0, logit_bias=forced).choices[0]
+    assert (got.message.content, got.finish_reason) == ("", "stop")
+    after = [*user, {"role": "assistant", "content": got.message.content}, {"role": "user", "content": "ab"}]
+    assert client.chat.completions.create(model="out", messages=after, temperature=0).choices[0].finish_reason == "stop"
+    # a completion drawing <end_of_turn> first: no text for it, unless asked
+    forced = {str(special["end_of_turn"]): 100}
+    options = dict(model="out", prompt="ab", max_tokens=1, temperature=0, logit_bias=forced)
+    assert client.completions.create(**options).choices[0].text == ""
+    assert client.completions.create(**options, extra_body=KEEP_SPECIALS).choices[0].text == "<end_of_turn>"
+
+
+def test_min_p_of_1_keeps_only_the_likeliest_id(client):
+    greedy = client.completions.create(model="out", prompt="ab", max_tokens=20, temperature=0).choices[0].text
+    options = dict(prompt="ab", max_tokens=20, temperature=1.5, seed=7, extra_body={"min_p": 1.0})
+    assert client.completions.create(model="out", **options).choices[0].text == greedy
+
+
+def test_a_conversation_longer_than_the_context_goes_on_without_its_oldest_turns(client, chat_dir, tmp_path):
+    """The chat model reads 48 positions: six exchanges are more, and the server drops the oldest ones."""
+    messages = [{"role": "system", "content": "bc"}]
+    for question in ["abca", "bcab", "cabc", "abab", "bbca", "acca"]:
+        messages.append({"role": "user", "content": question})
+        got = client.chat.completions.create(model="out", messages=messages, temperature=0, max_tokens=4)
+        messages.append({"role": "assistant", "content": got.choices[0].message.content})
+    dropped = got.model_extra["dropped_messages"]
+    assert dropped >= 2 and dropped % 2 == 0  # whole exchanges
+    # the reply is what the model gives the conversation without them, the system prompt kept
+    kept = [messages[0], *messages[1 + dropped : -1]]
+    again = client.chat.completions.create(model="out", messages=kept, temperature=0, max_tokens=4)
+    assert again.choices[0].message.content == messages[-1]["content"] and "dropped_messages" not in again.model_extra
+    refusing = Running(served_from(chat_dir), context="refuse")
+    try:
+        body = {"messages": messages[:-1], "temperature": 0}
+        response = httpx.post(refusing.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    finally:
+        refusing.stop()
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_ids(client):
+    long = "abcabcbbacab" * 5  # 60 characters: more than the 48 the model reads
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="out", prompt=long, max_tokens=5)
+    options = dict(model="out", max_tokens=5, temperature=0, echo=True)
+    got = client.completions.create(prompt=long, extra_body={"truncate_prompt_tokens": 20}, **options).choices[0]
+    assert got.text == client.completions.create(prompt=long[-20:], **options).choices[0].text
+    assert got.text.startswith(long[-20:])
+
+
+# -----------------------------------------------------------------------------
+# What every client sends
+
+# Bodies as openai-python, LangChain's ChatOpenAI, lm-evaluation-harness (local-completions, local-chat-completions)
+# and Open WebUI send them: each must get 2xx. Fields this server does not implement but that change nothing
+# (metadata, store, tools: [], stream_options, ...) are ignored.
+CLIENT_BODIES = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "model": "out"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "max_completion_tokens": 3, "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "logprobs": True, "top_logprobs": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "response_format": {"type": "text"}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "tools": [], "tool_choice": "none"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "parallel_tool_calls": False}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "metadata": {"a": "b"}, "store": False}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "logit_bias": {}, "min_p": 0.05}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "user": "x", "service_tier": "auto"}),
+    # LangChain's ChatOpenAI: stream with usage, n and temperature always sent
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "ab"}],
+            "model": "out",
+            "stream": True,
+            "n": 1,
+            "temperature": 0.7,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+    # Open WebUI
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "system", "content": "b"}, {"role": "user", "content": "ab"}],
+            "stream": True,
+            "model": "out",
+            "top_p": 0.9,
+            "frequency_penalty": 0,
+            "presence_penalty": 0,
+            "seed": 3,
+            "stop": ["ccc"],
+            "reasoning_effort": None,
+            "keep_alive": "5m",
+            "options": {},
+        },
+    ),
+    # lm-eval local-chat-completions: greedy, its task's stop strings and max_tokens
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "ab"}],
+            "model": "out",
+            "max_tokens": 8,
+            "temperature": 0,
+            "stop": ["\n\n", "Question:", "</s>", "<|im_end|>", "ccc", "bbb"],
+            "seed": 1234,
+        },
+    ),
+    # lm-eval local-completions: loglikelihood (echo) and generate_until with six stops
+    (
+        "/v1/completions",
+        {
+            "model": "out",
+            "prompt": [[1, 2, 3]],
+            "temperature": 0,
+            "max_tokens": 1,
+            "logprobs": 1,
+            "seed": 1234,
+            "echo": True,
+        },
+    ),
+    (
+        "/v1/completions",
+        {
+            "model": "out",
+            "prompt": ["ab", "ca"],
+            "max_tokens": 8,
+            "temperature": 0,
+            "stop": ["\nclass", "\ndef", "\n#", "\nif", "\nprint", "<|endoftext|>"],
+            "seed": 1234,
+        },
+    ),
+    # openai-python's completions, with best_of as n, suffix null, and a user
+    ("/v1/completions", {"model": "out", "prompt": "ab", "max_tokens": 5, "best_of": 1, "suffix": None, "user": "u"}),
+    ("/v1/completions", {"prompt": "ab", "stream": True, "stream_options": {"include_usage": False}}),
+    ("/v1/completions", {"prompt": "ab", "logprobs": 2, "stream": True}),
+    ("/v1/completions", {"prompt": "ab", "logit_bias": {"0": -100, "1": 2.5}, "min_p": 0.1, "top_k": 5}),
+    ("/v1/completions", {"prompt": "ab", "stop": [f"z{k}" for k in range(10)], "temperature": 0}),
+    ("/tokenize", {"prompt": "abc", "add_special_tokens": False}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "ab"}], "model": "out"}),
+    ("/detokenize", {"tokens": [1, 2, 3]}),
+]
+
+
+@pytest.mark.parametrize("path, body", CLIENT_BODIES, ids=range(len(CLIENT_BODIES)))
+def test_the_bodies_clients_send_are_answered(server, path, body):
+    response = httpx.post(server.url + path, json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    if body.get("stream"):
+        events = [line for line in response.text.split("\n\n") if line]
+        assert events[-1] == "data: [DONE]" and not any('"error"' in event for event in events)
+        has_usage = (body.get("stream_options") or {}).get("include_usage", False)
+        assert any('"usage"' in event for event in events) == has_usage
+
+
+def test_unknown_fields_are_refused_with_strict(chat_dir):
+    strict = Running(served_from(chat_dir), strict=True)
+    try:
+        body = {"messages": [{"role": "user", "content": "ab"}], "metadata": {"a": "b"}}
+        response = httpx.post(strict.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "metadata"
+    finally:
+        strict.stop()
+
+
+def test_the_tokenizer_endpoints_are_the_models_tokenizer(server, chat_dir):
+    meta = load_checkpoint(chat_dir / "ckpt.pt")["meta"]
+    tokenizer = Tokenizer.from_meta(meta)
+    got = httpx.post(server.url + "/tokenize", json={"prompt": "abca"}).json()
+    assert got["tokens"] == tokenizer.encode("abca") and got["count"] == 4 and got["max_model_len"] == 48
+    # a special token's text stands for the token, as Hugging Face tokenizers read it
+    marked = httpx.post(server.url + "/tokenize", json={"prompt": "ab<end_of_turn>c"}).json()["tokens"]
+    assert marked == [*tokenizer.encode("ab"), meta["special_tokens"]["end_of_turn"], *tokenizer.encode("c")]
+    back = httpx.post(server.url + "/detokenize", json={"tokens": marked}).json()["prompt"]
+    assert back == "ab<end_of_turn>c"
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    assert info["eos_token"] is None and info["bos_token"] is None and info["model_max_length"] == 48
+    assert httpx.post(server.url + "/detokenize", json={"tokens": [10**6]}).status_code == 400
+
+
+def test_health_is_503_until_the_model_is_loaded_and_metrics_count(chat_dir):
+    running = Running(None)
+    try:
+        assert httpx.get(running.url + "/health").status_code == 503
+        assert httpx.post(running.url + "/v1/completions", json={"prompt": "ab"}).status_code == 503
+        running.app.state.api.load(served_from(chat_dir))
+        assert httpx.get(running.url + "/health").status_code == 200
+        body = {"prompt": "ab", "max_tokens": 5, "n": 2}
+        assert httpx.post(running.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        metrics = httpx.get(running.url + "/metrics").text
+        values = dict(line.split() for line in metrics.splitlines() if not line.startswith("#"))
+        assert values["nanoformer_generation_tokens_total"] == "10"
+        assert values["nanoformer_requests_running"] == values["nanoformer_requests_waiting"] == "0"
+    finally:
+        running.stop()
+
+
+def held_decode(runner, monkeypatch, until):
+    """
+    runner.decode that waits until `until()` holds before each step, for 20 s at most: the rows' first ids (drawn
+    at the prefill) come out, then the stream stands still. Returns how each wait ended: True when until() held,
+    False when it timed out.
+    """
+    decode, ended = runner.decode, []
+
+    def held():
+        deadline = time.monotonic() + 20
+        while not until() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ended.append(until())
+        return decode()
+
+    monkeypatch.setattr(runner, "decode", held)
+    return ended
+
+
+def test_requests_wait_for_room_in_the_batch(chat_dir, monkeypatch):
+    running = Running(served_from(chat_dir), max_batch=2)
+    go = threading.Event()
+    held_decode(running.engine.runner, monkeypatch, go.is_set)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            body = {"prompt": "ab", "max_tokens": 10, "n": 2, "temperature": 0}
+            first = pool.submit(httpx.post, running.url + "/v1/completions", json=body, timeout=60)
+            second = pool.submit(httpx.post, running.url + "/v1/completions", json={**body, "n": 1}, timeout=60)
+            deadline, values = time.monotonic() + 20, {}
+            while values.get("nanoformer_requests_waiting") != "1" and time.monotonic() < deadline:
+                metrics = httpx.get(running.url + "/metrics").text
+                values = dict(line.split() for line in metrics.splitlines() if not line.startswith("#"))
+            assert values["nanoformer_requests_waiting"] == "1" and values["nanoformer_requests_running"] == "1"
+            go.set()
+            assert first.result().status_code == second.result().status_code == 200
+        # a request that could never fit is refused rather than kept waiting
+        too_many = httpx.post(running.url + "/v1/completions", json={"prompt": "ab", "n": 3}, timeout=60)
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+    finally:
+        go.set()
+        running.stop()
 
 
 # -----------------------------------------------------------------------------
@@ -216,17 +540,41 @@ def test_logprobs_are_the_models_own_log_softmax(client, chat_dir):
         ("/v1/completions", {"prompt": "ab", "temperature": 3}, 400, "temperature"),
         ("/v1/completions", {"prompt": "ab", "temperature": 1e-40}, 400, "temperature"),
         ("/v1/completions", {"prompt": "ab", "top_p": 0}, 400, "top_p"),
+        ("/v1/completions", {"prompt": "ab", "min_p": 1.5}, 400, "min_p"),
         ("/v1/completions", {"prompt": "ab", "stop": ""}, 400, "stop"),
         ("/v1/completions", {"prompt": "ab", "stop": ["a" * 257]}, 400, "stop"),
         ("/v1/completions", {"prompt": ["ab"] * 5, "n": 13}, 400, "n"),
         ("/v1/completions", {"prompt": "ab", "top_k": -2}, 400, "top_k"),
         ("/v1/completions", {"prompt": "ab", "frequency_penalty": 1}, 400, "frequency_penalty"),
         ("/v1/completions", {"prompt": "ab", "best_of": 3}, 400, "best_of"),
-        ("/v1/completions", {"prompt": "ab", "logprobs": 1, "stream": True}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": "ab", "suffix": "cd"}, 400, "suffix"),
+        ("/v1/completions", {"prompt": "ab", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "ab", "logit_bias": {"1": 101}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "ab", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "ab"}]}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab" * 30}]}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 0}, 400, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 48},
+            400,
+            "max_tokens",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{}]}, 400, "tools"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+            400,
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+        ),
+        ("/tokenize", {}, 400, "prompt"),
         ("/v1/nowhere", {}, 404, None),
     ],
 )
@@ -251,47 +599,19 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
     assert httpx.post(server.url + "/v1/completions", content=chunks()).status_code == 413
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_share_at_once(server, monkeypatch):
-    """Steps that never end on their own (a reply as long as a client wants): only the client's leaving ends them."""
-    closed = threading.Event()
-
-    def endless(model, prompt, n, *args, **kwargs):
-        try:
-            while True:
-                yield [prompt[0]] * n
-        finally:
-            closed.set()
-
-    monkeypatch.setattr(serve, "completion_steps", endless)
-    engine = server.app.state.engine
+def test_a_client_that_leaves_mid_stream_frees_its_rows_at_once(server, monkeypatch):
+    """The engine holds the stream after its first step until the request is cancelled: only the client's leaving
+    ends it before its 47 tokens. Every wait is bounded, so a server that never notices fails instead of hanging."""
+    runner = server.engine.runner
+    waits = held_decode(runner, monkeypatch, lambda: all(row.request.cancelled for row in runner.rows))
     body = {"prompt": "a", "max_tokens": 47, "n": 4, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body) as response:
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
         next(response.iter_lines())  # the first chunk, then the client is gone
-    assert closed.wait(timeout=30)  # the job's steps were closed: without the client's leaving, never
-    deadline = time.monotonic() + 5  # and the job is dropped right after
-    while engine.active and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30
+    while (runner.rows or not server.engine.scheduler.idle()) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not engine.active
-
-
-def test_the_engine_drops_a_cancelled_job_and_closes_its_steps():
-    closed = threading.Event()
-
-    def endless():
-        try:
-            while True:
-                yield 1
-        finally:
-            closed.set()
-
-    engine = serve.Engine(torch.device("cpu"), torch.float32)
-    engine.thread.start()
-    seen = threading.Event()
-    job = engine.submit(serve.Job(endless(), lambda item: seen.set()))
-    assert seen.wait(5)
-    job.cancelled = True
-    assert closed.wait(5)
-    engine.stop()
+    assert not runner.rows and server.engine.scheduler.idle()
+    assert waits and all(waits)  # the held step went on because the request was cancelled, not at its deadline
 
 
 # -----------------------------------------------------------------------------
@@ -328,11 +648,19 @@ def test_an_encoder_is_refused_at_startup_in_one_line(chat_dir, tmp_path, capsys
     ckpt.pop("average", None)
     (tmp_path / "enc").mkdir()
     torch.save(ckpt, tmp_path / "enc" / "ckpt.pt")
-    assert serve.cli([f"--init_from={tmp_path / 'enc' / 'ckpt.pt'}", "--device=cpu"]) == 2
+    assert serve.cli([f"--init_from={tmp_path / 'enc' / 'ckpt.pt'}", "--device=cpu", f"--port={free_port()}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("serve.py: error:") and "sample.py" in err and err.count("\n") == 1
     assert serve.cli(["--port=70000"]) == 2
     assert "port" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_one_line_naming_port_before_anything_is_served(chat_dir, capsys):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert serve.cli([f"--out_dir={chat_dir}", "--checkpoint=ckpt.pt", "--device=cpu", f"--port={port}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("serve.py: error:") and "--port" in err and err.count("\n") == 1 and "serving" not in err
 
 
 # -----------------------------------------------------------------------------
