@@ -21,6 +21,8 @@ import pytest
 import torch
 import uvicorn
 
+import engine
+import eval as eval_py
 import sample
 import serve
 from checkpoint import load_checkpoint
@@ -612,6 +614,175 @@ def test_a_client_that_leaves_mid_stream_frees_its_rows_at_once(server, monkeypa
         time.sleep(0.01)
     assert not runner.rows and server.engine.scheduler.idle()
     assert waits and all(waits)  # the held step went on because the request was cancelled, not at its deadline
+
+
+def test_a_failing_model_fails_its_request_and_the_server_goes_on(chat_dir):
+    """A model that raises on the <user> id: in a prompt's prefill, and in a decode step once it is drawn."""
+    served = served_from(chat_dir)
+    poison, body = served.meta["special_tokens"]["user"], served.model.body.forward
+
+    def failing(idx, **kwargs):
+        if (idx == poison).any():
+            raise RuntimeError("the model failed")
+        return body(idx, **kwargs)
+
+    served.model.body.forward = failing
+    running = Running(served)
+    try:
+        url = running.url + "/v1/completions"
+        alone = httpx.post(url, json={"prompt": [1, poison], "max_tokens": 3}, timeout=20)
+        assert alone.status_code == 500 and "the model failed" in alone.json()["error"]["message"]
+        drawn = {"prompt": "ab", "max_tokens": 3, "logit_bias": {str(poison): 100}, "stream": True}
+        stream = httpx.post(url, json=drawn, timeout=20).text
+        assert "the model failed" in stream and stream.endswith("data: [DONE]\n\n")
+        assert httpx.post(url, json={"prompt": "ab", "max_tokens": 3}, timeout=20).status_code == 200
+    finally:
+        running.stop()
+
+
+# -----------------------------------------------------------------------------
+# Text as it streams: held until it is final
+
+
+def test_a_character_split_over_ids_waits_for_its_last_byte():
+    tokenizer = Tokenizer({"type": "tiktoken", "encoding": "gpt2"}, 50257, {"eot": 50256})
+    text = "a🙂b été 世界"  # an emoji, accents and CJK: several of them span two or more ids
+    ids = tokenizer.encode(text)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+    choice = serve.Choice(0, tokenizer.decode)
+    pieces = [choice.add(engine.Token(0, i)) for i in ids] + [choice.end_at_length()]
+    assert "".join(pieces) == text and not any("\ufffd" in piece for piece in pieces)
+
+
+def test_text_that_may_begin_a_stop_string_waits_for_what_follows():
+    chars = Tokenizer({"type": "char", "chars": list("abcd")}, 4, {})
+    choice = serve.Choice(0, chars.decode, stops=["cd", "bcx"])
+    pieces = [choice.add(engine.Token(0, i)) for i in chars.encode("abcbcd")]
+    # "b" may begin "bcx", "bc" too, "c" may begin "cd": each waits for what follows; "cd" then ends the text
+    assert pieces == ["a", "", "", "bc", "", "b"]
+    assert choice.finish == "stop" and choice.text == "abcb"
+
+
+# -----------------------------------------------------------------------------
+# A BPE model whose template puts bos before every text (a Llama folder), and lm-evaluation-harness
+
+
+@pytest.fixture(scope="module")
+def llama_server(llama_dir):
+    running = Running(serve.load_served(serve.ServeConfig(init_from=str(llama_dir), device="cpu")))
+    yield running
+    running.stop()
+
+
+def test_a_bos_models_greedy_completion_is_sample_py(llama_server, llama_dir):
+    client = openai.OpenAI(base_url=f"{llama_server.url}/v1", api_key="unused", max_retries=0)
+    got = client.completions.create(model=llama_dir.name, prompt="ROMEO: Go", max_tokens=12, temperature=0)
+    expected = sample_out(f"--init_from={llama_dir}", "--start=ROMEO: Go", "--max_new_tokens=12", "--temperature=0")
+    assert "ROMEO: Go" + got.choices[0].text + "\n" == expected
+
+
+def test_echoed_logprobs_start_at_the_prompts_text_after_bos(llama_server):
+    served = llama_server.app.state.api.served
+    tokenizer, bos = served.tokenizer, served.tokenizer.template_prefix()
+    assert bos == [0]
+    body = {"prompt": "ROMEO: Go", "max_tokens": 3, "temperature": 0, "logprobs": 1, "echo": True}
+    got = httpx.post(llama_server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    shown = tokenizer.encode("ROMEO: Go")
+    with torch.no_grad():
+        logits = served.model(torch.tensor([bos + shown]))[0][0, :, : tokenizer.vocab_size]
+    reference = logits.double().log_softmax(-1)  # (T, V): position t predicts id t + 1
+    logprobs = got["logprobs"]
+    assert logprobs["tokens"][: len(shown)] == [tokenizer.decode([i]) for i in shown]
+    # the first shown id is scored after bos, which is neither shown nor scored
+    expected = [float(reference[t, i]) for t, i in enumerate(shown)]
+    assert logprobs["token_logprobs"][: len(shown)] == pytest.approx(expected, abs=1e-4)
+    assert got["text"].startswith("ROMEO: Go") and len(logprobs["tokens"]) == len(shown) + 3
+    assert logprobs["text_offset"][: len(shown)] == [len(tokenizer.decode(shown[:k])) for k in range(len(shown))]
+
+
+LM_EVAL_ITEMS = [  # a multiple-choice task of our own: the hub's data sets are out of reach
+    {"question": "ROMEO: What light", "choices": ["through yonder", "is the sun", "and the moon"], "answer": 0},
+    {"question": "JULIET: O Romeo,", "choices": ["Romeo", "wherefore art", "thou"], "answer": 1},
+    {"question": "First Citizen:", "choices": ["Before we proceed", "Speak", "You are all resolved"], "answer": 0},
+    {"question": "MENENIUS: What", "choices": ["work's", "my countrymen", "in hand"], "answer": 2},
+]
+LM_EVAL_TEXT = "First Citizen: Before we proceed any further, hear me speak."  # shorter than the 64 positions
+
+
+def lm_eval_tasks(folder):
+    """The two tasks' JSONL files and YAMLs in folder: nano_choice (multiple choice), nano_rolling (perplexity)."""
+    (folder / "choice.jsonl").write_text("\n".join(json.dumps(item) for item in LM_EVAL_ITEMS) + "\n")
+    (folder / "text.jsonl").write_text(json.dumps({"text": LM_EVAL_TEXT}) + "\n")
+    for name, data, fields in [
+        (
+            "choice",
+            "choice.jsonl",
+            "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
+            "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n",
+        ),
+        (
+            "rolling",
+            "text.jsonl",
+            "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+            "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n",
+        ),
+    ]:
+        files = f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(folder / data))}\n"
+        (folder / f"{name}.yaml").write_text(
+            f"task: nano_{name}\ndataset_path: json\ntest_split: test\n{files}{fields}"
+        )
+
+
+def test_lm_eval_through_the_server_scores_as_eval_py_and_an_explicit_scoring_do(
+    llama_server, llama_dir, tmp_path, monkeypatch
+):
+    """lm_eval --model local-completions with no tokenizer argument: the server's /tokenize serves as its tokenizer."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    for variable in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(variable, "1")
+    lm_eval_tasks(tmp_path)
+    args = f"base_url={llama_server.url}/v1/completions,model={llama_dir.name},max_length=64"
+    # lm-eval's remote tokenizer starts a document with `bos_token_id or eos_token_id`: this bos has id 0, which
+    # that `or` passes over, so the bos is named (docs/eval.md); a bos of another id needs nothing
+    args += ",custom_prefix_token_id=0"
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=args,
+        tasks=["nano_choice", "nano_rolling"],
+        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),  # not its thousands of tasks
+        log_samples=True,
+    )
+    served = llama_server.app.state.api.served
+    tokenizer, model = served.tokenizer, served.model
+
+    def loglikelihood(context, continuation):  # lm-eval's split of the ids; log p in float64, by one forward pass
+        whole, head = tokenizer.encode(context + continuation), tokenizer.encode(context)
+        with torch.no_grad():
+            logits = model(torch.tensor([whole]))[0][0, :, : tokenizer.vocab_size].double().log_softmax(-1)
+        return sum(float(logits[t - 1, whole[t]]) for t in range(len(head), len(whole)))
+
+    scored = [[loglikelihood(item["question"], " " + c) for c in item["choices"]] for item in LM_EVAL_ITEMS]
+    logged = sorted(results["samples"]["nano_choice"], key=lambda logged: logged["doc_id"])
+    for item, expected in zip(logged, scored, strict=True):
+        assert [resp[0][0] for resp in item["resps"]] == pytest.approx(expected, abs=1e-3)
+    right = [max(range(3), key=lambda k: s[k]) == item["answer"] for s, item in zip(scored, LM_EVAL_ITEMS)]
+    assert results["results"]["nano_choice"]["acc,none"] == pytest.approx(sum(right) / len(right))
+    # the rolling loglikelihood of the text is minus eval.py's loss on it times its tokens, each scored after bos
+    (tmp_path / "text.txt").write_text(LM_EVAL_TEXT)
+    out = io.StringIO()
+    eval_py.main(
+        parse_config(
+            eval_py.EvalConfig,
+            [f"--init_from={llama_dir}", f"--input={tmp_path / 'text.txt'}", "--json", "--device=cpu"],
+        ),
+        out=out,
+    )
+    measured = json.loads(out.getvalue())
+    (rolling,) = results["samples"]["nano_rolling"]
+    assert measured["tokens"] == len(tokenizer.encode(LM_EVAL_TEXT))
+    assert rolling["resps"][0][0] == pytest.approx(-measured["loss"] * measured["tokens"], abs=1e-3)
 
 
 # -----------------------------------------------------------------------------
