@@ -398,7 +398,6 @@ class Engine:
         self.thread = threading.Thread(target=self.run, name="serve-engine", daemon=True)
         self.lock = threading.Lock()  # guards the counters below, read by other threads
         self.generated, self.recent = 0, deque()  # ids drawn in all; (time, ids) of the last RATE_WINDOW seconds
-        self.running = self.waiting = 0  # requests decoding (or prefilling) and waiting, after the last step
 
     def start(self):
         self.thread.start()
@@ -419,10 +418,8 @@ class Engine:
 
     def take(self):
         """Move new requests to the scheduler, waiting for one when there is nothing to do; False: stop."""
-        arrived = [self.incoming.get()] if self.scheduler.idle() else []
-        while not self.incoming.empty():
-            arrived.append(self.incoming.get())
-        for request in arrived:
+        while self.scheduler.idle() or not self.incoming.empty():
+            request = self.incoming.get()
             if request is None:
                 return False
             self.scheduler.add(request)
@@ -462,8 +459,6 @@ class Engine:
             self.recent.append((now, drawn))
             while self.recent and self.recent[0][0] < now - RATE_WINDOW:
                 self.recent.popleft()
-            self.running = len(self.scheduler.running) + (self.scheduler.prefilling is not None)
-            self.waiting = len(self.scheduler.waiting)
 
     def finish(self, requests):
         """Requests with no row left: forgotten, and told DONE."""
@@ -480,7 +475,13 @@ class Engine:
             request.deliver(err)
 
     def stats(self):
-        """(requests running, requests waiting, ids drawn in all, ids a second over the last RATE_WINDOW seconds)."""
+        """
+        (requests running, requests waiting, ids drawn in all, ids a second over the last RATE_WINDOW seconds), read
+        from another thread: the counts are the scheduler's as they are now (a length is read whole).
+        """
+        scheduler = self.scheduler
+        running = len(scheduler.running) + (scheduler.prefilling is not None)
+        waiting = len(scheduler.waiting) + self.incoming.qsize()
         with self.lock:
             recent = sum(count for t, count in self.recent if t >= time.monotonic() - RATE_WINDOW)
-            return self.running, self.waiting + self.incoming.qsize(), self.generated, recent / RATE_WINDOW
+            return running, waiting, self.generated, recent / RATE_WINDOW

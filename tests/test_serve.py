@@ -6,6 +6,7 @@ concurrent requests, the budget, a conversation longer than the context, bad req
 leaves mid-stream, lm-evaluation-harness, and the chat page in a real browser (Debian's chromium).
 """
 
+import contextlib
 import io
 import json
 import shutil
@@ -20,11 +21,13 @@ import openai
 import pytest
 import torch
 import uvicorn
+from tiny_run import tiny
 
 import engine
 import eval as eval_py
 import sample
 import serve
+import train
 from checkpoint import load_checkpoint
 from config import parse_config
 from model import ModelConfig, build_model
@@ -604,7 +607,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
 def test_a_client_that_leaves_mid_stream_frees_its_rows_at_once(server, monkeypatch):
     """The engine holds the stream after its first step until the request is cancelled: only the client's leaving
     ends it before its 47 tokens. Every wait is bounded, so a server that never notices fails instead of hanging."""
-    runner = server.engine.runner
+    runner, drawn = server.engine.runner, server.engine.stats()[2]
     waits = held_decode(runner, monkeypatch, lambda: all(row.request.cancelled for row in runner.rows))
     body = {"prompt": "a", "max_tokens": 47, "n": 4, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
@@ -613,7 +616,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_rows_at_once(server, monkeypa
     while (runner.rows or not server.engine.scheduler.idle()) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not runner.rows and server.engine.scheduler.idle()
-    assert waits and all(waits)  # the held step went on because the request was cancelled, not at its deadline
+    assert all(waits)  # each held step (if one came before the rows were freed) went on as the request was cancelled
+    assert server.engine.stats()[2] - drawn < 4 * 47  # freed, not decoded to the end
 
 
 def test_a_failing_model_fails_its_request_and_the_server_goes_on(chat_dir):
@@ -635,7 +639,8 @@ def test_a_failing_model_fails_its_request_and_the_server_goes_on(chat_dir):
         drawn = {"prompt": "ab", "max_tokens": 3, "logit_bias": {str(poison): 100}, "stream": True}
         stream = httpx.post(url, json=drawn, timeout=20).text
         assert "the model failed" in stream and stream.endswith("data: [DONE]\n\n")
-        assert httpx.post(url, json={"prompt": "ab", "max_tokens": 3}, timeout=20).status_code == 200
+        # greedy: "no" and end-of-turn, no <user> (which a sampled reply may draw)
+        assert httpx.post(url, json={"prompt": "ab", "max_tokens": 3, "temperature": 0}, timeout=20).status_code == 200
     finally:
         running.stop()
 
@@ -789,13 +794,18 @@ def test_lm_eval_through_the_server_scores_as_eval_py_and_an_explicit_scoring_do
 # The API key, a model without a template, what is not served
 
 
-def test_with_an_api_key_every_request_needs_it_and_a_plain_model_only_completes(chat_dir, tmp_path):
+def plain_run(chat_dir, tmp_path):
+    """The chat model's run without its chat template, in tmp_path/plain: a model that only completes."""
     plain = tmp_path / "plain"
     plain.mkdir()
     ckpt = load_checkpoint(chat_dir / "ckpt.pt")
     ckpt["meta"] = {k: v for k, v in ckpt["meta"].items() if k != "chat"}
     torch.save(ckpt, plain / "ckpt.pt")
-    running = Running(served_from(plain), api_key="s3cret")
+    return plain
+
+
+def test_with_an_api_key_every_request_needs_it_and_a_plain_model_only_completes(chat_dir, tmp_path):
+    running = Running(served_from(plain_run(chat_dir, tmp_path)), api_key="s3cret")
     try:
         assert httpx.get(running.url + "/v1/models").status_code == 401
         bad = httpx.post(running.url + "/v1/completions", json={"prompt": "ab"}, headers={"Authorization": "Bearer no"})
@@ -838,14 +848,16 @@ def test_a_port_in_use_is_one_line_naming_port_before_anything_is_served(chat_di
 # The chat page, in a real browser
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed (.ci/run installs it)")
-def test_the_chat_page_streams_a_reply_in_a_browser(server, client):
+needs_chromium = pytest.mark.skipif(
+    shutil.which("chromium") is None, reason="Debian's chromium is not installed (.ci/run installs it)"
+)
+
+
+@contextlib.contextmanager
+def browser_page():
+    """A Playwright page in Debian's chromium, headless, that records the JSON bodies it POSTs."""
     from playwright.sync_api import sync_playwright
 
-    expected = client.chat.completions.create(
-        model="out", messages=[{"role": "user", "content": "abca"}], temperature=0
-    )
-    expected = expected.choices[0].message.content
     with sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=shutil.which("chromium"),
@@ -854,21 +866,66 @@ def test_the_chat_page_streams_a_reply_in_a_browser(server, client):
         )
         try:
             page = browser.new_page()
-            streamed = []
-            page.on("request", lambda r: streamed.append(r.post_data_json) if r.method == "POST" else None)
-            page.goto(server.url + "/")
-            page.wait_for_function("document.title === 'out'")
-            page.fill("#temperature", "0")
-            page.fill("#input", "abca")
-            page.press("#input", "Enter")
-            reply = page.locator(".assistant").first
-            page.wait_for_function(
-                "!document.getElementById('send').disabled && !!document.querySelector('.assistant')"
-            )
-            assert reply.text_content() == expected and expected
-            assert page.locator(".user").first.text_content() == "abca"
-            assert streamed[0]["stream"] is True and streamed[0]["messages"] == [{"role": "user", "content": "abca"}]
-            page.click("#reset")  # start over: the log is empty
-            assert page.locator(".message").count() == 0
+            page.set_default_timeout(30_000)
+            page.posted = []
+            page.on("request", lambda r: page.posted.append(r.post_data_json) if r.method == "POST" else None)
+            yield page
         finally:
             browser.close()
+
+
+@needs_chromium
+def test_the_chat_page_carries_a_conversation_longer_than_the_context(server, client):
+    """Ten messages on a model of 48 positions: the oldest fade, a note says so; a failed turn leaves no trace."""
+    with browser_page() as page:
+        page.goto(server.url + "/")
+        page.wait_for_function("document.title === 'out'")
+        page.fill("#temperature", "0")
+        # a message the model cannot read: an error, no bubble kept, the text back in the input box
+        page.fill("#input", "xyz")
+        page.press("#input", "Enter")
+        page.wait_for_selector(".error")
+        page.wait_for_function("!document.getElementById('send').disabled")
+        assert page.locator(".user, .assistant").count() == 0 and page.input_value("#input") == "xyz"
+        questions = ["abcabca", "bcabcab", "cabcabc", "ababcab", "bbcacab"]  # 4 exchanges are more than 48 ids
+        for k, question in enumerate(questions):
+            page.fill("#input", question)
+            page.press("#input", "Enter")
+            done = f"document.querySelectorAll('.assistant').length === {k + 1}"
+            page.wait_for_function(done + " && !document.getElementById('send').disabled")
+        assert page.locator(".error").count() == 0  # the last failure went with the next try
+        assert page.locator(".user").all_text_contents() == questions
+        replies = page.locator(".assistant").all_text_contents()
+        assert len(replies) == 5 and all(replies)
+        # every turn sent the whole conversation; the server dropped what did not fit, and the page says so
+        last = page.posted[-1]
+        assert [m["content"] for m in last["messages"][::2]] == questions and len(last["messages"]) == 9
+        assert page.locator(".note").count() >= 1 and page.locator(".dropped").count() >= 2
+        expected = client.chat.completions.create(model="out", messages=last["messages"], temperature=0)
+        assert replies[-1] == expected.choices[0].message.content
+        page.click("#reset")  # start over: the log is empty
+        assert page.locator(".message").count() == 0
+
+
+@needs_chromium
+def test_the_completion_box_continues_past_the_context(data_root, tmp_path):
+    """A quick-start-shaped model (characters, no chat template) of 32 positions: each Continue goes on."""
+    train.main(tiny(data_root, tmp_path / "quick"))
+    running = Running(served_from(tmp_path / "quick"))
+    try:
+        with browser_page() as page:
+            page.goto(running.url + "/")
+            page.wait_for_function("document.title === 'quick'")
+            page.fill("#input", "ROMEO:")
+            lengths = [len("ROMEO:")]
+            for _ in range(3):  # the first fills the context; then the window slides
+                page.press("#input", "Enter")
+                page.wait_for_function(
+                    f"document.getElementById('completion').textContent.length > {lengths[-1]}"
+                    " && !document.getElementById('send').disabled"
+                )
+                lengths.append(len(page.text_content("#completion")))
+            assert page.locator(".error").count() == 0 and lengths[1] == 32 and lengths[-1] == 32 + 2 * 16
+            assert page.posted[-1]["truncate_prompt_tokens"] == 16 and page.posted[-1]["prompt"].startswith("ROMEO:")
+    finally:
+        running.stop()
