@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from generate import sample_next
+from generate import next_probs
 from model import MIN_CACHE
 from runtime import autocast
 
@@ -230,6 +230,20 @@ class SlotCache:
         self.layers = None
 
 
+def biased(logits, options):
+    """
+    The distribution (B, V) of logits (B, V) with options.logit_bias added, under the other options; at temperature 0
+    all its mass on the likeliest id.
+    """
+    ids, values = zip(*options.logit_bias)
+    add = torch.zeros(logits.size(-1), device=logits.device)
+    add[list(ids)] = torch.tensor(values, device=logits.device)
+    logits = logits.float() + add
+    if options.temperature == 0:
+        return torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return next_probs(logits, options.temperature, options.top_k, options.top_p, options.min_p)
+
+
 @dataclass(eq=False)
 class Row:
     """One row being decoded: its request, which of its rows, the positions its slot holds, the id to feed next."""
@@ -305,13 +319,20 @@ class Runner:
         for slot, row in enumerate(rows):
             members.setdefault(row.request, []).append((slot, row))
         plain = logits.argmax(dim=-1).tolist()  # what greedy rows without a logit bias take
+        shared = {}  # Sampling -> the distribution of every row under it, computed once for its requests
         out = {}
         for request, pairs in members.items():
-            slots = [slot for slot, _ in pairs]
-            if request.sampling.temperature == 0 and not request.sampling.logit_bias:
+            options, slots = request.sampling, [slot for slot, _ in pairs]
+            if options.temperature == 0 and not options.logit_bias:
                 ids = [plain[slot] for slot in slots]
+            elif options.logit_bias:
+                ids = self.draw(biased(logits[slots], options), range(len(pairs)), pairs, request)
             else:
-                ids = self.draw(logits, pairs, request)
+                if options not in shared:
+                    shared[options] = next_probs(
+                        logits, options.temperature, options.top_k, options.top_p, options.min_p
+                    )
+                ids = self.draw(shared[options], slots, pairs, request)
             scores = [(None, None)] * len(ids)
             if request.logprobs is not None:
                 scores = self.scores(logits[slots], ids, request.logprobs)
@@ -320,35 +341,22 @@ class Runner:
             out[request] = Produced([Token(row.index, t, *s) for (_, row), t, s in zip(pairs, ids, scores)])
         return out
 
-    def draw(self, logits, pairs, request):
+    @staticmethod
+    def draw(probs, at, pairs, request):
         """
-        The ids of a request's rows (pairs of slot, row) drawn from logits (B, V). Rows sharing one generator draw
-        as one (n, V) batch, as sample.py does, a row that ended drawing from a uniform distribution: what the others
-        draw does not depend on when it ended.
+        The ids of a request's rows (pairs of slot, row), row k's distribution probs[at[k]]. Rows sharing one
+        generator draw as one (n, V) batch, as sample.py does, a row that ended drawing from a uniform distribution:
+        what the others draw does not depend on when it ended.
         """
         if len(request.generators) > 1:  # a generator each
             return [
-                self.sample(logits[slot : slot + 1], request, request.generators[row.index])[0] for slot, row in pairs
+                int(torch.multinomial(probs[i : i + 1], 1, generator=request.generators[row.index]))
+                for i, (_, row) in zip(at, pairs)
             ]
-        batch = logits.new_zeros(request.n, logits.size(1))  # (n, V)
-        for slot, row in pairs:
-            batch[row.index] = logits[slot]
-        drawn = self.sample(batch, request, request.generators[0])
+        batch = probs.new_ones(request.n, probs.size(1))  # (n, V)
+        batch[[row.index for _, row in pairs]] = probs[list(at)]
+        drawn = torch.multinomial(batch, 1, generator=request.generators[0])[:, 0].tolist()
         return [drawn[row.index] for _, row in pairs]
-
-    @staticmethod
-    def sample(logits, request, generator):
-        """sample_next's ids for logits (B, V) with the request's Sampling, its logit bias added first: B ids."""
-        options = request.sampling
-        if options.logit_bias:
-            ids, values = zip(*options.logit_bias)
-            bias = torch.zeros(logits.size(-1), device=logits.device)
-            bias[list(ids)] = torch.tensor(values, device=logits.device)
-            logits = logits.float() + bias
-        picked = sample_next(
-            logits, options.temperature, options.top_k, options.top_p, generator=generator, min_p=options.min_p
-        )
-        return picked[:, 0].tolist()
 
     @staticmethod
     def scores(logits, ids, top):

@@ -45,6 +45,12 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None,
     """
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
+    probs = next_probs(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def next_probs(logits, temperature, top_k=None, top_p=None, min_p=None):
+    """The distribution sample_next draws each row of logits (B, V) from: (B, V) float32, filtered tokens at 0."""
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.size(-1):
         kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1): the k-th largest logit of each row
@@ -58,7 +64,7 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None,
     probs = logits.softmax(dim=-1)  # filtered tokens get probability 0
     if min_p:
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
+    return probs
 
 
 # -----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ client leaves is cancelled, and its rows are freed before the next step.
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import os
@@ -32,6 +33,7 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -196,44 +198,75 @@ class Choice:
 async def generate(engine_, plans):
     """
     Run plans, each (engine.Request, its Choices: one a row), on the engine; yield (choice, new text) as text becomes
-    final, and for each choice one last time with choice.finish set. A row whose text reached a stop string is ended
-    at once; every request is cancelled when the caller stops early (its client gone).
+    final, and for each choice one last time with choice.finish set. What arrived together goes out together: a
+    choice's text of several steps in one piece, when the loop is behind the engine. A row whose text reached a stop
+    string is ended at once; every request is cancelled when the caller stops early (its client gone).
     """
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    inbox = Inbox(asyncio.get_running_loop())
     for k, (request, _) in enumerate(plans):
-        request.deliver = deliverer(loop, events, k)
+        request.deliver = functools.partial(inbox.put, k)
         engine_.submit(request)
     running = set(range(len(plans)))
     try:
         while running:
-            k, item = await events.get()
-            request, choices = plans[k]
-            if isinstance(item, Exception):
-                raise item
-            if item == engine.DONE:
-                running.discard(k)
-                for choice in choices:
-                    if not choice.finish:
-                        yield choice, choice.end_at_length()
-                continue
-            for choice in choices if item.prompt is not None else ():
-                choice.prompt = item.prompt
-            for token in item.tokens:
-                choice = choices[token.row]
-                if choice.finish:  # drawn before the engine saw that its text had ended
-                    continue
-                text = choice.add(token)
-                request.ended[token.row] = choice.finish is not None
-                if text or choice.finish:
-                    yield choice, text
+            new = {}  # choice -> its text from the items taken now
+            for k, item in await inbox.take():
+                if k in running:
+                    add_item(item, *plans[k], new, running, k)
+            for choice, text in new.items():
+                yield choice, text
     finally:
         for request, _ in plans:
             request.cancelled = True
 
 
-def deliverer(loop, events, k):
-    """What plan k's engine.Request calls on the worker thread: its item joins the loop's queue."""
-    return lambda item: loop.call_soon_threadsafe(events.put_nowait, (k, item))
+def add_item(item, request, choices, new, running, k):
+    """What the engine handed plan k (request, choices): its text gathered in `new`; k leaves `running` when done."""
+    if isinstance(item, Exception):
+        raise item
+    if item == engine.DONE:
+        running.discard(k)
+        for choice in choices:
+            if not choice.finish:
+                new[choice] = new.get(choice, "") + choice.end_at_length()
+        return
+    for choice in choices if item.prompt is not None else ():
+        choice.prompt = item.prompt
+    for token in item.tokens:
+        choice = choices[token.row]
+        if choice.finish:  # drawn before the engine saw that its text had ended
+            continue
+        text = choice.add(token)
+        request.ended[token.row] = choice.finish is not None
+        if text or choice.finish:
+            new[choice] = new.get(choice, "") + text
+
+
+class Inbox:
+    """
+    What the worker thread hands a request's plans, for the loop: put (on the worker thread) appends and wakes the
+    loop unless a wake-up is already on its way, take (on the loop) returns all that arrived.
+    """
+
+    def __init__(self, loop):
+        self.loop, self.items, self.ready = loop, deque(), asyncio.Event()
+        self.waking = False  # a wake-up is scheduled on the loop and has not run yet
+
+    def put(self, k, item):
+        self.items.append((k, item))
+        if not self.waking:
+            self.waking = True
+            self.loop.call_soon_threadsafe(self.wake)
+
+    def wake(self):
+        self.waking = False
+        self.ready.set()
+
+    async def take(self):
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        return [self.items.popleft() for _ in range(len(self.items))]
 
 
 # -----------------------------------------------------------------------------
