@@ -177,7 +177,8 @@ class SlotCache:
     """
     The KV cache of the rows being decoded: for every layer keys and values (rows, n_kv_head, width, D), slot s
     holding its row's positions from 0. The buffers grow (doubling, within the budget) as rows and positions are
-    needed, take the dtype of the first prefilled cache, and are released when no row is left.
+    needed and take the dtype of the first prefilled cache; they are kept when no row is left, as allocating and
+    zeroing them again costs more than a step (GPT-2 124M's for 8 rows: 0.3 s).
     """
 
     def __init__(self, max_rows, max_positions, block_size):
@@ -225,9 +226,6 @@ class SlotCache:
         """model.body's cache for slots 0 to B - 1 that write at positions (B, T) and read `width` positions."""
         B = positions.size(0)
         return [(SlotView(k[:B, :, :width], v[:B, :, :width], positions), None) for k, v in self.layers]
-
-    def release(self):
-        self.layers = None
 
 
 def biased(logits, options):
@@ -388,8 +386,6 @@ class Runner:
             row.request.live -= 1
             if not row.request.live:
                 emptied.append(row.request)
-        if not self.rows:
-            self.slots.release()
         return emptied
 
 

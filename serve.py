@@ -51,7 +51,7 @@ from chat import model_format
 from config import ConfigError, parse_config
 from generate import check_sampling_args, end_of_text, fit_conversation, prompt_start
 from log import one_line
-from runtime import DTYPES, resolve_device, resolve_dtype
+from runtime import DTYPES, pick_threads, resolve_device, resolve_dtype
 from start import load_configured
 
 PAGE = Path(__file__).resolve().parent / "serve.html"  # the chat page, one self-contained file
@@ -82,14 +82,15 @@ class ServeConfig:
     device: str = "auto"  # "cpu", "cuda", "cuda:1", "mps"; "auto": cuda, else mps, else cpu
     dtype: str = "auto"  # "float32", "bfloat16" or "float16" (autocast); "auto": as in train.py
     compile: bool = False  # torch.compile the layers: a slow first step, faster ones after it
+    threads: int = 0  # the model's intra-op threads; 0: the cores other jobs leave free, as train.py takes them
 
     def __post_init__(self):
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port must be in [1, 65535], got {self.port}")
         if self.max_body < 1:
             raise ValueError(f"max_body must be at least 1 byte, got {self.max_body}")
-        if self.max_batch < 1 or self.max_positions < 0 or self.prefill_chunk < 1:
-            raise ValueError("max_batch and prefill_chunk must be at least 1, max_positions at least 0")
+        if self.max_batch < 1 or self.max_positions < 0 or self.prefill_chunk < 1 or self.threads < 0:
+            raise ValueError("max_batch and prefill_chunk must be at least 1, max_positions and threads at least 0")
         if self.context not in ("drop", "refuse"):
             raise ValueError(f"context must be 'drop' or 'refuse', got {self.context!r}")
         if self.dtype not in DTYPES:
@@ -1036,6 +1037,10 @@ def main(cfg):
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="serve-http", daemon=True)
     thread.start()
+    threads, note = pick_threads(cfg.threads, 1)  # waiting threads slow every op on cores other jobs use
+    torch.set_num_threads(threads)
+    if note:
+        print(f"serve.py: {note}", file=sys.stderr)
     try:
         served = load_served(cfg)
         app.state.api.load(
