@@ -392,9 +392,10 @@ class Attention(nn.Module):
         """
         T, S = q.size(2), k.size(2)
         dropout = self.dropout if self.training else 0.0
-        # nothing cached and no padding: SDPA's own (upper-left) triangle is right and allows the flash kernel
-        is_causal = self.causal and S == T and key_mask is None and not self.window and not need_weights
-        is_causal = is_causal and positions is None
+        # nothing cached, no padding, every row at the same positions: SDPA's own (upper-left) triangle is right and
+        # allows the flash kernel
+        is_causal = self.causal and S == T and key_mask is None and positions is None
+        is_causal = is_causal and not self.window and not need_weights
         # else (B|1, 1, T, S) or None; a window needs an explicit mask, which rules out the flash kernel on GPUs
         mask = None
         if not is_causal:

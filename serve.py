@@ -619,7 +619,8 @@ class API:
     def __init__(self, *, strict=False, context="drop"):
         self.strict, self.context = strict, context
         self.served = self.engine = None
-        self.specials = {}  # the text of each special token -> its id, for /tokenize
+        self.special_ids = frozenset()  # the served model's special tokens (Served.special_ids)
+        self.specials = {}  # the text of each of them -> its id, for /tokenize
         self.ignored = set()  # unknown fields named so far
         self.page = PAGE.read_text(encoding="utf-8")  # read once, here: no request reads a file
         self.created = int(time.time())
@@ -636,7 +637,8 @@ class API:
         )
         self.engine = engine.Engine(runner, engine.Scheduler(max_batch, max_positions), served.device, served.dtype)
         self.engine.start()
-        decoded = {served.tokenizer.decode([i]): i for i in sorted(served.special_ids())}
+        self.special_ids = served.special_ids()
+        decoded = {served.tokenizer.decode([i]): i for i in sorted(self.special_ids)}
         self.specials = {text: i for text, i in decoded.items() if text}
         self.served = served  # the last: requests see the model once all of it is ready
 
@@ -765,7 +767,7 @@ class API:
         self.check_budget(body.n, longest + max_tokens)
         sampling, stops, end = body.sampling(served.tokenizer.vocab_size), body.stops(), end_of_text(served.meta)
         ends = frozenset() if end is None else frozenset([end])
-        skip = served.special_ids() if body.skip_special_tokens else ()
+        skip = self.special_ids if body.skip_special_tokens else ()
         plans = []  # prompt p's n samples: one batch, as sample.py --num_samples=n draws them; choices p * n + j
         for p, ((ids, shown), generator) in enumerate(zip(prompts, body.generators(served.device, len(prompts)))):
             job = engine.Request(
@@ -806,7 +808,7 @@ class API:
             stop_ids=ends,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         )
-        skip, stops = served.special_ids(), body.stops()
+        skip, stops = self.special_ids, body.stops()
         choices = [Choice(j, served.tokenizer.decode, end=ends, stops=stops, skip=skip) for j in range(body.n)]
         return await self.respond(request, [(job, choices)], ChatShape(served, len(prompt), dropped, body), body)
 
