@@ -3,8 +3,8 @@ Continuous batching: the requests serve.py receives, decoded together, one forwa
 
     Request    a prompt to continue n times (its rows), how to sample them, and where what they produce goes
     Scheduler  which requests run: waiting ones are admitted in order while the budget of rows and positions allows
-    Runner     the model: a request's prompt is prefilled in bounded chunks into a KV cache of its own, then each of
-               its rows takes a slot (a row) of the batch's cache, and one forward pass decodes a token for every row
+    Runner     the model: new requests' prompts are prefilled together into slots (rows) of the batch's cache (a
+               long one in bounded chunks), and one forward pass decodes a token for every row
     Engine     the worker thread: take new requests, free the rows that ended, run one step, hand out its tokens
 
 The pieces follow nano-vllm's engine/ (sequence, scheduler, model runner, engine) without its paged cache: a slot
@@ -12,7 +12,7 @@ holds its row's positions from 0, so the cache is a rectangle of rows x the long
 Rows sit at different positions: model.py reads each row's position and masks each row's keys past its own
 (Stack's `positions`). A freed slot is taken by the last row, so that the rows of a step are slots 0 to B - 1.
 
-    engine = Engine(Runner(model, vocab_size=50257), Scheduler(max_rows=16, max_positions=16384), device, dtype)
+    engine = Engine(Runner(model, 50257, dtype=dtype), Scheduler(max_rows=16, max_positions=16384), device, dtype)
     engine.start()
     engine.submit(Request(ids, max_tokens=50, deliver=print))   # Produced items, then DONE, on the worker thread
 
@@ -105,15 +105,16 @@ class Request:
 
 class Scheduler:
     """
-    Which requests run. Requests wait in arrival order; the first is admitted when its rows fit the budget: at most
+    Which requests run. Requests wait in arrival order and are admitted while their rows fit the budget: at most
     max_rows rows in all, and rows x the most positions one of them fills (Request.positions) at most max_positions,
-    the size of the batch's KV cache. One admitted request at a time is prefilled, a chunk a step; then it runs.
+    the size of the batch's KV cache. Prompts of at most `chunk` ids together are prefilled in one step; a longer
+    prompt (or one only scored) is admitted alone, and a long one is fed a chunk a step. Then their rows run.
     """
 
-    def __init__(self, max_rows, max_positions):
-        self.max_rows, self.max_positions = max_rows, max_positions
+    def __init__(self, max_rows, max_positions, chunk=256):
+        self.max_rows, self.max_positions, self.chunk = max_rows, max_positions, chunk
         self.waiting = deque()
-        self.prefilling = None  # the admitted request whose prompt is being fed
+        self.prefilling = []  # the admitted requests whose prompts are being fed
         self.running = []  # requests whose rows decode
 
     def fits_alone(self, n, positions):
@@ -123,37 +124,46 @@ class Scheduler:
     def add(self, request):
         self.waiting.append(request)
 
+    def alone(self, request):
+        """Whether a request is prefilled by itself: a prompt longer than a chunk, or one only scored."""
+        return len(request.ids) > self.chunk or request.max_tokens == 0
+
     def admit(self):
-        """The request to prefill: the one being prefilled, else the first waiting one if it fits now; or None."""
-        if self.prefilling is None and self.waiting:
+        """The requests to prefill this step: the one whose prompt is being fed, else waiting ones that fit now."""
+        if self.prefilling:
+            return self.prefilling
+        rows = sum(r.live for r in self.running)
+        width = max([r.positions for r in self.running], default=0)
+        ids = 0
+        while self.waiting:
             first = self.waiting[0]
-            rows = sum(r.live for r in self.running) + first.n
-            width = max([r.positions for r in self.running] + [first.positions])
-            if rows <= self.max_rows and rows * width <= self.max_positions:
-                self.prefilling = self.waiting.popleft()
+            together = not self.alone(first) and ids + len(first.ids) <= self.chunk
+            if self.prefilling and (not together or any(self.alone(r) for r in self.prefilling)):
+                break
+            rows, width, ids = rows + first.n, max(width, first.positions), ids + len(first.ids)
+            if rows > self.max_rows or rows * width > self.max_positions:
+                break
+            self.prefilling.append(self.waiting.popleft())
         return self.prefilling
 
     def started(self, request):
-        """The prefilled request's rows decode from now on (none for a prompt only scored: then it is done)."""
-        self.prefilling = None
+        """A prefilled request's rows decode from now on (none for a prompt only scored: then it is done)."""
+        self.prefilling.remove(request)
         if request.live:
             self.running.append(request)
 
     def requests(self):
         """Every request the engine holds: waiting, prefilling, running."""
-        return [*self.waiting, *([self.prefilling] if self.prefilling else []), *self.running]
+        return [*self.waiting, *self.prefilling, *self.running]
 
     def idle(self):
-        return not self.waiting and self.prefilling is None and not self.running
+        return not self.waiting and not self.prefilling and not self.running
 
     def remove(self, request):
         """Forget a request that ended (the runner has freed its rows)."""
-        if request is self.prefilling:
-            self.prefilling = None
-        elif request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        for queue_ in (self.prefilling, self.running, self.waiting):
+            if request in queue_:
+                queue_.remove(request)
 
 
 class SlotView:
@@ -175,38 +185,40 @@ class SlotView:
 
 class SlotCache:
     """
-    The KV cache of the rows being decoded: for every layer keys and values (rows, n_kv_head, width, D), slot s
-    holding its row's positions from 0. The buffers grow (doubling, within the budget) as rows and positions are
-    needed and take the dtype of the first prefilled cache; they are kept when no row is left, as allocating and
-    zeroing them again costs more than a step (GPT-2 124M's for 8 rows: 0.3 s).
+    The KV cache of the rows being decoded: for every layer keys and values (rows, n_kv_head, width, D) in `dtype`,
+    slot s holding its row's positions from 0. The buffers grow (doubling, within the budget) as rows and positions
+    are needed; they are kept when no row is left, as allocating and zeroing them again costs more than a step
+    (GPT-2 124M's for 8 rows: 0.3 s).
     """
 
-    def __init__(self, max_rows, max_positions, block_size):
-        self.max_rows, self.max_positions, self.block_size = max_rows, max_positions, block_size
-        self.layers = None  # [(k, v)] per layer, or None when empty
+    def __init__(self, config, dtype, device, max_rows, max_positions):
+        self.config, self.dtype, self.device = config, dtype, device
+        self.max_rows, self.max_positions = max_rows, max_positions
+        self.layers = None  # [(k, v)] per layer, or None before the first row
 
     def size(self):
         """(rows, width) of the buffers; (0, 0) when empty."""
         return (0, 0) if self.layers is None else (self.layers[0][0].size(0), self.layers[0][0].size(2))
 
-    def reserve(self, rows, width, like):
-        """Buffers of at least `rows` slots and `width` positions, of the dtype of `like` (a model.new_cache())."""
+    def reserve(self, rows, width):
+        """Buffers of at least `rows` slots and `width` positions."""
         held_rows, held_width = self.size()
         if rows <= held_rows and width <= held_width:
             return
         rows, width = max(rows, held_rows), max(width, held_width)
         # doubled, so that growing is rare, within the caps; exactly what is needed where doubling passes the budget
-        doubled = min(self.block_size, max(width, 2 * held_width, MIN_CACHE))
+        doubled = min(self.config.block_size, max(width, 2 * held_width, MIN_CACHE))
         width = doubled if rows * doubled <= self.max_positions else width
         doubled = min(self.max_rows, max(rows, 2 * held_rows))
         rows = doubled if doubled * width <= self.max_positions else rows
-        layers = []
-        for i, (layer, _) in enumerate(like):
-            shape = (rows, layer.k.size(1), width, layer.k.size(3))
-            k, v = layer.k.new_zeros(shape), layer.v.new_zeros(shape)
-            if self.layers is not None:  # the slots so far move over
-                k[:held_rows, :, :held_width], v[:held_rows, :, :held_width] = self.layers[i]
-            layers.append((k, v))
+        shape = (rows, self.config.n_kv_head, width, self.config.head_dim)
+        # zeros, not garbage: a row reads the batch's width, and 0 x NaN in the attention's sum would be NaN
+        layers = [
+            tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in "kv")
+            for _ in range(self.config.n_layer)
+        ]
+        for (k, v), (old_k, old_v) in zip(layers, self.layers or []):  # the slots so far move over
+            k[:held_rows, :, :held_width], v[:held_rows, :, :held_width] = old_k, old_v
         self.layers = layers
 
     def put(self, slot, cache):
@@ -222,10 +234,10 @@ class SlotCache:
         for k, v in self.layers:
             k[slot, :, :length], v[slot, :, :length] = k[source, :, :length], v[source, :, :length]
 
-    def views(self, positions, width):
-        """model.body's cache for slots 0 to B - 1 that write at positions (B, T) and read `width` positions."""
-        B = positions.size(0)
-        return [(SlotView(k[:B, :, :width], v[:B, :, :width], positions), None) for k, v in self.layers]
+    def views(self, positions, width, first=0):
+        """model.body's cache for slots first to first + B - 1 that write at positions (B, T) and read `width`."""
+        rows = slice(first, first + positions.size(0))
+        return [(SlotView(k[rows, :, :width], v[rows, :, :width], positions), None) for k, v in self.layers]
 
 
 def biased(logits, options):
@@ -255,22 +267,63 @@ class Row:
 
 class Runner:
     """
-    The model's side of the engine: prefill a request (at most `chunk` prompt ids a call), decode every row by one
-    id, draw each row's id as its request asks, free rows. rows[s] is the row in slot s of the batch's cache.
-    max_rows and max_positions bound the cache (default: max_rows x block_size positions).
+    The model's side of the engine: prefill requests (prompts of at most `chunk` ids together in one forward pass, a
+    longer one a chunk a call), decode every row by one id, draw each row's id as its request asks, free rows.
+    rows[s] is the row in slot s of the batch's cache, whose keys and values are in `dtype` (the autocast dtype, or
+    float32 for the model's own); max_rows and max_positions bound it (default: max_rows x block_size positions).
     """
 
-    def __init__(self, model, vocab_size, *, chunk=256, max_rows=16, max_positions=None):
+    def __init__(self, model, vocab_size, *, dtype=torch.float32, chunk=256, max_rows=16, max_positions=None):
         self.model, self.vocab_size, self.chunk = model, vocab_size, chunk
-        block = model.config.block_size
         self.device = next(model.parameters()).device
-        self.slots = SlotCache(max_rows, max_positions or max_rows * block, block)
+        dtype = next(model.parameters()).dtype if dtype == torch.float32 else dtype
+        max_positions = max_positions or max_rows * model.config.block_size
+        self.slots = SlotCache(model.config, dtype, self.device, max_rows, max_positions)
         self.rows = []
 
-    def prefill(self, request):
+    def prefill(self, requests):
         """
-        Feed the next chunk of request's prompt. At its end: its scores if asked, and with max_tokens > 0 its rows'
-        slots and first ids. Returns the Produced to deliver then, else None (more of the prompt to feed).
+        Feed the admitted requests' prompts (Scheduler.admit): one whose prompt is longer than a chunk, or only
+        scored, alone (prefill_alone); else all of them in one forward pass (prefill_together). Returns
+        {request: Produced} for the requests whose prompts are all fed: their first ids, and their scores if asked.
+        """
+        if len(requests) == 1 and (len(requests[0].ids) > self.chunk or requests[0].max_tokens == 0):
+            produced = self.prefill_alone(requests[0])
+            return {} if produced is None else {requests[0]: produced}
+        return self.prefill_together(requests)
+
+    def prefill_together(self, requests):
+        """
+        Prompts of different lengths, right-padded, in one forward pass straight into slots: request b's first row
+        takes slot first + b, each of its other rows a copy of it (the n samples of a prompt share one prefill). A
+        padded position's keys are written past the row's prompt, where its first decode step writes over them
+        before any query may read them. Returns {request: Produced}.
+        """
+        first, lengths = len(self.rows), [len(r.ids) for r in requests]
+        T = max(lengths)
+        self.slots.reserve(first + sum(r.n for r in requests), max(r.positions for r in requests))
+        idx = torch.tensor([r.ids + [0] * (T - len(r.ids)) for r in requests], device=self.device)  # (k, T)
+        positions = torch.arange(T, device=self.device).expand(len(requests), T)  # (k, T)
+        x, _ = self.model.body(idx, cache=self.slots.views(positions, T, first), positions=positions)  # (k, T, C)
+        self.rows += [Row(r, 0, length=len(r.ids)) for r in requests]
+        for b, request in enumerate(requests):
+            for j in range(1, request.n):
+                self.slots.move(first + b, len(self.rows), len(request.ids))
+                self.rows.append(Row(request, j, length=len(request.ids)))
+            request.live = request.n
+        last = self.model.head(x[torch.arange(len(requests)), torch.tensor(lengths) - 1])  # (k, V)
+        owner = {request: b for b, request in enumerate(requests)}
+        produced = self.pick(last[[owner[row.request] for row in self.rows[first:]]], self.rows[first:])
+        for b, request in enumerate(requests):
+            if request.prompt_logprobs:  # each position predicts the next prompt id: all but the prompt's last
+                logits = self.model.head(x[b, : lengths[b] - 1])[:, : self.vocab_size]
+                produced[request].prompt = self.scores(logits, request.ids[1:], request.logprobs or 0)
+        return produced
+
+    def prefill_alone(self, request):
+        """
+        Feed the next chunk of request's prompt into a KV cache of its own. At its end: its scores if asked, and with
+        max_tokens > 0 its rows' slots and first ids. Returns the Produced to deliver then, else None.
         """
         if request.cache is None:
             request.cache = self.model.new_cache()
@@ -289,7 +342,7 @@ class Runner:
         if request.max_tokens == 0:
             return Produced([], prompt)
         first = len(self.rows)
-        self.slots.reserve(first + request.n, request.positions, like=cache)
+        self.slots.reserve(first + request.n, request.positions)
         for j in range(request.n):  # the prompt computed once, copied into each row's slot
             self.slots.put(first + j, cache)
             self.rows.append(Row(request, j, length=len(ids)))
@@ -439,19 +492,17 @@ class Engine:
                 produced = runner.decode()
             except Exception as err:  # every running request fails; the engine goes on
                 self.fail(scheduler.running, err)
-        request = scheduler.admit()
-        first = None
-        if request is not None:
+        requests = scheduler.admit()
+        prefilled = {}
+        if requests:
             try:
-                first = runner.prefill(request)
-            except Exception as err:  # this request fails; the others go on
-                self.fail([request], err)
-        if first is not None:
+                prefilled = runner.prefill(requests)
+            except Exception as err:  # these requests fail; the others go on
+                self.fail(list(requests), err)
+        for request in prefilled:
             scheduler.started(request)
-            produced[request] = first
-        self.deliver(produced)
-        if first is not None and not request.live:  # a prompt only scored: done at once
-            self.finish([request])
+        self.deliver(produced | prefilled)
+        self.finish([request for request in prefilled if not request.live])  # prompts only scored: done at once
 
     def deliver(self, produced):
         for request, items in produced.items():
@@ -484,7 +535,7 @@ class Engine:
         from another thread: the counts are the scheduler's as they are now (a length is read whole).
         """
         scheduler = self.scheduler
-        running = len(scheduler.running) + (scheduler.prefilling is not None)
+        running = len(scheduler.running) + len(scheduler.prefilling)
         waiting = len(scheduler.waiting) + self.incoming.qsize()
         with self.lock:
             recent = sum(count for t, count in self.recent if t >= time.monotonic() - RATE_WINDOW)

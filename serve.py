@@ -631,11 +631,13 @@ class API:
         runner = engine.Runner(
             served.model,
             served.tokenizer.vocab_size,
+            dtype=served.dtype,
             chunk=prefill_chunk,
             max_rows=max_batch,
             max_positions=max_positions,
         )
-        self.engine = engine.Engine(runner, engine.Scheduler(max_batch, max_positions), served.device, served.dtype)
+        scheduler = engine.Scheduler(max_batch, max_positions, chunk=prefill_chunk)
+        self.engine = engine.Engine(runner, scheduler, served.device, served.dtype)
         self.engine.start()
         self.special_ids = served.special_ids()
         decoded = {served.tokenizer.decode([i]): i for i in sorted(self.special_ids)}

@@ -88,3 +88,21 @@ def test_eight_greedy_requests_together_are_each_what_it_gives_alone(shape):
         assert got.done.wait(60)
     assert not got.failures
     assert [rows[0] for rows in got.ids] == [alone(model, p, m) for p, m in zip(prompts, max_tokens)]
+
+
+def test_the_samples_of_a_prompt_share_its_prefill_and_draw_as_one_batch():
+    """n rows with one seeded generator draw what generate.py draws for the prompt repeated n times, seeded alike."""
+    model = tiny_model(**SHAPES["learned"])
+    prompt, n = [3, 1, 4, 1, 5], 3
+    got = Collector(2)
+    requests = [
+        Request(prompt, 9, n=n, generators=[torch.Generator().manual_seed(5)], deliver=got.deliver(0, n)),
+        Request([2, 7], 6, sampling=Sampling(temperature=0), deliver=got.deliver(1, 1)),  # a neighbour in the batch
+    ]
+    for _ in run_engine(model, requests):
+        assert got.done.wait(60)
+    expected = generate(
+        model, torch.tensor([prompt] * n), 9, temperature=1.0, generator=torch.Generator().manual_seed(5)
+    )
+    assert got.ids[0] == expected[:, len(prompt) :].tolist() and len(set(map(tuple, got.ids[0]))) > 1
+    assert got.ids[1] == [alone(model, [2, 7], 6)]
