@@ -171,7 +171,7 @@ class Choice:
         found = [at for at in (self.text.find(stop, checked) for stop in self.stops) if at >= 0]
         if found:
             self.text, self.finish = self.text[: min(found)], "stop"
-            return self.rest()
+            return self.take(len(self.text))
         return self.take(len(self.text) - self.held())
 
     def held(self):
@@ -188,6 +188,9 @@ class Choice:
         return self.rest()
 
     def rest(self):
+        """All the text not sent yet, with that of bytes whose character never completed (as U+FFFD)."""
+        self.text += self.decode(self.window)[len(self.head) :]
+        self.head = self.decode(self.window)
         return self.take(len(self.text))
 
     def take(self, upto):

@@ -657,6 +657,10 @@ def test_a_character_split_over_ids_waits_for_its_last_byte():
     choice = serve.Choice(0, tokenizer.decode)
     pieces = [choice.add(engine.Token(0, i)) for i in ids] + [choice.end_at_length()]
     assert "".join(pieces) == text and not any("\ufffd" in piece for piece in pieces)
+    # bytes whose character never completes still go out when the ids end, as the text decodes them
+    cut = serve.Choice(0, tokenizer.decode)
+    pieces = [cut.add(engine.Token(0, i)) for i in ids[:2]] + [cut.end_at_length()]
+    assert "".join(pieces) == tokenizer.decode(ids[:2]) and pieces[-1].endswith("\ufffd")
 
 
 def test_text_that_may_begin_a_stop_string_waits_for_what_follows():
