@@ -172,9 +172,9 @@ class SlotView:
     stores row b's new keys and values at positions[b] and returns every row's up to the batch's width.
     """
 
-    def __init__(self, k, v, positions):
+    def __init__(self, k, v, positions, rows):
         self.k, self.v, self.positions = k, v, positions  # (B, H, width, D) views of the buffers; (B, T)
-        self.rows = torch.arange(k.size(0), device=k.device)[:, None]  # (B, 1)
+        self.rows = rows  # (B, 1): 0 to B - 1
 
     def append(self, k, v):
         # (B, H, T, D) -> (B, T, H, D): the layout of buffer[rows, :, positions]
@@ -236,8 +236,10 @@ class SlotCache:
 
     def views(self, positions, width, first=0):
         """model.body's cache for slots first to first + B - 1 that write at positions (B, T) and read `width`."""
-        rows = slice(first, first + positions.size(0))
-        return [(SlotView(k[rows, :, :width], v[rows, :, :width], positions), None) for k, v in self.layers]
+        rows, index = slice(first, first + positions.size(0)), torch.arange(positions.size(0), device=self.device)
+        return [
+            (SlotView(k[rows, :, :width], v[rows, :, :width], positions, index[:, None]), None) for k, v in self.layers
+        ]
 
 
 def biased(logits, options):
@@ -404,8 +406,10 @@ class Runner:
                 int(torch.multinomial(probs[i : i + 1], 1, generator=request.generators[row.index]))
                 for i, (_, row) in zip(at, pairs)
             ]
-        batch = probs.new_ones(request.n, probs.size(1))  # (n, V)
-        batch[[row.index for _, row in pairs]] = probs[list(at)]
+        indices = [row.index for _, row in pairs]
+        batch = probs[list(at)]  # (n, V) when every row is live, in order
+        if indices != list(range(request.n)):
+            batch = probs.new_ones(request.n, probs.size(1)).index_copy(0, torch.tensor(indices), batch)
         drawn = torch.multinomial(batch, 1, generator=request.generators[0])[:, 0].tolist()
         return [drawn[row.index] for _, row in pairs]
 
