@@ -746,7 +746,7 @@ def test_lm_eval_through_the_server_scores_as_eval_py_and_an_explicit_scoring_do
     llama_server, llama_dir, tmp_path, monkeypatch
 ):
     """lm_eval --model local-completions with no tokenizer argument: the server's /tokenize serves as its tokenizer."""
-    lm_eval = pytest.importorskip("lm_eval")
+    import lm_eval  # a dev dependency (requirements-dev.txt): imported here, as only this test needs it
     from lm_eval.tasks import TaskManager
 
     for variable in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
