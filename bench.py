@@ -11,7 +11,7 @@ tokenization speed, and each rank's memory with DDP and with FSDP.
     python bench.py --parts=memory --train_args="--n_layer=8 --n_embd=512"  # per-rank memory, DDP vs FSDP
     python bench.py --parts=step --cases="configs/gpt2.py;configs/gpt2.py --batch_size=24" --profile=true
     python bench.py --parts=gpu --nanogpt=/path/to/nanoGPT   # every GPU measurement, beside nanoGPT's own runs
-    python bench.py --parts=serve                    # serve.py: 1, 4 and 16 streaming clients at once
+    python bench.py --parts=serve                    # serve.py: 1, 8 and 16 streaming clients, two model shapes
 
 Each training run is a real `python train.py CONFIG` process, timed from its launch, so compilation, data
 preparation and evaluation all count. Numbers vary from run to run: each is the median of several, with the spread.
@@ -34,7 +34,7 @@ import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,14 +44,17 @@ from checkpoint import load_checkpoint
 from config import parse_config
 from generate import generate
 from log import one_line, resident_peak
+from model import ModelConfig, build_model
 from prepare_data import bpe_batches, prepare, shakespeare_file
 from runtime import DTYPES, autocast, make_runtime, resolve_dtype
 from start import model_from_checkpoint
-from tokens import data_root, load_meta, tiktoken_encoding
+from tokens import GPT2_META, data_root, load_meta, tiktoken_encoding
 
 # train.py runs with cwd=ROOT, so relative config paths work from any directory
 ROOT = Path(__file__).resolve().parent
 PARTS = ("train", "sample", "bpe", "memory", "step", "gpu", "serve")
+# the models --parts=serve can make, by serve_models name, with their column titles
+SERVED_SHAPES = {"quick": "quick start (2 x 128, 64 positions)", "gpt2": "GPT-2 124M shape (12 x 768, 1,024)"}
 # nanoGPT's train.py beside ours (--nanogpt): GPT-2 124M's shape on its BPE tiny Shakespeare, 12 x 1024 x 4 per step,
 # as configs/gpt2.py --gradient_accumulation_steps=4 (its compile, bfloat16 and fused AdamW are its defaults on a GPU)
 NANOGPT_STEP = (
@@ -122,8 +125,10 @@ class BenchConfig:
     nanogpt_race: str = NANOGPT_RACE  # train: nanoGPT's train.py arguments, timed to target_loss ("": no column)
     race_target: float = 1.47  # gpu: the race's target_loss, configs/shakespeare_gpu.py's and nanoGPT's recipe's
     child: str = ""  # internal: the one case a child process measures (the step part starts one per case)
-    serve_from: str = ""  # serve: a checkpoint file to serve; "": the quick start's model, trained for a few steps
-    serve_clients: str = "1,4,16"  # serve: how many clients stream at once, a table row each
+    # serve: the models served, a column each: "quick" (the quick start's, trained a few steps), "gpt2" (GPT-2 124M's
+    # shape, untrained: speed does not depend on the weights), or checkpoint files
+    serve_models: str = "quick,gpt2"
+    serve_clients: str = "1,8,16"  # serve: how many clients stream at once, a row each
     serve_tokens: int = 60  # serve: tokens each client asks for (the quick start's context is 64)
 
     def __post_init__(self):
@@ -140,6 +145,9 @@ class BenchConfig:
             )
         if not re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", self.serve_clients) or self.serve_tokens < 1:
             raise ValueError("serve_clients takes client counts, e.g. --serve_clients=1,4,16; serve_tokens at least 1")
+        files = [m for m in self.serve_models.split(",") if m not in SERVED_SHAPES and not Path(m).is_file()]
+        if files:
+            raise ValueError(f"serve_models: {files[0]} is neither {' nor '.join(SERVED_SHAPES)} nor a checkpoint file")
         if not re.fullmatch(r"(\d+(,\d+)*)?", self.cold):
             raise ValueError(f"cold={self.cold!r}: give case numbers, e.g. --cold=1,3 (or --cold= for none)")
         missing = [c for c in self.configs if not (ROOT / c).is_file()]
@@ -851,40 +859,89 @@ def main(cfg):
 
 def bench_serving(cfg, work):
     """
-    (header, rows) for serve.py: each of serve_clients clients at once streams a completion of serve_tokens tokens
-    (sampled, never ending early), cfg.repeats times; time to first token per request, and tokens/s per client and
-    for all together. The server is a `python serve.py` process of its own, on cfg.serve_from or the quick start's
-    model (its shape, trained a few steps: the speed does not depend on the weights).
+    (header, rows) for serve.py under concurrent clients, a column per model of serve_models, each served by a
+    `python serve.py` process of its own. In each of cfg.repeats rounds every client count of serve_clients runs in
+    turn (so that the machine's drift hits them alike): each client streams a sampled completion of serve_tokens
+    tokens (never ending early). Rows: time to first token per request, tokens/s per client and all together, all
+    together over one client's in the same round, and the server's peak resident memory beside its KV cache budget.
     """
     work.mkdir(parents=True, exist_ok=True)
-    source = cfg.serve_from or quick_start_checkpoint(work)
-    port = free_port()
-    log = work / "serve.log"
+    counts = [int(c) for c in cfg.serve_clients.split(",")]
+    header, columns = ["measure"], []
+    for name in cfg.serve_models.split(","):
+        source, title = served_checkpoint(name, work)
+        header.append(f"{title}, {cfg.serve_tokens} tokens a request, median (min-max)")
+        columns.append(serving_column(cfg, source, counts, work))
+    return header, [(label, [column[k][1] for column in columns]) for k, (label, _) in enumerate(columns[0])]
+
+
+def served_checkpoint(name, work):
+    """(checkpoint file, column title) of a serve_models entry: the quick start's, GPT-2 124M's shape, or a file."""
+    if name not in SERVED_SHAPES:
+        return name, name
+    quick = work / "quick-start" / "ckpt.pt"
+    if not quick.is_file():
+        quick = Path(quick_start_checkpoint(work))
+    if name == "quick":
+        return str(quick), SERVED_SHAPES[name]
+    # the quick start's checkpoint with GPT-2 124M's shape, fresh weights and GPT-2's tokenizer
+    ckpt = torch.load(quick, weights_only=True)
+    config = ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=True)
+    ckpt |= {"model_config": asdict(config), "weights": build_model(config).state_dict(), "meta": dict(GPT2_META)}
+    ckpt.pop("average", None)
+    path = work / "gpt2-shape.pt"
+    torch.save(ckpt, path)
+    return str(path), SERVED_SHAPES[name]
+
+
+def serving_column(cfg, source, counts, work):
+    """A column of bench_serving's rows for one served checkpoint: [(label, value)]."""
+    port, log = free_port(), work / "serve.log"
     command = [sys.executable, str(ROOT / "serve.py"), f"--init_from={source}", f"--port={port}", "--device=cpu"]
+    command.append(f"--max_batch={max(counts)}")
+    firsts, each, together = ({c: [] for c in counts} for _ in range(3))
+    ratios = {c: [] for c in counts}
     with open(log, "w") as out, subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT) as proc:
         try:
             url = wait_for_server(f"http://127.0.0.1:{port}", proc, log)
             stream_completion(url, cfg.serve_tokens, seed=0)  # untimed: the first request's one-off costs
-            rows = []
-            for clients in [int(c) for c in cfg.serve_clients.split(",")]:
-                firsts, each, together = [], [], []
-                for repeat in range(cfg.repeats):
+            for repeat in range(cfg.repeats):
+                for clients in counts:
                     seeds = range(repeat * clients, (repeat + 1) * clients)  # other samples in every request
                     begin = time.perf_counter()
                     with ThreadPoolExecutor(clients) as pool:
                         runs = list(pool.map(lambda seed: stream_completion(url, cfg.serve_tokens, seed), seeds))
                     wall = time.perf_counter() - begin
-                    firsts += [first for first, _ in runs]
-                    each += [cfg.serve_tokens / total for _, total in runs]
-                    together.append(clients * cfg.serve_tokens / wall)
-                rows += [
-                    (f"{clients} client(s): time to first token, ms", summary([1000 * f for f in firsts], "{:,.0f}")),
-                    (f"{clients} client(s): tokens/s per client", summary(each, "{:,.0f}")),
-                    (f"{clients} client(s): tokens/s all together", summary(together, "{:,.0f}")),
-                ]
+                    firsts[clients] += [first for first, _ in runs]
+                    each[clients] += [cfg.serve_tokens / total for _, total in runs]
+                    together[clients].append(clients * cfg.serve_tokens / wall)
+                for clients in counts:  # against one client in the same round
+                    ratios[clients].append(together[clients][-1] / together[counts[0]][-1])
+            peak = peak_memory_mib(proc.pid)
         finally:
             proc.terminate()
-    return ["measure", f"serve.py, {cfg.serve_tokens} tokens a request, median (min-max)"], rows
+    rows = []
+    for c in counts:
+        rows += [
+            (f"{c} client(s): time to first token, ms", summary([1000 * f for f in firsts[c]], "{:,.0f}")),
+            (f"{c} client(s): tokens/s per client", summary(each[c], "{:,.0f}")),
+            (f"{c} client(s): tokens/s all together", summary(together[c], "{:,.0f}")),
+            (f"{c} client(s): all together / {counts[0]} client(s)", summary(ratios[c], "{:.2f}x")),
+        ]
+    config = ModelConfig.from_dict(torch.load(source, weights_only=True)["model_config"])
+    budget = max(counts) * config.kv_cache_bytes(torch.float32) / 2**20
+    rows.append(("server peak memory, MiB (KV cache budget)", f"{peak} ({budget:,.0f})"))
+    return rows
+
+
+def peak_memory_mib(pid):
+    """A process's peak resident memory in MiB, from Linux's /proc; n/a elsewhere."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "n/a"
+    kib = int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1))
+    return f"{kib / 1024:,.0f}"
 
 
 def quick_start_checkpoint(work):

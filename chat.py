@@ -308,6 +308,10 @@ class ChatFormat:
         """The ids a model reads before writing its reply to `messages`: render with the generation prompt."""
         return self.render(messages, add_generation_prompt=True)[0]
 
+    def reply_ends(self):
+        """The ids that end a reply: end-of-turn, and any other marker (a model that writes one began another turn)."""
+        return self.end_of_turn
+
 
 # The built-in template as a Hugging Face chat template (Jinja), which export.py writes: rendered by transformers'
 # apply_chat_template and tokenized with the markers as special tokens, it gives BuiltinChat.render's ids. Unlike
@@ -337,6 +341,9 @@ class BuiltinChat(ChatFormat):
         self.ids = {name: tokenizer.special_tokens[name] for name in BUILTIN_TOKENS}
         self.end_of_turn = (self.ids["end_of_turn"],)
 
+    def reply_ends(self):
+        return tuple(self.ids.values())  # the role markers and end-of-turn
+
     def render(self, messages, add_generation_prompt=False):
         check_messages(messages)
         ids, targets = [], []
@@ -361,6 +368,11 @@ class TemplateChat(ChatFormat):
     def __init__(self, source, names, tokenizer, end_of_turn):
         self.template, self.names, self.tokenizer = compile_template(source), dict(names), tokenizer
         self.end_of_turn = tuple(end_of_turn)
+
+    def reply_ends(self):
+        # end-of-turn first, then the tokenizer's special tokens (role headers such as <|start_header_id|>)
+        added = self.tokenizer.get_added_tokens_decoder()
+        return tuple(dict.fromkeys([*self.end_of_turn, *(i for i, token in added.items() if token.special)]))
 
     def text(self, messages, add_generation_prompt=False):
         """The template's rendering of `messages`, as apply_chat_template(..., tokenize=False) gives it."""

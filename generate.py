@@ -26,20 +26,31 @@ from tokens import final_reply
 # The next token
 
 
-def check_sampling_args(temperature, top_k, top_p):
-    """Raise a ValueError naming the first of temperature, top_k, top_p that is out of range."""
+def check_sampling_args(temperature, top_k, top_p, min_p=None):
+    """Raise a ValueError naming the first of temperature, top_k, top_p, min_p that is out of range."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k <= 0:
         raise ValueError(f"top_k must be a positive integer or None, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
 
 
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """Pick one token per row of logits (B, V): argmax at temperature 0, else sample the filtered softmax. (B, 1)."""
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None, min_p=None):
+    """
+    Pick one token per row of logits (B, V): argmax at temperature 0, else sample the filtered softmax. (B, 1).
+    min_p keeps the tokens at least min_p times as likely as the likeliest (after temperature, top_k and top_p).
+    """
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
+    probs = next_probs(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def next_probs(logits, temperature, top_k=None, top_p=None, min_p=None):
+    """The distribution sample_next draws each row of logits (B, V) from: (B, V) float32, filtered tokens at 0."""
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.size(-1):
         kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1): the k-th largest logit of each row
@@ -51,7 +62,9 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
         drop = probs.cumsum(dim=-1) - probs >= top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))  # back in vocabulary order
     probs = logits.softmax(dim=-1)  # filtered tokens get probability 0
-    return torch.multinomial(probs, num_samples=1, generator=generator)
+    if min_p:
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    return probs
 
 
 # -----------------------------------------------------------------------------
@@ -383,17 +396,18 @@ class ChatSession:
         """
         Yield the ids of the reply to the user's message `text`, as they come, without its end-of-turn. decode
         (ids -> text) gives the reply's text, which joins the history. A conversation that would not fit block_size
-        loses its oldest exchanges first (fit); ValueError when the message does not fit even alone (with the
-        system prompt), and then it is not added.
+        loses its oldest exchanges first (fit_conversation); ValueError when the message does not fit even alone
+        (with the system prompt), and then it is not added. The reply ends at any of the format's reply_ends.
         """
-        messages, prompt = self.fit([*self.messages, {"role": "user", "content": text}])
+        block = self.model.config.block_size
+        messages, prompt = fit_conversation(self.format, [*self.messages, {"role": "user", "content": text}], block)
         self.dropped += len(self.messages) + 1 - len(messages)
         self.messages = messages
         if prompt[: len(self.fed)] != self.fed:
             self.cache, self.fed = self.model.new_cache(), []
             self.recomputed += 1
         new, reply, stopped = prompt[len(self.fed) :], [], False
-        stop = set(self.format.end_of_turn)
+        stop = set(self.format.reply_ends())
         steps = reply_tokens(
             self.model, self.cache, new, self.max_new_tokens, stop, vocab_size=self.vocab_size, **self.sampling
         )
@@ -409,29 +423,30 @@ class ChatSession:
         self.ended = "end_of_turn" if stopped else "block_size" if full else "max_new_tokens"
         self.messages.append({"role": "assistant", "content": decode(reply)})
 
-    def fit(self, messages):
-        """
-        (messages, their prompt ids) for the conversation `messages`, whose last is the user's new one: all of them
-        while their prompt fits block_size; else, without the oldest exchanges (each user
-        message and the replies after it), the system prompt kept, until the prompt takes at most half of
-        block_size: room for this reply and the next few turns, rather than a reply cut short and the whole
-        conversation fed again at every turn. ValueError when even the new message alone does not fit.
-        """
-        block = self.model.config.block_size
-        prompt = self.format.prompt_ids(messages)
-        if len(prompt) < block:
-            return messages, prompt
-        head = messages[:1] if messages[0]["role"] == "system" else []
-        turns = messages[len(head) :]
-        while len(turns) > 1 and len(prompt) > block // 2:
-            # the oldest exchange: the first message and every one up to the next user message
-            end = next(i for i, m in enumerate(turns[1:], 1) if m["role"] == "user")
-            turns = turns[end:]
-            prompt = self.format.prompt_ids([*head, *turns])
-        if len(prompt) >= block:
-            template = "the chat template and the system prompt" if head else "the chat template"
-            raise ValueError(
-                f"the message takes {len(prompt)} tokens with {template}, and the model reads {block} (block_size): "
-                "send a shorter one"
-            )
-        return [*head, *turns], prompt
+
+def fit_conversation(chat_format, messages, block_size, room=1):
+    """
+    (messages, their prompt ids) for a conversation whose last message is the user's new one, fitted to block_size
+    with `room` positions left for the reply: all of it while that fits; else without the oldest exchanges (each user
+    message and the replies after it), the system prompt kept, until the prompt takes at most half of block_size
+    (and leaves room): room for this reply and the next few turns, rather than a reply cut short and the whole
+    conversation fed again at every turn. ValueError when even the new message alone does not fit.
+    """
+    prompt = chat_format.prompt_ids(messages)
+    if len(prompt) + room <= block_size:
+        return messages, prompt
+    head = messages[:1] if messages[0]["role"] == "system" else []
+    turns = messages[len(head) :]
+    while len(turns) > 1 and len(prompt) > min(block_size // 2, block_size - room):
+        # the oldest exchange: the first message and every one up to the next user message
+        end = next((i for i, m in enumerate(turns[1:], 1) if m["role"] == "user"), len(turns) - 1)
+        turns = turns[end:]
+        prompt = chat_format.prompt_ids([*head, *turns])
+    if len(prompt) + room > block_size:
+        template = "the chat template and the system prompt" if head else "the chat template"
+        raise ValueError(
+            f"the message takes {len(prompt)} tokens with {template}, and the model reads {block_size} (block_size)"
+            + (f" with {room} left for the reply" if room > 1 else "")
+            + ": send a shorter one"
+        )
+    return [*head, *turns], prompt

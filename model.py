@@ -206,7 +206,10 @@ def llama3_frequencies(inv_freq, factor, low_freq_factor, high_freq_factor, orig
 
 
 def apply_rope(x, cos, sin):
-    """Rotate channel pairs (i, i + D/2) of x (B, H, T, D) by the angles of its positions; cos, sin: (T, D/2)."""
+    """
+    Rotate channel pairs (i, i + D/2) of x (B, H, T, D) by the angles of its positions; cos, sin: (1, T, D/2), or
+    (B, 1, T, D/2) when each row has positions of its own.
+    """
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
@@ -216,24 +219,27 @@ def apply_rope(x, cos, sin):
 # Attention
 
 
-def attention_mask(q_len, k_len, causal, key_mask=None, window=0, device=None):
+def attention_mask(q_len, k_len, causal, key_mask=None, window=0, device=None, positions=None):
     """
     The one mask helper: bool, True = may attend, shaped (B or 1, 1, Tq, Tk); None when every key is allowed.
     key_mask: (B, Tk) bool, True at real (non-padding) keys. window: keys fewer than this many positions from
     the query, 0 for all of them.
     Queries and keys are aligned to the lower right: the Tq queries are the last Tq of the Tk positions,
     so queries that continue a KV cache still see every earlier position (SDPA's is_causal would not).
+    positions: (B, Tq), each row's own query positions instead, for a batch whose rows sit at different places in
+    a KV cache (serve.py's): key k is position k of every row, and a row's keys past its query are not read.
     """
     mask = None
-    if (causal and q_len > 1) or window:
-        q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]  # (Tq, 1)
-        distance = q_pos - torch.arange(k_len, device=device)[None, :]  # (Tq, Tk): how far back each key is
+    if (causal and q_len > 1) or window or positions is not None:
+        if positions is None:
+            positions = torch.arange(k_len - q_len, k_len, device=device)  # (Tq,)
+        distance = positions[..., None] - torch.arange(k_len, device=device)  # (Tq, Tk) or (B, Tq, Tk): how far back
         mask = torch.ones_like(distance, dtype=torch.bool)
         if causal:
             mask &= distance >= 0
         if window:
             mask &= distance.abs() < window
-        mask = mask[None, None]  # (1, 1, Tq, Tk)
+        mask = mask.view(-1, 1, q_len, k_len)  # (B or 1, 1, Tq, Tk)
     if key_mask is not None:
         keys = key_mask[:, None, None, :]  # (B, 1, 1, Tk)
         mask = keys if mask is None else mask & keys
@@ -329,17 +335,18 @@ class Attention(nn.Module):
         else:  # no parameters: the state_dict is the same as before the option existed
             self.q_norm = self.k_norm = nn.Identity()
 
-    def forward(self, x, context=None, key_mask=None, rope=None, cache=None, need_weights=False):
+    def forward(self, x, context=None, key_mask=None, rope=None, cache=None, need_weights=False, positions=None):
         """
         x: (B, T, C). context: (B, S, C) for cross-attention, else None. key_mask: (B, S) bool, True at real keys.
-        rope: (cos, sin) tables for the new positions (self-attention). cache: a KVCache or None.
-        Returns (y (B, T, C), attention probabilities (B, H, T, S) if need_weights else None).
+        rope: (cos, sin) tables for the new positions (self-attention). cache: a KVCache or None. positions: (B, T)
+        where each row's new positions sit in the cache, when rows differ (see attention_mask); None: after the
+        cached ones. Returns (y (B, T, C), attention probabilities (B, H, T, S) if need_weights else None).
         """
         if self.cross:
             q, k, v = self.project_cross(x, context, cache)
         else:
             q, k, v = self.project_self(x, rope, cache)
-        y, weights = self.attend(q, k, v, key_mask, need_weights)  # (B, H, T, D)
+        y, weights = self.attend(q, k, v, key_mask, need_weights, positions)  # (B, H, T, D)
         # Merge heads: put the H heads' D channels side by side again, then mix them with the output projection
         B, T, _ = x.shape
         y = y.transpose(1, 2).contiguous().view(B, T, self.q_dim)  # (B, T, H * D)
@@ -380,19 +387,23 @@ class Attention(nn.Module):
         B, L, _ = t.shape
         return t.view(B, L, -1, self.head_dim).transpose(1, 2)
 
-    def attend(self, q, k, v, key_mask, need_weights):
+    def attend(self, q, k, v, key_mask, need_weights, positions=None):
         """
         softmax(q k^T / sqrt(D)) v over the keys attention_mask allows: q (B, H, T, D), k and v (B, n_kv_head, S, D).
         Returns (y (B, H, T, D), probabilities (B, H, T, S) if need_weights else None).
         """
         T, S = q.size(2), k.size(2)
         dropout = self.dropout if self.training else 0.0
-        # nothing cached and no padding: SDPA's own (upper-left) triangle is right and allows the flash kernel
-        is_causal = self.causal and S == T and key_mask is None and not self.window and not need_weights
+        # nothing cached, no padding, every row at the same positions: SDPA's own (upper-left) triangle is right and
+        # allows the flash kernel
+        is_causal = self.causal and S == T and key_mask is None and positions is None
+        is_causal = is_causal and not self.window and not need_weights
         # else (B|1, 1, T, S) or None; a window needs an explicit mask, which rules out the flash kernel on GPUs
         mask = None
         if not is_causal:
-            mask = attention_mask(T, S, causal=self.causal, key_mask=key_mask, window=self.window, device=q.device)
+            mask = attention_mask(
+                T, S, causal=self.causal, key_mask=key_mask, window=self.window, device=q.device, positions=positions
+            )
         # Grouped-query attention: query head h reads key/value head h // (n_head / n_kv_head). SDPA reads the shared
         # heads in place (enable_gqa) in CPU's kernel, masked or not, and on GPUs in the flash kernel (bfloat16, no
         # mask, D <= 256). GPUs' other kernels do not take grouped heads, so SDPA would fall back to its math kernel,
@@ -492,18 +503,31 @@ class Block(nn.Module):
         self.norm2, self.mlp = make_norm(config), MLP(config)
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x, *, key_mask=None, rope=None, context=None, context_mask=None, cache=None, need_weights=False):
+    def forward(
+        self,
+        x,
+        *,
+        key_mask=None,
+        rope=None,
+        context=None,
+        context_mask=None,
+        cache=None,
+        need_weights=False,
+        positions=None,
+    ):
         """
         x: (B, T, C). key_mask: (B, T) bool, True at real positions. rope: (cos, sin) tables or None.
         context: (B, S, C) encoder output to cross-attend to, with context_mask (B, S) or None.
-        cache: (self-attention KVCache, cross-attention KVCache or None) or None.
+        cache: (self-attention KVCache, cross-attention KVCache or None) or None. positions: see Attention.forward.
         Returns (x (B, T, C), maps): maps["self"] (B, H, T, keys) and, given a context, maps["cross"] (B, H, T, S),
         each None unless need_weights.
         """
         self_cache, cross_cache = cache if cache is not None else (None, None)
         # self-attention over x: causal in GPT and decoder blocks, bidirectional in encoder blocks
         h = self.branch_input(x, self.norm1)
-        out, self_map = self.attn(h, key_mask=key_mask, rope=rope, cache=self_cache, need_weights=need_weights)
+        out, self_map = self.attn(
+            h, key_mask=key_mask, rope=rope, cache=self_cache, need_weights=need_weights, positions=positions
+        )
         x = self.add(x, out, self.norm1)
         maps = {"self": self_map}
 
@@ -561,28 +585,37 @@ class Stack(nn.Module):
             return {"rope_cos": cos, "rope_sin": sin}
         return {}
 
-    def forward(self, idx, key_mask=None, context=None, context_mask=None, cache=None, need_weights=False):
+    def forward(
+        self, idx, key_mask=None, context=None, context_mask=None, cache=None, need_weights=False, positions=None
+    ):
         """
         idx: (B, T) token ids; key_mask: (B, T) bool, True at real tokens, or None.
         context, context_mask: the encoder output (B, S, C) and its key mask (B, S), for cross-attending blocks.
         cache: a list with one (KVCache, KVCache or None) per block. Returns (x (B, T, C), one dict of maps per block).
+        positions: (B, T), where each row's tokens sit, for a batch whose rows are at different places in a cache
+        built for it (serve.py's, whose append stores each row's keys at its positions; each below block_size);
+        None: after the cached positions, the same in every row.
         """
         T = idx.size(1)
-        start = cache[0][0].length if cache is not None else 0  # position of idx[:, 0]: after the cached ones
-        if start + T > self.config.block_size:
-            raise ValueError(
-                f"sequence of length {start + T} is longer than block_size={self.config.block_size}: "
-                f"crop it to the last {self.config.block_size} tokens or train with a larger block_size"
-            )
+        if positions is None:
+            start = cache[0][0].length if cache is not None else 0  # position of idx[:, 0]: after the cached ones
+            if start + T > self.config.block_size:
+                raise ValueError(
+                    f"sequence of length {start + T} is longer than block_size={self.config.block_size}: "
+                    f"crop it to the last {self.config.block_size} tokens or train with a larger block_size"
+                )
+        # the rows of the position tables to read: (T,) the same for every row, or (B, T)
+        at = slice(start, start + T) if positions is None else positions
         x = self.wte(idx)  # (B, T, C)
         rope = None  # rotary positions are applied inside attention, to q and k, instead of added here
         if self.config.pos_encoding == "learned":
-            x = x + self.wpe.weight[start : start + T]
+            x = x + self.wpe.weight[at]
         elif self.config.pos_encoding == "sinusoidal":
             # the paper scales embeddings by sqrt(C) so they are not drowned by the unit-amplitude sinusoids
-            x = x * math.sqrt(self.config.n_embd) + self.pe[start : start + T].to(x.dtype)
+            x = x * math.sqrt(self.config.n_embd) + self.pe[at].to(x.dtype)
         else:
-            rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])  # (T, D/2) each
+            # (1, T, D/2) or (B, 1, T, D/2) each: broadcast over the heads
+            rope = (self.rope_cos[at].unsqueeze(-3), self.rope_sin[at].unsqueeze(-3))
         x = self.drop(x)
         maps = []
         # recomputed blocks only where a backward will come: in training, with gradients on
@@ -595,6 +628,7 @@ class Stack(nn.Module):
                 context_mask=context_mask,
                 cache=cache[i] if cache is not None else None,
                 need_weights=need_weights,
+                positions=positions,
             )
             if recompute:
                 # the block's forward runs again in the backward, with the same dropout masks (the RNG state is

@@ -8,27 +8,32 @@ An OpenAI-compatible HTTP server for a GPT from any source sample.py loads, and 
     GET  /v1/models             the one model, named after its source
     POST /v1/completions        prompt (text, ids, or a list of either), logprobs and echo to score a prompt
     POST /v1/chat/completions   messages, rendered with the model's chat template (the one sample.py --chat uses)
+    POST /tokenize, /detokenize and GET /tokenizer_info: the model's tokenizer, as vLLM serves it (lm-eval asks)
+    GET  /health                200 once the model is loaded, 503 before
+    GET  /metrics               Prometheus text: requests running and waiting, tokens generated, tokens a second
     GET  /                      the chat page (serve.html); a completion box for a model without a chat template
 
-How several clients share one model: one worker thread owns it (Engine) and every request becomes a Job, a Python
-generator over generate.py's decoding (generate_stream, reply_tokens) that computes one token per step with its own
-KV cache. The worker advances every active job by one step in turn, round-robin: each client gets a token per
-round, none waits for another's whole reply, and each reply is exactly what sample.py decodes alone (its batch,
-its seeded generator). What the worker produces reaches the request through the asyncio loop; a request that
-ends (finished, its stop string seen, its client gone) marks its jobs cancelled, and the worker drops them (their
-KV caches with them) before its next step. Requests are not batched with each other: docs/serving.md has the
-numbers and why.
+How several clients share one model: the handlers (API, on uvicorn's asyncio loop) turn each request into
+engine.Requests, one per prompt with a row per sample, and Choices, which turn each row's ids into text. One worker
+thread (engine.Engine) owns the model and decodes every running row in one forward pass a step (continuous
+batching): rows that end leave between steps, and waiting requests join as the budget (--max_batch rows,
+--max_positions positions) allows. What a step produces reaches its request through the loop; a request whose
+client leaves is cancelled, and its rows are freed before the next step.
 """
 
 import asyncio
+import contextlib
+import functools
 import hmac
 import json
 import os
-import queue
+import re
 import secrets
+import socket
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -37,25 +42,26 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+import engine
 from chat import model_format
 from config import ConfigError, parse_config
-from generate import check_sampling_args, end_of_text, generate_stream, prompt_start, reply_tokens
+from generate import check_sampling_args, end_of_text, fit_conversation, prompt_start
 from log import one_line
-from runtime import DTYPES, autocast, resolve_device, resolve_dtype
+from runtime import DTYPES, pick_threads, resolve_device, resolve_dtype
 from start import load_configured
 
 PAGE = Path(__file__).resolve().parent / "serve.html"  # the chat page, one self-contained file
 API_KEY_VARIABLE = "NANOFORMER_API_KEY"  # the key, when --api_key is not given (a command line shows in `ps`)
-DONE = "done"  # what a Job hands over when its steps run out
-MAX_STOPS = 4  # stop strings a request may give, as OpenAI allows
+MAX_STOPS = 256  # stop strings a request may give (OpenAI allows 4; lm-eval sends its task's and eos)
 MAX_STOP_CHARS = 256  # characters of each: every token checks whether the text ends in the start of one
-MAX_CHOICES = 64  # prompts x n of one completion request: each row holds a KV cache while it decodes
+MAX_CHOICES = 64  # prompts x n of one completion request
 # the smallest temperature that is not 0: logits divided by less overflow to inf, and the softmax to NaN
 MIN_TEMPERATURE = 0.01
+CONTEXT_IDS = 6  # ids decoded before a new one, so that its text comes out as it does in context (a leading space)
 
 
 @dataclass
@@ -68,15 +74,25 @@ class ServeConfig:
     port: int = 8000  # the TCP port
     api_key: str = ""  # every /v1 request must send "Authorization: Bearer KEY"; "": $NANOFORMER_API_KEY, else none
     max_body: int = 1_000_000  # bytes a request body may hold; a longer one gets 413
+    max_batch: int = 16  # rows (prompts x n) decoded together at most; further requests wait
+    max_positions: int = 0  # KV cache positions of all rows (rows x the longest row's); 0: max_batch x block_size
+    prefill_chunk: int = 256  # prompt ids fed a step: a long prompt takes several, and the running rows keep pace
+    context: str = "drop"  # a chat longer than the context: "drop" its oldest turns (as sample.py --chat), "refuse"
+    strict: bool = False  # refuse unknown request fields with 400; False: ignore them (each named once on stderr)
     device: str = "auto"  # "cpu", "cuda", "cuda:1", "mps"; "auto": cuda, else mps, else cpu
     dtype: str = "auto"  # "float32", "bfloat16" or "float16" (autocast); "auto": as in train.py
     compile: bool = False  # torch.compile the layers: a slow first step, faster ones after it
+    threads: int = 0  # the model's intra-op threads; 0: the cores other jobs leave free, as train.py takes them
 
     def __post_init__(self):
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port must be in [1, 65535], got {self.port}")
         if self.max_body < 1:
             raise ValueError(f"max_body must be at least 1 byte, got {self.max_body}")
+        if self.max_batch < 1 or self.max_positions < 0 or self.prefill_chunk < 1 or self.threads < 0:
+            raise ValueError("max_batch and prefill_chunk must be at least 1, max_positions and threads at least 0")
+        if self.context not in ("drop", "refuse"):
+            raise ValueError(f"context must be 'drop' or 'refuse', got {self.context!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
 
@@ -93,6 +109,13 @@ class Served:
     device: torch.device
     dtype: torch.dtype
 
+    def special_ids(self):
+        """The ids that stand for no text: the meta's special tokens and a tokenizer.json's own."""
+        ids = set(self.meta["special_tokens"].values())
+        if self.tokenizer.hf is not None:
+            ids |= {i for i, token in self.tokenizer.hf.get_added_tokens_decoder().items() if token.special}
+        return frozenset(ids)
+
 
 def model_name(cfg):
     """The served model's name: its run folder's, or its checkpoint file's, folder's or hub id's."""
@@ -102,132 +125,72 @@ def model_name(cfg):
 
 
 # -----------------------------------------------------------------------------
-# The worker: one thread owns the model and advances every job a step at a time
-
-
-class Job:
-    """
-    One request's work for the worker: `steps`, a generator whose every next() runs the model once; each item it
-    yields is handed to `deliver` (called on the worker thread), then DONE, or the exception it raised.
-    """
-
-    def __init__(self, steps, deliver):
-        self.steps, self.deliver = steps, deliver
-        self.cancelled = False  # set by the request: the worker drops the job (and its KV cache) at its next turn
-
-
-class Engine:
-    """The worker thread: round-robin over the active jobs, one step of each per round, the model in `dtype`."""
-
-    def __init__(self, device, dtype):
-        self.device, self.dtype = device, dtype
-        self.incoming = queue.SimpleQueue()  # new jobs, and None to stop
-        self.active = []  # the jobs the worker is advancing (the worker's alone to change)
-        self.thread = threading.Thread(target=self.run, name="serve-engine", daemon=True)
-
-    def submit(self, job):
-        self.incoming.put(job)
-        return job
-
-    def stop(self):
-        self.incoming.put(None)
-        self.thread.join()
-
-    def run(self):
-        active = self.active
-        # no_grad and autocast hold per thread: they are entered here, where the model runs
-        with torch.no_grad(), autocast(self.device, self.dtype):
-            while True:
-                # idle: wait for a job; busy: take the jobs that arrived, without waiting
-                arrived = [self.incoming.get()] if not active else []
-                while not self.incoming.empty():
-                    arrived.append(self.incoming.get())
-                if None in arrived:
-                    return
-                active += arrived
-                for job in list(active):
-                    if not job.cancelled:
-                        try:
-                            job.deliver(next(job.steps))
-                            continue
-                        except StopIteration:
-                            job.deliver(DONE)
-                        except Exception as err:  # the request fails, the server goes on
-                            job.deliver(err)
-                    job.steps.close()  # a cancelled job's generator ends now: its cache is freed
-                    active.remove(job)
-
-
-def completion_steps(model, prompt, n, max_tokens, sampling, *, stop, generator, vocab):
-    """n continuations of prompt (ids) in one batch, as sample.py draws them: a list of n ids per step."""
-    idx = torch.tensor([prompt] * n, dtype=torch.long, device=next(model.parameters()).device)
-    steps = generate_stream(model, idx, max_tokens, **sampling, stop_token=stop, generator=generator, vocab_size=vocab)
-    for step in steps:  # (n, 1)
-        yield step[:, 0].tolist()
-
-
-def reply_steps(model, prompt, max_tokens, sampling, *, end_of_turn, generator, vocab):
-    """A chat reply to the rendered prompt, as sample.py --chat decodes it: [id] per step, through end-of-turn."""
-    cache, end = model.new_cache(), set(end_of_turn)
-    for token in reply_tokens(model, cache, prompt, max_tokens, end, **sampling, generator=generator, vocab_size=vocab):
-        yield [token]
-
-
-def score_steps(model, ids, vocab_size, top):
-    """
-    One step: ([None, then log p(ids[i] | ids[:i]) for each later id], [None, then the `top` likeliest (id, log p)
-    at each of those positions]), from one forward pass over ids, over the tokenizer's vocab_size ids.
-    """
-    logits, _ = model(torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device))
-    logprobs = logits[0, :-1, :vocab_size].float().log_softmax(dim=-1)  # (T - 1, V): predicts ids[1:]
-    chosen = logprobs.gather(1, torch.tensor(ids[1:], dtype=torch.long, device=logprobs.device)[:, None])[:, 0]
-    values, index = logprobs.topk(min(top, logprobs.size(-1)), dim=-1)  # (T - 1, top): no more than there are
-    tops = [list(zip(i, v)) for i, v in zip(index.tolist(), values.tolist())]
-    yield [None, *chosen.tolist()], [None, *tops]
-
-
-# -----------------------------------------------------------------------------
 # Text: a choice's ids as text, sent as it becomes final
 
 
 class Choice:
     """
-    One choice's text as its ids arrive. The ids are decoded whole each time (after `shown`, the prompt ids its
-    text continues) and only text that is final goes out: a character BPE has split over several tokens waits for
-    the rest, and so does an ending that may be the start of a stop string.
+    One row's text as its ids arrive. Each new id is decoded with a few ids before it (after `shown`, the prompt ids
+    its text continues), so that its text is what it is in context, and only text that is final goes out: a
+    character that BPE split over several ids waits for the rest (U+FFFD until then), and an ending that may be the
+    start of a stop string waits for what follows. Ids in `end` finish it, ids in `skip` give no text (specials).
+    Each id's log p and likeliest (engine.Token) are kept for the logprobs.
     """
 
-    def __init__(self, index, decode, *, shown=(), end=(), stops=()):
-        self.index, self.decode, self.shown, self.end, self.stops = index, decode, list(shown), set(end), stops
-        self.head = decode(self.shown)
-        self.tokens = []  # every id sampled, an ending end-of-text or end-of-turn id included
+    def __init__(self, index, decode, *, shown=(), end=(), stops=(), skip=()):
+        self.index, self.decode, self.end, self.stops, self.skip = index, decode, set(end), stops, set(skip)
+        self.window = [i for i in shown if i not in self.skip][-CONTEXT_IDS:]  # ids decoded before the new ones
+        self.head = decode(self.window)  # their text, cut from what the window decodes to
+        self.longest = max(map(len, stops), default=0)
+        self.starts = {}  # stops by their first character: candidates for a held ending
+        for stop in stops:
+            self.starts.setdefault(stop[0], []).append(stop)
+        self.tokens = []  # every id drawn (engine.Token), an ending end-of-text or end-of-turn id included
+        self.prompt = None  # the prompt's [(log p, top)] when scored
         self.text = ""  # the text so far
         self.sent = 0  # characters of it handed out
         self.finish = None  # "stop" (end token or stop string) or "length"
 
     def add(self, token):
-        """Take the next sampled id; returns the text that may go out now."""
+        """Take the next engine.Token; returns the text that may go out now."""
         self.tokens.append(token)
-        if token in self.end:
+        if token.id in self.end:
             self.finish = "stop"
             return self.rest()
-        self.text = self.decode(self.shown + self.tokens)[len(self.head) :]
-        found = [at for at in (self.text.find(stop) for stop in self.stops) if at >= 0]
+        if token.id in self.skip:
+            return ""
+        self.window.append(token.id)
+        decoded = self.decode(self.window)
+        # U+FFFD: an incomplete UTF-8 character, whose next bytes come with the next id
+        if decoded.endswith("\ufffd"):
+            return ""
+        checked = max(0, len(self.text) - self.longest + 1)  # a stop string found now ends in the new text
+        self.text += decoded[len(self.head) :]
+        self.window = self.window[-CONTEXT_IDS:]
+        self.head = self.decode(self.window)
+        found = [at for at in (self.text.find(stop, checked) for stop in self.stops) if at >= 0]
         if found:
             self.text, self.finish = self.text[: min(found)], "stop"
-            return self.rest()
-        # U+FFFD: an incomplete UTF-8 character, whose next bytes come with the next token
-        if self.text.endswith("\ufffd"):
-            return ""
-        held = max((k for stop in self.stops for k in range(1, len(stop)) if self.text.endswith(stop[:k])), default=0)
-        return self.take(len(self.text) - held)
+            return self.take(len(self.text))
+        return self.take(len(self.text) - self.held())
+
+    def held(self):
+        """Characters at the end of the text that start a stop string: the longest such ending."""
+        tail = self.text[max(0, len(self.text) - self.longest + 1) :]
+        for i, c in enumerate(tail):
+            if any(stop.startswith(tail[i:]) for stop in self.starts.get(c, ())):
+                return len(tail) - i
+        return 0
 
     def end_at_length(self):
-        """The steps ran out (max_tokens) before an end: the held-back text goes out."""
+        """The ids ran out (max_tokens) before an end: the held-back text goes out."""
         self.finish = self.finish or "length"
         return self.rest()
 
     def rest(self):
+        """All the text not sent yet, with that of bytes whose character never completed (as U+FFFD)."""
+        self.text += self.decode(self.window)[len(self.head) :]
+        self.head = self.decode(self.window)
         return self.take(len(self.text))
 
     def take(self, upto):
@@ -236,62 +199,78 @@ class Choice:
         return new
 
 
-async def generate(engine, plans):
+async def generate(engine_, plans):
     """
-    Run plans, each (steps, the Choices it fills, a row each), on the engine; yield (choice, new text) as text
-    becomes final, and for each choice one last time with choice.finish set. The jobs are cancelled when their
-    choices are finished, and all of them when the caller stops early (a client gone).
+    Run plans, each (engine.Request, its Choices: one a row), on the engine; yield (choice, new text) as text becomes
+    final, and for each choice one last time with choice.finish set. What arrived together goes out together: a
+    choice's text of several steps in one piece, when the loop is behind the engine. A row whose text reached a stop
+    string is ended at once; every request is cancelled when the caller stops early (its client gone).
     """
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
-
-    def deliverer(i):  # runs on the worker thread: hands item over to this loop
-        return lambda item: loop.call_soon_threadsafe(events.put_nowait, (i, item))
-
-    jobs = [engine.submit(Job(steps, deliverer(i))) for i, (steps, _) in enumerate(plans)]
-    running = set(range(len(jobs)))
+    inbox = Inbox(asyncio.get_running_loop())
+    for k, (request, _) in enumerate(plans):
+        request.deliver = functools.partial(inbox.put, k)
+        engine_.submit(request)
+    running = set(range(len(plans)))
     try:
         while running:
-            i, item = await events.get()
-            if i not in running:  # a step delivered before the job was seen to be finished
-                continue
-            rows = plans[i][1]
-            if isinstance(item, Exception):
-                raise item
-            if item == DONE:
-                running.discard(i)
-                for choice in rows:
-                    if not choice.finish:
-                        yield choice, choice.end_at_length()
-                continue
-            for choice, token in zip(rows, item):
-                if not choice.finish:
-                    text = choice.add(token)
-                    if text or choice.finish:
-                        yield choice, text
-            if all(choice.finish for choice in rows):  # every row ended (a stop string may end one early)
-                jobs[i].cancelled = True
-                running.discard(i)
+            new = {}  # choice -> its text from the items taken now
+            for k, item in await inbox.take():
+                if k in running:
+                    add_item(item, *plans[k], new, running, k)
+            for choice, text in new.items():
+                yield choice, text
     finally:
-        for job in jobs:
-            job.cancelled = True
+        for request, _ in plans:
+            request.cancelled = True
 
 
-async def one_result(engine, steps):
-    """The one item that steps (a generator of one step) yields, computed on the engine's thread."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-    engine.submit(Job(steps, lambda item: loop.call_soon_threadsafe(settle, done, item)))
-    return await done
-
-
-def settle(future, item):
-    """Resolve a one-step job's future with its item, or its exception; DONE, which follows the item, is dropped."""
-    if future.done():
-        return
+def add_item(item, request, choices, new, running, k):
+    """What the engine handed plan k (request, choices): its text gathered in `new`; k leaves `running` when done."""
     if isinstance(item, Exception):
-        future.set_exception(item)
-    else:
-        future.set_result(item)
+        raise item
+    if item == engine.DONE:
+        running.discard(k)
+        for choice in choices:
+            if not choice.finish:
+                new[choice] = new.get(choice, "") + choice.end_at_length()
+        return
+    for choice in choices if item.prompt is not None else ():
+        choice.prompt = item.prompt
+    for token in item.tokens:
+        choice = choices[token.row]
+        if choice.finish:  # drawn before the engine saw that its text had ended
+            continue
+        text = choice.add(token)
+        request.ended[token.row] = choice.finish is not None
+        if text or choice.finish:
+            new[choice] = new.get(choice, "") + text
+
+
+class Inbox:
+    """
+    What the worker thread hands a request's plans, for the loop: put (on the worker thread) appends and wakes the
+    loop unless a wake-up is already on its way, take (on the loop) returns all that arrived.
+    """
+
+    def __init__(self, loop):
+        self.loop, self.items, self.ready = loop, deque(), asyncio.Event()
+        self.waking = False  # a wake-up is scheduled on the loop and has not run yet
+
+    def put(self, k, item):
+        self.items.append((k, item))
+        if not self.waking:
+            self.waking = True
+            self.loop.call_soon_threadsafe(self.wake)
+
+    def wake(self):
+        self.waking = False
+        self.ready.set()
+
+    async def take(self):
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        return [self.items.popleft() for _ in range(len(self.items))]
 
 
 # -----------------------------------------------------------------------------
@@ -300,44 +279,58 @@ def settle(future, item):
 Temperature = Annotated[float | None, Field(ge=0, le=2)]  # 0: greedy; None: 1, OpenAI's default
 TopP = Annotated[float | None, Field(gt=0, le=1)]  # None: 1, all tokens
 TopK = Annotated[int | None, Field(ge=-1)]  # vLLM's extension: -1, 0 or None keep every token
+MinP = Annotated[float | None, Field(ge=0, le=1)]  # vLLM's extension: 0 or None keep every token
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None
 Seed = Annotated[int | None, Field(ge=0, lt=2**63)]
 NoPenalty = Annotated[float, Field(ge=0, le=0)]  # accepted so that clients sending 0 work; anything else is refused
+Bias = Annotated[float, Field(ge=-100, le=100)]  # OpenAI's range
+TopLogprobs = Annotated[int | None, Field(ge=0, le=20)]
 
 
-class Sampling(BaseModel):
-    """The options both endpoints take. Unknown fields are refused, not ignored."""
+class Options(BaseModel):
+    """
+    What both endpoints take. Fields this server does not know are kept apart (model_extra) for API.ready, which
+    ignores them or, with --strict, refuses them; known ones whose value would change the output in a way not
+    implemented are refused.
+    """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None  # the served model's name; None: the one model
     temperature: Temperature = None
     top_p: TopP = None
     top_k: TopK = None
+    min_p: MinP = None
+    logit_bias: dict[str, Bias] | None = None  # token id (a string, as JSON keys are) -> added to its logit
     stop: Stop = None
     n: Annotated[int, Field(ge=1, le=16)] = 1
     seed: Seed = None  # None: a fresh random seed
     stream: bool = False
-    stream_options: dict | None = None  # usage is always sent at the end of a stream
-    user: str | None = None  # OpenAI's abuse monitoring; not used
+    stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the usage
     presence_penalty: NoPenalty = 0.0
     frequency_penalty: NoPenalty = 0.0
+    response_format: dict | None = None  # only {"type": "text"}, which is what every reply is
 
-    def sampling(self):
-        """generate.py's temperature, top_k and top_p, OpenAI's defaults filled in; 400 for an invalid mix."""
-        options = {
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_k": self.top_k if self.top_k and self.top_k > 0 else None,
-            "top_p": self.top_p,
-        }
-        if 0 < options["temperature"] < MIN_TEMPERATURE:
+    def sampling(self, vocab_size):
+        """engine.Sampling of these options, OpenAI's defaults filled in; 400 for an invalid mix."""
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if 0 < temperature < MIN_TEMPERATURE:
             raise APIError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}", "temperature")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            kind = self.response_format.get("type")
+            raise APIError(f"response_format type {kind!r} is not supported; only 'text' is", "response_format")
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= vocab_size:
+                raise APIError(f"logit_bias: {key!r} is not a token id below {vocab_size}", "logit_bias")
+            bias.append((int(key), value))
+        top_k = self.top_k if self.top_k and self.top_k > 0 else None
         try:
-            check_sampling_args(**options)
+            check_sampling_args(temperature, top_k, self.top_p, self.min_p)
         except ValueError as err:
             raise APIError(str(err)) from None
-        return options
+        return engine.Sampling(temperature, top_k, self.top_p, self.min_p or None, tuple(bias))
 
     def stops(self):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -347,20 +340,49 @@ class Sampling(BaseModel):
         seed = secrets.randbits(62) if self.seed is None else self.seed
         return [torch.Generator(device).manual_seed(seed + k) for k in range(count)]
 
+    def include_usage(self):
+        return bool((self.stream_options or {}).get("include_usage"))
 
-class CompletionRequest(Sampling):
+
+class CompletionRequest(Options):
     # a text, a list of ids, or a list of either; "" starts where a document starts (sample.py's empty --start)
     prompt: str | list[str] | list[int] | list[list[int]] = ""
     max_tokens: Annotated[int | None, Field(ge=0)] = 16  # OpenAI's default; None: up to the context's end
     logprobs: Annotated[int | None, Field(ge=0, le=20)] = None  # each token's log p and the k likeliest beside
     echo: bool = False  # the prompt's text (and with logprobs its tokens) before the completion
+    best_of: Annotated[int | None, Field(ge=1)] = None  # accepted as n: the best of more is not implemented
+    suffix: Annotated[str | None, Field(max_length=0)] = None  # insertion is not implemented
+    truncate_prompt_tokens: Annotated[int | None, Field(ge=1)] = None  # vLLM's: keep the prompt's last N ids
+    skip_special_tokens: bool = True  # vLLM's: special tokens (end-of-turn) give no text
 
 
-class ChatRequest(Sampling):
+class ChatRequest(Options):
     messages: Annotated[list[dict], Field(min_length=1)]
     max_tokens: Annotated[int | None, Field(ge=1)] = None  # None: up to the context's end
     max_completion_tokens: Annotated[int | None, Field(ge=1)] = None  # OpenAI's newer name for max_tokens
-    logprobs: Annotated[bool, Field(le=False)] = False  # /v1/completions gives logprobs; chat does not
+    logprobs: bool = False  # each reply token's log p
+    top_logprobs: TopLogprobs = None  # and that many likeliest beside it
+    tools: Annotated[list | None, Field(max_length=0)] = None  # calling tools is not implemented: none or []
+    functions: Annotated[list | None, Field(max_length=0)] = None  # tools' older name
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text (with the template's bos when add_special_tokens) or a conversation."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class APIError(Exception):
@@ -374,6 +396,12 @@ class APIError(Exception):
 def error_body(message, param=None, kind="invalid_request_error"):
     """OpenAI's error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def check_model(name, served):
+    """404, as OpenAI answers, when a request names another model than the one served."""
+    if name is not None and name != served.name:
+        raise APIError(f"the model {name!r} does not exist; this server serves {served.name!r}", "model", status=404)
 
 
 def fitted_max_tokens(asked, prompt_length, block_size, prompt_param):
@@ -394,6 +422,37 @@ def fitted_max_tokens(asked, prompt_length, block_size, prompt_param):
     return room if asked is None else asked
 
 
+def completion_prompts(prompt, served, truncate=None):
+    """
+    [(ids the model reads, ids its text continues)] for each prompt of a request: a text gets the ids sample.py puts
+    before it (a template's bos; "" starts where a document starts); ids are read as given. truncate: the most ids
+    read, the prompt's last ones kept after the ids put before it (vLLM's truncate_prompt_tokens).
+    """
+    single = isinstance(prompt, str) or bool(prompt) and isinstance(prompt[0], int)
+    texts = [prompt] if single else prompt
+    if not texts:
+        raise APIError("prompt is an empty list", "prompt")
+    vocab = served.tokenizer.vocab_size
+    prompts = []
+    for text in texts:
+        if not isinstance(text, str):
+            if not text or not all(0 <= i < vocab for i in text):
+                raise APIError(f"prompt: a list of ids must be non-empty, each id below {vocab}", "prompt")
+            head, shown = [], text
+        else:
+            try:
+                shown = served.tokenizer.encode(text)
+                head = prompt_start(served.tokenizer, served.meta, text)
+            except ValueError as err:  # characters outside a char vocabulary, or no start token for ""
+                raise APIError(f"prompt: {one_line(err)}", "prompt") from None
+        if truncate is not None and len(head) + len(shown) > truncate:
+            if truncate <= len(head):
+                raise APIError(f"truncate_prompt_tokens must keep more than the {len(head)} ids put first", "prompt")
+            shown = shown[len(shown) - (truncate - len(head)) :]
+        prompts.append((head + shown, shown))
+    return prompts
+
+
 def text_message(message):
     """A message whose content is OpenAI's list of parts, with their text as its content; any other as it is."""
     content = message.get("content")
@@ -405,7 +464,7 @@ def text_message(message):
 
 
 # -----------------------------------------------------------------------------
-# Responses
+# Responses: what each endpoint's answer and chunks look like
 
 
 def usage(prompt_tokens, choices):
@@ -418,221 +477,458 @@ def sse(obj):
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def logprobs_object(tokenizer, ids, logprobs, tops, start):
-    """OpenAI's completion logprobs for ids[start:]: token strings, their log p, the likeliest beside, offsets."""
-    strings = [tokenizer.decode([i]) for i in ids]
-    offsets, at = [], 0
-    for string in strings[start:]:
-        offsets.append(at)
-        at += len(string)
-    return {
-        "tokens": strings[start:],
-        "token_logprobs": logprobs[start:],
-        "top_logprobs": [None if top is None else {tokenizer.decode([i]): lp for i, lp in top} for top in tops[start:]],
-        "text_offset": offsets,
-    }
+class CompletionShape:
+    """/v1/completions' answer: each choice's text (the prompt's first with echo) and legacy logprobs."""
+
+    def __init__(self, served, prompts, body):
+        self.tokenizer, self.n, self.echo, self.scored = served.tokenizer, body.n, body.echo, body.logprobs is not None
+        self.head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time())}
+        self.head["model"] = served.name
+        self.prompts = prompts
+        self.prompt_tokens = sum(len(ids) for ids, _ in prompts)
+        self.reported = {}  # choice index -> (entries of logprobs sent, their characters), as a stream goes
+
+    def opening(self, choices):
+        return []
+
+    def chunk(self, choice, text):
+        """A stream's chunk: the choice's new text, and the logprobs of the ids since its last chunk."""
+        first = choice.index not in self.reported
+        entries, chars = self.reported.get(choice.index, (0, 0))
+        shown, logprobs = self.entries(choice), None
+        if self.scored:
+            logprobs = self.logprobs(shown[entries:], chars)
+            self.reported[choice.index] = (len(shown), chars + sum(map(len, logprobs["tokens"])))
+        else:
+            self.reported[choice.index] = (0, 0)
+        text = (self.echo_text(choice) if first else "") + text
+        piece = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish}
+        return {**self.head, "choices": [piece]}
+
+    def whole(self, choices):
+        return {
+            **self.head,
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": self.echo_text(c) + c.text,
+                    "logprobs": self.logprobs(self.entries(c), 0) if self.scored else None,
+                    "finish_reason": c.finish,
+                }
+                for c in choices
+            ],
+            "usage": usage(self.prompt_tokens, choices),
+        }
+
+    def echo_text(self, choice):
+        return self.tokenizer.decode(self.prompts[choice.index // self.n][1]) if self.echo else ""
+
+    def entries(self, choice):
+        """(id, log p, likeliest) of each id the choice shows: with echo the prompt's (the first has no log p) first."""
+        entries = [(t.id, t.logprob, t.top) for t in choice.tokens]
+        if not self.echo:
+            return entries
+        ids, shown = self.prompts[choice.index // self.n]
+        scores = [(None, None), *(choice.prompt or [(None, None)] * (len(ids) - 1))]
+        return [(i, *score) for i, score in zip(ids, scores)][len(ids) - len(shown) :] + entries
+
+    def logprobs(self, entries, start):
+        """OpenAI's completion logprobs of entries: token strings, their log p, the likeliest beside, offsets."""
+        strings = [self.tokenizer.decode([i]) for i, _, _ in entries]
+        offsets, at = [], start
+        for string in strings:
+            offsets.append(at)
+            at += len(string)
+        return {
+            "tokens": strings,
+            "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [
+                None if top is None else {self.tokenizer.decode([i]): v for i, v in top} for *_, top in entries
+            ],
+            "text_offset": offsets,
+        }
+
+
+class ChatShape:
+    """/v1/chat/completions' answer: each choice's message, chat logprobs, and how many old messages were dropped."""
+
+    def __init__(self, served, prompt_tokens, dropped, body):
+        self.tokenizer, self.scored = served.tokenizer, body.logprobs
+        self.head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": served.name}
+        self.prompt_tokens, self.dropped = prompt_tokens, dropped
+        self.reported = {}  # choice index -> ids whose logprobs were sent
+
+    def opening(self, choices):
+        """The stream's first chunks: each choice's role, and the messages dropped to fit the context."""
+        head = {**self.head, "object": "chat.completion.chunk"} | self.said()
+        return [self.piece(head, c.index, {"role": "assistant", "content": ""}, None, None) for c in choices]
+
+    def chunk(self, choice, text):
+        done = self.reported.get(choice.index, 0)
+        self.reported[choice.index] = len(choice.tokens)
+        logprobs = self.logprobs(choice.tokens[done:], choice) if self.scored else None
+        head = {**self.head, "object": "chat.completion.chunk"}
+        return self.piece(head, choice.index, {"content": text} if text else {}, logprobs, choice.finish)
+
+    def whole(self, choices):
+        return {
+            **self.head,
+            "object": "chat.completion",
+            **self.said(),
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self.logprobs(c.tokens, c) if self.scored else None,
+                    "finish_reason": c.finish,
+                }
+                for c in choices
+            ],
+            "usage": usage(self.prompt_tokens, choices),
+        }
+
+    @staticmethod
+    def piece(head, index, delta, logprobs, finish):
+        return {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+    def said(self):
+        """Beside OpenAI's fields: how many of the oldest messages the reply did not see, when any."""
+        return {"dropped_messages": self.dropped} if self.dropped else {}
+
+    def logprobs(self, tokens, choice):
+        """OpenAI's chat logprobs of engine.Tokens, those that end the reply left out."""
+        return {"content": [self.entry(t.id, t.logprob, t.top) for t in tokens if t.id not in choice.end]}
+
+    def entry(self, token, logprob, top):
+        """One token of chat logprobs: its text, log p and UTF-8 bytes, and the likeliest beside it."""
+        return self.token(token, logprob) | {"top_logprobs": [self.token(i, lp) for i, lp in top or ()]}
+
+    def token(self, token, logprob):
+        text = self.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 # -----------------------------------------------------------------------------
-# The app
+# The API: one handler per endpoint, and one path that runs a request's plans and answers
 
 
-def make_app(served, *, api_key="", max_body=1_000_000):
-    """The FastAPI app that serves `served`; its engine thread runs while the app does."""
-    engine = Engine(served.device, served.dtype)
-    model, tokenizer, block = served.model, served.tokenizer, served.model.config.block_size
-    vocab = tokenizer.vocab_size  # ids are drawn below it: a padded embedding has rows that the tokenizer lacks
-    created = int(time.time())
+class API:
+    """
+    The server's handlers, around the Served model and its engine, which load() sets; until then every endpoint
+    but /health (503) and the page answers 503. strict: unknown fields are refused (else ignored, each named once
+    on stderr); context: "drop" fits a long conversation by dropping its oldest turns, "refuse" answers 400.
+    """
 
+    def __init__(self, *, strict=False, context="drop"):
+        self.strict, self.context = strict, context
+        self.served = self.engine = None
+        self.special_ids = frozenset()  # the served model's special tokens (Served.special_ids)
+        self.specials = {}  # the text of each of them -> its id, for /tokenize
+        self.ignored = set()  # unknown fields named so far
+        self.page = PAGE.read_text(encoding="utf-8")  # read once, here: no request reads a file
+        self.created = int(time.time())
+
+    def load(self, served, *, max_batch=16, max_positions=0, prefill_chunk=256):
+        """Serve `served`: its engine starts (rows and positions budgeted as ServeConfig says)."""
+        max_positions = max_positions or max_batch * served.model.config.block_size
+        runner = engine.Runner(
+            served.model,
+            served.tokenizer.vocab_size,
+            dtype=served.dtype,
+            chunk=prefill_chunk,
+            max_rows=max_batch,
+            max_positions=max_positions,
+        )
+        scheduler = engine.Scheduler(max_batch, max_positions, chunk=prefill_chunk)
+        self.engine = engine.Engine(runner, scheduler, served.device, served.dtype)
+        self.engine.start()
+        self.special_ids = served.special_ids()
+        decoded = {served.tokenizer.decode([i]): i for i in sorted(self.special_ids)}
+        self.specials = {text: i for text, i in decoded.items() if text}
+        self.served = served  # the last: requests see the model once all of it is ready
+
+    def close(self):
+        if self.engine is not None:
+            self.engine.stop()
+
+    def ready(self, body=None):
+        """The Served model (503 while loading), once body names it (404) and has no unknown field (with strict)."""
+        if self.served is None:
+            raise APIError(
+                "the model is still loading: try again shortly (GET /health answers 200 once it is)", status=503
+            )
+        if body is not None:
+            check_model(body.model, self.served)
+            for name in body.model_extra or {}:
+                if self.strict:
+                    raise APIError(f"{name}: Extra inputs are not permitted", name)
+                if name not in self.ignored:
+                    self.ignored.add(name)
+                    print(f"serve.py: note: ignoring the unknown field {name!r} (--strict refuses it)", file=sys.stderr)
+        return self.served
+
+    async def page_html(self):
+        return HTMLResponse(self.page)
+
+    async def health(self):
+        self.ready()
+        return Response(status_code=200)
+
+    async def metrics(self):
+        self.ready()
+        running, waiting, generated, rate = self.engine.stats()
+        lines = []
+        for name, kind, value, doc in [
+            ("requests_running", "gauge", running, "Requests being prefilled or decoded."),
+            (
+                "requests_waiting",
+                "gauge",
+                waiting,
+                "Requests waiting for room in the batch (--max_batch, --max_positions).",
+            ),
+            ("generation_tokens_total", "counter", generated, "Tokens generated since the server started."),
+            (
+                "generation_tokens_per_second",
+                "gauge",
+                rate,
+                f"Tokens generated a second over the last {engine.RATE_WINDOW:g} s.",
+            ),
+        ]:
+            lines += [
+                f"# HELP nanoformer_{name} {doc}",
+                f"# TYPE nanoformer_{name} {kind}",
+                f"nanoformer_{name} {value:g}",
+            ]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    async def models(self):
+        served = self.ready()
+        entry = {"id": served.name, "object": "model", "created": self.created, "owned_by": "nanoformer"}
+        # beside OpenAI's fields: the context length, as vLLM gives it, and whether chat works (the page asks)
+        entry |= {"max_model_len": served.model.config.block_size, "chat": served.chat is not None}
+        return {"object": "list", "data": [entry]}
+
+    async def tokenize(self, body: TokenizeRequest):
+        served = self.ready(body)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give either prompt (a text) or messages", "prompt")
+        try:
+            if body.messages is not None:
+                if served.chat is None:
+                    raise APIError(f"{served.name} has no chat template: tokenize a prompt", "messages")
+                messages = [text_message(m) for m in body.messages]
+                ids = served.chat.render(messages, add_generation_prompt=body.add_generation_prompt)[0]
+            else:
+                head = served.tokenizer.template_prefix() if body.add_special_tokens else []
+                ids = head + self.encode(body.prompt)
+        except ValueError as err:
+            raise APIError(one_line(err), "prompt" if body.messages is None else "messages") from None
+        return {"count": len(ids), "max_model_len": served.model.config.block_size, "tokens": ids, "token_strs": None}
+
+    def encode(self, text):
+        """The ids of text, where a special token's text stands for the token, as Hugging Face tokenizers read it."""
+        if not self.specials:
+            return self.served.tokenizer.encode(text)
+        pattern = "|".join(map(re.escape, sorted(self.specials, key=len, reverse=True)))
+        parts = re.split(f"({pattern})", text)  # texts, with each special token's text between two of them
+        return [
+            i
+            for k, part in enumerate(parts)
+            for i in ([self.specials[part]] if k % 2 else self.served.tokenizer.encode(part))
+        ]
+
+    async def detokenize(self, body: DetokenizeRequest):
+        served = self.ready(body)
+        if not all(0 <= i < served.tokenizer.vocab_size for i in body.tokens):
+            raise APIError(f"tokens: each id must be below {served.tokenizer.vocab_size}", "tokens")
+        return {"prompt": served.tokenizer.decode(body.tokens)}
+
+    async def tokenizer_info(self):
+        """vLLM's /tokenizer_info, as lm-eval reads it: the special tokens' texts (bos: where a document starts)."""
+        served = self.ready()
+        tokenizer, special = served.tokenizer, served.meta["special_tokens"]
+        bos = (tokenizer.template_prefix() or [special.get("bos")])[0]
+        eos = end_of_text(served.meta)
+        chat = served.meta.get("chat") or {}
+        return {
+            "tokenizer_class": f"nanoformer ({served.meta['tokenizer']['type']})",
+            "model_max_length": served.model.config.block_size,
+            "vocab_size": tokenizer.vocab_size,
+            "bos_token": None if bos is None else tokenizer.decode([bos]),
+            "eos_token": None if eos is None else tokenizer.decode([eos]),
+            "pad_token": None,
+            "chat_template": None if chat.get("template") in (None, "builtin") else chat["template"],
+        }
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        served = self.ready(body)
+        if body.best_of not in (None, body.n):
+            raise APIError("best_of must equal n: drawing more and keeping the best is not implemented", "best_of")
+        prompts = completion_prompts(body.prompt, served, body.truncate_prompt_tokens)
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise APIError(f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} choices a request", "n")
+        longest = max(len(ids) for ids, _ in prompts)
+        max_tokens = fitted_max_tokens(body.max_tokens, longest, served.model.config.block_size, "prompt")
+        self.check_budget(body.n, longest + max_tokens)
+        sampling, stops, end = body.sampling(served.tokenizer.vocab_size), body.stops(), end_of_text(served.meta)
+        ends = frozenset() if end is None else frozenset([end])
+        skip = self.special_ids if body.skip_special_tokens else ()
+        plans = []  # prompt p's n samples: one batch, as sample.py --num_samples=n draws them; choices p * n + j
+        for p, ((ids, shown), generator) in enumerate(zip(prompts, body.generators(served.device, len(prompts)))):
+            job = engine.Request(
+                ids,
+                max_tokens,
+                n=body.n,
+                sampling=sampling,
+                generators=[generator],
+                stop_ids=ends,
+                logprobs=body.logprobs,
+                prompt_logprobs=body.echo and body.logprobs is not None,
+            )
+            decode = served.tokenizer.decode
+            rows = [
+                Choice(p * body.n + j, decode, shown=shown, end=ends, stops=stops, skip=skip) for j in range(body.n)
+            ]
+            plans.append((job, rows))
+        return await self.respond(request, plans, CompletionShape(served, prompts, body), body)
+
+    async def chat_completions(self, body: ChatRequest, request: Request):
+        served = self.ready(body)
+        if served.chat is None:
+            raise APIError(f"{served.name} has no chat template: use /v1/completions", "messages")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
+        asked = body.max_completion_tokens or body.max_tokens
+        messages, prompt, dropped = self.fit([text_message(m) for m in body.messages], asked)
+        max_tokens = fitted_max_tokens(asked, len(prompt), served.model.config.block_size, "messages")
+        self.check_budget(body.n, len(prompt) + max_tokens)
+        ends = frozenset(served.chat.reply_ends())  # end-of-turn, or any role marker: another turn began
+        # each of the n replies draws with its own generator, seed + j: reply 0 is what n=1 gives
+        job = engine.Request(
+            prompt,
+            max_tokens,
+            n=body.n,
+            sampling=body.sampling(served.tokenizer.vocab_size),
+            generators=body.generators(served.device, body.n),
+            stop_ids=ends,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        )
+        skip, stops = self.special_ids, body.stops()
+        choices = [Choice(j, served.tokenizer.decode, end=ends, stops=stops, skip=skip) for j in range(body.n)]
+        return await self.respond(request, [(job, choices)], ChatShape(served, len(prompt), dropped, body), body)
+
+    def fit(self, messages, asked):
+        """(messages, prompt ids, how many were dropped) of a conversation fitted to the context (self.context)."""
+        chat, block = self.served.chat, self.served.model.config.block_size
+        if asked is not None and asked >= block:
+            fitted_max_tokens(asked, 1, block, "messages")  # no prompt leaves room for it: the 400 says so
+        try:
+            if self.context == "refuse":
+                return messages, chat.prompt_ids(messages), 0
+            fitted, prompt = fit_conversation(chat, messages, block, room=asked or 1)
+        except ValueError as err:  # a bad role or content, a template that refuses it, a message that does not fit
+            raise APIError(f"messages: {one_line(err)}", "messages") from None
+        return fitted, prompt, len(messages) - len(fitted)
+
+    def check_budget(self, n, positions):
+        """400 for a request whose rows could never fit the batch's budget: it would wait forever."""
+        scheduler = self.engine.scheduler
+        if not scheduler.fits_alone(n, positions):
+            raise APIError(
+                f"n={n} rows of up to {positions} positions do not fit this server's batch (max_batch="
+                f"{scheduler.max_rows} rows, max_positions={scheduler.max_positions}): ask for fewer or shorter",
+                "n",
+            )
+
+    async def respond(self, request, plans, shape, body):
+        """The one answer path: plans (engine.Request, Choices) run on the engine, streamed or answered whole."""
+        choices = [choice for _, rows in plans for choice in rows]
+        if body.stream:
+
+            async def chunks():
+                for chunk in shape.opening(choices):
+                    yield chunk
+                async for choice, text in generate(self.engine, plans):
+                    yield shape.chunk(choice, text)
+                if body.include_usage():
+                    yield {**shape.head, "choices": [], "usage": usage(shape.prompt_tokens, choices)}
+
+            return event_stream(chunks())
+
+        async def whole():
+            async for _ in generate(self.engine, plans):
+                pass
+            return shape.whole(choices)
+
+        return await unless_disconnected(request, whole())
+
+
+ROUTES = (  # (method, path, API handler)
+    ("GET", "/", "page_html"),
+    ("GET", "/health", "health"),
+    ("GET", "/metrics", "metrics"),
+    ("GET", "/v1/models", "models"),
+    ("POST", "/v1/completions", "completions"),
+    ("POST", "/v1/chat/completions", "chat_completions"),
+    ("POST", "/tokenize", "tokenize"),
+    ("POST", "/detokenize", "detokenize"),
+    ("GET", "/tokenizer_info", "tokenizer_info"),
+)
+
+
+def make_app(served=None, *, api_key="", max_body=1_000_000, strict=False, context="drop", **budget):
+    """
+    The FastAPI app: API's handlers behind the Gate. Given `served` it serves it at once; else app.state.api.load()
+    does later (503 until then). budget: API.load's max_batch, max_positions and prefill_chunk.
+    """
+    api = API(strict=strict, context=context)
+    if served is not None:
+        api.load(served, **budget)
+
+    @contextlib.asynccontextmanager
     async def lifespan(app):
-        engine.thread.start()
         yield
-        engine.stop()
+        api.close()
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Gate, api_key=api_key, max_body=max_body)
-    app.state.engine = engine
-    page = PAGE.read_text(encoding="utf-8")  # read once, here: no request reads a file
-
-    @app.exception_handler(APIError)
-    async def refused(request, err):
-        return JSONResponse(error_body(err.message, err.param), status_code=err.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request, err):
-        first = err.errors()[0]
-        if first["type"] == "json_invalid":
-            return JSONResponse(error_body(f"the body is not valid JSON: {first['msg']}"), status_code=400)
-        where = [str(part) for part in first["loc"] if part != "body"]
-        if not where:  # not an object; or not read as JSON, for want of its Content-Type (curl -d sends a form's)
-            message = "the body must be a JSON object, sent with 'Content-Type: application/json'"
-            return JSONResponse(error_body(message), status_code=400)
-        return JSONResponse(error_body(f"{'.'.join(where)}: {first['msg']}", where[0]), status_code=400)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request, err):
-        return JSONResponse(error_body(str(err.detail)), status_code=err.status_code)
-
-    @app.exception_handler(Exception)
-    async def failed(request, err):  # a bug, or the model failing: this request fails, the server goes on
-        return JSONResponse(error_body(f"the server failed: {one_line(err)}", kind="server_error"), status_code=500)
-
-    @app.get("/", response_class=HTMLResponse)
-    async def chat_page():
-        return page
-
-    @app.get("/v1/models")
-    async def models():
-        entry = {"id": served.name, "object": "model", "created": created, "owned_by": "nanoformer"}
-        # beside OpenAI's fields: the context length, as vLLM gives it, and whether chat works (the page asks)
-        entry |= {"max_model_len": block, "chat": served.chat is not None}
-        return {"object": "list", "data": [entry]}
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model, served)
-        if body.logprobs is not None and body.stream:
-            raise APIError("logprobs are given with stream=false only", "logprobs")
-        prompts = completion_prompts(body.prompt, served)
-        if len(prompts) * body.n > MAX_CHOICES:
-            raise APIError(f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} choices a request", "n")
-        max_tokens = fitted_max_tokens(body.max_tokens, max(len(ids) for ids, _ in prompts), block, "prompt")
-        sampling, stops, stop = body.sampling(), body.stops(), end_of_text(served.meta)
-        end = [] if stop is None else [stop]
-        plans = []  # prompt p's n samples: one batch, as sample.py --num_samples=n draws them; choices p * n + j
-        for p, ((ids, shown), generator) in enumerate(zip(prompts, body.generators(served.device, len(prompts)))):
-            rows = [Choice(p * body.n + j, tokenizer.decode, shown=shown, end=end, stops=stops) for j in range(body.n)]
-            steps = completion_steps(
-                model, ids, body.n, max_tokens, sampling, stop=stop, generator=generator, vocab=vocab
-            )
-            plans.append((steps, rows))
-        choices = [choice for _, rows in plans for choice in rows]
-        echoes = [tokenizer.decode(shown) if body.echo else "" for _, shown in prompts for _ in range(body.n)]
-        head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time())}
-        head["model"] = served.name
-        used = sum(len(ids) for ids, _ in prompts)
-
-        def choice_chunk(index, text, finish):
-            return {**head, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
-
-        if body.stream:
-
-            async def chunks():
-                for choice, echo in zip(choices, echoes):
-                    if echo:
-                        yield choice_chunk(choice.index, echo, None)
-                async for choice, text in generate(engine, plans):
-                    yield choice_chunk(choice.index, text, choice.finish)
-                yield {**head, "choices": [], "usage": usage(used, choices)}
-
-            return event_stream(chunks())
-
-        async def whole():
-            texts = list(echoes)
-            async for choice, text in generate(engine, plans):
-                texts[choice.index] += text
-            scores = [None] * len(choices)
-            if body.logprobs is not None:  # each choice scored after the fact, by one forward pass over it all
-                for (ids, shown), rows in zip(prompts, (rows for _, rows in plans)):
-                    for choice in rows:
-                        full = ids + choice.tokens
-                        found = await one_result(engine, score_steps(model, full, tokenizer.vocab_size, body.logprobs))
-                        # echoed: from the prompt's shown text on, without the ids put before it (a bos)
-                        start = len(ids) - len(shown) if body.echo else len(ids)
-                        scores[choice.index] = logprobs_object(tokenizer, full, *found, start)
-            return {
-                **head,
-                "choices": [
-                    {"index": c.index, "text": texts[c.index], "logprobs": scores[c.index], "finish_reason": c.finish}
-                    for c in choices
-                ],
-                "usage": usage(used, choices),
-            }
-
-        return await unless_disconnected(request, whole())
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
-        check_model(body.model, served)
-        if served.chat is None:
-            raise APIError(f"{served.name} has no chat template: use /v1/completions", "messages")
-        try:
-            prompt = served.chat.prompt_ids([text_message(m) for m in body.messages])
-        except ValueError as err:  # a bad role or content, or a template that refuses the conversation
-            raise APIError(f"messages: {one_line(err)}", "messages") from None
-        max_tokens = fitted_max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt), block, "messages")
-        sampling, stops, end = body.sampling(), body.stops(), served.chat.end_of_turn
-        plans = []  # each of the n replies decoded on its own, with seed + j: reply 0 is what n=1 gives
-        for j, generator in enumerate(body.generators(served.device, body.n)):
-            steps = reply_steps(model, prompt, max_tokens, sampling, end_of_turn=end, generator=generator, vocab=vocab)
-            plans.append((steps, [Choice(j, tokenizer.decode, end=end, stops=stops)]))
-        choices = [rows[0] for _, rows in plans]
-        head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": served.name}
-
-        if body.stream:
-
-            def delta_chunk(index, delta, finish):
-                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-                return {**head, "object": "chat.completion.chunk", "choices": [choice]}
-
-            async def chunks():
-                for choice in choices:
-                    yield delta_chunk(choice.index, {"role": "assistant", "content": ""}, None)
-                async for choice, text in generate(engine, plans):
-                    yield delta_chunk(choice.index, {"content": text} if text else {}, choice.finish)
-                yield {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(len(prompt), choices)}
-
-            return event_stream(chunks())
-
-        async def whole():
-            texts = [""] * len(choices)
-            async for choice, text in generate(engine, plans):
-                texts[choice.index] += text
-            replies = [{"role": "assistant", "content": text} for text in texts]
-            return {
-                **head,
-                "object": "chat.completion",
-                "choices": [
-                    {"index": c.index, "message": replies[c.index], "logprobs": None, "finish_reason": c.finish}
-                    for c in choices
-                ],
-                "usage": usage(len(prompt), choices),
-            }
-
-        return await unless_disconnected(request, whole())
-
+    app.state.api = api
+    for kind, handler in ERROR_HANDLERS:
+        app.add_exception_handler(kind, handler)
+    for method, path, name in ROUTES:
+        app.add_api_route(path, getattr(api, name), methods=[method])
     return app
 
 
-def check_model(name, served):
-    """404, as OpenAI answers, when a request names another model than the one served."""
-    if name is not None and name != served.name:
-        raise APIError(f"the model {name!r} does not exist; this server serves {served.name!r}", "model", status=404)
+async def refused(request, err):
+    return JSONResponse(error_body(err.message, err.param), status_code=err.status)
 
 
-def completion_prompts(prompt, served):
-    """
-    [(ids the model reads, ids its text continues)] for each prompt of a request: a text gets the ids sample.py puts
-    before it (a template's bos; "" starts where a document starts); ids are read as given.
-    """
-    single = isinstance(prompt, str) or bool(prompt) and isinstance(prompt[0], int)
-    texts = [prompt] if single else prompt
-    if not texts:
-        raise APIError("prompt is an empty list", "prompt")
-    vocab = served.tokenizer.vocab_size
-    prompts = []
-    for text in texts:
-        if not isinstance(text, str):
-            if not text or not all(0 <= i < vocab for i in text):
-                raise APIError(f"prompt: a list of ids must be non-empty, each id below {vocab}", "prompt")
-            prompts.append((text, text))
-            continue
-        try:
-            shown = served.tokenizer.encode(text)
-            prompts.append((prompt_start(served.tokenizer, served.meta, text) + shown, shown))
-        except ValueError as err:  # characters outside a char vocabulary, or no start token for ""
-            raise APIError(f"prompt: {one_line(err)}", "prompt") from None
-    return prompts
+async def invalid(request, err):
+    first = err.errors()[0]
+    if first["type"] == "json_invalid":
+        return JSONResponse(error_body(f"the body is not valid JSON: {first['msg']}"), status_code=400)
+    where = [str(part) for part in first["loc"] if part != "body"]
+    if not where:  # not an object; or not read as JSON, for want of its Content-Type (curl -d sends a form's)
+        message = "the body must be a JSON object, sent with 'Content-Type: application/json'"
+        return JSONResponse(error_body(message), status_code=400)
+    return JSONResponse(error_body(f"{'.'.join(where)}: {first['msg']}", where[0]), status_code=400)
+
+
+async def http_error(request, err):
+    return JSONResponse(error_body(str(err.detail)), status_code=err.status_code)
+
+
+async def failed(request, err):  # a bug, or the model failing: this request fails, the server goes on
+    return JSONResponse(error_body(f"the server failed: {one_line(err)}", kind="server_error"), status_code=500)
+
+
+ERROR_HANDLERS = (
+    (APIError, refused),
+    (RequestValidationError, invalid),
+    (HTTPException, http_error),
+    (Exception, failed),
+)
 
 
 def event_stream(chunks):
@@ -652,7 +948,7 @@ def event_stream(chunks):
 async def unless_disconnected(request, work):
     """
     The result of coroutine `work`, unless the client goes away first: then work is cancelled (and with it the
-    request's jobs) and the answer, which nobody reads, is a bare 499.
+    request's rows) and the answer, which nobody reads, is a bare 499.
     """
     task, gone = asyncio.ensure_future(work), asyncio.ensure_future(disconnected(request))
     await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -732,13 +1028,38 @@ def load_served(cfg):
     return Served(model, tokenizer, meta, model_name(cfg), chat_format, device, dtype)
 
 
+def listen(host, port):
+    """A socket listening on host:port; a one-line ConfigError naming --port when the port is taken."""
+    try:
+        return socket.create_server((host, port), reuse_port=False)
+    except OSError as err:
+        raise ConfigError(f"cannot listen on {host}:{port} ({err.strerror}): choose another port with --port") from None
+
+
 def main(cfg):
-    """Load the model and serve it until interrupted."""
+    """Listen, load the model (GET /health answers 503 meanwhile), and serve it until interrupted."""
     api_key = cfg.api_key or os.environ.get(API_KEY_VARIABLE, "")
-    served = load_served(cfg)
-    app = make_app(served, api_key=api_key, max_body=cfg.max_body)
-    print(f"serving {served.name} on http://{cfg.host}:{cfg.port} (the chat page at /)", file=sys.stderr)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+    sock = listen(cfg.host, cfg.port)
+    app = make_app(api_key=api_key, max_body=cfg.max_body, strict=cfg.strict, context=cfg.context)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="serve-http", daemon=True)
+    thread.start()
+    threads, note = pick_threads(cfg.threads, 1)  # waiting threads slow every op on cores other jobs use
+    torch.set_num_threads(threads)
+    if note:
+        print(f"serve.py: {note}", file=sys.stderr)
+    try:
+        served = load_served(cfg)
+        app.state.api.load(
+            served, max_batch=cfg.max_batch, max_positions=cfg.max_positions, prefill_chunk=cfg.prefill_chunk
+        )
+        print(f"serving {served.name} on http://{cfg.host}:{cfg.port} (the chat page at /)", file=sys.stderr)
+        thread.join()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        thread.join()
 
 
 def cli(argv):

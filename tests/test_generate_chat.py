@@ -31,6 +31,9 @@ class ToyFormat:
     def prompt_ids(self, messages):
         return self.render(messages, add_generation_prompt=True)[0]
 
+    def reply_ends(self):
+        return self.end_of_turn
+
 
 def decode(ids):
     """The toy template's text of ids: any id, specials included, reads back as itself."""
