@@ -11,8 +11,10 @@ not a config) raises ConfigError with a one-line message that names the file lin
 
 import ast
 import difflib
+import importlib
 import inspect
 import io
+import pkgutil
 import sys
 import textwrap
 import tokenize
@@ -29,6 +31,21 @@ BOOL_WORDS = types.MappingProxyType({"true": True, "false": False, "1": True, "0
 
 class ConfigError(ValueError):
     """A bad setting, config file, command line or input file; the message says what is wrong and how to fix it."""
+
+
+def registered(package, path, base):
+    """
+    {name: class} of the subclasses of base with a name that the modules of a package (its __name__ and __path__)
+    define, in the order of their file names: what a setting naming a task or a converter may take.
+    """
+    found = {}
+    for module in sorted(info.name for info in pkgutil.iter_modules(path)):
+        for value in vars(importlib.import_module(f"{package}.{module}")).values():
+            # the classes a module defines, not those it imports
+            defined = isinstance(value, type) and value.__module__ == f"{package}.{module}"
+            if defined and issubclass(value, base) and value.name:
+                found[value.name] = value
+    return found
 
 
 def field_docs(cls):

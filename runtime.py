@@ -55,10 +55,11 @@ def resolve_device(name, local_rank):
     return device
 
 
-def resolve_dtype(name, device, native_bf16=None, gpu="this GPU"):
+def resolve_dtype(name, device, native_bf16=None, gpu="this GPU", fsdp=False):
     """
     The torch dtype for dtype setting `name` on device ('auto' resolved); ConfigError where it cannot run.
     native_bf16: whether the GPU (named gpu in messages) computes bfloat16 natively; None: ask this machine's.
+    fsdp: for a model sharded over ranks, whose runs have no gradient scaler for float16.
     """
     # V100s and T4s run bfloat16 only by emulation (slowly): they count as having none, and get float16 + scaler
     if native_bf16 is None:
@@ -69,6 +70,11 @@ def resolve_dtype(name, device, native_bf16=None, gpu="this GPU"):
         raise ConfigError(f"dtype=float16 needs CUDA (its gradient scaler); on {device.type} use bfloat16 or float32")
     if name == "bfloat16" and device.type == "cuda" and not native_bf16:
         raise ConfigError(f"{gpu} has no native bfloat16; use --dtype=float16")
+    if name == "float16" and fsdp:
+        raise ConfigError(
+            "fsdp=True computes in bfloat16 or float32, not float16 (whose gradient scaler FSDP runs lack); use "
+            "--dtype=bfloat16, or DDP (fsdp=False) on GPUs without bfloat16"
+        )
     return getattr(torch, name)
 
 
@@ -249,12 +255,7 @@ def make_runtime(cfg):
     check_cuda_graphs(cfg, world_size)
     if cfg.cuda_graphs and device.type != "cuda":
         raise ConfigError(f"cuda_graphs=True needs a CUDA GPU, not device {device}; drop --cuda_graphs")
-    dtype = resolve_dtype(cfg.dtype, device)
-    if cfg.fsdp and dtype == torch.float16:
-        raise ConfigError(
-            "fsdp=True computes in bfloat16 or float32, not float16 (whose gradient scaler FSDP runs lack); use "
-            "--dtype=bfloat16, or DDP (fsdp=False) on GPUs without bfloat16"
-        )
+    dtype = resolve_dtype(cfg.dtype, device, fsdp=cfg.fsdp)
     # one process has nothing to shard over: it trains the whole model, as without fsdp (setup says so)
     return Runtime(rank, local_rank, world_size, device, dtype, fsdp=cfg.fsdp and world_size > 1)
 

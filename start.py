@@ -8,12 +8,9 @@ dataset's meta) returning a Start; start_run() picks one by init_from:
     from_checkpoint   init_from=FILE (or a sharded FOLDER): another run's weights, ours or nanoGPT's, start a new run
     from_pretrained   init_from=a Hugging Face folder or hub id (GPT-2, Llama, Mistral), to fine-tune
 
-Weights from a checkpoint or Hugging Face decide the model's settings: the Start's settings carry them. A new run
-from such weights is then fitted to its data (fit_to_data): the vocabulary grown for chat tokens beyond the model's,
-and the converter its settings ask for applied (converters/: LoRA's adapters on a frozen base). Once the
-model is on its devices and the optimizers exist, restore() puts a resume's state back, in one place. load_model
-gives sample.py, eval.py and export.py the same sources as models in eval mode: a checkpoint (ours, a converted
-run's made plain, nanoGPT's) or Hugging Face weights.
+Weights from a checkpoint or Hugging Face decide the model's settings (the Start's settings carry them), and a new
+run from them is fitted to its data (fit_to_data). Once the model is on its devices and the optimizers exist,
+restore() puts a resume's state back, in one place.
 """
 
 import contextlib
