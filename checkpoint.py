@@ -10,12 +10,11 @@ can be rebuilt from the checkpoint alone), iter_num, best_val_loss, and the weig
 model) named by their role: "weights", the trained weights, and with ema_decay "average", their moving average,
 which is what best.pt keeps, evaluations measure and sample.py uses (kept_weights picks it). ckpt.pt adds
 optimizers (each optimizer's state dict under its name: "adamw", and with optimizer='muon' "muon"), scaler, rng
-(every rank's generators) and sampler (the data stream). Formats 1 and 2, of the repo's first days, are refused in
-one line naming the commit that still reads them.
+(every rank's generators) and sampler (the data stream).
 
 A converted run's checkpoints (converters/: LoRA, with lora_rank) hold "converter": the converter's name and its
-record, and as "weights" what the converter keeps (LoRA: the adapters alone, small; its record names their base,
-which start.model_from_checkpoint loads again). Such a checkpoint is one file, also under FSDP: format 6.
+record, and as "weights" what the converter keeps (LoRA: the adapters alone; its record names their base, which
+start.model_from_checkpoint loads again), in one file also under FSDP.
 
 With fsdp, ckpt.pt is a folder instead, a sharded checkpoint (torch.distributed.checkpoint) that every rank writes
 its part of: weights, optimizers and average keyed by parameter name, and beside them state.pt, the rest of the
@@ -276,10 +275,8 @@ def sharded_state(model, *, ema_model, optimizers):
 def save_sharded(tensors, state, path, rank):
     """
     Write a sharded checkpoint to folder path: every rank its part of tensors (sharded_state), in parallel, and
-    rank 0 the rest (state: the dict of save_training without its tensors) as state.pt. Atomically: the folder is
-    written beside path and renamed into place once complete, so a run killed during the save keeps the previous
-    checkpoint (found by load_checkpoint). Call it on every rank; a failed write raises OSError as save_checkpoint,
-    on every rank at once.
+    rank 0 the rest (state: the dict of save_training without its tensors) as state.pt, atomically (move_into_place).
+    Call it on every rank; a failed write raises OSError as save_checkpoint, on every rank at once.
     """
     # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
     import torch.distributed.checkpoint as dcp
@@ -635,8 +632,7 @@ def nanogpt_checkpoint(ckpt, path):
     """
     A checkpoint written by nanoGPT's train.py, as ours: its weights under our names, its settings, iter_num and
     best_val_loss; "nanogpt" marks it (its optimizer state is not carried over). meta: GPT-2 BPE for its GPT-2
-    vocabulary (50257, or 50304 padded); None for any other, whose characters nanoGPT keeps in a pickle (meta.pkl)
-    that is not read, since unpickling can run code: the caller takes them from a dataset.
+    vocabulary (50257, or 50304 padded); None for any other, whose characters the caller takes (nanogpt_meta).
     """
     try:
         model = load_nanogpt(ckpt, path)

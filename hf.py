@@ -168,21 +168,10 @@ def from_pretrained(name_or_path, **overrides):
     """
     A GPT holding weights in the Hugging Face layout, from a local directory (as save_pretrained writes it) or, when
     online, a hub id such as "gpt2". The directory holds config.json and model.safetensors, or pytorch_model.bin, or
-    either sharded (model-00001-of-00003.safetensors ... with model.safetensors.index.json). config.json's
-    model_type picks the mapping; the ModelConfig follows from config.json:
-        "gpt2": learned positions, LayerNorm, GELU (tanh), biases, the head tied to the embedding.
-        "llama": rotary positions (rope_theta; Llama 3's rope_type "llama3" scaling as rope_scaling), RMSNorm
-            (rms_norm_eps), SwiGLU of width intermediate_size, grouped-query attention (num_key_value_heads),
-            head_dim, biases if attention_bias and mlp_bias, the head tied if tie_word_embeddings. Another
-            scaled rope (linear, dynamic, yarn...), another hidden_act than silu, or attention_bias without
-            mlp_bias is a ValueError.
-        "mistral": as llama, with sliding_window as window_size.
-        "qwen2": as llama, with biases on q, k and v alone (qkv_bias); a window (use_sliding_window) only if
-            every layer slides it.
-        "qwen3": as llama, with q_norm and k_norm (qk_norm) and no biases (attention_bias is a ValueError).
-    block_size is the trained positions (n_positions, max_position_embeddings); it may be overridden shorter,
-    not longer (the rotary tables are block_size long; the KV cache grows with the positions decoded).
-    overrides: ModelConfig fields to change, e.g. dropout=0.1 or block_size=256 for fine-tuning.
+    either sharded (read_state_dict). config.json's model_type picks the mapping, and its settings the ModelConfig
+    (gpt2_model_config; llama_model_config for llama, mistral, qwen2 and qwen3), refusing what ours cannot compute.
+    overrides: ModelConfig fields to change, e.g. dropout=0.1 or block_size=256 for fine-tuning; block_size may be
+    shorter than the trained positions, not longer.
     """
     path, hf = read_hf_config(name_or_path)
     return PRETRAINED_LOADERS[hf["model_type"]](path, hf, overrides)

@@ -3,7 +3,7 @@ What the scripts say. Every script: log, a line printed on rank 0 alone, and one
 line an error report quotes; train.py's fail, that line reported once over the ranks. A training run: the lines
 that open it (describe_run), while it trains a progress line every log_interval steps (loss, learning rate, gradient
 norm, ms/iter, tokens/s, MFU on known GPUs, time left) and TensorBoard (and W&B) scalars, at the end each rank's
-memory. Step losses stay on the device until a progress line or an evaluation reads them back.
+memory.
 """
 
 import contextlib
@@ -298,23 +298,16 @@ def resident_peak():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
-def memory_use(model, optimizers, device):
+def log_memory(model, optimizers, rt):
     """
-    This rank's memory in MiB: state_bytes' {"weights", "gradients", "optimizer"} and "peak": the most CUDA memory
-    allocated, or on a CPU the process's peak resident set (the Python interpreter and the libraries included).
+    One line per rank (rank 0 prints them all), in MiB: state_bytes of model (the plain model) and optimizers ({name:
+    optimizer}), and the peak: the most CUDA memory allocated, or on a CPU the process's peak resident set (the
+    interpreter and the libraries included). Call it on every rank.
     """
     import torch
 
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else resident_peak()
-    return {name: n / 2**20 for name, n in {**state_bytes(model, optimizers), "peak": peak}.items()}
-
-
-def log_memory(model, optimizers, rt):
-    """
-    One line per rank (rank 0 prints them all): weights, gradients, optimizer state and peak memory of model (the
-    plain model) and optimizers ({name: optimizer}). Call it on every rank.
-    """
-    uses = [memory_use(model, optimizers, rt.device)]
+    peak = torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda" else resident_peak()
+    uses = [{name: n / 2**20 for name, n in {**state_bytes(model, optimizers), "peak": peak}.items()}]
     if rt.world_size > 1:
         import torch.distributed as dist
 

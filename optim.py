@@ -41,9 +41,8 @@ def configure_optimizers(model, weight_decay, learning_rate, betas, device_type,
             muon, lr=muon_lr, weight_decay=weight_decay, momentum=0.95, nesterov=True, adjust_lr_fn="original"
         )
         summary = (
-            f"Muon: {len(muon)} block matrices (attention qkv/proj, cross-attention q/kv, MLP fc/up/proj) "
-            "with weight decay "
-            f"({sum(p.numel() for p in muon):,} params); {summary} (embeddings, head, norms, biases)"
+            f"Muon: {len(muon)} block matrices (attention qkv/proj, cross-attention q/kv, MLP fc/up/proj) with weight "
+            f"decay ({sum(p.numel() for p in muon):,} params); {summary} (embeddings, head, norms, biases)"
         )
     return optimizers, summary
 

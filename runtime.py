@@ -1,10 +1,8 @@
 """
-Where a script runs: its device and precision (the `device` and `dtype` settings resolved for this machine, autocast
-for mixed precision), the CPU threads it takes, and the GPUs known by name (memory, peak FLOP/s for MFU, bf16). And
-how a training run is spread over processes: this process's place (Runtime: rank, device, dtype), the process group,
-the few collectives train.py needs and the signals that stop it, and parallelize(), which applies activation
-checkpointing, then FSDP2 or DDP, then torch.compile (compiling.py), in that order, and returns the model under the
-names of its uses (Models); and what a step does differently over the ranks (gradient_sync, clip_gradients).
+Where a script runs: its device and precision, the CPU threads it takes, and the GPUs known by name. And how a
+training run is spread over processes: this process's place (Runtime), the process group, the few collectives
+train.py needs and the signals that stop it, parallelize() (activation checkpointing, then FSDP2 or DDP, then
+torch.compile, in that order) and what a step does differently over the ranks (gradient_sync, clip_gradients).
 """
 
 import contextlib
@@ -107,11 +105,9 @@ def pick_threads(requested, local_ranks):
 
 def use_device(cfg, rt):
     """
-    Set this process up on its device, before anything uses it; returns a note on the CPU threads taken, or None.
-    On a CPU, the cores other jobs leave free (pick_threads), shared among this machine's ranks (torchrun sets
-    LOCAL_WORLD_SIZE). On CUDA, this rank's GPU becomes the current one before anything uses CUDA (NCCL,
-    allocations), or a context on GPU 0 would take its memory on every rank; and TF32 matmuls (Ampere and newer):
-    far faster than float32, and precise enough for training.
+    Set this process up on its device, before anything uses it; returns pick_threads' note on a CPU, or None. On
+    CUDA, this rank's GPU becomes the current one before anything uses CUDA (NCCL, allocations), or a context on GPU
+    0 would take its memory on every rank; and TF32 matmuls (Ampere and newer): far faster, precise enough to train.
     """
     if rt.device.type == "cuda":
         torch.cuda.set_device(rt.device)

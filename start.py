@@ -225,8 +225,7 @@ def describe_ids(meta):
 def from_checkpoint(cfg, meta):
     """
     A new run from a checkpoint file (another run's best.pt or ckpt.pt: its weights, the average if it kept one)
-    or nanoGPT's. It must have been trained on the same tokenizer; nanoGPT's character-level models, whose
-    characters this project does not read (they are in a pickle), take the dataset's, which must be as many.
+    or nanoGPT's (its characters the dataset's: nanogpt_meta), trained on the same tokenizer.
     """
     path = Path(cfg.init_from).expanduser()
     ckpt = load_checkpoint(path)
@@ -391,10 +390,9 @@ def load_whole_optimizer_state(model, optimizer, state):
 def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False):
     """
     (model in eval mode on device, its Tokenizer, its data's meta, the name of its task: its run's task setting, else
-    "auto", for tasks.make_task) for sampling and evaluation. init_from: "resume"
-    (out_dir/checkpoint), a checkpoint file or sharded folder (ours or nanoGPT's; dataset names the prepared data
-    of a nanoGPT character-level model's characters), else Hugging Face weights (a hub id or a folder). compile:
-    torch.compile the layer stacks, which generation calls.
+    "auto", for tasks.make_task) for sampling and evaluation. init_from: "resume" (out_dir/checkpoint), a checkpoint
+    file or sharded folder (ours or nanoGPT's, whose characters come from dataset), else Hugging Face weights (a hub
+    id or a folder). compile: torch.compile the layer stacks, which generation calls.
     """
     if init_from != "resume":
         check_local_path(init_from)
