@@ -207,10 +207,9 @@ def read_config_file(arg, names):
 
 def parse_config(cls, argv, config_files=True):
     """
-    Build dataclass cls from argv: config files (`key = value` literals, read with ast, so no code runs) and
-    --key=value or --key value overrides, applied in order, each value typed by its field; a dict option is merged
-    into the dict before it (a config file's), its keys winning. --help prints every key with its default and doc
-    and exits. Raises ConfigError naming the bad file line, key or value; config_files=False refuses files.
+    Build dataclass cls from argv's config files and --key=value (or --key value) options, applied in order as the
+    module's docstring says, each value typed by its field. --help prints every key with its default and doc and
+    exits. Raises ConfigError naming the bad file line, key or value; config_files=False refuses files.
     """
     return make_config(cls, given_values(cls, argv, config_files))
 

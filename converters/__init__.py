@@ -1,8 +1,7 @@
 """
 Model converters, one file each: rewrites of a run's model applied after it is built or loaded and before it is
-spread over the ranks, listed by name. converters/base.py holds the contract (Converter), lora.py LoRA. A converter
-is registered by its file: every module of this folder is imported here, and each Converter class it defines with a
-name is in CONVERTERS. train.py, start.py and checkpoint.py name none of them: they call these functions.
+spread over the ranks (converters/base.py: the contract; lora.py: LoRA). A converter is registered by its file
+(CONVERTERS). train.py, start.py and checkpoint.py name none of them: they call these functions.
 """
 
 from config import ConfigError, registered

@@ -1,8 +1,7 @@
 """
-The tasks, one file each: what is trained (batches, loss), how it is evaluated (eval.py) and what sample.py shows of
-it, for one kind of model and data. tasks/base.py holds the contract (Task); lm.py, masked_lm.py, seq2seq.py and
-chat.py the trained tasks, hellaswag.py a benchmark. A task is registered by its file: every module of this folder
-is imported here, and each Task class it defines with a name is in TASKS. To add one, add a file (docs/model.md).
+The tasks, one file each, for one kind of model and data: tasks/base.py holds the contract (Task); lm.py,
+masked_lm.py, seq2seq.py and chat.py the trained tasks, hellaswag.py a benchmark. A task is registered by its file
+(TASKS): to add one, add a file (docs/model.md).
 """
 
 from config import ConfigError, registered
