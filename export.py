@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from chat import BUILTIN_JINJA, ChatFormat
 from checkpoint import load_checkpoint, move_into_place, nanogpt_meta, run_checkpoint
 from config import parse_config
-from hf import EXPORT_KEY, hf_layout, to_hf
+from hf import EXPORT_KEY, LLAMA_FAMILIES, hf_layout, to_hf
 from model import ModelConfig
 from start import model_from_checkpoint
 from tokens import END_OF_TEXT, TOKENIZER_JSON, dataset_dir, load_meta, tiktoken_encoding
@@ -386,12 +386,8 @@ def main(cfg, out=None):
     named = load_meta(dataset_dir(cfg.dataset)) if cfg.dataset else None
     meta = ckpt["meta"] or nanogpt_meta(ckpt, path, named, "name a prepared dataset with --dataset")
     note = export(model, meta, dest)
-    kind = {
-        "gpt2": "GPT2LMHeadModel (GPT-2 layout)",
-        "llama": "LlamaForCausalLM (Llama layout)",
-        "qwen2": "Qwen2ForCausalLM (Qwen2 layout)",
-        "qwen3": "Qwen3ForCausalLM (Qwen3 layout)",
-    }[layout]
+    architecture = {"gpt2": "GPT2LMHeadModel", **LLAMA_FAMILIES}[layout]
+    kind = f"{architecture} ({'GPT-2' if layout == 'gpt2' else layout.capitalize()} layout)"
     files = ", ".join(sorted(p.name for p in dest.iterdir()))
     said = "replaced the earlier export in" if replacing else "wrote"
     print(f"{said} {dest}: {kind}, {model.num_params():,} parameters; {files}", file=out)

@@ -35,13 +35,8 @@ def download_from_hub(name):
     try:
         from huggingface_hub import snapshot_download
 
-        patterns = [
-            "config.json",
-            "tokenizer.json",
-            "model.safetensors",
-            "model.safetensors.index.json",
-            "model-*.safetensors",
-        ]
+        # the safetensors weights: one file, or an index and its shards
+        patterns = ["config.json", "tokenizer.json", *WEIGHT_FILES[:2], "model-*.safetensors"]
         return Path(snapshot_download(name, allow_patterns=patterns))
     except Exception as e:
         raise FileNotFoundError(
