@@ -141,12 +141,10 @@ def save_training(
     path, model, rt, *, ema_model, optimizers, scaler, sampler_state, train_seconds, schedule_from, converter, **saved
 ):
     """
-    Save ckpt.pt at path: weights_state (model's trained weights; saved: its cfg, meta, iter_num, best_val_loss and
-    best_accuracy) plus all a resume needs, with ema_model's weights as "average" where there is one. Call it on
-    every rank (rt: this process's runtime.Runtime): their RNG states are gathered, and under FSDP it is a sharded
-    checkpoint (a folder) that every rank writes its part of, so that no rank ever holds the whole model or
-    optimizer. converter: a converted run's (converters/) or None: its state (LoRA: the adapters) and the
-    optimizers' state of it, whole also under FSDP (gathered on every rank) in one file, instead of every weight.
+    Save ckpt.pt at path: weights_state (saved: its other arguments) plus all a resume needs, with ema_model's
+    weights as "average" where there is one. Call it on every rank (rt: this process's runtime.Runtime): their RNG
+    states are gathered, and under FSDP it is a sharded checkpoint (a folder) that every rank writes its part of, so
+    that no rank ever holds the whole model or optimizer; a converted run's is one file, also under FSDP.
     """
     sharded, iter_num = rt.fsdp and converter is None, saved["iter_num"]
     # each rank has its own generators (dropout differs per rank): all are gathered, in rank order, for rank 0 to save
@@ -184,10 +182,9 @@ def save_training(
 
 def save_weights(path, model, rt, *, converter=None, **saved):
     """
-    Save best.pt at path: weights_state of model's weights, or of a converted model's state (converter), with
-    weights_state's other arguments (saved: cfg, meta, iter_num, ...). Call it on every rank: under FSDP the
-    shards are checked on every rank, then gathered onto rank 0's CPU one tensor at a time (the optimizer's state is
-    never gathered), and rank 0 writes the file.
+    Save best.pt at path: weights_state of model's weights, or of a converted model's state (saved: its other
+    arguments). Call it on every rank: under FSDP the shards are checked on every rank, then gathered onto rank 0's
+    CPU one tensor at a time, and rank 0 writes the file.
     """
     if rt.fsdp:
         check_shards_finite([model], saved["iter_num"])
@@ -233,9 +230,8 @@ def whole_model(model, rt, converter=None):
 
 def whole_optimizer_state(model, optimizer):
     """
-    optimizer.state_dict() as one process holding the whole model would have it, also under FSDP (a LoRA run's,
-    whose ckpt.pt is one file whatever the ranks, small since only the adapters have state), where every rank
-    gathers its shards onto rank 0's CPU (the others get {}; call it on every rank).
+    optimizer.state_dict() as one process holding the whole model would have it, also under FSDP (a converted run's
+    one-file ckpt.pt), where every rank gathers its shards onto rank 0's CPU (the others get {}).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from torch.distributed.fsdp import FSDPModule
@@ -447,12 +443,10 @@ def save_checkpoint(state, path):
 def load_checkpoint(path, map_location="cpu", weights=True, mmap=False):
     """
     A checkpoint written by train.py, loaded with weights_only=True so that it cannot run code. A sharded one (a
-    folder, written with fsdp) gives the same dict with the kept weights ("average" if there is one, else
-    "weights") read whole into this process (the optimizer's state is left on disk), or, with weights=False, no
+    folder) gives the same dict with the kept weights read whole into this process, or, with weights=False, no
     tensors at all; "sharded" then names the folder (and "sharded_keys" its tensors), for load_sharded.
     mmap: a file's tensors mapped from it, read only where used (a caller after its settings alone: 1 s against 0.004
-    for a GPT-2 124M ckpt.pt). A missing, corrupt, newer-format or early-format (1, 2) checkpoint raises ConfigError
-    with a one-line message.
+    for a GPT-2 124M ckpt.pt). A checkpoint this code cannot read raises ConfigError with a one-line message.
     """
     path = Path(path)
     # a sharded save killed between its two renames left the previous checkpoint under this name

@@ -57,10 +57,8 @@ def fail(message, status):
 
 
 def describe_run(cfg, rt, dataset, model, per_rank, optimizer_summary, schedule_notes):
-    """
-    The lines that open a training run's log: what trains on what, the step's shape (per_rank micro-batches per
-    rank), the learning rate's notes (optim.schedule_notes), the optimizers, and notes.
-    """
+    """The lines that open a training run's log: what trains on what, the step's shape (per_rank micro-batches per
+    rank), the learning rate's notes (optim.schedule_notes), the optimizers, and notes."""
     log(
         f"{cfg.arch} on {dataset}: {model.num_params():,} parameters, {rt.device} {str(rt.dtype)[6:]}, "
         f"{rt.world_size} rank(s); {cfg.batch_size * per_rank * rt.world_size} sequences per step "
@@ -128,8 +126,7 @@ class Progress:
     The progress of a run: each step's results go in with add(), which prints the progress line every log_interval
     steps; `losses` collects {iteration: mean train loss over the ranks} of the steps read back so far. The latest
     steps' losses stay on the device until a progress line or an evaluation reads them (read): reading a number
-    from a GPU waits for all the work queued before it, so a read every step would leave the GPU idle. Evaluations
-    run inside paused(), so that ms/iter and tokens/s time the training steps only.
+    from a GPU waits for all the work queued before it, so a read every step would leave the GPU idle.
     """
 
     def __init__(self, cfg, rt, scalars, peak_flops):

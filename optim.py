@@ -49,9 +49,8 @@ def configure_optimizers(model, weight_decay, learning_rate, betas, device_type,
 
 def make_optimizers(model, cfg, rt):
     """
-    configure_optimizers as cfg says, over model's parallelized (sharded, on device) parameters: ({name: optimizer},
-    a one-line summary). Every parameter group keeps its peak learning rate as "initial_lr", which train_step's
-    schedule scales.
+    configure_optimizers as cfg says, over model's parallelized (sharded, on device) parameters, each group keeping
+    its peak learning rate as "initial_lr", which train_step's schedule scales.
     """
     betas = (cfg.beta1, cfg.beta2)
     optimizers, summary = configure_optimizers(

@@ -202,9 +202,8 @@ GPUS = (
 
 def peak_flops(device_name, multiprocessors=None):
     """
-    Peak dense bf16 FLOP/s of a GPU from its torch.cuda.get_device_name(); None for one not in GPUS.
-    A MIG slice gets the whole GPU's peak times its share of the streaming multiprocessors: multiprocessors is the
-    slice's own count (torch.cuda.get_device_properties(device).multi_processor_count); None without it.
+    Peak dense bf16 FLOP/s of a GPU from its torch.cuda.get_device_name(); None for one not in GPUS. A MIG slice gets
+    the whole GPU's peak times its share of the multiprocessors (its own count; None without it).
     """
     gpu = next((gpu for gpu in GPUS if re.search(gpu.pattern, device_name)), None)
     if gpu is None or not re.search(r"\bMIG\b", device_name):
@@ -327,8 +326,7 @@ def agreed_minimum(value, world_size, group=None):
 def raise_if_any_failed(error, world_size, group=None):
     """
     Every rank passes its one-line error (or None); if any rank failed, all raise the first rank's error at once,
-    instead of the others waiting in their next collective until dist_timeout. group: the process group to
-    exchange them over (None: the default one).
+    instead of the others waiting in their next collective until dist_timeout (group: over which).
     """
     errors = [error]
     if world_size > 1:
