@@ -19,7 +19,8 @@ start.model_from_checkpoint loads again), in one file also under FSDP.
 With fsdp, ckpt.pt is a folder instead, a sharded checkpoint (torch.distributed.checkpoint) that every rank writes
 its part of: weights, optimizers and average keyed by parameter name, and beside them state.pt, the rest of the
 dict above. load_checkpoint reads either kind; a folder's weights load whole into one process, or resharded into
-any number of ranks with load_sharded.
+any number of ranks with load_sharded. torch.distributed.checkpoint is imported by the functions that use it: half a
+second of every script's start that only sharded checkpoints need.
 """
 
 import contextlib
@@ -205,7 +206,6 @@ def whole_weights(model, rt):
     """model's state dict, whole; under FSDP gathered onto rank 0's CPU (the others get {}): call it on every rank."""
     if not rt.fsdp:
         return model.state_dict()
-    # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -255,7 +255,6 @@ def sharded_state(model, *, ema_model, optimizers):
     holds the whole model): {"weights", "optimizers": {name: state}[, "average"]} as in ckpt.pt, keyed by parameter
     name. Saved as it is by save_sharded, or filled in by load_sharded.
     """
-    # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     # the optimizer's state keyed by parameter names, not by its own numbering: it then fits any sharding
@@ -274,7 +273,6 @@ def save_sharded(tensors, state, path, rank):
     rank 0 the rest (state: the dict of save_training without its tensors) as state.pt, atomically (move_into_place).
     Call it on every rank; a failed write raises OSError as save_checkpoint, on every rank at once.
     """
-    # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
@@ -389,7 +387,6 @@ def load_sharded(ckpt, model, *, optimizers, ema_model, role="weights"):
     reads the parts its own shards need, however many ranks wrote it (torch.distributed.checkpoint reshards), or
     all of them in a process without FSDP.
     """
-    # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     keys = ckpt["sharded_keys"]  # the names of the folder's tensors: weights, optimizers, average
@@ -580,7 +577,6 @@ def read_shards(tensors, path, alone):
     Fill tensors (a nested dict, as sharded_state's) from the sharded checkpoint folder path; alone: this process
     reads them without the other ranks (else every rank calls it and each reads its part).
     """
-    # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
     import torch.distributed.checkpoint as dcp
 
     # checked here: PyTorch would log two tracebacks looking for it before failing

@@ -1107,10 +1107,8 @@ def chat_tokenizer_file(value):
 
 def chat_meta(choice, files):
     """
-    The kind, tokenizer, vocab_size, special_tokens and chat entries of chat data tokenized by --tokenizer=choice:
-    gpt2, char (the conversations' own characters), a prepared dataset's folder (its tokenizer, and its template if
-    it is chat data), a Hugging Face folder (its own chat template, if it has one) or a tokenizer.json. A tokenizer
-    without a template gets the built-in one.
+    The kind, tokenizer, vocab_size, special_tokens and chat entries of chat data tokenized by --tokenizer=choice (see
+    the option's help): a tokenizer without a chat template of its own gets the built-in one.
     """
     if choice == "gpt2":
         base = gpt2_vocab()

@@ -572,8 +572,8 @@ def train_byte_level_bpe(texts, vocab_size):
     (tokenizer.json text, special_tokens) of a byte-level BPE of vocab_size ids trained on texts (an iterable of
     strings), as GPT-2's is made: GPT-2's pre-tokenizer splits words, numbers, punctuation and spaces, whose UTF-8
     bytes are then merged. Id 0 is END_OF_TEXT (special_tokens' "eot"), ids 1-256 the byte values, so that any
-    text encodes and decodes exactly; the rest are merges, most frequent first. vocab_size must be at least 257.
-    The same texts give the same file. ValueError when the texts hold too few distinct pairs for vocab_size ids.
+    text encodes and decodes exactly; the rest are merges, most frequent first. ValueError when the texts hold too
+    few distinct pairs for vocab_size ids.
     """
     bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
     # add_prefix_space=False: a text's first word is encoded as written, as tiktoken's GPT-2 does

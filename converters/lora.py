@@ -108,8 +108,7 @@ def add_adapters(model, settings, token_rows=(), *, generator):
     """
     Freeze every weight of model (a GPT) and give it trained adapters, in place: a LoRALinear for each Linear of
     every block that settings.targets names, and with token_rows (ids) a delta on those rows of the embedding and
-    the head (one shared delta where the head is tied to the embedding). generator draws the A matrices, so that
-    every rank draws the same ones. Returns model.
+    the head. generator draws the A matrices, so that every rank draws the same ones. Returns model.
     """
     model.requires_grad_(False)
     for block in [m for m in model.modules() if isinstance(m, Block)]:
@@ -156,9 +155,8 @@ def load_adapters(model, tensors):
 @torch.no_grad()
 def merge(model):
     """
-    An adapted model made plain again, in place: every update folded into the weight it adapts (W += (alpha / r)
-    B A, the token rows' deltas added to their rows) and the plain modules back, every weight trainable as in a
-    model just built. Its forward equals the adapted one's up to rounding; its state dict has the base's names only.
+    An adapted model made plain again, in place: every update folded into the weight it adapts and the plain modules
+    back, every weight trainable. Its forward equals the adapted one's up to rounding; its state dict the base's.
     """
     merged = set()  # the deltas already added: a tied head's is the embedding's
     for parent in list(model.modules()):
