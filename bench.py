@@ -662,10 +662,9 @@ def nanogpt_step(cfg, work):
 
 def step_rows(results, plans):
     """
-    The step table's rows, one value per case: the device time of a training step (median, spread), tokens/s and
-    MFU from it, the optimizer's share, the peak memory (CUDA's allocated; the process's resident set on a CPU)
-    and what --plan predicted for both, the launch to the end of the first step, the compiled graphs, the loss
-    after the last timed step, and with --profile the device's busy share and time by kind of kernel.
+    The step table's rows, one value per case (each row's name says what it is): the device time of a training
+    step and what follows from it, the peak memory (CUDA's allocated; on a CPU the resident set), --plan's
+    predictions, the launch, the compiled graphs, the last loss, and with --profile the time by kind of kernel.
     """
     ok = [r for r in results if "error" not in r]
     # nanoGPT computes the same model's FLOPs at the same shape: its MFU from the first case's FLOPs per token
@@ -719,9 +718,8 @@ def _cache(r):
 def bench_steps(cfg, work):
     """
     (header, rows): each step case, and nanoGPT's with --nanogpt, measured in turns cfg.rounds times (1, 2, ...,
-    nanoGPT, 1, 2, ...), so that the machine's drift hits them alike; each round in a folder of its own, compiling
-    from the same cache state as the others (empty, but for a case after the first that shares its cache). Then
-    planned.
+    nanoGPT, 1, 2, ...), so that the machine's drift hits them alike, each round in a folder (and compile caches) of
+    its own; then planned.
     """
     cases = cfg.step_cases
     nanogpt = bool(cfg.nanogpt and cfg.nanogpt_step)

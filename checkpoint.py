@@ -10,17 +10,17 @@ can be rebuilt from the checkpoint alone), iter_num, best_val_loss, and the weig
 model) named by their role: "weights", the trained weights, and with ema_decay "average", their moving average,
 which is what best.pt keeps, evaluations measure and sample.py uses (kept_weights picks it). ckpt.pt adds
 optimizers (each optimizer's state dict under its name: "adamw", and with optimizer='muon' "muon"), scaler, rng
-(every rank's generators) and sampler (the data stream). Formats 1 and 2, of the repo's first days, are refused in
-one line naming the commit that still reads them.
+(every rank's generators) and sampler (the data stream).
 
 A converted run's checkpoints (converters/: LoRA, with lora_rank) hold "converter": the converter's name and its
-record, and as "weights" what the converter keeps (LoRA: the adapters alone, small; its record names their base,
-which start.model_from_checkpoint loads again). Such a checkpoint is one file, also under FSDP: format 6.
+record, and as "weights" what the converter keeps (LoRA: the adapters alone; its record names their base, which
+start.model_from_checkpoint loads again), in one file also under FSDP.
 
 With fsdp, ckpt.pt is a folder instead, a sharded checkpoint (torch.distributed.checkpoint) that every rank writes
 its part of: weights, optimizers and average keyed by parameter name, and beside them state.pt, the rest of the
 dict above. load_checkpoint reads either kind; a folder's weights load whole into one process, or resharded into
-any number of ranks with load_sharded.
+any number of ranks with load_sharded. torch.distributed.checkpoint is imported by the functions that use it: half a
+second of every script's start that only sharded checkpoints need.
 """
 
 import contextlib
@@ -142,12 +142,10 @@ def save_training(
     path, model, rt, *, ema_model, optimizers, scaler, sampler_state, train_seconds, schedule_from, converter, **saved
 ):
     """
-    Save ckpt.pt at path: weights_state (model's trained weights; saved: its cfg, meta, iter_num, best_val_loss and
-    best_accuracy) plus all a resume needs, with ema_model's weights as "average" where there is one. Call it on
-    every rank (rt: this process's runtime.Runtime): their RNG states are gathered, and under FSDP it is a sharded
-    checkpoint (a folder) that every rank writes its part of, so that no rank ever holds the whole model or
-    optimizer. converter: a converted run's (converters/) or None: its state (LoRA: the adapters) and the
-    optimizers' state of it, whole also under FSDP (gathered on every rank) in one file, instead of every weight.
+    Save ckpt.pt at path: weights_state (saved: its other arguments) plus all a resume needs, with ema_model's
+    weights as "average" where there is one. Call it on every rank (rt: this process's runtime.Runtime): their RNG
+    states are gathered, and under FSDP it is a sharded checkpoint (a folder) that every rank writes its part of, so
+    that no rank ever holds the whole model or optimizer; a converted run's is one file, also under FSDP.
     """
     sharded, iter_num = rt.fsdp and converter is None, saved["iter_num"]
     # each rank has its own generators (dropout differs per rank): all are gathered, in rank order, for rank 0 to save
@@ -185,10 +183,9 @@ def save_training(
 
 def save_weights(path, model, rt, *, converter=None, **saved):
     """
-    Save best.pt at path: weights_state of model's weights, or of a converted model's state (converter), with
-    weights_state's other arguments (saved: cfg, meta, iter_num, ...). Call it on every rank: under FSDP the
-    shards are checked on every rank, then gathered onto rank 0's CPU one tensor at a time (the optimizer's state is
-    never gathered), and rank 0 writes the file.
+    Save best.pt at path: weights_state of model's weights, or of a converted model's state (saved: its other
+    arguments). Call it on every rank: under FSDP the shards are checked on every rank, then gathered onto rank 0's
+    CPU one tensor at a time, and rank 0 writes the file.
     """
     if rt.fsdp:
         check_shards_finite([model], saved["iter_num"])
@@ -209,7 +206,6 @@ def whole_weights(model, rt):
     """model's state dict, whole; under FSDP gathered onto rank 0's CPU (the others get {}): call it on every rank."""
     if not rt.fsdp:
         return model.state_dict()
-    # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -234,9 +230,8 @@ def whole_model(model, rt, converter=None):
 
 def whole_optimizer_state(model, optimizer):
     """
-    optimizer.state_dict() as one process holding the whole model would have it, also under FSDP (a LoRA run's,
-    whose ckpt.pt is one file whatever the ranks, small since only the adapters have state), where every rank
-    gathers its shards onto rank 0's CPU (the others get {}; call it on every rank).
+    optimizer.state_dict() as one process holding the whole model would have it, also under FSDP (a converted run's
+    one-file ckpt.pt), where every rank gathers its shards onto rank 0's CPU (the others get {}).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from torch.distributed.fsdp import FSDPModule
@@ -260,7 +255,6 @@ def sharded_state(model, *, ema_model, optimizers):
     holds the whole model): {"weights", "optimizers": {name: state}[, "average"]} as in ckpt.pt, keyed by parameter
     name. Saved as it is by save_sharded, or filled in by load_sharded.
     """
-    # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     # the optimizer's state keyed by parameter names, not by its own numbering: it then fits any sharding
@@ -276,12 +270,9 @@ def sharded_state(model, *, ema_model, optimizers):
 def save_sharded(tensors, state, path, rank):
     """
     Write a sharded checkpoint to folder path: every rank its part of tensors (sharded_state), in parallel, and
-    rank 0 the rest (state: the dict of save_training without its tensors) as state.pt. Atomically: the folder is
-    written beside path and renamed into place once complete, so a run killed during the save keeps the previous
-    checkpoint (found by load_checkpoint). Call it on every rank; a failed write raises OSError as save_checkpoint,
-    on every rank at once.
+    rank 0 the rest (state: the dict of save_training without its tensors) as state.pt, atomically (move_into_place).
+    Call it on every rank; a failed write raises OSError as save_checkpoint, on every rank at once.
     """
-    # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
@@ -396,7 +387,6 @@ def load_sharded(ckpt, model, *, optimizers, ema_model, role="weights"):
     reads the parts its own shards need, however many ranks wrote it (torch.distributed.checkpoint reshards), or
     all of them in a process without FSDP.
     """
-    # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     keys = ckpt["sharded_keys"]  # the names of the folder's tensors: weights, optimizers, average
@@ -450,12 +440,10 @@ def save_checkpoint(state, path):
 def load_checkpoint(path, map_location="cpu", weights=True, mmap=False):
     """
     A checkpoint written by train.py, loaded with weights_only=True so that it cannot run code. A sharded one (a
-    folder, written with fsdp) gives the same dict with the kept weights ("average" if there is one, else
-    "weights") read whole into this process (the optimizer's state is left on disk), or, with weights=False, no
+    folder) gives the same dict with the kept weights read whole into this process, or, with weights=False, no
     tensors at all; "sharded" then names the folder (and "sharded_keys" its tensors), for load_sharded.
     mmap: a file's tensors mapped from it, read only where used (a caller after its settings alone: 1 s against 0.004
-    for a GPT-2 124M ckpt.pt). A missing, corrupt, newer-format or early-format (1, 2) checkpoint raises ConfigError
-    with a one-line message.
+    for a GPT-2 124M ckpt.pt). A checkpoint this code cannot read raises ConfigError with a one-line message.
     """
     path = Path(path)
     # a sharded save killed between its two renames left the previous checkpoint under this name
@@ -589,7 +577,6 @@ def read_shards(tensors, path, alone):
     Fill tensors (a nested dict, as sharded_state's) from the sharded checkpoint folder path; alone: this process
     reads them without the other ranks (else every rank calls it and each reads its part).
     """
-    # imported here, not at the top: half a second of every script's start that only sharded checkpoints need
     import torch.distributed.checkpoint as dcp
 
     # checked here: PyTorch would log two tracebacks looking for it before failing
@@ -635,8 +622,7 @@ def nanogpt_checkpoint(ckpt, path):
     """
     A checkpoint written by nanoGPT's train.py, as ours: its weights under our names, its settings, iter_num and
     best_val_loss; "nanogpt" marks it (its optimizer state is not carried over). meta: GPT-2 BPE for its GPT-2
-    vocabulary (50257, or 50304 padded); None for any other, whose characters nanoGPT keeps in a pickle (meta.pkl)
-    that is not read, since unpickling can run code: the caller takes them from a dataset.
+    vocabulary (50257, or 50304 padded); None for any other, whose characters the caller takes (nanogpt_meta).
     """
     try:
         model = load_nanogpt(ckpt, path)

@@ -18,11 +18,9 @@ from model import Block
 
 class CompiledModel(nn.Module):
     """
-    torch.compile(module), falling back to the eager module with one warning if a compilation fails, whenever it
-    happens: at the first call or at a later recompilation (evaluation mode, say). A backward graph is compiled at
-    its first use, in loss.backward(): train.backward turns a failure there into a one-line error.
-    regions: compile each Block and the loss instead of the whole model (compile_regions); mode: torch.compile's,
-    "reduce-overhead" for CUDA graphs.
+    torch.compile(module), falling back to the eager module with one warning if a compilation fails, at the first
+    call or at a later recompilation (evaluation mode, say); a backward's failure is train.backward's to report.
+    regions: compile_regions instead of the whole model; mode: torch.compile's, "reduce-overhead" for CUDA graphs.
     """
 
     def __init__(self, module, dynamic=None, regions=False, mode=None):
@@ -97,9 +95,9 @@ def compile_model(model, task, batch_size, block_size, rt, dynamic=None, regions
 def trial_step(step, task, batch_size, block_size, rt, ddp=None):
     """
     One forward and backward of the task's example batch through step, with the training step's exact call (so that
-    training reuses the graphs a compiled step makes here), leaving every random generator as it was; the gradients
-    are left for the caller to clear. ddp: the DDP module inside step, whose no_sync keeps the trial from exchanging
-    anything, so that a rank whose backward fails to compile leaves no other rank waiting in an all-reduce.
+    training reuses the graphs made here), leaving every random generator as it was and the gradients for the caller
+    to clear. ddp: the DDP module inside step, whose no_sync keeps a rank whose backward fails to compile from
+    leaving the others waiting in an all-reduce.
     """
     inputs, targets = task.to_device(*task.example_batch(batch_size, block_size), rt.device)
     no_sync = ddp.no_sync() if ddp is not None else contextlib.nullcontext()

@@ -11,8 +11,10 @@ not a config) raises ConfigError with a one-line message that names the file lin
 
 import ast
 import difflib
+import importlib
 import inspect
 import io
+import pkgutil
 import sys
 import textwrap
 import tokenize
@@ -29,6 +31,21 @@ BOOL_WORDS = types.MappingProxyType({"true": True, "false": False, "1": True, "0
 
 class ConfigError(ValueError):
     """A bad setting, config file, command line or input file; the message says what is wrong and how to fix it."""
+
+
+def registered(package, path, base):
+    """
+    {name: class} of the subclasses of base with a name that the modules of a package (its __name__ and __path__)
+    define, in the order of their file names: what a setting naming a task or a converter may take.
+    """
+    found = {}
+    for module in sorted(info.name for info in pkgutil.iter_modules(path)):
+        for value in vars(importlib.import_module(f"{package}.{module}")).values():
+            # the classes a module defines, not those it imports
+            defined = isinstance(value, type) and value.__module__ == f"{package}.{module}"
+            if defined and issubclass(value, base) and value.name:
+                found[value.name] = value
+    return found
 
 
 def field_docs(cls):
@@ -190,10 +207,9 @@ def read_config_file(arg, names):
 
 def parse_config(cls, argv, config_files=True):
     """
-    Build dataclass cls from argv: config files (`key = value` literals, read with ast, so no code runs) and
-    --key=value or --key value overrides, applied in order, each value typed by its field; a dict option is merged
-    into the dict before it (a config file's), its keys winning. --help prints every key with its default and doc
-    and exits. Raises ConfigError naming the bad file line, key or value; config_files=False refuses files.
+    Build dataclass cls from argv's config files and --key=value (or --key value) options, applied in order as the
+    module's docstring says, each value typed by its field. --help prints every key with its default and doc and
+    exits. Raises ConfigError naming the bad file line, key or value; config_files=False refuses files.
     """
     return make_config(cls, given_values(cls, argv, config_files))
 

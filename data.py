@@ -1,7 +1,6 @@
 """
 The data a run reads: its dataset (prepared first if missing, by one rank while the others wait) and the stream of
-training micro-batches, each depending on its seed alone, built one step ahead on a background thread and moved to
-the device. What a batch is belongs to the task (tasks/): TrainBatches calls the task's batch().
+training micro-batches (TrainBatches), moved to the device. What a batch is belongs to the task (tasks/).
 """
 
 import difflib
@@ -113,10 +112,9 @@ def pinned(inputs, targets):
 
 def model_inputs(inputs, targets, device, varying=False):
     """
-    A batch on device: (inputs tuple, targets). Pinned host memory (see pinned) lets the copy overlap with GPU
-    work; a GPT's window is copied once and sliced on the device. varying (Task.varying: pairs, conversations):
-    dimension 1, the length, varies from batch to batch and is marked dynamic, so that torch.compile builds one
-    graph for all of them instead of recompiling for each new length.
+    A batch on device: (inputs tuple, targets), a GPT's window copied once and sliced on the device. varying
+    (Task.varying: pairs, conversations): dimension 1, the length, varies from batch to batch and is marked dynamic,
+    so that torch.compile builds one graph for all of them instead of recompiling for each new length.
     """
     window = None if varying else gpt_window(inputs, targets)
     if window is not None:

@@ -90,14 +90,10 @@ def eval_task(cfg, trained):
 def format_results(results):
     """`key  value` lines: floats to 4 decimals, counts with thousands separators."""
     width = max(map(len, results))
-    lines = []
-    for key, value in results.items():
-        if isinstance(value, float):
-            value = f"{value:.4f}"
-        elif isinstance(value, int):
-            value = f"{value:,}"
-        lines.append(f"{key:<{width}}  {value}")
-    return "\n".join(lines)
+    shown = {
+        k: f"{v:.4f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else v for k, v in results.items()
+    }
+    return "\n".join(f"{key:<{width}}  {value}" for key, value in shown.items())
 
 
 def main(cfg, out=None):

@@ -10,13 +10,9 @@ vocabulary. Then transformers' AutoTokenizer and AutoModelForCausalLM read the f
 model's tokenizer_config.json holds its chat template and generation_config.json its end-of-turn id as eos, so that
 transformers' apply_chat_template and generate (and vLLM, SGLang) chat with it as sample.py --chat does.
 
-Four layouts, picked by pos_encoding and, for rotary models, the attention (see hf.hf_layout):
-    learned -> GPT2LMHeadModel: LayerNorm, GELU (exact or tanh) or ReLU (or squared), every head reads its own
-               keys, tied or untied head.
-    rope    -> LlamaForCausalLM: RMSNorm, SwiGLU, grouped-query attention, tied or untied head, biases or not;
-               Qwen2ForCausalLM with qkv_bias, Qwen3ForCausalLM with qk_norm.
-Options that none computes (post-norm, a soft-cap, a window...) are a one-line error naming each.
-JSON and safetensors are written here: transformers is not needed to export, only to load.
+The layout (GPT-2's, Llama's, Qwen2's or Qwen3's) follows from the model's settings (hf.hf_layout, hf.LAYOUTS);
+options that none computes (post-norm, a soft-cap, a window...) are a one-line error naming each. JSON and
+safetensors are written here: transformers is not needed to export, only to load.
 
 The way back: sample.py, eval.py and train.py take the folder as --init_from=FOLDER. config.json's "nanoformer" entry
 keeps the meta of the data the model was trained on (a character vocabulary too; a tokenizer.json as the folder's
@@ -37,7 +33,7 @@ from safetensors.torch import save_file
 from chat import BUILTIN_JINJA, ChatFormat
 from checkpoint import load_checkpoint, move_into_place, nanogpt_meta, run_checkpoint
 from config import parse_config
-from hf import EXPORT_KEY, hf_layout, to_hf
+from hf import EXPORT_KEY, LLAMA_FAMILIES, hf_layout, to_hf
 from model import ModelConfig
 from start import model_from_checkpoint
 from tokens import END_OF_TEXT, TOKENIZER_JSON, dataset_dir, load_meta, tiktoken_encoding
@@ -165,11 +161,9 @@ def huggingface_tokenizer_files(meta, block_size):
 
 def char_tokenizer_files(meta, block_size):
     """
-    (files, settings): tokenizer.json of a character vocabulary, id i its i-th character: every character of a text is
-    its own piece (split before and after each one, newlines and spaces included), looked up whole (WordLevel), and
-    ids decode to their characters joined with nothing between (Fuse); the special tokens past the characters (a chat
-    template's markers) added. A character outside the list reads as the unk token (char_unk). And
-    tokenizer_config.json's settings.
+    (files, settings): tokenizer.json of a character vocabulary, id i its i-th character, each character of a text
+    looked up whole (WordLevel; one outside the list as char_unk) and ids decoded joined with nothing between (Fuse),
+    the special tokens past the characters added; and tokenizer_config.json's settings.
     """
     chars, special = meta["tokenizer"]["chars"], meta["special_tokens"]
     vocab = {c: i for i, c in enumerate(chars)}
@@ -223,8 +217,7 @@ def fast_tokenizer_settings(tokenizer, special, block_size):
 def tokenizer_files(meta, block_size):
     """
     (files by name, note): the Hugging Face tokenizer files of the dataset's tokenizer, tokenizer_config.json with a
-    chat model's template, or none and a one-line note saying where the vocabulary is (a tiktoken encoding other than
-    GPT-2's).
+    chat model's template; or for another tiktoken encoding than GPT-2's none, and a note saying where it is.
     """
     spec = meta["tokenizer"]
     if spec.get("type") == "tiktoken" and spec.get("encoding") in GPT2_ENCODINGS:
@@ -262,9 +255,8 @@ def chat_settings(meta):
 
 def export(model, meta, dest):
     """
-    Write model (a GPT) as a Hugging Face model folder dest, with the tokenizer of its dataset's meta
-    where one converts. Returns None, or the line saying why no tokenizer was written and where the vocabulary is.
-    ValueError for a model no layout computes or a dest that is not free; nothing is written then.
+    Write model (a GPT) as a Hugging Face model folder dest, with the tokenizer of its dataset's meta where one
+    converts; returns tokenizer_files' note. ValueError for a model no layout computes or a dest that is not free.
     """
     dest = Path(dest)
     check_dest(dest)
@@ -299,9 +291,8 @@ def export(model, meta, dest):
 def engine_warnings(config):
     """
     Why llama.cpp (a GGUF) or SGLang would not run a model of ModelConfig config as trained, one line each ([] where
-    both would): their GPT-2 computes tanh GELU whatever activation_function says, llama.cpp's converter writes its
-    MLP as 4 x n_embd wide whatever n_inner says, and SGLang's ties the head to the embedding (llama.cpp's
-    convert_hf_to_gguf.py and src/models/gpt2.cpp, SGLang's models/gpt2.py; docs/export.md). vLLM reads all three.
+    both would; vLLM reads all): read from llama.cpp's convert_hf_to_gguf.py and src/models/gpt2.cpp and SGLang's
+    models/gpt2.py (docs/export.md).
     """
     if hf_layout(config) != "gpt2":
         return []
@@ -395,12 +386,8 @@ def main(cfg, out=None):
     named = load_meta(dataset_dir(cfg.dataset)) if cfg.dataset else None
     meta = ckpt["meta"] or nanogpt_meta(ckpt, path, named, "name a prepared dataset with --dataset")
     note = export(model, meta, dest)
-    kind = {
-        "gpt2": "GPT2LMHeadModel (GPT-2 layout)",
-        "llama": "LlamaForCausalLM (Llama layout)",
-        "qwen2": "Qwen2ForCausalLM (Qwen2 layout)",
-        "qwen3": "Qwen3ForCausalLM (Qwen3 layout)",
-    }[layout]
+    architecture = {"gpt2": "GPT2LMHeadModel", **LLAMA_FAMILIES}[layout]
+    kind = f"{architecture} ({'GPT-2' if layout == 'gpt2' else layout.capitalize()} layout)"
     files = ", ".join(sorted(p.name for p in dest.iterdir()))
     said = "replaced the earlier export in" if replacing else "wrote"
     print(f"{said} {dest}: {kind}, {model.num_params():,} parameters; {files}", file=out)

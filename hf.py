@@ -35,13 +35,8 @@ def download_from_hub(name):
     try:
         from huggingface_hub import snapshot_download
 
-        patterns = [
-            "config.json",
-            "tokenizer.json",
-            "model.safetensors",
-            "model.safetensors.index.json",
-            "model-*.safetensors",
-        ]
+        # the safetensors weights: one file, or an index and its shards
+        patterns = ["config.json", "tokenizer.json", *WEIGHT_FILES[:2], "model-*.safetensors"]
         return Path(snapshot_download(name, allow_patterns=patterns))
     except Exception as e:
         raise FileNotFoundError(
@@ -104,11 +99,9 @@ def folder_config(folder):
 
 
 def pretrained_meta(folder):
-    """The meta (kind, tokenizer, vocab_size, special_tokens) of the text a Hugging Face model folder's model reads.
-
-    A folder export.py wrote: the meta it kept in config.json (exported_meta). Else its tokenizer.json when it holds
-    one (huggingface_tokenizer); GPT-2's BPE (tokens.GPT2_META) for a GPT-2 without one. Another model's folder without
-    one raises FileNotFoundError saying to put the model's tokenizer.json there.
+    """
+    The meta (kind, tokenizer, vocab_size, special_tokens) of the text a Hugging Face model folder's model reads: an
+    export's (exported_meta), else its tokenizer.json's, else for a GPT-2 GPT-2's BPE; FileNotFoundError else.
     """
     folder = Path(folder).expanduser()
     config = folder_config(folder)
@@ -168,21 +161,10 @@ def from_pretrained(name_or_path, **overrides):
     """
     A GPT holding weights in the Hugging Face layout, from a local directory (as save_pretrained writes it) or, when
     online, a hub id such as "gpt2". The directory holds config.json and model.safetensors, or pytorch_model.bin, or
-    either sharded (model-00001-of-00003.safetensors ... with model.safetensors.index.json). config.json's
-    model_type picks the mapping; the ModelConfig follows from config.json:
-        "gpt2": learned positions, LayerNorm, GELU (tanh), biases, the head tied to the embedding.
-        "llama": rotary positions (rope_theta; Llama 3's rope_type "llama3" scaling as rope_scaling), RMSNorm
-            (rms_norm_eps), SwiGLU of width intermediate_size, grouped-query attention (num_key_value_heads),
-            head_dim, biases if attention_bias and mlp_bias, the head tied if tie_word_embeddings. Another
-            scaled rope (linear, dynamic, yarn...), another hidden_act than silu, or attention_bias without
-            mlp_bias is a ValueError.
-        "mistral": as llama, with sliding_window as window_size.
-        "qwen2": as llama, with biases on q, k and v alone (qkv_bias); a window (use_sliding_window) only if
-            every layer slides it.
-        "qwen3": as llama, with q_norm and k_norm (qk_norm) and no biases (attention_bias is a ValueError).
-    block_size is the trained positions (n_positions, max_position_embeddings); it may be overridden shorter,
-    not longer (the rotary tables are block_size long; the KV cache grows with the positions decoded).
-    overrides: ModelConfig fields to change, e.g. dropout=0.1 or block_size=256 for fine-tuning.
+    either sharded (read_state_dict). config.json's model_type picks the mapping, and its settings the ModelConfig
+    (gpt2_model_config; llama_model_config for llama, mistral, qwen2 and qwen3), refusing what ours cannot compute.
+    overrides: ModelConfig fields to change, e.g. dropout=0.1 or block_size=256 for fine-tuning; block_size may be
+    shorter than the trained positions, not longer.
     """
     path, hf = read_hf_config(name_or_path)
     return PRETRAINED_LOADERS[hf["model_type"]](path, hf, overrides)
@@ -228,7 +210,7 @@ def read_hf_config(name_or_path):
 def check_head(config, tied, path):
     """
     ValueError where config ties a head that folder path keeps apart (tied: its config.json's tie_word_embeddings):
-    the head would be dropped. The other way is allowed: a tied head is untied into a copy of the embedding.
+    the head would be dropped (a tied head may be untied: load_checked).
     """
     if config.tie_embeddings and not tied:
         raise ValueError(
@@ -334,12 +316,10 @@ GPT2_ACTIVATION_NAMES = {ours: theirs for theirs, ours in reversed(GPT2_ACTIVATI
 def gpt2_model_config(hf, path, overrides):
     """
     The ModelConfig of GPT-2's config.json hf (in folder path), with the caller's overrides of any field. Every
-    GPT2Config field that changes what GPT2LMHeadModel computes is read here or refused: the sizes, n_inner,
-    activation_function, layer_norm_epsilon and tie_word_embeddings are ours too; scale_attn_weights and
+    GPT2Config field that changes what GPT2LMHeadModel computes is read here or refused; scale_attn_weights and
     scale_attn_by_inverse_layer_idx are a factor on the attention scores, which load_gpt2 folds into the query
-    weights; reorder_and_upcast_attn computes the same scores in float32, as we do; a model with
-    add_cross_attention is refused. The dropouts (attn_pdrop, resid_pdrop, embd_pdrop) act in training only and
-    are not read: dropout is 0 unless overridden.
+    weights; reorder_and_upcast_attn computes the same scores in float32, as we do. The dropouts act in training
+    only and are not read: dropout is 0 unless overridden.
     """
     activation = GPT2_ACTIVATIONS.get(hf.get("activation_function", "gelu_new"))
     if activation is None:
@@ -481,12 +461,9 @@ def llama_names(config):
     """
     Our names -> the tensors each is made of, as (name in LlamaModel, rows), stacked along dim 0 (the output rows)
     when more than one: one map for the four families, whose tensor names are Llama's and which differ only in which
-    tensors exist. qkv: q_proj (H*D rows), k_proj and v_proj (n_kv_head*D rows each) give the rows [W_q; W_k; W_v]
-    of Attention.qkv. Head h is rows h*D:(h+1)*D in both layouts, and both rotate the channel pairs (i, i + D/2)
-    (transformers' rotate_half), so no row needs permuting. Biases: on q, k, v with qkv_bias (Qwen2), on every Linear
-    with bias (Llama's attention_bias and mlp_bias). Qwen3's q_norm and k_norm are our qk_norm's gains over D.
-    Norms are RMSNorm gains, without bias. LlamaForCausalLM puts its body under "model."; lm_head, listed only when
-    untied, is outside it.
+    tensors exist. qkv: q_proj, k_proj and v_proj give the rows [W_q; W_k; W_v] of Attention.qkv. Head h is rows
+    h*D:(h+1)*D in both layouts, and both rotate the channel pairs (i, i + D/2) (transformers' rotate_half), so no row
+    needs permuting. LlamaForCausalLM puts its body under "model."; lm_head, listed only when untied, is outside it.
     """
     C, V, d_ff, D = config.n_embd, config.vocab_size, config.d_ff, config.head_dim
     q, kv = config.n_head * D, config.n_kv_head * D
@@ -737,8 +714,7 @@ def hf_layout(config):
     """
     "gpt2", "llama", "qwen2" or "qwen3": the Hugging Face layout that computes exactly what a model of this
     ModelConfig does. ValueError naming every option that stops it, in one line: each needs retraining, so all are
-    named at once. Options that change nothing in a GPT's forward (NO_EFFECT) export as they are, and an option
-    this code does not know is refused unless it is at its default.
+    named at once (and it fails closed: see NO_EFFECT).
     """
     c = config
     if c.arch != "gpt":  # nothing else matters then

@@ -3,7 +3,7 @@ What the scripts say. Every script: log, a line printed on rank 0 alone, and one
 line an error report quotes; train.py's fail, that line reported once over the ranks. A training run: the lines
 that open it (describe_run), while it trains a progress line every log_interval steps (loss, learning rate, gradient
 norm, ms/iter, tokens/s, MFU on known GPUs, time left) and TensorBoard (and W&B) scalars, at the end each rank's
-memory. Step losses stay on the device until a progress line or an evaluation reads them back.
+memory.
 """
 
 import contextlib
@@ -57,10 +57,8 @@ def fail(message, status):
 
 
 def describe_run(cfg, rt, dataset, model, per_rank, optimizer_summary, schedule_notes):
-    """
-    The lines that open a training run's log: what trains on what, the step's shape (per_rank micro-batches per
-    rank), the learning rate's notes (optim.schedule_notes), the optimizers, and notes.
-    """
+    """The lines that open a training run's log: what trains on what, the step's shape (per_rank micro-batches per
+    rank), the learning rate's notes (optim.schedule_notes), the optimizers, and notes."""
     log(
         f"{cfg.arch} on {dataset}: {model.num_params():,} parameters, {rt.device} {str(rt.dtype)[6:]}, "
         f"{rt.world_size} rank(s); {cfg.batch_size * per_rank * rt.world_size} sequences per step "
@@ -128,8 +126,7 @@ class Progress:
     The progress of a run: each step's results go in with add(), which prints the progress line every log_interval
     steps; `losses` collects {iteration: mean train loss over the ranks} of the steps read back so far. The latest
     steps' losses stay on the device until a progress line or an evaluation reads them (read): reading a number
-    from a GPU waits for all the work queued before it, so a read every step would leave the GPU idle. Evaluations
-    run inside paused(), so that ms/iter and tokens/s time the training steps only.
+    from a GPU waits for all the work queued before it, so a read every step would leave the GPU idle.
     """
 
     def __init__(self, cfg, rt, scalars, peak_flops):
@@ -298,23 +295,16 @@ def resident_peak():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
-def memory_use(model, optimizers, device):
+def log_memory(model, optimizers, rt):
     """
-    This rank's memory in MiB: state_bytes' {"weights", "gradients", "optimizer"} and "peak": the most CUDA memory
-    allocated, or on a CPU the process's peak resident set (the Python interpreter and the libraries included).
+    One line per rank (rank 0 prints them all), in MiB: state_bytes of model (the plain model) and optimizers ({name:
+    optimizer}), and the peak: the most CUDA memory allocated, or on a CPU the process's peak resident set (the
+    interpreter and the libraries included). Call it on every rank.
     """
     import torch
 
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else resident_peak()
-    return {name: n / 2**20 for name, n in {**state_bytes(model, optimizers), "peak": peak}.items()}
-
-
-def log_memory(model, optimizers, rt):
-    """
-    One line per rank (rank 0 prints them all): weights, gradients, optimizer state and peak memory of model (the
-    plain model) and optimizers ({name: optimizer}). Call it on every rank.
-    """
-    uses = [memory_use(model, optimizers, rt.device)]
+    peak = torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda" else resident_peak()
+    uses = [{name: n / 2**20 for name, n in {**state_bytes(model, optimizers), "peak": peak}.items()}]
     if rt.world_size > 1:
         import torch.distributed as dist
 

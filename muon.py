@@ -6,10 +6,8 @@ by shape and decoupled weight decay) and reads and writes the same state_dict, b
 
 - orthogonalises all matrices of one shape at once, as one (N, rows, cols) batch: a few batched matmuls per shape
   instead of about 24 kernels per matrix launched from Python; torch.compile'd by default on CUDA;
-- in a dtype chosen by device: bfloat16 on CUDA (as PyTorch and modded-nanogpt), float32 elsewhere, since CPUs
-  without native bfloat16 emulate it, many times slower (docs/performance.md, "The modern recipe on 2 CPU cores");
-- skips a step on the device: like fused AdamW it takes a gradient scaler's found_inf (nonzero: skip) and then
-  leaves weights and momentum as they were, without the host waiting to read the flag.
+- in a dtype chosen by device (ns_dtype): bfloat16 on CUDA, float32 on CPUs, which emulate bfloat16 many times slower;
+- skips a step on the device, as fused AdamW does: without the host waiting to read the flag (found_inf).
 """
 
 import math
@@ -59,7 +57,8 @@ class Muon(torch.optim.Optimizer):
     ns_coefficients, eps, ns_steps, adjust_lr_fn: None or "original", or "match_rms_adamw") and state_dict (one
     "momentum_buffer" per parameter; no step count, as PyTorch's), and two more:
 
-    ns_dtype: the dtype of the Newton-Schulz iterations; None: bfloat16 on CUDA, float32 on other devices.
+    ns_dtype: the dtype of the Newton-Schulz iterations; None: bfloat16 on CUDA (as PyTorch and modded-nanogpt),
+    float32 on other devices (docs/performance.md, "The modern recipe on 2 CPU cores").
     compile: torch.compile the iterations (one graph per shape); None: on CUDA only (on 2 CPU cores it did not
         help). If compiling fails, one warning, and the iterations run eagerly from then on.
 

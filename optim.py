@@ -41,18 +41,16 @@ def configure_optimizers(model, weight_decay, learning_rate, betas, device_type,
             muon, lr=muon_lr, weight_decay=weight_decay, momentum=0.95, nesterov=True, adjust_lr_fn="original"
         )
         summary = (
-            f"Muon: {len(muon)} block matrices (attention qkv/proj, cross-attention q/kv, MLP fc/up/proj) "
-            "with weight decay "
-            f"({sum(p.numel() for p in muon):,} params); {summary} (embeddings, head, norms, biases)"
+            f"Muon: {len(muon)} block matrices (attention qkv/proj, cross-attention q/kv, MLP fc/up/proj) with weight "
+            f"decay ({sum(p.numel() for p in muon):,} params); {summary} (embeddings, head, norms, biases)"
         )
     return optimizers, summary
 
 
 def make_optimizers(model, cfg, rt):
     """
-    configure_optimizers as cfg says, over model's parallelized (sharded, on device) parameters: ({name: optimizer},
-    a one-line summary). Every parameter group keeps its peak learning rate as "initial_lr", which train_step's
-    schedule scales.
+    configure_optimizers as cfg says, over model's parallelized (sharded, on device) parameters, each group keeping
+    its peak learning rate as "initial_lr", which train_step's schedule scales.
     """
     betas = (cfg.beta1, cfg.beta2)
     optimizers, summary = configure_optimizers(

@@ -16,13 +16,11 @@ count them).
 Arithmetic: DDP's buckets (gradient_as_bucket_view: every gradient held from the start), the KV cache, the step time
 (the model FLOPs train.py's MFU counts / (peak FLOP/s x MFU)) and the largest micro-batch that fits, from traces at
 two batch sizes.
-On a CPU, the heap glibc keeps beyond the live tensors: HEAP_EXCESS of the tensors the heap holds in a step.
-Compiled on a GPU (its default), the loss's (positions, V) tensors are counted as Inductor keeps them (a chunk of
-logits in the compute dtype) and dropout as keeping nothing (docs/performance.md#gpus compares the peaks with
-measured ones). Not modelled: torch.compile's other fusions (the trace is eager: its activations bound a compiled
-run's from above, most for configs/gpt2_modern.py, whose rotary, QK-norm and soft-cap copies Inductor fuses away),
-the CUDA context and caching allocator's fragmentation (a GPU counts as full at FULL of its memory), communication
-time. LoRA is refused: MemTracker hooks every weight's gradient, which frozen weights refuse.
+Counted beside the live tensors: on a CPU, the heap glibc keeps (HEAP_EXCESS); compiled on a GPU, the loss's logits
+and dropout as Inductor keeps them (trace_step). Not modelled: torch.compile's other fusions (the trace is eager: its
+activations bound a compiled run's from above, most for configs/gpt2_modern.py, whose rotary, QK-norm and soft-cap
+copies Inductor fuses away), the CUDA context and caching allocator's fragmentation (a GPU counts as full at FULL of
+its memory), communication time. LoRA is refused (make_plan).
 """
 
 import contextlib
@@ -422,8 +420,10 @@ def make_plan(cfg, train):
     per_rank = runtime.split_accumulation(cfg.gradient_accumulation_steps, ranks)
     runtime.check_cuda_graphs(cfg, ranks)  # as train.py refuses it on so many ranks
     target = find_target(cfg.plan_device, cfg.plan_mfu, ranks)
-    dtype = planned_dtype(cfg, target)
     fsdp = cfg.fsdp and ranks > 1
+    # the dtype the run computes in on the target, as runtime.make_runtime resolves it there
+    device = torch.device("cuda" if target.gpu else "cpu")
+    dtype = runtime.resolve_dtype(cfg.dtype, device, native_bf16=target.bf16, gpu=target.name, fsdp=fsdp)
     config, task = planned_config(cfg, planned_meta(cfg))
     if cfg.cuda_graphs and task.varying:  # as train.py's setup refuses it
         raise ConfigError(f"cuda_graphs=True needs batches of one length, which {cfg.dataset}'s vary; drop it")
@@ -460,19 +460,6 @@ def print_plan(p):
     print_table(time_rows(p), ["the run"])
     for line in suggestions(p):
         print(line)
-
-
-def planned_dtype(cfg, target):
-    """The dtype the run computes in on the target: runtime.resolve_dtype's choice there, and FSDP's refusal."""
-    dtype = runtime.resolve_dtype(
-        cfg.dtype, torch.device("cuda" if target.gpu else "cpu"), native_bf16=target.bf16, gpu=target.name
-    )
-    if dtype == torch.float16 and cfg.fsdp and cfg.plan_ranks > 1:
-        raise ConfigError(
-            "fsdp=True computes in bfloat16 or float32, not float16; use --dtype=bfloat16, or DDP (--fsdp=false) on "
-            "GPUs without bfloat16"
-        )
-    return dtype
 
 
 @contextlib.contextmanager

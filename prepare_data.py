@@ -4,10 +4,8 @@
     python prepare_data.py --help          # every dataset, one line each
     python prepare_data.py NAME --help     # that dataset's options
 
-A dataset lands in <data_dir>/<name>/ as meta.json plus token files, in the format that
-tokens.py defines and reads (see its docstring). Each dataset is built in a hidden folder
-beside its final place and renamed into place only when complete, so an interrupted run
-never leaves a folder that looks prepared.
+A dataset lands in <data_dir>/<name>/ as meta.json plus token files, in the format that tokens.py defines and reads,
+built in a hidden folder and renamed into place only when complete (staged_folder).
 """
 
 import codecs
@@ -287,10 +285,8 @@ def decoded_blocks(path):
 
 
 def last_newline_cut(text):
-    """The last index i > 0 where text[i] is a newline and text[i + 1] is not whitespace, or 0 if there is none.
-
-    Where GPT-2 BPE text may be cut: see text_pieces.
-    """
+    """The last index i > 0 where text[i] is a newline and text[i + 1] is not whitespace, or 0 if there is none:
+    where GPT-2 BPE text may be cut (text_pieces)."""
     # the last character is left out: a newline there has no next character to test yet
     i = text.rfind("\n", 0, len(text) - 1)
     while i > 0:
@@ -325,10 +321,9 @@ def checked_cut(tokenizer, text):
 def text_pieces(blocks, last_cut=last_newline_cut):
     """Regroup text blocks into pieces that BPE-encode exactly like the whole text.
 
-    GPT-2 pre-tokenization always makes a newline followed by a non-space character a
-    token of its own, and no token crosses it; cutting just before such a newline therefore
-    leaves the ids unchanged, so pieces can be encoded independently, in parallel. Another
-    tokenizer passes its own last_cut(text) -> index (checked_cut).
+    GPT-2 pre-tokenization always makes a newline followed by a non-space character a token of its own, and no token
+    crosses it; cutting just before such a newline leaves the ids unchanged, so pieces can be encoded independently,
+    in parallel. Another tokenizer passes its own last_cut(text) -> index (checked_cut).
     """
     # the text after the last cut waits for the next block, which may continue its last token
     carry = ""
@@ -359,10 +354,8 @@ def scan_text(files):
 
 
 def corpus_items(files, split_at, last_cut):
-    """("train" | "val", text) pieces of the concatenated files, and (split, None) after each non-empty file.
-
-    The first `split_at` characters are train, the rest val, exactly as nanoGPT cuts.
-    """
+    """("train" | "val", text) pieces of the concatenated files, and (split, None) after each non-empty file: the
+    first `split_at` characters are train, the rest val, exactly as nanoGPT cuts."""
     pos = 0
     for path in files:
         # pos: characters of all files so far; start: where this file began
@@ -638,11 +631,8 @@ def bpe_of_train_split(files, split_at, vocab_size):
 
 
 def build_lm_text(stage, name, opts, files, check_tokenizer, *, tokenizer, eot_after_files):
-    """train.bin/val.bin from text files: the first (1 - val_fraction) of the characters are train.
-
-    tokenizer: 'char', 'bpe' (GPT-2 BPE; with opts' vocab_size, a byte-level BPE trained on the train split), or
-    the path of a tokenizer.json or of a folder holding one.
-    """
+    """train.bin/val.bin from text files, the first (1 - val_fraction) of the characters train. tokenizer: 'char',
+    'bpe' (GPT-2's; with opts' vocab_size, one trained on the train split), or a tokenizer.json or its folder."""
     # vocab_size is an option of the text recipe only: get() gives None for the Shakespeare recipes
     trained = tokenizer == "bpe" and opts.get("vocab_size") is not None
     if tokenizer == "bpe" and not trained:
@@ -714,11 +704,8 @@ def build_text(stage, name, opts, files, check_tokenizer):
 
 
 def encode_documents(dataset, tokenizer, period, max_tokens, num_threads, bar):
-    """(split, ids) per batch of documents, each followed by end-of-text.
-
-    Every period-th document, the first included, is val: deterministic, streaming, and
-    never empty. Stops after the document that reaches max_tokens (kept whole).
-    """
+    """(split, ids) per batch of documents, each followed by end-of-text. Every period-th document, the first
+    included, is val: deterministic, streaming, and never empty. Stops after the document that reaches max_tokens."""
     eot = tokenizer.special_tokens["eot"]
     # seen: documents so far, which decides each one's split; written: tokens so far, eot included
     seen = written = 0
@@ -839,10 +826,8 @@ def pair_split(source, val_fraction, test_fraction):
 
 
 def write_pairs(stage, pairs, vocab_size):
-    """Stream (src_ids, tgt_ids, split) into the seq2seq files; every split must end up non-empty.
-
-    Returns meta.json's "files" (token counts) and "pairs" (pairs per split).
-    """
+    """Stream (src_ids, tgt_ids, split) into the seq2seq files, every split non-empty; returns meta.json's "files"
+    (token counts) and "pairs" (pairs per split)."""
     with contextlib.ExitStack() as stack:
         # all splits open at once: pairs arrive in any order; nothing is renamed into place unless all succeed
         writers = {s: PairWriter(stack, stage, s, vocab_size) for s in SEQ2SEQ_SPLITS}
@@ -901,10 +886,8 @@ def build_translation(stage, name, opts, files, check_tokenizer):
 
 
 def synthetic_splits(task, opts):
-    """Distinct random sources for test, val and train, drawn in that order from one seed: {split: sources}.
-
-    Drawing the held-out splits first keeps them the same when only --num_train changes.
-    """
+    """Distinct random sources for test, val and train ({split: sources}), drawn in that order from one seed, so that
+    the held-out splits stay the same when only --num_train changes."""
     # dict order is draw order: test, val, train
     sizes = {"test": opts["num_test"], "val": opts["num_val"], "train": opts["num_train"]}
     total = sum(sizes.values())
@@ -1124,10 +1107,8 @@ def chat_tokenizer_file(value):
 
 def chat_meta(choice, files):
     """
-    The kind, tokenizer, vocab_size, special_tokens and chat entries of chat data tokenized by --tokenizer=choice:
-    gpt2, char (the conversations' own characters), a prepared dataset's folder (its tokenizer, and its template if
-    it is chat data), a Hugging Face folder (its own chat template, if it has one) or a tokenizer.json. A tokenizer
-    without a template gets the built-in one.
+    The kind, tokenizer, vocab_size, special_tokens and chat entries of chat data tokenized by --tokenizer=choice (see
+    the option's help): a tokenizer without a chat template of its own gets the built-in one.
     """
     if choice == "gpt2":
         base = gpt2_vocab()
@@ -1431,12 +1412,10 @@ def staged_folder(folder):
 def prepare(name, /, data_dir=None, force=False, **options):
     """Prepare dataset `name` (a key of DATASETS) and return its folder.
 
-    Options are those of `python prepare_data.py NAME --help`, as keyword arguments;
-    `name` is positional-only, so the text/translation option `name=` (the output folder)
-    can be passed too. Outputs that are up to date (same inputs and options) are kept, and
-    an existing dataset from a different tokenizer is refused, unless force=True. Raises
-    ValueError, FileNotFoundError or DownloadError (an OSError) with a one-line message;
-    nothing half-written is left behind.
+    Options are those of `python prepare_data.py NAME --help`, as keyword arguments (`name` is positional-only, so
+    the option `name=`, the output folder, can be passed too). Outputs that are up to date (same inputs and options)
+    are kept, and an existing dataset from a different tokenizer is refused, unless force=True. Raises ValueError,
+    FileNotFoundError or DownloadError (an OSError) with a one-line message; nothing half-written is left behind.
     """
     recipe = recipe_of(name)
     # every option of the recipe, converted and checked, defaults filled in

@@ -1,10 +1,8 @@
 """
-Where a script runs: its device and precision (the `device` and `dtype` settings resolved for this machine, autocast
-for mixed precision), the CPU threads it takes, and the GPUs known by name (memory, peak FLOP/s for MFU, bf16). And
-how a training run is spread over processes: this process's place (Runtime: rank, device, dtype), the process group,
-the few collectives train.py needs and the signals that stop it, and parallelize(), which applies activation
-checkpointing, then FSDP2 or DDP, then torch.compile (compiling.py), in that order, and returns the model under the
-names of its uses (Models); and what a step does differently over the ranks (gradient_sync, clip_gradients).
+Where a script runs: its device and precision, the CPU threads it takes, and the GPUs known by name. And how a
+training run is spread over processes: this process's place (Runtime), the process group, the few collectives
+train.py needs and the signals that stop it, parallelize() (activation checkpointing, then FSDP2 or DDP, then
+torch.compile, in that order) and what a step does differently over the ranks (gradient_sync, clip_gradients).
 """
 
 import contextlib
@@ -55,10 +53,11 @@ def resolve_device(name, local_rank):
     return device
 
 
-def resolve_dtype(name, device, native_bf16=None, gpu="this GPU"):
+def resolve_dtype(name, device, native_bf16=None, gpu="this GPU", fsdp=False):
     """
     The torch dtype for dtype setting `name` on device ('auto' resolved); ConfigError where it cannot run.
     native_bf16: whether the GPU (named gpu in messages) computes bfloat16 natively; None: ask this machine's.
+    fsdp: for a model sharded over ranks, whose runs have no gradient scaler for float16.
     """
     # V100s and T4s run bfloat16 only by emulation (slowly): they count as having none, and get float16 + scaler
     if native_bf16 is None:
@@ -69,6 +68,11 @@ def resolve_dtype(name, device, native_bf16=None, gpu="this GPU"):
         raise ConfigError(f"dtype=float16 needs CUDA (its gradient scaler); on {device.type} use bfloat16 or float32")
     if name == "bfloat16" and device.type == "cuda" and not native_bf16:
         raise ConfigError(f"{gpu} has no native bfloat16; use --dtype=float16")
+    if name == "float16" and fsdp:
+        raise ConfigError(
+            "fsdp=True computes in bfloat16 or float32, not float16 (whose gradient scaler FSDP runs lack); use "
+            "--dtype=bfloat16, or DDP (fsdp=False) on GPUs without bfloat16"
+        )
     return getattr(torch, name)
 
 
@@ -101,11 +105,9 @@ def pick_threads(requested, local_ranks):
 
 def use_device(cfg, rt):
     """
-    Set this process up on its device, before anything uses it; returns a note on the CPU threads taken, or None.
-    On a CPU, the cores other jobs leave free (pick_threads), shared among this machine's ranks (torchrun sets
-    LOCAL_WORLD_SIZE). On CUDA, this rank's GPU becomes the current one before anything uses CUDA (NCCL,
-    allocations), or a context on GPU 0 would take its memory on every rank; and TF32 matmuls (Ampere and newer):
-    far faster than float32, and precise enough for training.
+    Set this process up on its device, before anything uses it; returns pick_threads' note on a CPU, or None. On
+    CUDA, this rank's GPU becomes the current one before anything uses CUDA (NCCL, allocations), or a context on GPU
+    0 would take its memory on every rank; and TF32 matmuls (Ampere and newer): far faster, precise enough to train.
     """
     if rt.device.type == "cuda":
         torch.cuda.set_device(rt.device)
@@ -200,9 +202,8 @@ GPUS = (
 
 def peak_flops(device_name, multiprocessors=None):
     """
-    Peak dense bf16 FLOP/s of a GPU from its torch.cuda.get_device_name(); None for one not in GPUS.
-    A MIG slice gets the whole GPU's peak times its share of the streaming multiprocessors: multiprocessors is the
-    slice's own count (torch.cuda.get_device_properties(device).multi_processor_count); None without it.
+    Peak dense bf16 FLOP/s of a GPU from its torch.cuda.get_device_name(); None for one not in GPUS. A MIG slice gets
+    the whole GPU's peak times its share of the multiprocessors (its own count; None without it).
     """
     gpu = next((gpu for gpu in GPUS if re.search(gpu.pattern, device_name)), None)
     if gpu is None or not re.search(r"\bMIG\b", device_name):
@@ -249,12 +250,7 @@ def make_runtime(cfg):
     check_cuda_graphs(cfg, world_size)
     if cfg.cuda_graphs and device.type != "cuda":
         raise ConfigError(f"cuda_graphs=True needs a CUDA GPU, not device {device}; drop --cuda_graphs")
-    dtype = resolve_dtype(cfg.dtype, device)
-    if cfg.fsdp and dtype == torch.float16:
-        raise ConfigError(
-            "fsdp=True computes in bfloat16 or float32, not float16 (whose gradient scaler FSDP runs lack); use "
-            "--dtype=bfloat16, or DDP (fsdp=False) on GPUs without bfloat16"
-        )
+    dtype = resolve_dtype(cfg.dtype, device, fsdp=cfg.fsdp)
     # one process has nothing to shard over: it trains the whole model, as without fsdp (setup says so)
     return Runtime(rank, local_rank, world_size, device, dtype, fsdp=cfg.fsdp and world_size > 1)
 
@@ -330,8 +326,7 @@ def agreed_minimum(value, world_size, group=None):
 def raise_if_any_failed(error, world_size, group=None):
     """
     Every rank passes its one-line error (or None); if any rank failed, all raise the first rank's error at once,
-    instead of the others waiting in their next collective until dist_timeout. group: the process group to
-    exchange them over (None: the default one).
+    instead of the others waiting in their next collective until dist_timeout (group: over which).
     """
     errors = [error]
     if world_size > 1:

@@ -1,8 +1,7 @@
 """
-Generate from a checkpoint of train.py, or from GPT-2's weights, for every architecture:
-a GPT continues the prompt (or talks, with --chat), an encoder-decoder translates it, an encoder fills in its
-[MASK]s: what the model's task shows of a prompt (Task.sample, in tasks/). This file loads the model, reads the
-prompt, hands it to the task and draws the attention maps.
+Generate from a checkpoint of train.py, or from Hugging Face weights: what the model's task shows of a prompt
+(Task.sample, in tasks/): a GPT continues it (or talks, with --chat), an encoder-decoder translates it, an encoder
+fills in its [MASK]s. This file loads the model, reads the prompt, hands it to the task and draws the attention maps.
 
     python sample.py --out_dir=out-shakespeare --start "ROMEO:" --num_samples=3 --temperature=0.8
     python sample.py --init_from=gpt2 --start "The meaning of life is" --top_p=0.9

@@ -8,12 +8,9 @@ dataset's meta) returning a Start; start_run() picks one by init_from:
     from_checkpoint   init_from=FILE (or a sharded FOLDER): another run's weights, ours or nanoGPT's, start a new run
     from_pretrained   init_from=a Hugging Face folder or hub id (GPT-2, Llama, Mistral), to fine-tune
 
-Weights from a checkpoint or Hugging Face decide the model's settings: the Start's settings carry them. A new run
-from such weights is then fitted to its data (fit_to_data): the vocabulary grown for chat tokens beyond the model's,
-and the converter its settings ask for applied (converters/: LoRA's adapters on a frozen base). Once the
-model is on its devices and the optimizers exist, restore() puts a resume's state back, in one place. load_model
-gives sample.py, eval.py and export.py the same sources as models in eval mode: a checkpoint (ours, a converted
-run's made plain, nanoGPT's) or Hugging Face weights.
+Weights from a checkpoint or Hugging Face decide the model's settings (the Start's settings carry them), and a new
+run from them is fitted to its data (fit_to_data). Once the model is on its devices and the optimizers exist,
+restore() puts a resume's state back, in one place.
 """
 
 import contextlib
@@ -228,8 +225,7 @@ def describe_ids(meta):
 def from_checkpoint(cfg, meta):
     """
     A new run from a checkpoint file (another run's best.pt or ckpt.pt: its weights, the average if it kept one)
-    or nanoGPT's. It must have been trained on the same tokenizer; nanoGPT's character-level models, whose
-    characters this project does not read (they are in a pickle), take the dataset's, which must be as many.
+    or nanoGPT's (its characters the dataset's: nanogpt_meta), trained on the same tokenizer.
     """
     path = Path(cfg.init_from).expanduser()
     ckpt = load_checkpoint(path)
@@ -247,9 +243,8 @@ def from_checkpoint(cfg, meta):
 
 def from_pretrained(cfg, meta):
     """
-    Hugging Face weights (a hub id or a local folder) to fine-tune: GPT-2 on GPT-2 BPE data, or any model (Llama,
-    Mistral, GPT-2) on data prepared with its folder's tokenizer.json; a folder export.py wrote, on data of the
-    tokenizer its meta names. Their size decides the model settings.
+    Hugging Face weights (a hub id or a local folder) to fine-tune, on data in the ids they were trained on: GPT-2
+    BPE for GPT-2, else the folder's tokenizer.json (an export's: the tokenizer its meta names).
     """
     name, folder = cfg.init_from, Path(cfg.init_from).expanduser()
     # refused before any download: the weights are a causal LM's, and no pretrained model reads char-level ids
@@ -299,9 +294,8 @@ def from_pretrained(cfg, meta):
 
 def fit_to_data(begin, meta):
     """
-    A new run's Start from other weights (a checkpoint, Hugging Face's), fitted to its data (meta): a GPT's token
-    embedding (and untied head) grown to the data's vocabulary where its chat tokens lie beyond the model's (see
-    chat.grow_vocabulary), then the converter the run's settings ask for applied (converters.for_new_run).
+    A new run's Start from other weights (a checkpoint, Hugging Face's), fitted to its data (meta): the vocabulary
+    grown to the data's chat tokens (chat.grow_vocabulary), then the converter the run's settings ask for applied.
     """
     cfg, model = begin.cfg, begin.model
     base_vocab = model.config.vocab_size
@@ -325,10 +319,9 @@ def fit_to_data(begin, meta):
 
 def restore(ckpt, models, *, optimizers, scaler, generator, cfg, rt):
     """
-    Put a resumed run's state back, in this order: the optimizers' states (Adam's moments, Muon's momentum) and the
-    weight average, with a sharded checkpoint's weights (each rank reading what its shards need), each group keeping
-    this run's peak learning rate; the loss scale, the data stream's position (generator), and last each rank's
-    random generators, so that nothing after draws from them before training does. models: runtime.Models.
+    Put a resumed run's state back, in this order: the optimizers' states and the weight average, with a sharded
+    checkpoint's weights, each group keeping this run's peak learning rate; the loss scale, the data stream's position
+    (generator), and last each rank's random generators, so that nothing draws from them before training does.
     """
     # imported here, not at the top: half a second of every script's start that only a resume needs
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -394,10 +387,9 @@ def load_whole_optimizer_state(model, optimizer, state):
 def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False):
     """
     (model in eval mode on device, its Tokenizer, its data's meta, the name of its task: its run's task setting, else
-    "auto", for tasks.make_task) for sampling and evaluation. init_from: "resume"
-    (out_dir/checkpoint), a checkpoint file or sharded folder (ours or nanoGPT's; dataset names the prepared data
-    of a nanoGPT character-level model's characters), else Hugging Face weights (a hub id or a folder). compile:
-    torch.compile the layer stacks, which generation calls.
+    "auto", for tasks.make_task) for sampling and evaluation. init_from: "resume" (out_dir/checkpoint), a checkpoint
+    file or sharded folder (ours or nanoGPT's, whose characters come from dataset), else Hugging Face weights (a hub
+    id or a folder). compile: torch.compile the layer stacks, which generation calls.
     """
     if init_from != "resume":
         check_local_path(init_from)
@@ -441,10 +433,9 @@ def load_configured(cfg, device):
 
 def model_from_checkpoint(ckpt, folder=None, **overrides):
     """
-    The model a loaded checkpoint describes, with its weights, in eval mode. overrides: ModelConfig fields that
-    keep the weights, such as dropout for a new run from them. A converted run's checkpoint (converters.saved): its
-    model made plain, as sample.py, eval.py and export.py use it; folder: the checkpoint's, where its run keeps the
-    base of a partial converter.
+    The model a loaded checkpoint describes, with its weights, in eval mode; a converted run's made plain, as
+    sample.py, eval.py and export.py use it (folder: the checkpoint's, where a partial converter's base is kept).
+    overrides: ModelConfig fields that keep the weights, such as dropout for a new run from them.
     """
     converter = converters.saved(ckpt)
     if converter is not None:
@@ -458,8 +449,7 @@ def model_from_checkpoint(ckpt, folder=None, **overrides):
 def converted_model(converter, ckpt, folder=None, **overrides):
     """
     A converted run's model, to train on, made again from its checkpoint: on its base (a partial converter's, as
-    load_base loads it from folder, the run's) or on a model of its settings, with the run's own dropout (which may
-    differ from the base's).
+    load_base loads it from folder) or on a model of its settings, with the run's own dropout.
     """
     overrides = {"dropout": ckpt["model_config"]["dropout"], **overrides}
     if converter.partial:
@@ -495,8 +485,7 @@ def keep_base(converter, out_dir):
     """
     A partial converter's run keeps its base in its own folder (out_dir/base.pt, or out_dir/base/ for a folder),
     so that the base run going on, or writing a better best.pt, never strands the adapters: each file hard-linked
-    (no space taken; the base run's atomic rewrites make new files and leave these alone), copied where a link
-    cannot be made (another file system). Nothing for a run without a converter or with a whole one.
+    (no space taken; the base run's atomic rewrites make new files and leave these alone), else copied.
     """
     if converter is None or not converter.partial:
         return

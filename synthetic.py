@@ -65,10 +65,8 @@ def solve(task, src_text):
 
 
 def random_source(task, rng, opts):
-    """One source of `task` drawn with `rng` (a random.Random), within the dataset options `opts`.
-
-    opts holds max_number for num2words, min_len and max_len (string lengths) for reverse and sort.
-    """
+    """One source of `task` drawn with `rng` (a random.Random), within the dataset options `opts` (max_number for
+    num2words, min_len and max_len for reverse and sort)."""
     if task == "num2words":
         # a uniform digit count first, so small numbers are not drowned out by six-digit ones
         digits = rng.randint(1, len(str(opts["max_number"])))

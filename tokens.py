@@ -72,10 +72,8 @@ logger = logging.getLogger("nanoformer.data")
 
 
 class DownloadError(OSError):
-    """A download (or hub load) failed; the message names the URL and the offline alternative.
-
-    An OSError, as any failed I/O is, so every `except OSError` reports it like a missing file.
-    """
+    """A download (or hub load) failed; the message names the URL and the offline alternative. An OSError, as any
+    failed I/O is, so every `except OSError` reports it like a missing file."""
 
 
 # ----------------------------------------------------------------------------- token files
@@ -117,7 +115,6 @@ class TokenWriter:
 
     def write(self, ids):
         """Append the ids of one chunk (a list, tuple or integer array) after those written before."""
-        # one array, written in one call rather than id by id
         arr = np.asarray(ids)
         # an empty chunk (an empty document) adds nothing, and min() below would fail on it
         if arr.size == 0:
@@ -136,18 +133,14 @@ class TokenWriter:
 
     def finish(self):
         """Write the header with the final count over the placeholder; return the count. The caller closes the file."""
-        # the placeholder sits at offset 0; the ids after it stay as written
         self.f.seek(0)
         self.f.write(HEADER.pack(MAGIC, FORMAT_VERSION, self.dtype.itemsize, self.vocab_size, self.count))
         return self.count
 
 
 def read_header(path):
-    """(numpy dtype of the ids, vocab size, token count) from a token file's header, checked against the file.
-
-    A wrong magic, a newer format version, a corrupt header or a file shorter or longer than the
-    header promises raises ValueError naming the file and the fix.
-    """
+    """(numpy dtype of the ids, vocab size, token count) from a token file's header, checked against the file: a
+    ValueError naming the file and the fix for any mismatch."""
     # every error ends with the same fix: the writer is the only way to a good file
     fix = "re-create the dataset with: python prepare_data.py NAME --force"
     with open(path, "rb") as f:
@@ -176,12 +169,8 @@ def read_header(path):
 
 
 def load_tokens(path):
-    """Read-only 1-D memmap of a token file's ids (uint16 or uint32, from its header).
-
-    The header is validated first: wrong magic, a newer format version or a truncated file
-    raise ValueError. The pages are file-backed and never written, so the OS can drop them
-    at will and long training runs do not grow in memory.
-    """
+    """Read-only 1-D memmap of a token file's ids, its header checked first (read_header). The pages are file-backed
+    and never written, so the OS can drop them at will and long training runs do not grow in memory."""
     path = Path(path)
     dtype, _, count = read_header(path)
     # offset skips the header; shape (count,) ends the array at the last id
@@ -198,7 +187,6 @@ class PairWriter:
         # entered on the caller's stack: both files are renamed into place only when the whole build succeeds
         self.src = TokenWriter(stack.enter_context(atomic_output(folder / f"{split}_src.bin")), vocab_size)
         self.tgt = TokenWriter(stack.enter_context(atomic_output(folder / f"{split}_tgt.bin")), vocab_size)
-        # written in one go by finish(), once its length is known
         self.index_path = folder / f"{split}_idx.npy"
         # row i holds where pair i starts in the src and tgt files; 16 bytes a pair stay in memory
         self.offsets = array.array("q", [0, 0])
@@ -223,11 +211,10 @@ class PairWriter:
 
 
 class Pairs(Sequence):
-    """The (src_ids, tgt_ids) pairs of one seq2seq split, backed by memmaps.
-
-    `pairs[i]` returns two read-only uint16/uint32 arrays without bos/eos; `src`, `tgt`
-    (all ids of the split, concatenated) and `index` (int64 (n + 1, 2): where each pair
-    starts in src and tgt) are public for vectorised batching.
+    """
+    The (src_ids, tgt_ids) pairs of one seq2seq split, backed by memmaps: `pairs[i]` is two read-only arrays without
+    bos/eos. `src`, `tgt` (the split's ids, concatenated) and `index` (int64 (n + 1, 2): where each pair starts in
+    src and tgt) are public for vectorised batching.
     """
 
     def __init__(self, src, tgt, index):
@@ -241,7 +228,6 @@ class Pairs(Sequence):
         # bounds first: i % n below would wrap any i; a negative i counts from the end, as for a list
         if not -n <= i < n:
             raise IndexError(f"pair {i} is out of range for a split of {n} pairs")
-        # pair i spans from its own row of the index to the next pair's row
         (s0, t0), (s1, t1) = self.index[i % n], self.index[i % n + 1]
         # slices of memmaps: views, nothing is read from disk until used
         return self.src[s0:s1], self.tgt[t0:t1]
@@ -361,10 +347,8 @@ def load_conversations(dataset_dir, split):
 
 @functools.cache
 def tiktoken_encoding(name):
-    """tiktoken's encoding `name`; 'gpt2' is read as its twin 'r50k_base' (the same ids), else as 'gpt2' itself.
-
-    Raises DownloadError when it cannot be loaded. Cached: one load, and at most one warning, per process.
-    """
+    """tiktoken's encoding `name` ('gpt2' read as its twin 'r50k_base', the same ids); DownloadError if it cannot be
+    loaded. Cached: one load, and at most one warning, per process."""
     if name != "gpt2":
         try:
             # tiktoken downloads an encoding's files once, then reads them from its cache (TIKTOKEN_CACHE_DIR)
@@ -398,10 +382,8 @@ def tiktoken_encoding(name):
 
 
 def parse_tokenizer_json(text, source):
-    """A tokenizers.Tokenizer from a tokenizer.json's text; ValueError naming `source` if the library cannot read it.
-
-    `source` says where the text came from: a file, or the copy in a dataset or checkpoint.
-    """
+    """A tokenizers.Tokenizer from a tokenizer.json's text; ValueError naming `source` (a file, or the copy in a
+    dataset or checkpoint) if the library cannot read it."""
     try:
         tokenizer = tokenizers.Tokenizer.from_str(text)
     except Exception as err:  # the library raises a bare Exception for bad JSON and for unknown components alike
@@ -415,13 +397,10 @@ def parse_tokenizer_json(text, source):
 
 
 class Tokenizer:
-    """Text <-> ids for a dataset: a character vocabulary, a tiktoken encoding or a Hugging Face tokenizer.json, plus
-    special tokens.
-
-    Special tokens beyond the base vocabulary (pad/bos/eos of seq2seq data) come after it
-    and decode as markers such as '<eos>'; tiktoken's own end-of-text id and a Hugging Face
-    tokenizer's own specials (Llama's '<s>') decode as their text. encode() never produces
-    special ids.
+    """
+    Text <-> ids for a dataset: a character vocabulary, a tiktoken encoding or a Hugging Face tokenizer.json, plus
+    special tokens. Those beyond the base vocabulary (pad/bos/eos of seq2seq data) decode as markers such as '<eos>',
+    the base's own (tiktoken's end-of-text, Llama's '<s>') as their text. encode() never produces special ids.
     """
 
     def __init__(self, spec, vocab_size, special_tokens):
@@ -556,10 +535,8 @@ def token_byte_lengths(meta):
 
 
 def huggingface_byte_lengths(text):
-    """The UTF-8 bytes of text that each id of a tokenizer.json stands for (see token_byte_lengths).
-
-    A token's bytes follow from its string in the vocabulary and the decoder that turns strings into text.
-    """
+    """The UTF-8 bytes of text that each id of a tokenizer.json stands for (see token_byte_lengths): from its string in
+    the vocabulary and the decoder that turns strings into text."""
     tokenizer = parse_tokenizer_json(text, "the tokenizer.json stored in this dataset or checkpoint")
     decoder = json.loads(text).get("decoder") or {}
     # a Sequence decoder (Llama 2's: Replace, ByteFallback, Fuse, Strip) chains others: the kinds used, flattened
@@ -595,8 +572,8 @@ def train_byte_level_bpe(texts, vocab_size):
     (tokenizer.json text, special_tokens) of a byte-level BPE of vocab_size ids trained on texts (an iterable of
     strings), as GPT-2's is made: GPT-2's pre-tokenizer splits words, numbers, punctuation and spaces, whose UTF-8
     bytes are then merged. Id 0 is END_OF_TEXT (special_tokens' "eot"), ids 1-256 the byte values, so that any
-    text encodes and decodes exactly; the rest are merges, most frequent first. vocab_size must be at least 257.
-    The same texts give the same file. ValueError when the texts hold too few distinct pairs for vocab_size ids.
+    text encodes and decodes exactly; the rest are merges, most frequent first. ValueError when the texts hold too
+    few distinct pairs for vocab_size ids.
     """
     bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
     # add_prefix_space=False: a text's first word is encoded as written, as tiktoken's GPT-2 does
@@ -652,12 +629,10 @@ def read_json(path, missing, fix=""):
 
 
 def huggingface_tokenizer(path):
-    """meta.json's tokenizer, vocab_size and special_tokens for the Hugging Face tokenizer at `path`.
-
-    `path` is a tokenizer.json or a folder holding one. The spec keeps the file's text, so
-    datasets and checkpoints stay self-contained; bos and eos are config.json's
-    bos_token_id and eos_token_id when a config.json beside the file names them.
-    A file that is missing or cannot be parsed raises one line naming it.
+    """
+    meta.json's tokenizer, vocab_size and special_tokens for the tokenizer.json at `path` (or in the folder `path`):
+    the spec keeps the file's text, so datasets and checkpoints stay self-contained; bos and eos from a config.json
+    beside it. A file that is missing or cannot be parsed raises one line naming it.
     """
     file = tokenizer_json_file(path)
     try:
@@ -699,10 +674,7 @@ def data_root(data_dir=None):
 
 
 def dataset_dir(name, data_dir=None):
-    """Where dataset (or output folder) `name` lives: <data_dir>/<name>.
-
-    data_dir defaults to $NANOFORMER_DATA_DIR, else data/ beside this file.
-    """
+    """Where dataset (or output folder) `name` lives: <data_root(data_dir)>/<name>."""
     # a plain name only: a path or '..' would escape data_dir, and dot names belong to prepare_data's staging folders
     if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("."):
         raise ValueError(f"dataset folder name must be a plain name such as 'my_corpus', got {name!r}")
@@ -738,12 +710,10 @@ def load_meta(dataset_dir):
 
 
 def check_prepared(path):
-    """Raise ValueError or FileNotFoundError unless `path` holds a complete, intact dataset.
-
-    Complete: meta.json, listing what its kind needs (train.bin and val.bin, train/val/test pairs, or train/val
-    conversations). Intact: every listed file present, with a valid header and the token count meta.json records,
-    and each split's pair or conversation index matching its token files and count. The message is one line naming
-    the file and the fix; a file that cannot be read at all raises its own OSError.
+    """
+    Raise ValueError or FileNotFoundError (one line naming the file and the fix) unless `path` holds a complete,
+    intact dataset: a meta.json listing what its kind needs (KIND_NEEDS), every listed file present with the token
+    count it records, each split's index matching its token files and count.
     """
     path = Path(path)
     meta = load_meta(path)
@@ -770,7 +740,7 @@ def check_prepared(path):
 
 
 def is_prepared(path):
-    """True when `path` holds a complete, intact dataset, that is when check_prepared(path) raises nothing."""
+    """Whether check_prepared(path) raises nothing."""
     try:
         check_prepared(path)
     except (OSError, ValueError):

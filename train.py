@@ -12,11 +12,8 @@ shared out over the ranks, so a config means the same optimisation on one device
 
 The file reads top to bottom in the order a run goes: TrainConfig (every setting), main (the loop), setup (the
 stages before the first step), train_step (one optimizer step, then the helpers it calls, in that order),
-evaluation and saving, the command line. Beside it: tasks/ (what is trained: a task's batches, loss, evaluation
-and sampling, one file each), data.py (the dataset and the stream of batches), start.py (how a run starts or
-resumes), runtime.py (devices, ranks, FSDP or DDP, compiling.py's torch.compile), optim.py (the optimizers and the
-learning-rate schedule), log.py (what a run prints and logs), checkpoint.py (what is saved, whole or sharded),
-model.py (the model, its loss and the loss chunk's size).
+evaluation and saving, the command line. What it calls is in tasks/, data.py, start.py, runtime.py, optim.py,
+log.py, checkpoint.py and model.py: README.md's table of files says what each holds.
 """
 
 import contextlib

@@ -1,30 +1,13 @@
 """
 Model converters, one file each: rewrites of a run's model applied after it is built or loaded and before it is
-spread over the ranks, listed by name. converters/base.py holds the contract (Converter), lora.py LoRA. A converter
-is registered by its file: every module of this folder is imported here, and each Converter class it defines with a
-name is in CONVERTERS. train.py, start.py and checkpoint.py name none of them: they call these functions.
+spread over the ranks (converters/base.py: the contract; lora.py: LoRA). A converter is registered by its file
+(CONVERTERS). train.py, start.py and checkpoint.py name none of them: they call these functions.
 """
 
-import importlib
-import pkgutil
-
-from config import ConfigError
+from config import ConfigError, registered
 from converters.base import Converter
 
-
-def discovered_converters():
-    """{name: Converter class} of every module in this folder, in the order of their file names."""
-    found = {}
-    for module in sorted(info.name for info in pkgutil.iter_modules(__path__)):
-        for value in vars(importlib.import_module(f"converters.{module}")).values():
-            # the classes a module defines, not those it imports
-            is_converter = isinstance(value, type) and issubclass(value, Converter) and value.name
-            if is_converter and value.__module__ == f"converters.{module}":
-                found[value.name] = value
-    return found
-
-
-CONVERTERS = discovered_converters()
+CONVERTERS = registered(__name__, __path__, Converter)
 
 
 def requested(cfg):

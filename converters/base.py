@@ -1,8 +1,4 @@
-"""
-What every model converter is: the Converter contract. A converter rewrites a model after it is built or loaded
-and before it is spread over the ranks (LoRA: frozen weights with trained adapters beside them), and says what a
-checkpoint keeps of the converted model. Each converter is one file beside this one.
-"""
+"""What every model converter is: the Converter contract. Each converter is one file beside this one."""
 
 
 class Converter:

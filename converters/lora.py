@@ -17,11 +17,7 @@ the adapted model's) and adds lora_a (r, in) and lora_b (out, r):
 B starts at zero, so the adapted model starts as the base. Token rows: the rows of given ids in the token embedding
 (and in the head, tied to it or not) gain a trained delta (n, C), zero at first: a frozen base never learnt tokens
 its vocabulary did not have (the builtin chat template's markers), and with LoRA nothing else could teach it them.
-
-Written here rather than taken from peft: peft wraps each Linear in a module of its own (the base weight under
-`base_layer.weight`, another state-dict name), wraps the model in a PeftModel and needs transformers, while
-checkpoints, FSDP's per-Block sharding, Muon's block_matrices and export all name our weights as model.py does;
-what this needs is the few hundred lines below.
+Why not peft: docs/training.md (it renames the weights that checkpoints, FSDP, Muon and export name as model.py does).
 """
 
 import math
@@ -112,8 +108,7 @@ def add_adapters(model, settings, token_rows=(), *, generator):
     """
     Freeze every weight of model (a GPT) and give it trained adapters, in place: a LoRALinear for each Linear of
     every block that settings.targets names, and with token_rows (ids) a delta on those rows of the embedding and
-    the head (one shared delta where the head is tied to the embedding). generator draws the A matrices, so that
-    every rank draws the same ones. Returns model.
+    the head. generator draws the A matrices, so that every rank draws the same ones. Returns model.
     """
     model.requires_grad_(False)
     for block in [m for m in model.modules() if isinstance(m, Block)]:
@@ -160,9 +155,8 @@ def load_adapters(model, tensors):
 @torch.no_grad()
 def merge(model):
     """
-    An adapted model made plain again, in place: every update folded into the weight it adapts (W += (alpha / r)
-    B A, the token rows' deltas added to their rows) and the plain modules back, every weight trainable as in a
-    model just built. Its forward equals the adapted one's up to rounding; its state dict has the base's names only.
+    An adapted model made plain again, in place: every update folded into the weight it adapts and the plain modules
+    back, every weight trainable. Its forward equals the adapted one's up to rounding; its state dict the base's.
     """
     merged = set()  # the deltas already added: a tied head's is the embedding's
     for parent in list(model.modules()):
@@ -194,9 +188,8 @@ def merge(model):
 class LoRA(Converter):
     """
     The converter of a LoRA run (lora_rank > 0). Its record, what the checkpoints keep: the adapters' rank, alpha
-    and targets, the token rows they train and their base (start.py's record of it: where it was loaded from, its
-    model settings, the fingerprint of its weights). Its checkpoints hold the adapters alone, as "weights" (state),
-    one file also under FSDP; restore puts them on the base again, plain merges them into it.
+    and targets, the token rows they train and their base (start.base_record). Its checkpoints hold the adapters
+    alone, as "weights" (state), one file also under FSDP; restore puts them on the base again, plain merges them.
     """
 
     name, partial = "lora", True

@@ -1,34 +1,13 @@
 """
-The tasks, one file each: what is trained (batches, loss), how it is evaluated (eval.py) and what sample.py shows of
-it, for one kind of model and data. tasks/base.py holds the contract (Task); lm.py, masked_lm.py, seq2seq.py and
-chat.py the trained tasks, hellaswag.py a benchmark. A task is registered by its file: every module of this folder
-is imported here, and each Task class it defines with a name is in TASKS. To add one, add a file (docs/model.md).
+The tasks, one file each, for one kind of model and data: tasks/base.py holds the contract (Task); lm.py,
+masked_lm.py, seq2seq.py and chat.py the trained tasks, hellaswag.py a benchmark. A task is registered by its file
+(TASKS): to add one, add a file (docs/model.md).
 """
 
-import importlib
-import pkgutil
-
-from config import ConfigError
+from config import ConfigError, registered
 from tasks.base import Task
 
-
-def discovered_tasks():
-    """{name: Task class} of every module in this folder, in the order of their file names."""
-    found = {}
-    for module in sorted(info.name for info in pkgutil.iter_modules(__path__)):
-        for value in vars(importlib.import_module(f"tasks.{module}")).values():
-            # the classes a module defines, not those it imports
-            if (
-                isinstance(value, type)
-                and issubclass(value, Task)
-                and value.name
-                and value.__module__ == f"tasks.{module}"
-            ):
-                found[value.name] = value
-    return found
-
-
-TASKS = discovered_tasks()
+TASKS = registered(__name__, __path__, Task)
 
 
 def make_task(name, arch, meta, mask_prob=0.15, label_smoothing=0.0):

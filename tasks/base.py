@@ -18,11 +18,10 @@ from log import log
 
 class Task:
     """
-    A kind of training and what goes with it, whole in one file: its splits, batches, counts and loss (train.py),
-    its evaluation (eval.py) and what it shows of a prompt (sample.py). The scripts hold a Task and call these
-    methods; they never ask which task it is. A task with exact_answers also gives answer_rows(split), the val
-    examples in order, and decoded(model, split, rows, batch_size, block_size), their greedy outputs beside the
-    references. A task that only evaluates (a benchmark) has kind None: no run trains it.
+    A kind of training and what goes with it: its splits, batches, counts and loss (train.py), its evaluation
+    (eval.py) and what it shows of a prompt (sample.py); the scripts call these methods, never asking which task it
+    is. A task with exact_answers also gives answer_rows(split), the val examples in order, and decoded(model, split,
+    rows, batch_size, block_size), their greedy outputs beside the references.
     """
 
     name = ""  # its name in TASKS: the `task` setting of train.py and eval.py
@@ -158,9 +157,8 @@ def read_text(path):
 def dataset_split(cfg, meta, kind):
     """
     (folder, split) to evaluate (cfg: eval.py's EvalConfig): the prepared dataset the model was trained on (meta's
-    name) under --data_dir, the run's data_dir or the default root, and --split (default val); refused if its data was
-    prepared with another tokenizer since, or if a `kind` ("language-modelling", "chat" or "seq2seq") without a
-    test split is asked for its test split.
+    name) under --data_dir, else the run's data_dir, and --split (default val); refused if its data was prepared with
+    another tokenizer since, or for a test split that a `kind` of data other than seq2seq has not.
     """
     if "name" not in meta:
         raise ValueError("these weights come without a dataset: evaluate a text file with --input=FILE")

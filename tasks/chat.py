@@ -1,8 +1,7 @@
 """
 Chat: a GPT on conversations, with the loss on the assistant's tokens. Its batches (whole conversations of about one
-length, right-padded), its evaluation (the loss on the assistant's tokens of a split or a conversations file, and
-the exact match of greedy final replies where they are exact answers) and its sampling (a GPT's: text, or a
-conversation with --chat).
+length, right-padded), its evaluation (that loss, and the exact match of greedy final replies where they are exact
+answers) and its sampling (the causal LM's: text, or a conversation with --chat).
 """
 
 import sys
@@ -24,9 +23,8 @@ from tasks.lm import CausalLM
 
 class Chat(CausalLM):
     """
-    A GPT on conversations, with the loss on the assistant's tokens: batches of whole conversations of about one
-    length, right-padded. pad_id stays None, so that the model builds no key mask: causal attention never lets a
-    real position see the padding after it. Data whose replies are exact (a quiz) is scored by exact match too.
+    The causal LM on conversations (see the module's docstring). pad_id stays None, so that the model builds no key
+    mask: causal attention never lets a real position see the padding after it.
     """
 
     name = kind = "chat"

@@ -204,9 +204,9 @@ def print_stream(steps, shown, tokenizer, stop_token, out):
 
 def print_tokens(tokens, shown, tokenizer, out):
     """
-    Print text as its ids (an iterator of ints) arrive; returns them. shown: the prompt ids to print first.
-    The whole sequence is decoded each step and only the new text printed, and text ending in an
-    incomplete UTF-8 character (which BPE splits over several tokens) waits for the next token.
+    Print text as its ids (an iterator of ints) arrive, after those of shown (the prompt); returns them. The whole
+    sequence is decoded each step and only the new text printed, one ending in an incomplete UTF-8 character (which
+    BPE splits over several tokens) once the next token completes it.
     """
     ids = list(shown)
     printed = tokenizer.decode(ids)

@@ -1,7 +1,7 @@
 """
 The masked language model: an encoder predicting the tokens hidden in a window of text (BERT's 80/10/10
-corruption). Its batches, its evaluation (the cross-entropy at the masked positions of a split or a text file, each
-window masked as in training, with a seeded generator of its own) and its sampling (the [MASK]s of a prompt filled).
+corruption). Its batches, its evaluation (the loss at the masked positions, masked as in training) and its sampling
+(the [MASK]s of a prompt filled).
 """
 
 import sys
@@ -78,9 +78,8 @@ def mask_tokens(tokens, task, generator):
 def evaluate_masked(model, meta, tokens, data, cfg, progress):
     """
     An encoder's cross-entropy at the masked positions of tokens, cut into windows of block_size, each masked as in
-    training (mask_tokens: mask_prob of the positions, 80% shown as [MASK], 10% a random token, 10% unchanged) with
-    its own generator, seeded by --seed and its index, so that the same seed masks the same positions whatever the
-    batch size. A dict of results.
+    training (mask_tokens) with its own generator, seeded by --seed and its index, so that the same seed masks the
+    same positions whatever the batch size. A dict of results.
     """
     # train.py appends [MASK] after the dataset's ids: its random replacements are drawn from the ids below it
     task = MaskedLM(meta, mask_prob=cfg.mask_prob, data_vocab=meta["special_tokens"]["mask"])
