@@ -1007,7 +1007,11 @@ def cli(argv):
     except ValueError as e:
         print(f"bench.py: error: {e}", file=sys.stderr)
         return 2
-    main(cfg)
+    try:
+        main(cfg)
+    except KeyboardInterrupt:  # Ctrl-C: one line; each case ran in a process and a folder of its own, now left
+        print("bench.py: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
