@@ -207,9 +207,7 @@ def quiz_conversation(rng, pools):
 def quiz_conversations(text, num_train, num_val, seed):
     """
     {"val": [...], "train": [...]}: num_val and num_train quiz conversations (lists of {"role", "content"}) about
-    `text` (tiny Shakespeare), drawn from seed. Lines are asked about from the text's first QUIZ_TRAIN_SHARE (the
-    part a shakespeare_char model was trained on); a QUIZ_VAL_SHARE of those lines, and of the sums, is asked
-    about in val only, so that no val question is ever a train question.
+    `text` (tiny Shakespeare), drawn from seed; no val question is ever a train question (QUIZ_VAL_SHARE).
     """
     lines = quiz_lines(text, int(len(text) * QUIZ_TRAIN_SHARE))
     if not lines:
