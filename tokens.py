@@ -265,10 +265,7 @@ def load_pairs(dataset_dir, split):
 
 
 class ConversationWriter:
-    """
-    Streams the conversations of one split into {split}.bin (their ids), {split}_targets.bin (a token file of
-    vocabulary 2: 1 where the id is a loss target) and {split}_idx.npy (where each conversation starts).
-    """
+    """Streams the conversations of one split into its three files (the module's docstring says what each holds)."""
 
     def __init__(self, stack, folder, split, vocab_size):
         # entered on the caller's stack: the files are renamed into place only when the whole build succeeds

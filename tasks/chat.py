@@ -91,8 +91,8 @@ class ChatSplit:
 def chat_batch(conversations, rows):
     """
     Conversations `rows` as (inputs (B, T), targets (B, T)): inputs = ids[:-1], targets = ids[1:] where that id is
-    a loss target, else IGNORE_INDEX; right-padded to the longest of the batch. The padding's inputs are id 0 (any id
-    would do: causal attention keeps real positions from seeing it) and its targets IGNORE_INDEX.
+    a loss target, else IGNORE_INDEX; right-padded to the longest of the batch, with inputs 0 (any id would do: see
+    Chat) and targets IGNORE_INDEX.
     """
     examples = [conversations[int(i)] for i in rows]
     T = max(len(ids) for ids, _ in examples) - 1
