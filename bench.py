@@ -14,10 +14,9 @@ tokenization speed, and each rank's memory with DDP and with FSDP.
     python bench.py --parts=serve                    # serve.py: 1, 4 and 16 streaming clients at once
 
 Each training run is a real `python train.py CONFIG` process, timed from its launch, so compilation, data
-preparation and evaluation all count. Numbers vary from run to run: each is the median of several, with the spread.
-Several configs are run in turns (run 1 of each, then run 2 of each, ...), so that the machine's drift in speed
-over minutes hits them alike, and each gets a column of the table. The step part instead times train.py's own
-training step inside a process of its own for each case (docs/performance.md, "GPUs").
+preparation and evaluation all count; each number is the median of several, with the spread, and several configs
+are run in turns, a column each. The step part instead times train.py's own training step inside a process of its
+own for each case (docs/performance.md, "GPUs").
 """
 
 import contextlib
@@ -619,8 +618,7 @@ def planned(words):
 
 def nanogpt_step(cfg, work):
     """
-    nanoGPT's train.py at cfg.nanogpt_step, timed as it times itself, which is how time_steps times ours: the host
-    clock from iteration to iteration, each waiting for the device once (its loss.item() at log_interval=1). Its
+    nanoGPT's train.py at cfg.nanogpt_step, timed as it times itself, which is how DeviceClock times ours: its
     iterations after cfg.warmup, and the launch to its first iteration, compiled cold.
     """
     steps = cfg.warmup + cfg.steps
@@ -838,8 +836,7 @@ def bench_serving(cfg, work):
     """
     (header, rows) for serve.py: each of serve_clients clients at once streams a completion of serve_tokens tokens
     (sampled, never ending early), cfg.repeats times; time to first token per request, and tokens/s per client and
-    for all together. The server is a `python serve.py` process of its own, on cfg.serve_from or the quick start's
-    model (its shape, trained a few steps: the speed does not depend on the weights).
+    for all together, from a `python serve.py` process of cfg.serve_from or quick_start_checkpoint.
     """
     work.mkdir(parents=True, exist_ok=True)
     source = cfg.serve_from or quick_start_checkpoint(work)

@@ -1,9 +1,8 @@
 """The synthetic datasets, drawn rather than downloaded, each question with one right answer: the seq2seq puzzles
 (what a source looks like, how one is drawn, its answer) and the Shakespeare quiz of the chat demo.
 
-reverse and sort take a string of digits and lowercase letters; num2words takes a whole number written in
-digits and answers in English words (1234 -> one thousand two hundred thirty-four). solve() gives the answer:
-prepare_data.py writes drawn sources and their answers as datasets, sample.py grades a model's output with it.
+reverse and sort take a string of digits and lowercase letters; num2words takes a whole number written in digits and
+answers in English words (1234 -> one thousand two hundred thirty-four); solve() gives the answer.
 """
 
 import random

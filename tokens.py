@@ -293,10 +293,9 @@ class ConversationWriter:
 
 class Conversations(Sequence):
     """
-    The conversations of one chat split, backed by memmaps. `conversations[i]` returns (ids, targets): two read-only
-    uint16/uint32 arrays of one length, targets 1 where the id is a loss target (assistant text and the end-of-turn
-    closing it). `ids`, `targets` (the whole split's, concatenated) and `index` (int64 (n + 1,): where each
-    conversation starts) are public for vectorised batching.
+    The conversations of one chat split, backed by memmaps: `conversations[i]` is (ids, targets), two read-only
+    arrays of one length, targets 1 where the id is a loss target. `ids`, `targets` (the whole split's, concatenated)
+    and `index` (int64 (n + 1,): where each conversation starts) are public for vectorised batching.
     """
 
     def __init__(self, ids, targets, index):
