@@ -14,10 +14,9 @@ tokenization speed, and each rank's memory with DDP and with FSDP.
     python bench.py --parts=serve                    # serve.py: 1, 8 and 16 streaming clients, two model shapes
 
 Each training run is a real `python train.py CONFIG` process, timed from its launch, so compilation, data
-preparation and evaluation all count. Numbers vary from run to run: each is the median of several, with the spread.
-Several configs are run in turns (run 1 of each, then run 2 of each, ...), so that the machine's drift in speed
-over minutes hits them alike, and each gets a column of the table. The step part instead times train.py's own
-training step inside a process of its own for each case (docs/performance.md, "GPUs").
+preparation and evaluation all count; each number is the median of several, with the spread, and several configs
+are run in turns, a column each. The step part instead times train.py's own training step inside a process of its
+own for each case (docs/performance.md, "GPUs").
 """
 
 import contextlib
@@ -203,8 +202,7 @@ def nanogpt_env(cache):
 def timed_run(cfg, config, out_dir, cache):
     """
     One `python train.py config` process, compiling into the folder cache (empty: a cold start, as nanoGPT's race
-    gets). Returns (evals: [(seconds since launch, iter, val loss)], tokens/s of every progress line, MFU of every
-    progress line, total seconds).
+    gets). Returns (evals: [(seconds since launch, iter, val loss)], tokens/s and MFU of each progress line, seconds).
     """
     # every run writes its own out_dir; train_args come last, so they override the config
     command = [sys.executable, str(ROOT / "train.py"), config, f"--out_dir={out_dir}", "--tensorboard=false"]
@@ -231,10 +229,8 @@ def timed_run(cfg, config, out_dir, cache):
 
 
 def bench_training(cfg, work):
-    """
-    Table rows for cfg.runs training runs of each config, in folders under work: speed, MFU, time to target,
-    losses. Each row holds one value per config, and nanoGPT's race where cfg says, run in turns with them.
-    """
+    """Table rows for cfg.runs training runs of each config, in folders under work, a value per config (and
+    nanoGPT's race where cfg says, in turns with them): speed, MFU, time to target, losses."""
     # per config: one entry per run (reached, best, finals, walls) or per progress line (speeds, mfus)
     stats = [{"reached": [], "best": [], "finals": [], "walls": [], "speeds": [], "mfus": []} for _ in cfg.configs]
     races = []  # nanoGPT's, one a run
@@ -271,10 +267,8 @@ def bench_training(cfg, work):
 
 
 def memory_run(cfg, config, fsdp, out_dir):
-    """
-    One `torchrun --nproc_per_node=ranks train.py config` of memory_iters steps, with fsdp on or off. Returns
-    {rank: (weights + gradients + optimizer state, peak)} in MiB, from train.py's closing memory lines.
-    """
+    """One `torchrun --nproc_per_node=ranks train.py config` of memory_iters steps, with fsdp on or off: its
+    memory_lines."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.ranks}"]
     command += [str(ROOT / "train.py"), config, f"--out_dir={out_dir}", "--tensorboard=false", f"--fsdp={fsdp}"]
     steps = cfg.memory_iters
@@ -295,10 +289,7 @@ def memory_lines(log):
 
 
 def bench_memory(cfg, work):
-    """
-    (header, rows): each rank's weights + gradients + optimizer state, and its peak memory, with DDP and with FSDP
-    for each config, runs times in turns.
-    """
+    """(header, rows): each rank's memory_lines with DDP and with FSDP for each config, runs times in turns."""
     columns = [(config, fsdp) for config in cfg.configs for fsdp in (False, True)]
     measured = {column: {} for column in columns}  # {rank: [(state, peak) of each run]}
     for run in range(cfg.runs):
@@ -635,8 +626,7 @@ def planned(words):
 
 def nanogpt_step(cfg, work):
     """
-    nanoGPT's train.py at cfg.nanogpt_step, timed as it times itself, which is how time_steps times ours: the host
-    clock from iteration to iteration, each waiting for the device once (its loss.item() at log_interval=1). Its
+    nanoGPT's train.py at cfg.nanogpt_step, timed as it times itself, which is how DeviceClock times ours: its
     iterations after cfg.warmup, and the launch to its first iteration, compiled cold.
     """
     steps = cfg.warmup + cfg.steps
@@ -743,10 +733,8 @@ def bench_steps(cfg, work):
 
 
 def merged(rounds):
-    """
-    One column's result over its rounds: every round's step times and launches; the rest (the profile, the peak, the
-    loss) the first round's. A round that failed stands for the column.
-    """
+    """One column's result over its rounds: every round's step times and launches, the rest the first round's; a
+    round that failed stands for the column."""
     failed = [r for r in rounds if "error" in r]
     if failed:
         return failed[0]
@@ -782,11 +770,8 @@ def print_table(header, rows):
 
 
 def bench_gpu(cfg, work, show):
-    """
-    --parts=gpu: the three stages of the GPU_CASES comment, each table shown as soon as it is measured. Every
-    stage's cases and race take train_args, so that tests/test_bench.py dry-runs this same call on a CPU at tiny
-    shapes.
-    """
+    """--parts=gpu: the three stages of the GPU_CASES comment, each table shown as soon as it is measured. Every
+    stage takes train_args, so that tests/test_bench.py dry-runs this same call on a CPU at tiny shapes."""
     defaults = BenchConfig()
     # these options keep the command line's values; every other option is the stage's own
     given = {k: getattr(cfg, k) for k in ("steps", "step_seconds", "warmup", "case_timeout", "rounds", "plan")}
@@ -985,10 +970,8 @@ def stream_completion(url, max_tokens, seed):
 
 
 def nanogpt_column(rows, races, cfg):
-    """
-    The training table's rows with nanoGPT's column: its time to the target over its races (nanogpt_race's
-    results), the rest not measured (stopped there).
-    """
+    """The training table's rows with nanoGPT's column: its time to the target over its races (nanogpt_race's
+    results), the rest not measured (stopped there)."""
     target = f"seconds to val loss <= {cfg.target_loss}"
     # inf for a run that ended (or failed) first: summary counts it apart, and its exit status is said
     seconds = [race[0] if isinstance(race, tuple) else math.inf for race in races]

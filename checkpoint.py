@@ -213,9 +213,8 @@ def whole_weights(model, rt):
 
 def whole_model(model, rt, converter=None):
     """
-    On rank 0, a copy of FSDP-sharded model whole on rt.device, its weights gathered (whole_weights); None on the
-    other ranks. Call it on every rank. converter: what model was converted with, which the copy is converted with
-    too, since the gathered weights are the converted model's.
+    On rank 0, a copy of FSDP-sharded model whole on rt.device, its weights gathered (whole_weights), converted as
+    model was (converter); None on the other ranks. Call it on every rank.
     """
     weights = whole_weights(model, rt)
     if rt.rank != 0:
@@ -251,9 +250,8 @@ def whole_optimizer_state(model, optimizer):
 
 def sharded_state(model, *, ema_model, optimizers):
     """
-    The tensors of a sharded checkpoint, each rank's own part (DTensors under FSDP; whole tensors in a process that
-    holds the whole model): {"weights", "optimizers": {name: state}[, "average"]} as in ckpt.pt, keyed by parameter
-    name. Saved as it is by save_sharded, or filled in by load_sharded.
+    The tensors of a sharded checkpoint, each rank's own part (DTensors under FSDP): {"weights", "optimizers": {name:
+    state}[, "average"]} as in ckpt.pt, keyed by parameter name, for save_sharded to save or load_sharded to fill.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 

@@ -1,7 +1,6 @@
 """
-Compilation: torch.compile applied to a training run's model, whole or block by block (regional), falling back to
-the eager model with one warning where compiling fails. runtime.parallelize applies it, after FSDP or DDP. Its trial
-step (one forward and backward as training takes it) also sizes the loss chunk on a GPU (model.sized_loss_chunk).
+Compilation: torch.compile applied to a training run's model, whole or block by block (regional), by
+runtime.parallelize after FSDP or DDP. Its trial step also sizes the loss chunk on a GPU (model.sized_loss_chunk).
 """
 
 import contextlib

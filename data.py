@@ -158,7 +158,6 @@ class TrainBatches:
             task.batch(self.data, cfg.batch_size, cfg.block_size, torch.Generator().manual_seed(s))
             for s in seeds
         ]
-        # pinned (page-locked) memory lets the copy to the GPU run asynchronously (non_blocking)
         if self.pin:
             batches = [pinned(inputs, targets) for inputs, targets in batches]
         # counted here on the CPU, so the training loop never waits for a count on the GPU

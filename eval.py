@@ -1,8 +1,6 @@
 """
-Evaluate a checkpoint of train.py, or Hugging Face weights: a language model's loss, perplexity and bits per byte
-over a whole dataset split or any text file, a masked-LM encoder's masked loss, HellaSwag accuracy, an
-encoder-decoder's exact match and token accuracy over a split's pairs, and a chat model's loss on the assistant's
-tokens and exact match of its greedy replies.
+Evaluate a checkpoint of train.py, or Hugging Face weights, as its task (tasks/) scores it: a language model's loss,
+perplexity and bits per byte over a dataset split or any text file, a masked loss, exact match, HellaSwag accuracy.
 
     python eval.py --out_dir=out-shakespeare                          # the val split of the data it trained on
     python eval.py --out_dir=out-shakespeare --input=hamlet.txt       # any UTF-8 text, with the model's tokenizer

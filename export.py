@@ -4,11 +4,10 @@ line of hf.py, which converts the weights and config.json, while this file adds 
 
     python export.py --out_dir=out-shakespeare --checkpoint=best.pt --dest=hf-shakespeare
 
-The folder holds config.json, model.safetensors (float32) and generation_config.json, plus the tokenizer: GPT-2's
-BPE (tokenizer.json, vocab.json, merges.txt), the dataset's own tokenizer.json, or one built for a character
-vocabulary. Then transformers' AutoTokenizer and AutoModelForCausalLM read the folder, with our model's logits. A chat
-model's tokenizer_config.json holds its chat template and generation_config.json its end-of-turn id as eos, so that
-transformers' apply_chat_template and generate (and vLLM, SGLang) chat with it as sample.py --chat does.
+The folder holds config.json, model.safetensors (float32) and generation_config.json, plus the tokenizer's files
+(tokenizer_files), a chat model's with its template and end-of-turn: transformers' AutoTokenizer and
+AutoModelForCausalLM read it with our model's logits, and its apply_chat_template and generate (and vLLM, SGLang)
+chat with it as sample.py --chat does.
 
 The layout (GPT-2's, Llama's, Qwen2's or Qwen3's) follows from the model's settings (hf.hf_layout, hf.LAYOUTS);
 options that none computes (post-norm, a soft-cap, a window...) are a one-line error naming each. JSON and

@@ -780,9 +780,8 @@ def owned(t):
 
 def to_hf(model):
     """
-    (layout, tensors, config) of model (a GPT) in the Hugging Face layout that computes it, "gpt2", "llama", "qwen2"
-    or "qwen3" (hf_layout's ValueError if none does): its weights by their Hugging Face names, float32 and contiguous,
-    and config.json's architecture settings. from_pretrained reads them back to the same model.
+    (layout, tensors, config) of model (a GPT) in the Hugging Face layout that computes it (hf_layout): its weights by
+    their Hugging Face names, float32 and contiguous, and config.json's settings, read back to the same model.
     """
     c = model.config
     layout = hf_layout(c)

@@ -491,9 +491,6 @@ def mirror_entry(name):
     return Path(mirror) / name if mirror else None
 
 
-# What identifies a dataset's inputs: (name, options, data root) -> (local input files or None, fingerprint).
-
-
 def translation_folder(opts):
     """The translation dataset's folder name: --name, else translation_SRC_TGT."""
     # one folder per language pair unless --name says otherwise

@@ -402,9 +402,9 @@ def parallelize(model, cfg, rt, task):
       1. activation checkpointing, if cfg says so: each block recomputed in the backward;
       2. FSDP2 (fsdp under torchrun): each block, then the root, sharded over the ranks; or DDP (torchrun without
          fsdp), which also gives every rank rank 0's initial weights; or neither, in one process;
-      3. torch.compile (cfg.compile; None: on CUDA only), tried on the task's example batch (data.Task).
-         DDP is compiled, not wrapped around a compiled model: then its graph is split at the gradient buckets,
-         so each bucket's all-reduce starts while the backward of the layers before it still runs;
+      3. torch.compile (cfg.compile; None: on CUDA only), tried on the task's example batch. DDP is compiled, not
+         wrapped around a compiled model: its graph is then split at the gradient buckets, so each bucket's
+         all-reduce starts while the backward of the layers before it still runs;
       4. with ema_decay, the weight average: a copy, sharded alike.
     Call it before the optimizers are built: FSDP replaces the parameters with sharded ones.
     """
@@ -439,12 +439,12 @@ def parallelize(model, cfg, rt, task):
 def shard_model(model, rt, seed, mesh=None):
     """
     FSDP2 over the ranks: each Block sharded as a unit, then the root (embeddings, head, final norm), so that a
-    block's weights are gathered just before its forward and backward and freed after. Each rank keeps its shard of
-    every weight, gradient and (built afterwards) optimizer state. A model built on the meta device gets memory for
-    its shards only and is initialised with seed on every rank: the same weights as an unsharded model built after
-    torch.manual_seed(seed). With rt.dtype other than float32 (bfloat16 on CUDA), a mixed-precision policy replaces
-    autocast: weights gathered in rt.dtype for the forward and backward, gradients reduced in float32, the sharded
-    weights and AdamW's state kept in float32. mesh: the ranks' DeviceMesh; None: a new one over all of them.
+    block's weights are gathered just before its forward and backward and freed after. A model built on the meta
+    device gets memory for its shards only and is initialised with seed on every rank: the same weights as an
+    unsharded model built after torch.manual_seed(seed). With rt.dtype other than float32 (bfloat16 on CUDA), a
+    mixed-precision policy replaces autocast: weights gathered in rt.dtype for the forward and backward, gradients
+    reduced in float32, the sharded weights and AdamW's state kept in float32. mesh: the ranks' DeviceMesh; None: a
+    new one over all of them.
     """
     # imported here: only FSDP runs shard
     from torch.distributed.device_mesh import init_device_mesh
@@ -486,9 +486,7 @@ def gradient_sync(models, enabled):
     (no_sync: its gradients add up on this rank), then all-reduces the sums. FSDP reduce-scatters every
     micro-batch's gradients as they come (nothing to do here), so that each rank only ever holds its shards.
     """
-    if models.ddp is not None and not enabled:
-        return models.ddp.no_sync()
-    return contextlib.nullcontext()
+    return models.ddp.no_sync() if models.ddp is not None and not enabled else contextlib.nullcontext()
 
 
 def clip_gradients(parameters, max_norm):

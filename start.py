@@ -157,9 +157,8 @@ def resume(cfg, meta, lazy):
 
 def resumed_settings(cls, given, out_dir):
     """
-    The settings ({name: value}) of dataclass cls with which the run in out_dir goes on: those its ckpt.pt was
-    trained with, each one given (given: {name: value}, from the command line and config files) overriding its saved
-    value, said in one note. So `train.py --init_from=resume --out_dir=DIR` needs nothing else.
+    The settings ({name: value}) of dataclass cls with which the run in out_dir goes on: those its ckpt.pt was trained
+    with, each one given (from the command line and config files) overriding its saved value, said in one note.
     """
     # its settings alone: the tensors stay on disk until resume() reads the checkpoint
     ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt", weights=False, mmap=True)
@@ -180,8 +179,7 @@ def resumed_settings(cls, given, out_dir):
 def with_saved_settings(cfg, saved, given, said):
     """
     cfg with the settings of the weights a run starts from (saved: {name: value}), and a note (starting with `said`)
-    naming those the user gave (not left at their defaults) that these override, rather than ignoring them
-    silently; given: the user's values, as compared with saved.
+    naming those the user gave (given, not left at their defaults) that these override, rather than silently.
     """
     defaults = {f.name: f.default for f in fields(cfg)}
     changed = [f"{k}={v!r}" for k, v in saved.items() if getattr(cfg, k) != defaults[k] and given[k] != v]

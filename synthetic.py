@@ -1,9 +1,8 @@
 """The synthetic datasets, drawn rather than downloaded, each question with one right answer: the seq2seq puzzles
 (what a source looks like, how one is drawn, its answer) and the Shakespeare quiz of the chat demo.
 
-reverse and sort take a string of digits and lowercase letters; num2words takes a whole number written in
-digits and answers in English words (1234 -> one thousand two hundred thirty-four). solve() gives the answer:
-prepare_data.py writes drawn sources and their answers as datasets, sample.py grades a model's output with it.
+reverse and sort take a string of digits and lowercase letters; num2words takes a whole number written in digits and
+answers in English words (1234 -> one thousand two hundred thirty-four); solve() gives the answer.
 """
 
 import random
@@ -207,9 +206,7 @@ def quiz_conversation(rng, pools):
 def quiz_conversations(text, num_train, num_val, seed):
     """
     {"val": [...], "train": [...]}: num_val and num_train quiz conversations (lists of {"role", "content"}) about
-    `text` (tiny Shakespeare), drawn from seed. Lines are asked about from the text's first QUIZ_TRAIN_SHARE (the
-    part a shakespeare_char model was trained on); a QUIZ_VAL_SHARE of those lines, and of the sums, is asked
-    about in val only, so that no val question is ever a train question.
+    `text` (tiny Shakespeare), drawn from seed; no val question is ever a train question (QUIZ_VAL_SHARE).
     """
     lines = quiz_lines(text, int(len(text) * QUIZ_TRAIN_SHARE))
     if not lines:

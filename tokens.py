@@ -265,10 +265,7 @@ def load_pairs(dataset_dir, split):
 
 
 class ConversationWriter:
-    """
-    Streams the conversations of one split into {split}.bin (their ids), {split}_targets.bin (a token file of
-    vocabulary 2: 1 where the id is a loss target) and {split}_idx.npy (where each conversation starts).
-    """
+    """Streams the conversations of one split into its three files (the module's docstring says what each holds)."""
 
     def __init__(self, stack, folder, split, vocab_size):
         # entered on the caller's stack: the files are renamed into place only when the whole build succeeds
@@ -296,10 +293,9 @@ class ConversationWriter:
 
 class Conversations(Sequence):
     """
-    The conversations of one chat split, backed by memmaps. `conversations[i]` returns (ids, targets): two read-only
-    uint16/uint32 arrays of one length, targets 1 where the id is a loss target (assistant text and the end-of-turn
-    closing it). `ids`, `targets` (the whole split's, concatenated) and `index` (int64 (n + 1,): where each
-    conversation starts) are public for vectorised batching.
+    The conversations of one chat split, backed by memmaps: `conversations[i]` is (ids, targets), two read-only
+    arrays of one length, targets 1 where the id is a loss target. `ids`, `targets` (the whole split's, concatenated)
+    and `index` (int64 (n + 1,): where each conversation starts) are public for vectorised batching.
     """
 
     def __init__(self, ids, targets, index):

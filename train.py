@@ -227,9 +227,8 @@ def main(cfg):
     """
     Train (or, with eval_only, evaluate) as cfg says, in one process or under torchrun. Returns a summary:
     {"losses": {iteration: train loss}, "evals": [{"iter", "train", "val"[, "val_bpb"][, "accuracy"]}], "iter_num",
-    "best_val_loss"}.
-    Raises ConfigError for bad settings or data, FloatingPointError for a non-finite loss and OSError for a failed
-    save.
+    "best_val_loss"}. Raises ConfigError for bad settings or data, FloatingPointError for a non-finite loss and
+    OSError for a failed save.
     """
     rt = make_runtime(cfg)
     with contextlib.ExitStack() as stack:
@@ -357,8 +356,7 @@ def setup(cfg, rt, stack):
 def join_processes(cfg, rt, stack):
     """
     The first stage: join the torchrun job, seed, set up the device and check out_dir, before any data or model.
-    Returns (micro-batches per rank, the host-side gloo group or None, whether this rank writes files, a note on the
-    CPU threads taken or None).
+    Returns (micro-batches per rank, the host-side gloo group or None, whether this rank writes, use_device's note).
     """
     # checked before any process group or data: a bad setting fails at once
     per_rank = split_accumulation(cfg.gradient_accumulation_steps, rt.world_size)
@@ -681,10 +679,9 @@ def evaluate(model, splits, task, cfg, rt):
 
 def val_accuracy(run):
     """
-    Exact match of greedy decoding on the first eval_accuracy_examples val examples whose answers the task decodes
-    (pairs, or chat conversations whose final replies are decoded from the turns before them), with the kept model.
-    Under FSDP rank 0 decodes them all with the weights gathered: decoding stops at different steps on different
-    ranks, and a sharded model's every forward pass is a collective.
+    Exact match of greedy decoding on the first eval_accuracy_examples val examples the task decodes, with the kept
+    model. Under FSDP rank 0 decodes them all with the weights gathered: decoding stops at different steps on
+    different ranks, and a sharded model's every forward pass is a collective.
     """
     cfg, rt, split = run.cfg, run.rt, run.splits["val"]
     rows = run.task.answer_rows(split)[: cfg.eval_accuracy_examples]
@@ -699,10 +696,8 @@ def val_accuracy(run):
 
 @torch.no_grad()
 def exact_match(model, task, split, rows, cfg, rt):
-    """
-    Fraction of the examples `rows` of a split whose greedy decoding (task.decoded: pairs of at most
-    cfg.block_size tokens, chat replies up to an end-of-turn) equals the reference exactly, over all ranks.
-    """
+    """Fraction of the examples `rows` of a split whose greedy decoding (task.decoded) equals the reference exactly,
+    over all ranks."""
     model.eval()
     mine = rows[rt.rank :: rt.world_size]  # rank r decodes every world_size-th example
     with rt.autocast():

@@ -66,7 +66,6 @@ class Chat(CausalLM):
         return np.sort(split.order)  # the conversations in their file's order (the split keeps them by length)
 
     def decoded(self, model, split, rows, batch_size, block_size):
-        # a reply ends at an end-of-turn
         stop = ChatFormat.from_meta(self.meta).end_of_turn
         return decoded_replies(model, (split.conversations[int(i)] for i in rows), stop)
 
@@ -83,16 +82,15 @@ class ChatSplit:
     """A chat split as Chat.batch reads it: its conversations, and those that fit block_size, shortest first."""
 
     conversations: tokens.Conversations
-    # indices of the conversations that fit, by length; equal lengths in a fixed shuffled order, so that a file's
-    # runs of one kind of conversation do not fill whole batches
+    # equal lengths in a fixed shuffled order, so that a file's runs of one kind of conversation do not fill batches
     order: np.ndarray
 
 
 def chat_batch(conversations, rows):
     """
     Conversations `rows` as (inputs (B, T), targets (B, T)): inputs = ids[:-1], targets = ids[1:] where that id is
-    a loss target, else IGNORE_INDEX; right-padded to the longest of the batch. The padding's inputs are id 0 (any id
-    would do: causal attention keeps real positions from seeing it) and its targets IGNORE_INDEX.
+    a loss target, else IGNORE_INDEX; right-padded to the longest of the batch, with inputs 0 (any id would do: see
+    Chat) and targets IGNORE_INDEX.
     """
     examples = [conversations[int(i)] for i in rows]
     T = max(len(ids) for ids, _ in examples) - 1
@@ -108,8 +106,7 @@ def chat_batch(conversations, rows):
 def chat_rows(split, batch_size, generator):
     """
     batch_size neighbours in split.order from a random start: conversations of about one length, so that little of
-    the batch is padding. The order wraps around, so every conversation is drawn equally often; the few starts near
-    the end pair the longest conversations with the shortest.
+    the batch is padding. The order wraps around, so every conversation is drawn equally often.
     """
     start = int(torch.randint(len(split.order), (1,), generator=generator))
     return split.order[(start + np.arange(batch_size)) % len(split.order)]
@@ -134,9 +131,8 @@ def padding_fraction(split, batch_size):
 
 def chat_conversations(cfg, meta, chat_format, block_size):
     """
-    (conversations as (ids, targets) arrays, what they are, how many were left out): a conversations file (--input,
-    rendered with the model's template, those it cannot use counted) or a split of the chat data the model was
-    trained on, in both cases those that fit block_size.
+    (conversations as (ids, targets) arrays, what they are, how many were left out) that fit block_size: a
+    conversations file (--input, in the model's template) or a split of the chat data the model was trained on.
     """
     if cfg.input:
         left_out, conversations = prepare_data.LeftOut(), []
@@ -152,7 +148,6 @@ def chat_conversations(cfg, meta, chat_format, block_size):
         return conversations, cfg.input, left_out.bad()
     folder, split = dataset_split(cfg, meta, "chat")
     stored = tokens.load_conversations(folder, split)
-    # a conversation of n ids is n - 1 inputs and targets
     fits = [i for i, n in enumerate(np.diff(stored.index)) if n <= block_size + 1]
     if not fits:
         raise ValueError(f"no {split} conversation of {folder.name} fits the model's block_size={block_size}")

@@ -88,10 +88,7 @@ def hellaswag_item(item, line, where):
 
 
 def hellaswag_path(name):
-    """
-    The HellaSwag file: --input, else hellaswag_val.jsonl in $NANOFORMER_DATA_MIRROR, the folder of offline copies
-    that prepare_data.py reads too; never downloaded.
-    """
+    """The HellaSwag file: --input, else hellaswag_val.jsonl in $NANOFORMER_DATA_MIRROR; never downloaded."""
     if name:
         return Path(name).expanduser()
     mirror = os.environ.get(MIRROR_ENV)

@@ -67,9 +67,9 @@ def window_starts(n_tokens, block_size, stride):
 def lm_loss(model, tokens, byte_lengths, *, block_size, stride, batch_size, limit=None, progress=False):
     """
     A GPT's summed cross-entropy over every token of tokens (a 1-D id array) but the first, in windows of block_size
-    (window_starts): the first window scores all its targets, each later one only its last stride, those the one
-    before did not reach. Returns {"windows", "tokens", "bytes", "nats"}: the windows run, the tokens scored, the
-    UTF-8 bytes they stand for (byte_lengths: token_byte_lengths of the tokenizer) and their loss in nats.
+    (window_starts): the first window scores all its targets, each later one only its last stride. Returns
+    {"windows", "tokens", "bytes", "nats"}: the windows run, the tokens scored, the UTF-8 bytes they stand for
+    (byte_lengths: tokens.token_byte_lengths) and their loss in nats.
     """
     device = next(model.parameters()).device
     starts = window_starts(len(tokens), block_size, stride)[:limit]
@@ -185,8 +185,8 @@ def crop_prompt(ids, block_size, reserved=0):
 def sample_gpt(model, prompt, cfg, stop_token, generator, vocab_size):
     """
     Continue prompt (a list of ids) cfg.num_samples times in one batch with cfg's sampling options, drawing only
-    ids below vocab_size (the tokenizer's; BPE models pad their embedding to 50304). Returns an iterator over the
-    (num_samples, 1) new tokens of each step; rows that reached stop_token repeat it.
+    ids below vocab_size (the tokenizer's, not the padded embedding's): an iterator over each step's (num_samples, 1)
+    new tokens, rows that reached stop_token repeating it.
     """
     device = next(model.parameters()).device
     # (num_samples, T): the same prompt in every row; the rows diverge as they sample

@@ -18,9 +18,8 @@ MASK = "[MASK]"  # what the prompt writes where a token is to be filled in
 
 class MaskedLM(Task):
     """
-    An encoder predicting the tokens hidden in a window (BERT's corruption, mask_tokens). A dataset without a [MASK]
-    id gets one after its vocabulary, recorded in the meta the checkpoints store. data_vocab: the ids random
-    replacements are drawn from (default: the dataset's).
+    The module's task (corruption: mask_tokens). A dataset without a [MASK] id gets one after its vocabulary, recorded
+    in the meta the checkpoints store. data_vocab: the ids random replacements are drawn from (default: the data's).
     """
 
     name, arch, scores, auto = "masked_lm", "encoder", "masked text with an encoder", True

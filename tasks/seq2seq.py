@@ -109,10 +109,9 @@ def seq2seq_batch(pairs, rows, task):
 
 def evaluate_seq2seq(model, task, cfg, progress):
     """
-    Exact match, token accuracy and teacher-forced loss over a split's pairs that fit block_size. Their sources are
-    decoded (greedily, or by beam search) and compared with the references, target + eos: exact match counts the
-    outputs equal to their reference up to its eos, token accuracy the reference positions whose token the output
-    has at the same position; the loss is the cross-entropy per target + eos position.
+    Exact match, token accuracy and teacher-forced loss (per target + eos position) over a split's pairs that fit
+    block_size, their sources decoded greedily or by beam search and compared with the references, target + eos:
+    token accuracy counts the reference positions whose token the output has at the same position.
     """
     if cfg.input:
         raise ValueError("an encoder-decoder is evaluated on its dataset's pairs: give --split, not --input")
