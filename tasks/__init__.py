@@ -1,7 +1,7 @@
 """
 The tasks, one file each, for one kind of model and data: tasks/base.py holds the contract (Task); lm.py,
 masked_lm.py, seq2seq.py and chat.py the trained tasks, hellaswag.py a benchmark. A task is registered by its file
-(TASKS): to add one, add a file (docs/model.md).
+(TASKS): to add one, add a file (docs/training.md, "Tasks").
 """
 
 from config import ConfigError, registered
