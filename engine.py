@@ -169,14 +169,19 @@ class Scheduler:
 class SlotView:
     """
     One layer's view of the batch's cache for one forward pass, used as model.py's attention uses a KVCache: append
-    stores row b's new keys and values at positions[b] and returns every row's up to the batch's width.
+    stores row b's new keys and values at positions[b] and returns every row's up to the batch's width. With
+    positions None every row is at the same place, `length`: the new keys go after it, as a KVCache's do.
     """
 
-    def __init__(self, k, v, positions, rows):
-        self.k, self.v, self.positions = k, v, positions  # (B, H, width, D) views of the buffers; (B, T)
-        self.rows = rows  # (B, 1): 0 to B - 1
+    def __init__(self, k, v, positions, rows, length=None):
+        self.k, self.v, self.positions = k, v, positions  # (B, H, width, D) views of the buffers; (B, T) or None
+        self.rows, self.length = rows, length  # (B, 1): 0 to B - 1; the positions every row holds (positions None)
 
     def append(self, k, v):
+        if self.positions is None:
+            at = slice(self.length, self.length + k.size(2))
+            self.k[:, :, at], self.v[:, :, at] = k, v
+            return self.k, self.v
         # (B, H, T, D) -> (B, T, H, D): the layout of buffer[rows, :, positions]
         self.k[self.rows, :, self.positions] = k.transpose(1, 2).to(self.k.dtype)
         self.v[self.rows, :, self.positions] = v.transpose(1, 2).to(self.v.dtype)
@@ -234,11 +239,15 @@ class SlotCache:
         for k, v in self.layers:
             k[slot, :, :length], v[slot, :, :length] = k[source, :, :length], v[source, :, :length]
 
-    def views(self, positions, width, first=0):
-        """model.body's cache for slots first to first + B - 1 that write at positions (B, T) and read `width`."""
-        rows, index = slice(first, first + positions.size(0)), torch.arange(positions.size(0), device=self.device)
+    def views(self, count, width, positions=None, first=0):
+        """
+        model.body's cache for `count` slots from `first` that read `width` positions: the new keys go at positions
+        (count, T), or with None after width - 1 in every row (a decoding step whose rows are all at one place).
+        """
+        rows, index = slice(first, first + count), torch.arange(count, device=self.device)[:, None]
+        length = width - 1 if positions is None else None
         return [
-            (SlotView(k[rows, :, :width], v[rows, :, :width], positions, index[:, None]), None) for k, v in self.layers
+            (SlotView(k[rows, :, :width], v[rows, :, :width], positions, index, length), None) for k, v in self.layers
         ]
 
 
@@ -306,7 +315,9 @@ class Runner:
         self.slots.reserve(first + sum(r.n for r in requests), max(r.positions for r in requests))
         idx = torch.tensor([r.ids + [0] * (T - len(r.ids)) for r in requests], device=self.device)  # (k, T)
         positions = torch.arange(T, device=self.device).expand(len(requests), T)  # (k, T)
-        x, _ = self.model.body(idx, cache=self.slots.views(positions, T, first), positions=positions)  # (k, T, C)
+        x, _ = self.model.body(
+            idx, cache=self.slots.views(len(requests), T, positions, first), positions=positions
+        )  # (k, T, C)
         self.rows += [Row(r, 0, length=len(r.ids)) for r in requests]
         for b, request in enumerate(requests):
             for j in range(1, request.n):
@@ -358,9 +369,13 @@ class Runner:
         """One id for every row, in one forward pass. Returns {request: Produced}."""
         rows = self.rows
         tokens = torch.tensor([[row.token] for row in rows], device=self.device)  # (B, 1)
-        positions = torch.tensor([[row.length] for row in rows], device=self.device)  # (B, 1): where each goes
-        width = max(row.length for row in rows) + 1
-        x, _ = self.model.body(tokens, cache=self.slots.views(positions, width), positions=positions)
+        lengths = [row.length for row in rows]
+        width = max(lengths) + 1
+        # rows all at one place (one client, or a prompt's n samples) need no mask: the model's own KVCache path
+        positions = None
+        if min(lengths) < width - 1:
+            positions = torch.tensor(lengths, device=self.device)[:, None]  # (B, 1): where each goes
+        x, _ = self.model.body(tokens, cache=self.slots.views(len(rows), width, positions), positions=positions)
         for row in rows:
             row.length += 1
         return self.pick(self.model.head(x[:, -1]), rows)  # (B, V)
@@ -371,12 +386,13 @@ class Runner:
         members = {}  # each request's (slot, row) pairs
         for slot, row in enumerate(rows):
             members.setdefault(row.request, []).append((slot, row))
-        plain = logits.argmax(dim=-1).tolist()  # what greedy rows without a logit bias take
+        plain = None  # what greedy rows without a logit bias take, when there are any
         shared = {}  # Sampling -> the distribution of every row under it, computed once for its requests
         out = {}
         for request, pairs in members.items():
             options, slots = request.sampling, [slot for slot, _ in pairs]
             if options.temperature == 0 and not options.logit_bias:
+                plain = logits.argmax(dim=-1).tolist() if plain is None else plain
                 ids = [plain[slot] for slot in slots]
             elif options.logit_bias:
                 ids = self.draw(biased(logits[slots], options), range(len(pairs)), pairs, request)

@@ -81,12 +81,13 @@ def autocast(device, dtype):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
-def pick_threads(requested, local_ranks):
+def pick_threads(requested, local_ranks, spare=0):
     """
     (intra-op threads for this process, why: a line to log or None). requested > 0 wins; then OMP_NUM_THREADS
-    (torchrun sets 1 per rank); else the cores of this machine that other jobs are not using (busy_cores), shared
-    among the local_ranks processes. On a busy machine, threads that wait for a taken core make every op wait for
-    the slowest one (docs/training.md#devices-and-threads has the measurements).
+    (torchrun sets 1 per rank); else the cores of this machine that other jobs are not using (busy_cores), less
+    `spare` kept for this process's own other thread (serve.py's HTTP loop), shared among the local_ranks processes.
+    On a busy machine, threads that wait for a taken core make every op wait for the slowest one
+    (docs/training.md#devices-and-threads has the measurements).
     """
     if requested > 0:
         return requested, None
@@ -94,7 +95,7 @@ def pick_threads(requested, local_ranks):
         return max(1, int(os.environ["OMP_NUM_THREADS"])), None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     busy = min(round(busy_cores()), cores - 1)
-    threads = max(1, (cores - busy) // local_ranks)
+    threads = max(1, (cores - busy - spare) // local_ranks)
     if busy == 0:
         return threads, None
     return threads, (

@@ -82,7 +82,7 @@ class ServeConfig:
     device: str = "auto"  # "cpu", "cuda", "cuda:1", "mps"; "auto": cuda, else mps, else cpu
     dtype: str = "auto"  # "float32", "bfloat16" or "float16" (autocast); "auto": as in train.py
     compile: bool = False  # torch.compile the layers: a slow first step, faster ones after it
-    threads: int = 0  # the model's intra-op threads; 0: the cores other jobs leave free, as train.py takes them
+    threads: int = 0  # the model's intra-op threads; 0: the cores other jobs leave free, less one for the HTTP loop
 
     def __post_init__(self):
         if not 1 <= self.port <= 65535:
@@ -1044,7 +1044,8 @@ def main(cfg):
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="serve-http", daemon=True)
     thread.start()
-    threads, note = pick_threads(cfg.threads, 1)  # waiting threads slow every op on cores other jobs use
+    # a core is left to the HTTP loop: a model thread waiting for it would hold up every op (docs/serving.md)
+    threads, note = pick_threads(cfg.threads, 1, spare=1)
     torch.set_num_threads(threads)
     if note:
         print(f"serve.py: {note}", file=sys.stderr)

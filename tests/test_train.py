@@ -526,6 +526,10 @@ def test_threads_leave_busy_cores_to_other_jobs(monkeypatch):
         monkeypatch.setattr(runtime, "busy_cores", lambda load=load: load)
         threads, note = runtime.pick_threads(0, ranks)
         assert threads == expected and (note is None) == (round(load) == 0)
+    monkeypatch.setattr(runtime, "busy_cores", lambda: 0.0)
+    assert runtime.pick_threads(0, 1, spare=1) == (3, None)  # serve.py's HTTP loop keeps a core
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert runtime.pick_threads(0, 1, spare=1) == (1, None)  # never none
     assert runtime.pick_threads(3, 1) == (3, None)  # --threads wins
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert runtime.pick_threads(0, 1) == (2, None)
