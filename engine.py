@@ -465,8 +465,9 @@ class Runner:
 class Engine:
     """
     The worker thread that owns the model: each step it takes new requests, frees the rows that ended (and drops the
-    requests whose client left), prefills one chunk of the admitted request, decodes every row once and hands each
-    request what it got. A failing step fails the requests in it; the engine goes on.
+    requests whose client left), prefills one chunk of the admitted requests and hands out their first ids, then
+    decodes every row once and hands each request what it got. A failing step fails the requests in it; the engine
+    goes on.
     """
 
     def __init__(self, runner, scheduler, device, dtype):
@@ -506,23 +507,25 @@ class Engine:
         scheduler, runner = self.scheduler, self.runner
         self.finish(runner.free(runner.ended()))
         self.finish([r for r in scheduler.requests() if r.cancelled and not r.live])
-        produced = {}
-        if runner.rows:
-            try:
-                produced = runner.decode()
-            except Exception as err:  # every running request fails; the engine goes on
-                self.fail(scheduler.running, err)
+        # prefill first, its first ids handed out at once: a new request waits for the step under way, not for the
+        # running rows' decoding as well
         requests = scheduler.admit()
-        prefilled = {}
         if requests:
+            prefilled = {}
             try:
                 prefilled = runner.prefill(requests)
             except Exception as err:  # these requests fail; the others go on
                 self.fail(list(requests), err)
-        for request in prefilled:
-            scheduler.started(request)
-        self.deliver(produced | prefilled)
-        self.finish([request for request in prefilled if not request.live])  # prompts only scored: done at once
+            for request in prefilled:
+                scheduler.started(request)
+            self.deliver(prefilled)
+            self.finish([request for request in prefilled if not request.live])  # prompts only scored: done at once
+            self.finish(runner.free(runner.ended()))  # rows whose first id ended them
+        if runner.rows:
+            try:
+                self.deliver(runner.decode())
+            except Exception as err:  # every running request fails; the engine goes on
+                self.fail(scheduler.running, err)
 
     def deliver(self, produced):
         for request, items in produced.items():
