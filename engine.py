@@ -466,8 +466,8 @@ class Engine:
     """
     The worker thread that owns the model: each step it takes new requests, frees the rows that ended (and drops the
     requests whose client left), prefills one chunk of the admitted requests and hands out their first ids, then
-    decodes every row once and hands each request what it got. A failing step fails the requests in it; the engine
-    goes on.
+    decodes every row once and hands each request what it got (unless more requests wait: see step). A failing step
+    fails the requests in it; the engine goes on.
     """
 
     def __init__(self, runner, scheduler, device, dtype):
@@ -476,6 +476,7 @@ class Engine:
         self.thread = threading.Thread(target=self.run, name="serve-engine", daemon=True)
         self.lock = threading.Lock()  # guards the counters below, read by other threads
         self.generated, self.recent = 0, deque()  # ids drawn in all; (time, ids) of the last RATE_WINDOW seconds
+        self.decoded = True  # the last step decoded the running rows
 
     def start(self):
         self.thread.start()
@@ -509,23 +510,33 @@ class Engine:
         self.finish([r for r in scheduler.requests() if r.cancelled and not r.live])
         # prefill first, its first ids handed out at once: a new request waits for the step under way, not for the
         # running rows' decoding as well
-        requests = scheduler.admit()
+        requests = list(scheduler.admit())  # a copy: admit's list empties as they start
         if requests:
-            prefilled = {}
-            try:
-                prefilled = runner.prefill(requests)
-            except Exception as err:  # these requests fail; the others go on
-                self.fail(list(requests), err)
-            for request in prefilled:
-                scheduler.started(request)
-            self.deliver(prefilled)
-            self.finish([request for request in prefilled if not request.live])  # prompts only scored: done at once
-            self.finish(runner.free(runner.ended()))  # rows whose first id ended them
-        if runner.rows:
+            self.prefill(requests)
+        # a burst of requests arrived while this one was prefilled: they are prefilled before the running rows' next
+        # id, never twice in a row (running rows wait one prefill chunk at most)
+        burst = not self.incoming.empty() or scheduler.waiting
+        if requests and burst and self.decoded and len(runner.rows) < scheduler.max_rows:
+            self.decoded = False
+        elif runner.rows:
             try:
                 self.deliver(runner.decode())
             except Exception as err:  # every running request fails; the engine goes on
                 self.fail(scheduler.running, err)
+            self.decoded = True
+
+    def prefill(self, requests):
+        """Prefill admitted requests; those whose prompts are all fed get their first ids."""
+        prefilled = {}
+        try:
+            prefilled = self.runner.prefill(requests)
+        except Exception as err:  # these requests fail; the others go on
+            self.fail(list(requests), err)
+        for request in prefilled:
+            self.scheduler.started(request)
+        self.deliver(prefilled)
+        self.finish([request for request in prefilled if not request.live])  # prompts only scored: done at once
+        self.finish(self.runner.free(self.runner.ended()))  # rows whose first id ended them
 
     def deliver(self, produced):
         for request, items in produced.items():
