@@ -12,6 +12,7 @@ tokenization speed, and each rank's memory with DDP and with FSDP.
     python bench.py --parts=step --cases="configs/gpt2.py;configs/gpt2.py --batch_size=24" --profile=true
     python bench.py --parts=gpu --nanogpt=/path/to/nanoGPT   # every GPU measurement, beside nanoGPT's own runs
     python bench.py --parts=serve                    # serve.py: 1, 8 and 16 streaming clients, two model shapes
+    python bench.py --parts=llama --llama_cpp=DIR    # serve.py beside llama.cpp's servers on one export's GGUF
 
 Each training run is a real `python train.py CONFIG` process, timed from its launch, so compilation, data
 preparation and evaluation all count; each number is the median of several, with the spread, and several configs
@@ -45,15 +46,20 @@ from generate import generate
 from log import one_line, resident_peak
 from model import ModelConfig, build_model
 from prepare_data import bpe_batches, prepare, shakespeare_file
-from runtime import DTYPES, autocast, make_runtime, resolve_dtype
+from runtime import DTYPES, autocast, make_runtime, pick_threads, resolve_dtype
 from start import model_from_checkpoint
 from tokens import GPT2_META, data_root, load_meta, tiktoken_encoding
 
 # train.py runs with cwd=ROOT, so relative config paths work from any directory
 ROOT = Path(__file__).resolve().parent
-PARTS = ("train", "sample", "bpe", "memory", "step", "gpu", "serve")
+PARTS = ("train", "sample", "bpe", "memory", "step", "gpu", "serve", "llama")
 # the models --parts=serve can make, by serve_models name, with their column titles
 SERVED_SHAPES = {"quick": "quick start (2 x 128, 64 positions)", "gpt2": "GPT-2 124M shape (12 x 768, 1,024)"}
+# --parts=llama's model: one llama.cpp computes as trained (GPT-2's layout with its tanh GELU and 4 x n_embd MLP, on
+# GPT-2's BPE: docs/export.md, "On to llama.cpp"), untrained: speed does not depend on the weights
+LLAMA_SHAPE = ModelConfig(
+    n_layer=6, n_head=6, n_embd=384, block_size=1024, vocab_size=50257, bias=True, activation="gelu_tanh"
+)
 # nanoGPT's train.py beside ours (--nanogpt): GPT-2 124M's shape on its BPE tiny Shakespeare, 12 x 1024 x 4 per step,
 # as configs/gpt2.py --gradient_accumulation_steps=4 (its compile, bfloat16 and fused AdamW are its defaults on a GPU)
 NANOGPT_STEP = (
@@ -129,6 +135,11 @@ class BenchConfig:
     serve_models: str = "quick,gpt2"
     serve_clients: str = "1,8,16"  # serve: how many clients stream at once, a row each
     serve_tokens: int = 60  # serve: tokens each client asks for (the quick start's context is 64)
+    # llama: serve.py beside llama.cpp on the GGUF of one export (docs/serving.md): a llama.cpp source folder (its
+    # convert_hf_to_gguf.py, run by this Python), its llama-server binary, and a Python with llama-cpp-python[server]
+    llama_cpp: str = ""
+    llama_server: str = ""  # "": llama_cpp/build/bin/llama-server
+    llama_python: str = ""  # "": no llama-cpp-python column
 
     def __post_init__(self):
         # checked before any run: a typo in parts would otherwise surface after minutes of training
@@ -147,6 +158,8 @@ class BenchConfig:
         files = [m for m in self.serve_models.split(",") if m not in SERVED_SHAPES and not Path(m).is_file()]
         if files:
             raise ValueError(f"serve_models: {files[0]} is neither {' nor '.join(SERVED_SHAPES)} nor a checkpoint file")
+        if "llama" in self.parts.split(","):
+            self.check_llama()
         if not re.fullmatch(r"(\d+(,\d+)*)?", self.cold):
             raise ValueError(f"cold={self.cold!r}: give case numbers, e.g. --cold=1,3 (or --cold= for none)")
         missing = [c for c in self.configs if not (ROOT / c).is_file()]
@@ -155,6 +168,16 @@ class BenchConfig:
         missing = [words[0] for words in self.step_cases if not (ROOT / words[0]).is_file()]
         if self.cases and missing:
             raise ValueError(f"cases: config {missing[0]} not found; each case starts with a train.py config's path")
+
+    def check_llama(self):
+        """--parts=llama's programs exist: a wrong path would otherwise surface after the export and conversion."""
+        if not (Path(self.llama_cpp) / "convert_hf_to_gguf.py").is_file():
+            raise ValueError(f"llama_cpp={self.llama_cpp!r}: no convert_hf_to_gguf.py there; pass a llama.cpp folder")
+        self.llama_server = self.llama_server or str(Path(self.llama_cpp) / "build" / "bin" / "llama-server")
+        if not os.access(self.llama_server, os.X_OK):
+            raise ValueError(f"llama_server={self.llama_server}: not a program; build llama.cpp's llama-server")
+        if self.llama_python and not os.access(self.llama_python, os.X_OK):
+            raise ValueError(f"llama_python={self.llama_python}: not a program; pass a Python with llama-cpp-python")
 
     @property
     def configs(self):
@@ -834,6 +857,8 @@ def main(cfg):
             show(bench_memory(cfg, work))
         if "serve" in parts:
             show(bench_serving(cfg, work / "serve"))
+        if "llama" in parts:
+            show(bench_llama(cfg, work / "llama"))
 
 
 # -----------------------------------------------------------------------------
@@ -862,19 +887,26 @@ def served_checkpoint(name, work):
     """(checkpoint file, column title) of a serve_models entry: the quick start's, GPT-2 124M's shape, or a file."""
     if name not in SERVED_SHAPES:
         return name, name
-    quick = work / "quick-start" / "ckpt.pt"
-    if not quick.is_file():
-        quick = Path(quick_start_checkpoint(work))
     if name == "quick":
-        return str(quick), SERVED_SHAPES[name]
-    # the quick start's checkpoint with GPT-2 124M's shape, fresh weights and GPT-2's tokenizer
-    ckpt = torch.load(quick, weights_only=True)
+        return str(quick_checkpoint(work)), SERVED_SHAPES[name]
     config = ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=True)
+    return str(shaped_checkpoint(config, work, work / "gpt2-shape.pt")), SERVED_SHAPES[name]
+
+
+def quick_checkpoint(work):
+    """The quick start's checkpoint in work, trained once."""
+    quick = work / "quick-start" / "ckpt.pt"
+    return quick if quick.is_file() else Path(quick_start_checkpoint(work))
+
+
+def shaped_checkpoint(config, work, path):
+    """The quick start's checkpoint with ModelConfig config's shape, fresh weights and GPT-2's tokenizer, at path."""
+    ckpt = torch.load(quick_checkpoint(work), weights_only=True)
     ckpt |= {"model_config": asdict(config), "weights": build_model(config).state_dict(), "meta": dict(GPT2_META)}
     ckpt.pop("average", None)
-    path = work / "gpt2-shape.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(ckpt, path)
-    return str(path), SERVED_SHAPES[name]
+    return path
 
 
 def serving_column(cfg, source, counts, work):
@@ -890,14 +922,10 @@ def serving_column(cfg, source, counts, work):
             stream_completion(url, cfg.serve_tokens, seed=0)  # untimed: the first request's one-off costs
             for repeat in range(cfg.repeats):
                 for clients in counts:
-                    seeds = range(repeat * clients, (repeat + 1) * clients)  # other samples in every request
-                    begin = time.perf_counter()
-                    with ThreadPoolExecutor(clients) as pool:
-                        runs = list(pool.map(lambda seed: stream_completion(url, cfg.serve_tokens, seed), seeds))
-                    wall = time.perf_counter() - begin
+                    runs, rate = client_round(url, clients, cfg.serve_tokens, repeat)
                     firsts[clients] += [first for first, _ in runs]
                     each[clients] += [cfg.serve_tokens / total for _, total in runs]
-                    together[clients].append(clients * cfg.serve_tokens / wall)
+                    together[clients].append(rate)
                 for clients in counts:  # against one client in the same round
                     ratios[clients].append(together[clients][-1] / together[counts[0]][-1])
             peak = peak_memory_mib(proc.pid)
@@ -917,6 +945,97 @@ def serving_column(cfg, source, counts, work):
     return rows
 
 
+def client_round(url, clients, tokens, repeat):
+    """
+    `clients` clients at once, each streaming a completion of `tokens` tokens (seeds new in every repeat): their
+    (seconds to first text, seconds in all), and the tokens a second of all of them together.
+    """
+    seeds = range(repeat * clients, (repeat + 1) * clients)
+    begin = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        runs = list(pool.map(lambda seed: stream_completion(url, tokens, seed), seeds))
+    return runs, clients * tokens / (time.perf_counter() - begin)
+
+
+# -----------------------------------------------------------------------------
+# serve.py beside llama.cpp
+
+
+def bench_llama(cfg, work):
+    """
+    (header, rows) for serve.py, llama.cpp's llama-server and (with llama_python) llama-cpp-python's server, a
+    column each, serving one model of LLAMA_SHAPE: serve.py its checkpoint, the others the GGUF that llama.cpp's
+    converter makes of export.py's folder. Each computes with the threads serve.py takes by default (the free cores
+    less one), llama-server with a slot per client (its continuous batching). In each of cfg.repeats rounds the
+    servers take turns, each at every client count of serve_clients, each client streaming serve_tokens tokens as
+    in bench_serving. Rows: time to first token, tokens/s all together, over one client's in the same round, and
+    serve.py's over this server's in the same round.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    run = shaped_checkpoint(LLAMA_SHAPE, work, work / "run" / "ckpt.pt").parent
+    gguf = work / "model.gguf"
+    check_run([sys.executable, str(ROOT / "export.py"), f"--out_dir={run}", f"--dest={work / 'hf'}"])
+    convert = Path(cfg.llama_cpp) / "convert_hf_to_gguf.py"
+    check_run([sys.executable, str(convert), str(work / "hf"), "--outfile", str(gguf), "--outtype", "f32"])
+    threads, counts = str(pick_threads(0, 1, spare=1)[0]), [int(c) for c in cfg.serve_clients.split(",")]
+    most = str(max(counts))
+    servers = {  # each with {port} to fill in
+        "serve.py": [sys.executable, str(ROOT / "serve.py"), f"--init_from={run / 'ckpt.pt'}", "--device=cpu"]
+        + [f"--threads={threads}", f"--max_batch={most}", "--port={port}"],
+        "llama-server": [cfg.llama_server, "-m", str(gguf), "--threads", threads, "--threads-batch", threads]
+        + ["--parallel", most, "--ctx-size", str(max(counts) * LLAMA_SHAPE.block_size), "--port", "{port}"],
+    }
+    if cfg.llama_python:
+        servers["llama-cpp-python"] = [cfg.llama_python, "-m", "llama_cpp.server", "--model", str(gguf)]
+        servers["llama-cpp-python"] += ["--n_threads", threads, "--n_threads_batch", threads, "--port", "{port}"]
+        servers["llama-cpp-python"] += ["--n_ctx", str(LLAMA_SHAPE.block_size)]
+    firsts, together, ratios, ours = ({(n, c): [] for n in servers for c in counts} for _ in range(4))
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for name, command in servers.items():
+            port, log = free_port(), work / f"{name}.log"
+            out = stack.enter_context(open(log, "w"))
+            command = [arg.format(port=port) for arg in command]
+            proc = stack.enter_context(subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
+            stack.callback(proc.terminate)
+            urls[name] = wait_for_server(f"http://127.0.0.1:{port}", proc, log)
+            stream_completion(urls[name], cfg.serve_tokens, seed=0)  # untimed: the first request's one-off costs
+        for repeat in range(cfg.repeats):
+            for name, url in urls.items():
+                for clients in counts:
+                    runs, rate = client_round(url, clients, cfg.serve_tokens, repeat)
+                    firsts[name, clients] += [first for first, _ in runs]
+                    together[name, clients].append(rate)
+            for name in servers:  # against one client, and serve.py, in the same round
+                for clients in counts:
+                    ratios[name, clients].append(together[name, clients][-1] / together[name, counts[0]][-1])
+                    ours[name, clients].append(together["serve.py", clients][-1] / together[name, clients][-1])
+    rows = []
+    for c in counts:
+        rows += [
+            (
+                f"{c} client(s): time to first token, ms",
+                [summary([1000 * f for f in firsts[n, c]], "{:,.0f}") for n in servers],
+            ),
+            (f"{c} client(s): tokens/s all together", [summary(together[n, c], "{:,.1f}") for n in servers]),
+            (
+                f"{c} client(s): all together / {counts[0]} client(s)",
+                [summary(ratios[n, c], "{:.2f}x") for n in servers],
+            ),
+            (f"{c} client(s): serve.py's tokens/s / this one's", [summary(ours[n, c], "{:.2f}x") for n in servers]),
+        ]
+    shape = f"{LLAMA_SHAPE.n_layer} x {LLAMA_SHAPE.n_embd}, GPT-2 BPE, {threads} thread(s)"
+    title = f"{shape}, {cfg.serve_tokens} tokens a request"
+    return ["measure", *(f"{name}: {title}, median (min-max)" for name in servers)], rows
+
+
+def check_run(command):
+    """Run command from ROOT; SystemExit with its last words if it fails."""
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"bench.py: error: {' '.join(command)} failed: {one_line(done.stderr or done.stdout)}")
+
+
 def peak_memory_mib(pid):
     """A process's peak resident memory in MiB, from Linux's /proc; n/a elsewhere."""
     try:
@@ -932,9 +1051,7 @@ def quick_start_checkpoint(work):
     out_dir = work / "quick-start"
     command = [sys.executable, str(ROOT / "train.py"), "configs/shakespeare.py", f"--out_dir={out_dir}"]
     command += ["--max_minutes=0", "--max_iters=10", "--eval_interval=10", "--eval_iters=1", "--tensorboard=false"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"bench.py: error: {' '.join(command)} failed: {one_line(done.stderr or done.stdout)}")
+    check_run(command)
     return str(out_dir / "ckpt.pt")
 
 

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_run import tiny
 
 import bench
+import train
 from bench import bpe_throughput, sampling_speed
 from config import parse_config
 from model import ModelConfig, build_model
@@ -72,6 +74,35 @@ def test_a_step_case_must_start_with_a_config_that_exists():
     assert bench.BenchConfig(cases="configs/shakespeare.py --n_layer=2").step_cases == [
         ["configs/shakespeare.py", "--n_layer=2"]
     ]
+
+
+def test_the_serve_part_streams_from_a_real_server(tmp_path, data_root, monkeypatch):
+    # a served quick-start model (a tiny one here, trained where the part looks for it): 1 and 3 clients, 4 tokens each
+    monkeypatch.chdir(tmp_path)  # the part's serve.py runs from the project; nothing may be written here
+    train.main(tiny(data_root, tmp_path / "serve" / "quick-start", max_iters=2))
+    cfg = bench.BenchConfig(parts="serve", serve_models="quick", serve_clients="1,3", serve_tokens=4, repeats=2)
+    header, rows = bench.bench_serving(cfg, tmp_path / "serve")
+    values = {label: value[0] for label, value in rows}
+    assert header[1].startswith("quick start") and len(rows) == 9
+    number = r"[\d,.]+x? \([\d,.]+x?-[\d,.]+x?\)"
+    assert all(re.fullmatch(number, v) for label, v in values.items() if "memory" not in label), values
+    assert values["1 client(s): all together / 1 client(s)"] == "1.00x (1.00x-1.00x)"
+    assert re.fullmatch(r"[\d,]+ \(0\)", values["server peak memory, MiB (KV cache budget)"])  # 3 x 32 positions
+    assert list(tmp_path.iterdir()) == [tmp_path / "serve"]
+
+
+def test_the_llama_part_checks_its_programs_before_anything_runs(tmp_path):
+    with pytest.raises(ValueError, match="llama_cpp='': no convert_hf_to_gguf.py there; pass a llama.cpp folder"):
+        bench.BenchConfig(parts="llama")
+    (tmp_path / "convert_hf_to_gguf.py").write_text("")
+    with pytest.raises(ValueError, match=r"llama_server=.*build/bin/llama-server: not a program; build llama.cpp's"):
+        bench.BenchConfig(parts="llama", llama_cpp=str(tmp_path))
+    server = tmp_path / "llama-server"
+    server.write_text("#!/bin/sh\n")
+    server.chmod(0o755)
+    with pytest.raises(ValueError, match="llama_python=nope: not a program; pass a Python with llama-cpp-python"):
+        bench.BenchConfig(parts="llama", llama_cpp=str(tmp_path), llama_server=str(server), llama_python="nope")
+    assert bench.BenchConfig(parts="llama", llama_cpp=str(tmp_path), llama_server=str(server)).llama_python == ""
 
 
 def test_a_given_checkpoint_gets_its_own_sampling_table(monkeypatch, capsys):
