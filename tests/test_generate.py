@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from generate import beam_search, sample_next
+from generate import beam_search, draw, sample_next
 from model import EncoderDecoder, ModelConfig
 
 # -----------------------------------------------------------------------------
@@ -149,3 +149,10 @@ def test_sample_next_frequencies_follow_the_tempered_filtered_softmax(temperatur
     assert draws.shape == (DRAWS, 1)
     frequencies = torch.bincount(draws[:, 0], minlength=len(LOGITS)).double() / DRAWS
     assert ((frequencies - expected).abs() <= tolerance).all(), (frequencies, expected)
+
+
+def test_draw_never_picks_an_id_of_probability_zero_and_reaches_both_ends():
+    probs = torch.tensor([[1.0, 0, 0, 0], [0, 0, 0, 1.0], [0, 1e-9, 0, 1.0], [0, 0.5, 0.5, 0]]).repeat(500, 1)
+    drawn = draw(probs, torch.Generator().manual_seed(0))[:, 0].view(500, 4)
+    assert (drawn[:, 0] == 0).all() and (drawn[:, 1] == 3).all() and (drawn[:, 2] == 3).all()
+    assert set(drawn[:, 3].tolist()) == {1, 2}
