@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parent
 PARTS = ("train", "sample", "bpe", "memory", "step", "gpu", "serve", "llama")
 # the models --parts=serve can make, by serve_models name, with their column titles
 SERVED_SHAPES = {"quick": "quick start (2 x 128, 64 positions)", "gpt2": "GPT-2 124M shape (12 x 768, 1,024)"}
+GPT2_END = (GPT2_META["special_tokens"]["eot"],)  # <|endoftext|>, banned where the bench's untrained models use it
 # --parts=llama's model: one llama.cpp computes as trained (GPT-2's layout with its tanh GELU and 4 x n_embd MLP, on
 # GPT-2's BPE: docs/export.md, "On to llama.cpp"), untrained: speed does not depend on the weights
 LLAMA_SHAPE = ModelConfig(
@@ -877,20 +878,23 @@ def bench_serving(cfg, work):
     counts = [int(c) for c in cfg.serve_clients.split(",")]
     header, columns = ["measure"], []
     for name in cfg.serve_models.split(","):
-        source, title = served_checkpoint(name, work)
+        source, title, ban = served_checkpoint(name, work)
         header.append(f"{title}, {cfg.serve_tokens} tokens a request, median (min-max)")
-        columns.append(serving_column(cfg, source, counts, work))
+        columns.append(serving_column(cfg, source, counts, work, ban))
     return header, [(label, [column[k][1] for column in columns]) for k, (label, _) in enumerate(columns[0])]
 
 
 def served_checkpoint(name, work):
-    """(checkpoint file, column title) of a serve_models entry: the quick start's, GPT-2 124M's shape, or a file."""
+    """
+    (checkpoint file, column title, ids to ban) of a serve_models entry: the quick start's (characters: no end id),
+    GPT-2 124M's shape (untrained: its <|endoftext|> banned, so that every completion runs its length), or a file.
+    """
     if name not in SERVED_SHAPES:
-        return name, name
+        return name, name, ()
     if name == "quick":
-        return str(quick_checkpoint(work)), SERVED_SHAPES[name]
+        return str(quick_checkpoint(work)), SERVED_SHAPES[name], ()
     config = ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=True)
-    return str(shaped_checkpoint(config, work, work / "gpt2-shape.pt")), SERVED_SHAPES[name]
+    return str(shaped_checkpoint(config, work, work / "gpt2-shape.pt")), SERVED_SHAPES[name], GPT2_END
 
 
 def quick_checkpoint(work):
@@ -909,7 +913,7 @@ def shaped_checkpoint(config, work, path):
     return path
 
 
-def serving_column(cfg, source, counts, work):
+def serving_column(cfg, source, counts, work, ban):
     """A column of bench_serving's rows for one served checkpoint: [(label, value)]."""
     port, log = free_port(), work / "serve.log"
     command = [sys.executable, str(ROOT / "serve.py"), f"--init_from={source}", f"--port={port}", "--device=cpu"]
@@ -919,10 +923,10 @@ def serving_column(cfg, source, counts, work):
     with open(log, "w") as out, subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT) as proc:
         try:
             url = wait_for_server(f"http://127.0.0.1:{port}", proc, log)
-            stream_completion(url, cfg.serve_tokens, seed=0)  # untimed: the first request's one-off costs
+            stream_completion(url, cfg.serve_tokens, 0, ban)  # untimed: the first request's one-off costs
             for repeat in range(cfg.repeats):
                 for clients in counts:
-                    runs, rate = client_round(url, clients, cfg.serve_tokens, repeat)
+                    runs, rate = client_round(url, clients, cfg.serve_tokens, repeat, ban)
                     firsts[clients] += [first for first, _ in runs]
                     each[clients] += [cfg.serve_tokens / total for _, total in runs]
                     together[clients].append(rate)
@@ -945,16 +949,24 @@ def serving_column(cfg, source, counts, work):
     return rows
 
 
-def client_round(url, clients, tokens, repeat):
+def client_round(url, clients, tokens, repeat, ban=()):
     """
-    `clients` clients at once, each streaming a completion of `tokens` tokens (seeds new in every repeat): their
-    (seconds to first text, seconds in all), and the tokens a second of all of them together.
+    `clients` clients at once, each streaming a completion of `tokens` tokens (seeds new in every repeat; the ids in
+    ban never drawn): their (seconds to first text, seconds in all), and the tokens a second of all of them together.
+    A completion that ends before its tokens would make the counts wrong: SystemExit.
     """
     seeds = range(repeat * clients, (repeat + 1) * clients)
     begin = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        runs = list(pool.map(lambda seed: stream_completion(url, tokens, seed), seeds))
-    return runs, clients * tokens / (time.perf_counter() - begin)
+        runs = list(pool.map(lambda seed: stream_completion(url, tokens, seed, ban), seeds))
+    rate = clients * tokens / (time.perf_counter() - begin)
+    early = [finish for _, _, finish in runs if finish != "length"]
+    if early:
+        raise SystemExit(
+            f"bench.py: error: {url} ended a completion before its {tokens} tokens (finish_reason {early[0]!r}): "
+            "the rates count every token; serve a model that does not end early (or with an end id to ban)"
+        )
+    return [(first, total) for first, total, _ in runs], rate
 
 
 # -----------------------------------------------------------------------------
@@ -988,7 +1000,8 @@ def bench_llama(cfg, work):
     if cfg.llama_python:
         servers["llama-cpp-python"] = [cfg.llama_python, "-m", "llama_cpp.server", "--model", str(gguf)]
         servers["llama-cpp-python"] += ["--n_threads", threads, "--n_threads_batch", threads, "--port", "{port}"]
-        servers["llama-cpp-python"] += ["--n_ctx", str(LLAMA_SHAPE.block_size)]
+        # one request at a time, as it serves them; by default a new request would cut the one running short
+        servers["llama-cpp-python"] += ["--n_ctx", str(LLAMA_SHAPE.block_size), "--interrupt_requests", "false"]
     firsts, together, ratios, ours = ({(n, c): [] for n in servers for c in counts} for _ in range(4))
     with contextlib.ExitStack() as stack:
         urls = {}
@@ -999,11 +1012,11 @@ def bench_llama(cfg, work):
             proc = stack.enter_context(subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
             stack.callback(proc.terminate)
             urls[name] = wait_for_server(f"http://127.0.0.1:{port}", proc, log)
-            stream_completion(urls[name], cfg.serve_tokens, seed=0)  # untimed: the first request's one-off costs
+            stream_completion(urls[name], cfg.serve_tokens, 0, GPT2_END)  # untimed: the first request's one-offs
         for repeat in range(cfg.repeats):
             for name, url in urls.items():
                 for clients in counts:
-                    runs, rate = client_round(url, clients, cfg.serve_tokens, repeat)
+                    runs, rate = client_round(url, clients, cfg.serve_tokens, repeat, GPT2_END)
                     firsts[name, clients] += [first for first, _ in runs]
                     together[name, clients].append(rate)
             for name in servers:  # against one client, and serve.py, in the same round
@@ -1073,17 +1086,23 @@ def wait_for_server(url, proc, log, timeout=120):
     raise SystemExit(f"bench.py: error: serve.py did not start: {last}")
 
 
-def stream_completion(url, max_tokens, seed):
-    """One streamed completion of max_tokens tokens: (seconds to its first text, seconds in all)."""
+def stream_completion(url, max_tokens, seed, ban=()):
+    """
+    One streamed completion of max_tokens tokens, the ids in ban never drawn (logit_bias -100): (seconds to its
+    first text, seconds in all, finish_reason).
+    """
     body = {"prompt": "\n", "max_tokens": max_tokens, "temperature": 1.0, "seed": seed, "stream": True}
+    body |= {"logit_bias": {str(i): -100 for i in ban}} if ban else {}
     data = json.dumps(body).encode()
     request = urllib.request.Request(f"{url}/v1/completions", data, headers={"Content-Type": "application/json"})
-    begin, first = time.perf_counter(), None
+    begin, first, finish = time.perf_counter(), None, None
     with urllib.request.urlopen(request, timeout=600) as response:
         for line in response:  # server-sent events: 'data: {chunk}' lines, then 'data: [DONE]'
-            if first is None and line.startswith(b"data: {") and json.loads(line[6:])["choices"]:
+            choices = json.loads(line[6:])["choices"] if line.startswith(b"data: {") else []
+            if choices and first is None:
                 first = time.perf_counter() - begin
-    return first, time.perf_counter() - begin
+            finish = choices[0].get("finish_reason") or finish if choices else finish
+    return first, time.perf_counter() - begin, finish
 
 
 def nanogpt_column(rows, races, cfg):

@@ -251,15 +251,17 @@ class SlotCache:
         ]
 
 
-def biased(logits, options):
+def distribution(logits, options):
     """
-    The distribution (B, V) of logits (B, V) with options.logit_bias added, under the other options; at temperature 0
-    all its mass on the likeliest id.
+    The distribution (B, V) that rows of logits (B, V) draw from under options (a Sampling): options.logit_bias added
+    first; at temperature 0 all its mass on the likeliest id.
     """
-    ids, values = zip(*options.logit_bias)
-    add = torch.zeros(logits.size(-1), device=logits.device)
-    add[list(ids)] = torch.tensor(values, device=logits.device)
-    logits = logits.float() + add
+    logits = logits.float()
+    if options.logit_bias:
+        ids, values = zip(*options.logit_bias)
+        add = torch.zeros(logits.size(-1), device=logits.device)
+        add[list(ids)] = torch.tensor(values, device=logits.device)
+        logits = logits + add
     if options.temperature == 0:
         return torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return next_probs(logits, options.temperature, options.top_k, options.top_p, options.min_p)
@@ -387,21 +389,26 @@ class Runner:
         for slot, row in enumerate(rows):
             members.setdefault(row.request, []).append((slot, row))
         plain = None  # what greedy rows without a logit bias take, when there are any
-        shared = {}  # Sampling -> the distribution of every row under it, computed once for its requests
+        greedy = {
+            request for request in members if request.sampling.temperature == 0 and not request.sampling.logit_bias
+        }
+        groups = {}  # Sampling -> the slots of the rows that draw under it
+        for request, pairs in members.items():
+            if request not in greedy:
+                groups.setdefault(request.sampling, []).extend(slot for slot, _ in pairs)
+        # Sampling -> ({slot: its row}, the distribution of those rows): computed once for the requests sharing it
+        shared = {
+            o: ({s: k for k, s in enumerate(slots)}, distribution(logits[slots], o)) for o, slots in groups.items()
+        }
         out = {}
         for request, pairs in members.items():
-            options, slots = request.sampling, [slot for slot, _ in pairs]
-            if options.temperature == 0 and not options.logit_bias:
+            slots = [slot for slot, _ in pairs]
+            if request in greedy:
                 plain = logits.argmax(dim=-1).tolist() if plain is None else plain
                 ids = [plain[slot] for slot in slots]
-            elif options.logit_bias:
-                ids = self.draw_rows(biased(logits[slots], options), range(len(pairs)), pairs, request)
             else:
-                if options not in shared:
-                    shared[options] = next_probs(
-                        logits, options.temperature, options.top_k, options.top_p, options.min_p
-                    )
-                ids = self.draw_rows(shared[options], slots, pairs, request)
+                at, probs = shared[request.sampling]
+                ids = self.draw_rows(probs, [at[slot] for slot in slots], pairs, request)
             scores = [(None, None)] * len(ids)
             if request.logprobs is not None:
                 scores = self.scores(logits[slots], ids, request.logprobs)

@@ -414,6 +414,10 @@ def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False
         model = hf.from_pretrained(folder)
     # eval: dropout off, so the same seed gives the same text
     model.eval().to(device)
+    if torch.device(device).type == "cpu" and isinstance(getattr(model, "lm_head", None), nn.Linear):
+        # the head's weight stored column by column (the same values, an embedding tied to it too): a decoding step's
+        # row reads it in memory order, and MKL's logits over GPT-2's vocabulary take half the time (docs/serving.md)
+        model.lm_head.weight.data = model.lm_head.weight.data.t().contiguous().t()
     if compile:
         # generation calls the layer stacks, not the model's forward, so those are what gets compiled
         for module in model.modules():
