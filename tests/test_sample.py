@@ -853,3 +853,20 @@ def test_ctrl_c_in_sample_and_eval_is_one_line_and_exit_130(gpt_dir, shakespeare
     code, out, err = interrupted([*args, "--device=cpu"], "stderr", tmp_path)
     assert code == 130 and out == "" and "Traceback" not in err
     assert err.splitlines()[-1].endswith("eval.py: interrupted"), err
+
+
+def test_a_model_loaded_on_a_cpu_holds_its_weights_column_by_column_and_keeps_its_tie(tmp_path, data_root):
+    train_tiny(tmp_path, data_root, "shakespeare_char", "gpt")
+    model, *_ = start.load_model("resume", out_dir=tmp_path, checkpoint="ckpt.pt", dataset="", device="cpu")
+    plain = start.model_from_checkpoint(checkpoint.load_checkpoint(tmp_path / "ckpt.pt"))
+    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    assert len(linears) == 2 * 4 + 1  # each block's qkv, proj, fc and MLP proj, and the head
+    for name in linears:
+        weight = model.get_submodule(name).weight
+        assert weight.stride() == (1, weight.size(0)), name
+        assert torch.equal(weight, plain.get_submodule(name).weight), name  # the same values
+    assert model.body.wte.weight is model.lm_head.weight  # still tied: one tensor
+    head = model.lm_head.weight
+    x = torch.randint(0, head.size(0), (3, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x)[0], plain(x)[0], rtol=0, atol=1e-5)
