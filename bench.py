@@ -1011,7 +1011,7 @@ def bench_llama(cfg, work):
             command = [arg.format(port=port) for arg in command]
             proc = stack.enter_context(subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
             stack.callback(proc.terminate)
-            urls[name] = wait_for_server(f"http://127.0.0.1:{port}", proc, log)
+            urls[name] = wait_for_server(f"http://127.0.0.1:{port}", proc, log, name)
             stream_completion(urls[name], cfg.serve_tokens, 0, GPT2_END)  # untimed: the first request's one-offs
         for repeat in range(cfg.repeats):
             for name, url in urls.items():
@@ -1074,7 +1074,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def wait_for_server(url, proc, log, timeout=120):
+def wait_for_server(url, proc, log, name="serve.py", timeout=120):
     """url once its /v1/models answers; SystemExit with the server's last line if it exits or never answers."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
@@ -1083,7 +1083,7 @@ def wait_for_server(url, proc, log, timeout=120):
             return url
         time.sleep(0.2)
     last = (log.read_text().strip().splitlines() or ["no output"])[-1]
-    raise SystemExit(f"bench.py: error: serve.py did not start: {last}")
+    raise SystemExit(f"bench.py: error: {name} did not start: {last}")
 
 
 def stream_completion(url, max_tokens, seed, ban=()):

@@ -520,7 +520,7 @@ class Engine:
         # a burst of requests arrived while this one was prefilled: they are prefilled before the running rows' next
         # id, never twice in a row (running rows wait one prefill chunk at most)
         burst = not self.incoming.empty() or scheduler.waiting
-        if requests and burst and self.decoded and len(runner.rows) < scheduler.max_rows:
+        if requests and burst and self.decoded and 0 < len(runner.rows) < scheduler.max_rows:
             self.decoded = False
         elif runner.rows:
             try:

@@ -52,13 +52,19 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None,
 def draw(probs, generator=None):
     """
     One id for each row of probs (B, V): (B, 1), by the inverse of the row's cumulative distribution at one uniform
-    number a row. The sums are in float64, so that even an id of probability 1e-12 keeps its share. The same
-    distribution as torch.multinomial's, which on a CPU takes 0.8 ms a row over GPT-2's vocabulary against 0.05.
+    number a row. The sums are in float64 (float32 on Apple's MPS, which has no float64), so that even an id of
+    probability 1e-12 keeps its share. The same distribution as torch.multinomial's, which on a CPU takes 0.8 ms a
+    row over GPT-2's vocabulary against 0.05. A row that is not a distribution (NaN, all zero) is a ValueError.
     """
-    cumulative = probs.double().cumsum(dim=-1)  # (B, V)
-    u = torch.rand(probs.size(0), 1, dtype=torch.float64, device=probs.device, generator=generator)
-    # the first id whose cumulative sum passes u x the total: an id of probability 0 adds nothing and is never drawn
-    return torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True).clamp_(max=probs.size(-1) - 1)
+    dtype = torch.float32 if probs.device.type == "mps" else torch.float64
+    cumulative = probs.to(dtype).cumsum(dim=-1)  # (B, V)
+    total = cumulative[:, -1:]
+    if not bool((total > 0).all()):  # NaN compares False too
+        raise ValueError("cannot draw from a row of probabilities that is NaN or all zero (did the model overflow?)")
+    # u < 1 with a mantissa's bits, so u x total rounds below the total: some id's sum passes it
+    u = torch.rand(probs.size(0), 1, dtype=dtype, device=probs.device, generator=generator)
+    # the first id whose sum passes u x total: an id of probability 0 adds nothing and is never drawn
+    return torch.searchsorted(cumulative, u * total, right=True)
 
 
 def next_probs(logits, temperature, top_k=None, top_p=None, min_p=None):

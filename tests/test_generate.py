@@ -156,3 +156,18 @@ def test_draw_never_picks_an_id_of_probability_zero_and_reaches_both_ends():
     drawn = draw(probs, torch.Generator().manual_seed(0))[:, 0].view(500, 4)
     assert (drawn[:, 0] == 0).all() and (drawn[:, 1] == 3).all() and (drawn[:, 2] == 3).all()
     assert set(drawn[:, 3].tolist()) == {1, 2}
+
+
+def test_draw_refuses_a_row_that_is_not_a_distribution():
+    for bad in ([0.0, 0.0, 0.0], [float("nan"), 0.5, 0.5]):
+        with pytest.raises(ValueError, match="NaN or all zero"):
+            draw(torch.tensor([[0.2, 0.3, 0.5], bad]))
+
+
+def test_the_largest_uniform_still_draws_an_id_of_nonzero_probability(monkeypatch):
+    fixed = torch.tensor([[0.25, 0.75, 0.0], [0.1, 0.2, 0.0], [1 / 3, 1 / 3, 1 / 3]])
+    shares = torch.rand(1000, 7, generator=torch.Generator().manual_seed(0)) * torch.tensor([1, 1, 1, 1, 1, 1, 0])
+    # torch.rand's largest float64, 1 - 2**-53: u x total stays below the total, whatever the total
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.full(shape, 1 - 2**-53, dtype=kw["dtype"]))
+    assert draw(fixed)[:, 0].tolist() == [1, 1, 2]
+    assert (draw(shares) == 5).all()  # the last id with a share, never the id of probability 0 after it
