@@ -1101,7 +1101,8 @@ def stream_completion(url, max_tokens, seed, ban=()):
             choices = json.loads(line[6:])["choices"] if line.startswith(b"data: {") else []
             if choices and first is None:
                 first = time.perf_counter() - begin
-            finish = choices[0].get("finish_reason") or finish if choices else finish
+            if choices and choices[0].get("finish_reason"):  # the last chunk of the choice says why it ended
+                finish = choices[0]["finish_reason"]
     return first, time.perf_counter() - begin, finish
 
 

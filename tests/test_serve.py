@@ -13,6 +13,7 @@ import shutil
 import socket
 import threading
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 
@@ -192,6 +193,17 @@ def test_streamed_chunks_join_into_the_unstreamed_text(client):
     # without include_usage every chunk has a choice, as the usual `chunk.choices[0]` loop expects
     chunks = list(client.chat.completions.create(model="out", **options, stream=True))
     assert all(chunk.choices and chunk.usage is None for chunk in chunks)
+
+
+def test_a_streamed_echo_shows_the_prompt_in_the_first_chunk_only():
+    # chunks are forced apart here: through the server, a short reply may come in one chunk and hide a repeated echo
+    served = types.SimpleNamespace(tokenizer=types.SimpleNamespace(decode=lambda ids: "".join("abc"[i] for i in ids)))
+    served.name = "out"
+    body = types.SimpleNamespace(n=2, echo=True, logprobs=None)
+    shape = serve.CompletionShape(served, [([0, 1], [0, 1])], body)
+    choices = [serve.Choice(k, served.tokenizer.decode) for k in range(2)]
+    texts = [shape.chunk(choices[k], t)["choices"][0]["text"] for k, t in [(0, "c"), (1, "a"), (0, "b"), (1, "c")]]
+    assert texts == ["abc", "aba", "b", "c"]
 
 
 def test_stop_strings_cut_the_text_before_them(client):
