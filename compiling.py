@@ -1,6 +1,6 @@
 """
 Compilation: torch.compile applied to a training run's model, whole or block by block (regional), by
-runtime.parallelize after FSDP or DDP. Its trial step also sizes the loss chunk on a GPU (model.sized_loss_chunk).
+runtime.parallelize after FSDP or DDP. Its trial step also sizes the loss chunk on a GPU (sized_loss_chunk).
 """
 
 import contextlib
@@ -11,8 +11,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import ConfigError
-from log import log, one_line
-from model import Block
+from log import log, one_line, state_bytes
+from model import LOSS_CHUNK_BYTES, Block, loss_chunk_cap
 
 
 class CompiledModel(nn.Module):
@@ -104,3 +104,40 @@ def trial_step(step, task, batch_size, block_size, rt, ddp=None):
         with rt.autocast():
             loss = task.loss(step, inputs, targets)
         loss.backward()
+
+
+def loss_chunk_budget(trial_chunk, spare_bytes, total_bytes, copies):
+    """
+    The loss chunk's bytes of float32 logits on a GPU of total_bytes, from a training step taken with chunks of
+    trial_chunk bytes that left spare_bytes unused at its peak (negative: what it lacked), with what the step did
+    not hold yet (the optimizer's state) and a margin counted as used. Each byte more of chunk costs `copies` bytes
+    (3 eager, 1 compiled, where Inductor keeps the head's output alone): the chunk grows into the spare memory or
+    shrinks by what was lacking, within [LOSS_CHUNK_BYTES, loss_chunk_cap(total_bytes)].
+    """
+    chunk = trial_chunk + spare_bytes // copies
+    return int(min(loss_chunk_cap(total_bytes), max(LOSS_CHUNK_BYTES, chunk)))
+
+
+def sized_loss_chunk(model, trial, optimizers, compiled):
+    """
+    On a GPU, model's loss chunk sized once from trial() (trial_step: a forward and backward as a
+    training step takes it) with the weights, the gradients and the activations on the device, and the optimizers'
+    state ({name: optimizer}) counted, made or not: loss_chunk_budget of what that leaves. Compiled, the trial takes
+    the chunk compiled with (the cap), so that a run with room to spare keeps its graphs; eager, the smallest chunk,
+    so that the trial itself cannot run out of memory for its logits. This rank's chunk: train.py takes the smallest
+    over the ranks, so that every rank cuts the loss alike.
+    """
+    device = next(model.parameters()).device
+    if not compiled:
+        model.loss_chunk_bytes = LOSS_CHUNK_BYTES
+    torch.cuda.reset_peak_memory_stats(device)
+    trial()
+    model.zero_grad(set_to_none=True)
+    # AdamW's two moments of every trained weight (Muon's one: counted high), less what a resume has made already
+    use = state_bytes(model, optimizers)
+    unmade = max(0, 2 * use["gradients"] - use["optimizer"])
+    free, total = torch.cuda.mem_get_info(device)
+    # what the device could give at the trial's peak: what is free, and what the allocator keeps cached, less a
+    # tenth of the card (fragmentation, cuBLAS's and NCCL's workspaces: plan.FULL's margin)
+    spare = free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device) - unmade - total // 10
+    return loss_chunk_budget(model.loss_chunk_bytes, spare, total, copies=1 if compiled else 3)

@@ -19,8 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from log import state_bytes
-
 IGNORE_INDEX = -100  # targets with this value add nothing to the loss (padding, unmasked MLM positions)
 
 
@@ -646,9 +644,8 @@ class Stack(nn.Module):
 # float32 logits the loss computes at a time (see TransformerModel.head_and_loss), unless a model's loss_chunk_bytes
 # says otherwise. On CPUs glibc serves allocations below its 32 MiB mmap threshold from a heap it reuses, instead of
 # mapping and zeroing fresh pages every step (docs/performance.md, "What moved the numbers"). It is also the smallest
-# chunk a GPU's sizing gives (loss_chunk_budget).
-# On a GPU train.py sizes the chunk from a trial step (sized_loss_chunk): a micro-batch's whole logits mostly fit,
-# and then no chunk is computed twice.
+# chunk a GPU's sizing gives (compiling.loss_chunk_budget). On a GPU train.py sizes the chunk from a trial step
+# (compiling.sized_loss_chunk): a micro-batch's whole logits mostly fit, and then no chunk is computed twice.
 LOSS_CHUNK_BYTES = 16 * 2**20
 ACCELERATOR_LOSS_CHUNK_BYTES = 2**30
 
@@ -662,43 +659,6 @@ def loss_chunk_cap(total_bytes):
     3/4 that a quarter of the free memory let them take.
     """
     return total_bytes // 8
-
-
-def loss_chunk_budget(trial_chunk, spare_bytes, total_bytes, copies):
-    """
-    The loss chunk's bytes of float32 logits on a GPU of total_bytes, from a training step taken with chunks of
-    trial_chunk bytes that left spare_bytes unused at its peak (negative: what it lacked), with what the step did
-    not hold yet (the optimizer's state) and a margin counted as used. Each byte more of chunk costs `copies` bytes
-    (3 eager, 1 compiled, where Inductor keeps the head's output alone): the chunk grows into the spare memory or
-    shrinks by what was lacking, within [LOSS_CHUNK_BYTES, loss_chunk_cap(total_bytes)].
-    """
-    chunk = trial_chunk + spare_bytes // copies
-    return int(min(loss_chunk_cap(total_bytes), max(LOSS_CHUNK_BYTES, chunk)))
-
-
-def sized_loss_chunk(model, trial_step, optimizers, compiled):
-    """
-    On a GPU, model's loss chunk sized once from trial_step() (compiling.trial_step: a forward and backward as a
-    training step takes it) with the weights, the gradients and the activations on the device, and the optimizers'
-    state ({name: optimizer}) counted, made or not: loss_chunk_budget of what that leaves. Compiled, the trial takes
-    the chunk compiled with (the cap), so that a run with room to spare keeps its graphs; eager, the smallest chunk,
-    so that the trial itself cannot run out of memory for its logits. This rank's chunk: train.py takes the smallest
-    over the ranks, so that every rank cuts the loss alike.
-    """
-    device = next(model.parameters()).device
-    if not compiled:
-        model.loss_chunk_bytes = LOSS_CHUNK_BYTES
-    torch.cuda.reset_peak_memory_stats(device)
-    trial_step()
-    model.zero_grad(set_to_none=True)
-    # AdamW's two moments of every trained weight (Muon's one: counted high), less what a resume has made already
-    use = state_bytes(model, optimizers)
-    unmade = max(0, 2 * use["gradients"] - use["optimizer"])
-    free, total = torch.cuda.mem_get_info(device)
-    # what the device could give at the trial's peak: what is free, and what the allocator keeps cached, less a
-    # tenth of the card (fragmentation, cuBLAS's and NCCL's workspaces: plan.FULL's margin)
-    spare = free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device) - unmade - total // 10
-    return loss_chunk_budget(model.loss_chunk_bytes, spare, total, copies=1 if compiled else 3)
 
 
 def default_inits_discarded():

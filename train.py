@@ -34,11 +34,11 @@ from torch.distributed.fsdp import FSDPModule
 import converters
 import tokens
 from checkpoint import out_dir_problem, remove, run_files, save_training, save_weights, whole_model
-from compiling import trial_step
+from compiling import sized_loss_chunk, trial_step
 from config import ConfigError, given_values, make_config
 from data import TrainBatches, count_targets, find_dataset, micro_seeds, pinned
 from log import Clock, Progress, Scalars, Step, describe_run, fail, log, log_memory, one_line
-from model import MODEL_KEYS, ModelConfig, ModelSettings, loss_chunk_cap, sized_loss_chunk
+from model import MODEL_KEYS, ModelConfig, ModelSettings, loss_chunk_cap
 from optim import Schedule, make_optimizers, make_schedule, schedule_notes
 from runtime import (
     DTYPES,
@@ -374,7 +374,7 @@ def loss_chunk_bytes(cfg, rt, group):
     """
     The bytes of float32 logits the loss computes at a time (TransformerModel.loss_chunk_bytes) as the model is
     compiled: loss_chunk_mb if given, for good; on a GPU the largest chunk (model.loss_chunk_cap, the smallest over
-    the ranks), until model.sized_loss_chunk sizes it; None elsewhere (the model's CPU budget).
+    the ranks), until compiling.sized_loss_chunk sizes it; None elsewhere (the model's CPU budget).
     """
     if cfg.loss_chunk_mb:
         return int(cfg.loss_chunk_mb * 2**20)
