@@ -1,6 +1,6 @@
 """
 Checkpoints: what ckpt.pt and best.pt hold, written atomically (a file, or a sharded folder) and read with
-torch.load(weights_only=True); nanoGPT's checkpoints read as ours (load_nanogpt). start.py makes models of them.
+torch.load(weights_only=True); nanoGPT's checkpoints read as ours (nanogpt_checkpoint). start.py makes models of them.
 
     save_training(out_dir / "ckpt.pt", model, rt, ...)           # everything a resume needs
     ckpt = load_checkpoint("out/best.pt")                        # start.model_from_checkpoint(ckpt): the model
@@ -38,9 +38,8 @@ import torch
 import torch.distributed as dist
 
 from config import ConfigError
-from hf import check_names, gpt2_model_config, gpt2_names, load_checked
 from log import one_line
-from model import GPT, ModelConfig, build_model
+from model import ModelConfig, build_model
 from tokens import GPT2_META
 
 # of checkpoints; a checkpoint with a larger number needs newer code. 3: weights and average by role; 4: LoRA
@@ -591,37 +590,15 @@ def read_shards(tensors, path, alone):
         raise ConfigError(f"{path} is not a readable sharded checkpoint: {one_line(e)}") from None
 
 
-def load_nanogpt(checkpoint, path):
-    """
-    A GPT holding the weights of a checkpoint dict written by nanoGPT's train.py (karpathy/nanoGPT), path naming it
-    in errors. Its model_args give the sizes; its model is GPT-2's (pre-norm LayerNorm, learned positions, tied
-    head) with exact GELU and nn.Linear weights (not GPT-2's transposed Conv1D), biases as model_args says. A
-    compiled run's keys carry "_orig_mod.".
-    """
-    # nanoGPT's names are GPT-2's, and so is its model
-    args = checkpoint["model_args"]
-    # model_args as GPT2Config's settings: the same model, with exact GELU and (by default) the head tied
-    hf = {"vocab_size": args["vocab_size"], "n_positions": args["block_size"], "activation_function": "gelu"}
-    hf |= {key: args[key] for key in ("n_layer", "n_head", "n_embd")}
-    config = gpt2_model_config(hf, path, {"dropout": args.get("dropout", 0.0), "bias": args.get("bias", True)})
-    # the causal-mask buffers of nanoGPT on PyTorch < 2 (".attn.bias", not c_attn's) are not weights
-    state = {
-        k.removeprefix("_orig_mod.").removeprefix("transformer."): v
-        for k, v in checkpoint["model"].items()
-        if not k.endswith(".attn.bias")
-    }
-    state.pop("lm_head.weight", None)  # tied to wte
-    names = gpt2_names(config.n_layer, config.bias)
-    check_names(path, "nanoGPT", expected=names, found=state, source="model_args")
-    return load_checked(GPT(config), {names[k]: v for k, v in state.items()}, path)
-
-
 def nanogpt_checkpoint(ckpt, path):
     """
     A checkpoint written by nanoGPT's train.py, as ours: its weights under our names, its settings, iter_num and
     best_val_loss; "nanogpt" marks it (its optimizer state is not carried over). meta: GPT-2 BPE for its GPT-2
     vocabulary (50257, or 50304 padded); None for any other, whose characters the caller takes (nanogpt_meta).
     """
+    # the foreign-weights wing, loaded only for a nanoGPT checkpoint: its names are GPT-2's, which hf.py maps
+    from hf import load_nanogpt
+
     try:
         model = load_nanogpt(ckpt, path)
     except (KeyError, TypeError, ValueError) as e:

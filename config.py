@@ -20,6 +20,7 @@ import textwrap
 import tokenize
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 
@@ -33,19 +34,39 @@ class ConfigError(ValueError):
     """A bad setting, config file, command line or input file; the message says what is wrong and how to fix it."""
 
 
-def registered(package, path, base):
+class Plugins(Mapping):
     """
-    {name: class} of the subclasses of base with a name that the modules of a package (its __name__ and __path__)
-    define, in the order of their file names: what a setting naming a task or a converter may take.
+    {name: class} of a plug-in folder (tasks/, converters/, recipes/): the plug-in `name` is the subclass of base
+    that the folder's file `name`.py defines. Looking one up imports that file alone; its names are the file names,
+    read without importing anything. This is the one place plug-ins are found: a registry that imported every file
+    up front would load the chat templates, LoRA and the hub's data sets into a run that names none of them.
+    Iterating the values (a listing for --help, the choices an error names) imports them all.
     """
-    found = {}
-    for module in sorted(info.name for info in pkgutil.iter_modules(path)):
-        for value in vars(importlib.import_module(f"{package}.{module}")).values():
-            # the classes a module defines, not those it imports
-            defined = isinstance(value, type) and value.__module__ == f"{package}.{module}"
-            if defined and issubclass(value, base) and value.name:
-                found[value.name] = value
-    return found
+
+    def __init__(self, package, path, base):
+        self.package, self.base = package, base
+        # base.py holds the contract, not a plug-in
+        self.names = tuple(sorted(info.name for info in pkgutil.iter_modules(path) if info.name != "base"))
+
+    def __contains__(self, name):
+        return name in self.names
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)
+
+    def __getitem__(self, name):
+        if name not in self.names:
+            raise KeyError(name)
+        module = importlib.import_module(f"{self.package}.{name}")
+        for value in vars(module).values():
+            # the classes the file defines, not those it imports
+            if isinstance(value, type) and value.__module__ == module.__name__ and issubclass(value, self.base):
+                if value.name == name:
+                    return value
+        raise ConfigError(f"{self.package}/{name}.py defines no {self.base.__name__} named {name!r}: set its `name`")
 
 
 def field_docs(cls):

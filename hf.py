@@ -1,7 +1,7 @@
 """
 Hugging Face weights, both ways: a GPT from a Hugging Face folder or hub id (GPT-2, Llama 1-3, Mistral,
 Qwen2/Qwen2.5, Qwen3), and a GPT as the tensors and config.json of a Hugging Face folder (GPT-2, Llama, Qwen2 or
-Qwen3 layout). checkpoint.load_nanogpt reads nanoGPT's checkpoints with GPT-2's names from here.
+Qwen3 layout), and nanoGPT's checkpoints with GPT-2's names (load_nanogpt, for checkpoint.load_checkpoint).
 
     model = from_pretrained("gpt2")                        # a hub id, or a folder written by save_pretrained
     model = from_pretrained("/models/TinyLlama-1.1B", block_size=512, dropout=0.1)
@@ -789,3 +789,32 @@ def to_hf(model):
     if layout == "gpt2":
         return layout, gpt2_weights(c, state), gpt2_config(c)
     return layout, llama_weights(c, state), llama_config(c, layout)
+
+
+# -----------------------------------------------------------------------------
+# nanoGPT's checkpoints: GPT-2's model and names
+
+
+def load_nanogpt(checkpoint, path):
+    """
+    A GPT holding the weights of a checkpoint dict written by nanoGPT's train.py (karpathy/nanoGPT), path naming it
+    in errors. Its model_args give the sizes; its model is GPT-2's (pre-norm LayerNorm, learned positions, tied
+    head) with exact GELU and nn.Linear weights (not GPT-2's transposed Conv1D), biases as model_args says. A
+    compiled run's keys carry "_orig_mod.".
+    """
+    # nanoGPT's names are GPT-2's, and so is its model
+    args = checkpoint["model_args"]
+    # model_args as GPT2Config's settings: the same model, with exact GELU and (by default) the head tied
+    hf = {"vocab_size": args["vocab_size"], "n_positions": args["block_size"], "activation_function": "gelu"}
+    hf |= {key: args[key] for key in ("n_layer", "n_head", "n_embd")}
+    config = gpt2_model_config(hf, path, {"dropout": args.get("dropout", 0.0), "bias": args.get("bias", True)})
+    # the causal-mask buffers of nanoGPT on PyTorch < 2 (".attn.bias", not c_attn's) are not weights
+    state = {
+        k.removeprefix("_orig_mod.").removeprefix("transformer."): v
+        for k, v in checkpoint["model"].items()
+        if not k.endswith(".attn.bias")
+    }
+    state.pop("lm_head.weight", None)  # tied to wte
+    names = gpt2_names(config.n_layer, config.bias)
+    check_names(path, "nanoGPT", expected=names, found=state, source="model_args")
+    return load_checked(GPT(config), {names[k]: v for k, v in state.items()}, path)

@@ -24,7 +24,6 @@ import torch
 import torch.nn as nn
 
 import converters
-import hf
 import tokens
 from chat import grow_vocabulary
 from checkpoint import (
@@ -244,6 +243,9 @@ def from_pretrained(cfg, meta):
     Hugging Face weights (a hub id or a local folder) to fine-tune, on data in the ids they were trained on: GPT-2
     BPE for GPT-2, else the folder's tokenizer.json (an export's: the tokenizer its meta names).
     """
+    # the Hugging Face wing, loaded only by a run that starts from Hugging Face weights
+    import hf
+
     name, folder = cfg.init_from, Path(cfg.init_from).expanduser()
     # refused before any download: the weights are a causal LM's, and no pretrained model reads char-level ids
     if cfg.arch != "gpt":
@@ -404,14 +406,8 @@ def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False
         except (KeyError, TypeError, RuntimeError) as err:  # a missing entry, or weights that do not fit
             raise ValueError(f"{path} does not hold a usable model ({type(err).__name__}: {err})") from None
     else:
-        folder = Path(init_from).expanduser()
-        if not folder.is_dir():
-            # a hub id: its config.json and tokenizer.json come down with the weights (or from the local cache)
-            folder = hf.download_from_hub(init_from)
-        # Hugging Face weights come without a dataset: the folder's tokenizer.json, else GPT-2's BPE (GPT2_META) for
-        # GPT-2; read first, so that a folder without its tokenizer fails before the slow load
-        meta, task = hf.pretrained_meta(folder), "auto"
-        model = hf.from_pretrained(folder)
+        meta, model = pretrained_model(init_from)
+        task = "auto"
     # eval: dropout off, so the same seed gives the same text
     model.eval().to(device)
     if torch.device(device).type == "cpu":
@@ -428,6 +424,22 @@ def load_model(init_from, *, out_dir, checkpoint, dataset, device, compile=False
                 module.compile(dynamic=True)
     # the tokenizer the data was prepared with, rebuilt from the checkpoint alone
     return model, tokens.Tokenizer.from_meta(meta), meta, task
+
+
+def pretrained_model(name, **overrides):
+    """
+    (its meta, the model) of Hugging Face weights: a folder or a hub id (downloaded, or from the local cache). The
+    meta is the folder's tokenizer.json's, else GPT-2's BPE for GPT-2, read before the slow load so that a folder
+    without its tokenizer fails first. overrides: ModelConfig fields, as hf.from_pretrained takes them.
+    """
+    # the Hugging Face wing, loaded only where a model comes from Hugging Face weights
+    import hf
+
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        # a hub id: its config.json and tokenizer.json come down with the weights (or from the local cache)
+        folder = hf.download_from_hub(name)
+    return hf.pretrained_meta(folder), hf.from_pretrained(folder, **overrides)
 
 
 def load_configured(cfg, device):
@@ -497,6 +509,9 @@ def keep_base(converter, out_dir):
     base = converter.record["base"]
     source = Path(base["init_from"]).expanduser()
     if base["source"] == "pretrained" and not source.is_dir():  # a hub id: the files of its local snapshot
+        # the Hugging Face wing, loaded only to keep a hub id's weights
+        import hf
+
         source = hf.download_from_hub(base["init_from"])
     files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
     for path in files:
@@ -539,7 +554,7 @@ def load_base(base, folder=None, **overrides):
     else:  # a folder or a hub id, cut to the positions the run used, as from_pretrained did
         if Path(where).is_absolute() and not Path(where).is_dir():
             raise ConfigError(f"the adapters' base folder {where} is not there (moved or deleted?): {fix}")
-        model = hf.from_pretrained(where, **{"block_size": base["model_config"]["block_size"], **overrides})
+        _, model = pretrained_model(where, **{"block_size": base["model_config"]["block_size"], **overrides})
     if (found := fingerprint(model)) != base["fingerprint"]:
         raise ConfigError(
             f"the adapters' base {where} has changed since they were trained on it (its weights' fingerprint is "

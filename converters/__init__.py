@@ -1,13 +1,14 @@
 """
 Model converters, one file each: rewrites of a run's model applied after it is built or loaded and before it is
-spread over the ranks (converters/base.py: the contract; lora.py: LoRA). A converter is registered by its file
-(CONVERTERS). train.py, start.py and checkpoint.py name none of them: they call these functions.
+spread over the ranks (converters/base.py: the contract; lora.py: LoRA). A converter is found by its file name
+(CONVERTERS, config.Plugins) and imported only by a run that asks for it or a checkpoint that records it. train.py,
+start.py and checkpoint.py name none of them: they call these functions.
 """
 
-from config import ConfigError, registered
+from config import ConfigError, Plugins
 from converters.base import Converter
 
-CONVERTERS = registered(__name__, __path__, Converter)
+CONVERTERS = Plugins(__name__, __path__, Converter)
 
 
 def requested(cfg):
@@ -16,12 +17,16 @@ def requested(cfg):
 
 
 def check(cfg):
-    """ConfigError for converter settings of cfg (a TrainConfig) that are wrong, or that do not go together."""
+    """
+    ConfigError for the settings of the converter cfg (a TrainConfig) asks for that are wrong, or that do not go
+    together; a run that asks for none imports none.
+    """
     name = requested(cfg)
-    if name and name not in CONVERTERS:
+    if not name:
+        return
+    if name not in CONVERTERS:
         raise ConfigError(f"converter={name!r} is not one of the converters ({', '.join(CONVERTERS)}): add its file")
-    for converter in CONVERTERS.values():
-        converter.check(cfg)
+    CONVERTERS[name].check(cfg)
 
 
 def for_new_run(cfg, base, meta, base_record):

@@ -1,13 +1,23 @@
 """
 The tasks, one file each, for one kind of model and data: tasks/base.py holds the contract (Task); lm.py,
-masked_lm.py, seq2seq.py and chat.py the trained tasks, hellaswag.py a benchmark. A task is registered by its file
-(TASKS): to add one, add a file (docs/training.md, "Tasks").
+masked_lm.py, seq2seq.py and chat.py the trained tasks, hellaswag.py a benchmark. A task is found by its file
+name (TASKS, config.Plugins), and only the task a run names is imported: to add one, add a file (docs/training.md,
+"Tasks").
 """
 
-from config import ConfigError, registered
+from config import ConfigError, Plugins
 from tasks.base import Task
 
-TASKS = registered(__name__, __path__, Task)
+TASKS = Plugins(__name__, __path__, Task)
+
+# the task each architecture trains on each kind of data when a run says task="auto" (the first of an architecture
+# is its default on data of other kinds, where make_task then says what fits)
+DEFAULTS = {
+    ("gpt", "lm"): "lm",
+    ("gpt", "chat"): "chat",
+    ("encoder", "lm"): "masked_lm",
+    ("encoder_decoder", "seq2seq"): "seq2seq",
+}
 
 
 def make_task(name, arch, meta, mask_prob=0.15, label_smoothing=0.0):
@@ -22,9 +32,7 @@ def make_task(name, arch, meta, mask_prob=0.15, label_smoothing=0.0):
                 f"{dataset} is chat data, which only arch=gpt trains on (a reply is the next tokens of the "
                 f"conversation); arch={arch} needs another dataset"
             )
-        # a default is declared by its own class (vars), never inherited: a subclass is no one's default
-        defaults = [task for task in TASKS.values() if task.arch == arch and vars(task).get("auto")]
-        name = next((task.name for task in defaults if task.kind == kind), defaults[0].name)
+        name = DEFAULTS.get((arch, kind)) or next(task for (a, _), task in DEFAULTS.items() if a == arch)
     if name not in TASKS:  # a checkpoint of a task whose file is not here, say
         raise ConfigError(f"task={name!r} is not one of the tasks ({', '.join(TASKS)}): add its file to tasks/")
     task = TASKS[name]

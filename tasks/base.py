@@ -27,7 +27,6 @@ class Task:
     name = ""  # its name in TASKS: the `task` setting of train.py and eval.py
     arch = "gpt"  # the architecture it trains (or scores)
     kind = "lm"  # the prepared data it reads (meta["kind"]; tokens.KIND_NEEDS); None: it trains on nothing
-    auto = False  # the task a run of this architecture on this kind of data gets when it names none (task=auto)
     examples = "shakespeare_char, shakespeare"  # datasets of that kind, for a message
     scores = ""  # what eval.py scores, for a message
     eval_options = ()  # the eval.py options that apply to this task alone

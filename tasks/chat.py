@@ -29,7 +29,7 @@ class Chat(CausalLM):
 
     name = kind = "chat"
     scores, eval_options = "a GPT's replies", ("exact_match",)
-    varying = saves_data_meta = auto = True
+    varying = saves_data_meta = True
 
     def __init__(self, meta, *, label_smoothing=0.0):
         super().__init__(meta, label_smoothing=label_smoothing)

@@ -14,7 +14,6 @@ import torch
 from tqdm import tqdm
 
 import tokens
-from chat import model_format
 from generate import ChatSession, end_of_text, generate_stream, prompt_start, start_ids, until_stop
 from model import IGNORE_INDEX
 from tasks.base import Task, lm_tokens, windows
@@ -23,7 +22,7 @@ from tasks.base import Task, lm_tokens, windows
 class CausalLM(Task):
     """A GPT predicting each next token of text: a window's inputs and targets are one window shifted by one."""
 
-    name, scores, bits_per_byte, auto = "lm", "text with a GPT", True, True
+    name, scores, bits_per_byte = "lm", "text with a GPT", True
     eval_options = ("stride",)
     sample_options = ("num_samples", "temperature", "top_k", "top_p", "stream", "use_cache", "chat", "system")
     sample_applies = "sampling (--temperature, --top_k, --top_p, --num_samples, --chat) applies to GPT checkpoints only"
@@ -235,6 +234,9 @@ def chat(model, tokenizer, meta, text, cfg, out):
     GPT: a conversation in the terminal, each reply streamed as it comes and the KV cache kept from turn to turn;
     with --start (text), the reply to that one message.
     """
+    # the chat wing (chat templates, jinja2), loaded only by sample.py --chat
+    from chat import model_format
+
     # seeded, on the model's device: the same seed and messages give the same replies
     generator = torch.Generator(next(model.parameters()).device).manual_seed(cfg.seed)
     sampling = {"temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p, "generator": generator}

@@ -22,7 +22,7 @@ class MaskedLM(Task):
     in the meta the checkpoints store. data_vocab: the ids random replacements are drawn from (default: the data's).
     """
 
-    name, arch, scores, auto = "masked_lm", "encoder", "masked text with an encoder", True
+    name, arch, scores = "masked_lm", "encoder", "masked text with an encoder"
     sample_options, sample_applies = ("candidates",), "--candidates applies to encoder (masked LM) checkpoints only"
     sample_does = "an encoder lists the --candidates likeliest tokens for each [MASK]"
 

@@ -23,7 +23,7 @@ class Seq2Seq(Task):
 
     name = kind = "seq2seq"
     arch, examples, scores = "encoder_decoder", "reverse, sort, num2words, translation", "pairs with an encoder-decoder"
-    varying = exact_answers = auto = True
+    varying = exact_answers = True
     eval_options = sample_options = ("beam_size", "length_penalty")
     sample_applies = "beam search applies to encoder-decoder checkpoints only"
     sample_does = "an encoder-decoder decodes greedily, or with --beam_size and --length_penalty"
