@@ -45,7 +45,9 @@ from config import parse_config
 from generate import generate
 from log import one_line, resident_peak
 from model import ModelConfig, build_model
-from prepare_data import bpe_batches, prepare, shakespeare_file
+from recipes import prepare
+from recipes.shakespeare_char import shakespeare_file
+from recipes.text import bpe_batches
 from runtime import DTYPES, autocast, make_runtime, pick_threads, resolve_dtype
 from start import model_from_checkpoint
 from tokens import GPT2_META, data_root, load_meta, tiktoken_encoding

@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import prepare_data
+import recipes
 import tokens
 from config import ConfigError
 from log import log
@@ -32,21 +32,19 @@ def prepared_dataset(name, data_dir, options):
         # prepare() keeps outputs that are up to date for these options: with none, an intact folder is enough
         if not options and tokens.is_prepared(folder):
             return folder
-        if name not in prepare_data.DATASETS:  # a folder of the user's own: say what is wrong with it, if anything
+        if name not in recipes.RECIPES:  # a folder of the user's own: say what is wrong with it, if anything
             if options:
-                raise ValueError(f"data_options need one of the datasets {', '.join(prepare_data.DATASETS)}")
+                raise ValueError(f"data_options need one of the datasets {', '.join(recipes.RECIPES)}")
             if not folder.is_dir():
                 # a typo (shakespear_char) is answered with the dataset or prepared folder it most resembles
                 there = [p.name for p in folder.parent.iterdir() if p.is_dir()] if folder.parent.is_dir() else []
-                close = difflib.get_close_matches(name, [*prepare_data.DATASETS, *there], n=1)
+                close = difflib.get_close_matches(name, [*recipes.RECIPES, *there], n=1)
                 hint = f"; did you mean {close[0]}?" if close else ""
-                raise ValueError(
-                    f"not one of {', '.join(prepare_data.DATASETS)}, nor a folder in {folder.parent}{hint}"
-                )
+                raise ValueError(f"not one of {', '.join(recipes.RECIPES)}, nor a folder in {folder.parent}{hint}")
             tokens.check_prepared(folder)
         else:
             log(f"dataset {name}: preparing it in {folder.parent} unless up to date")
-            folder = prepare_data.prepare(name, data_dir, **options)
+            folder = recipes.prepare(name, data_dir, **options)
     # bad options, a missing input, a failed download, a full disk: all reported as one line
     except (ValueError, OSError) as e:
         raise ConfigError(f"dataset {name}: {e}") from None

@@ -46,7 +46,6 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 import hf
-import prepare_data
 import runtime
 import tokens
 from checkpoint import is_checkpoint, load_checkpoint
@@ -54,6 +53,8 @@ from config import ConfigError
 from data import count_targets, prepared_dataset
 from log import local_bytes, one_line, resident_peak, state_bytes
 from model import LOSS_CHUNK_BYTES, ModelConfig, build_model, loss_chunk_cap
+from recipes import RECIPES, hub
+from recipes.chat import chat_meta
 from start import task_of
 from tasks import Task
 
@@ -161,13 +162,13 @@ def planned_meta(cfg):
     folder = tokens.dataset_dir(cfg.dataset, cfg.data_dir)
     if tokens.is_prepared(folder) and not cfg.data_options:
         return tokens.load_meta(folder)
-    recipe = prepare_data.RECIPES.get(cfg.dataset)
-    if recipe is not None and recipe.inputs is prepare_data.hf_lm_inputs:
+    recipe = RECIPES.get(cfg.dataset)
+    if recipe is not None and recipe.inputs is hub.hf_lm_inputs:
         return {**tokens.GPT2_META, "kind": "lm", "name": cfg.dataset}
     tokenizer = cfg.data_options.get("tokenizer", "gpt2")
     if cfg.dataset == "chat" and tokenizer != "char":  # the tokenizer and its template decide the vocabulary
         try:
-            return {**prepare_data.chat_meta(tokenizer, []), "name": cfg.dataset}
+            return {**chat_meta(tokenizer, []), "name": cfg.dataset}
         except (OSError, ValueError) as e:
             raise ConfigError(f"dataset chat: --tokenizer={tokenizer}: {one_line(e)}") from None
     return tokens.load_meta(prepared_dataset(cfg.dataset, cfg.data_dir, cfg.data_options))

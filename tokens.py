@@ -5,8 +5,8 @@ train.bin and val.bin; seq2seq datasets hold {split}_src.bin, {split}_tgt.bin an
 splits train, val and test; chat datasets hold {split}.bin (the conversations' ids), {split}_targets.bin (1 where
 an id is a loss target) and {split}_idx.npy for train and val. A token file is a 32-byte header (magic, format
 version, bytes per token, vocab size, token count) followed by the ids as little-endian uint16 (when the
-vocabulary has at most 65,536 ids) or uint32 (Llama 3's 128,256 ids, say). prepare_data.py writes these folders
-with the writers below; train.py and sample.py read them.
+vocabulary has at most 65,536 ids) or uint32 (Llama 3's 128,256 ids, say). The recipes (recipes/) write these
+folders with the writers below; train.py and sample.py read them.
 """
 
 import array
@@ -55,10 +55,8 @@ MIRROR_ENV = "NANOFORMER_DATA_MIRROR"
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 # a Hugging Face tokenizer's file (the `tokenizers` library's format), on its own or in a model folder
 TOKENIZER_JSON = "tokenizer.json"
-# the end-of-text token of GPT-2's BPE, and of the byte-level BPEs trained here (train_byte_level_bpe)
+# the end-of-text token of GPT-2's BPE, and of the byte-level BPEs the text recipe trains (recipes/text.py)
 END_OF_TEXT = "<|endoftext|>"
-# a byte-level BPE starts from one token for each byte value, so that any text encodes
-BYTE_TOKENS = 256
 # GPT-2's tokenizer as a dataset's meta.json would describe it: tiktoken's gpt2 encoding, 50256 = <|endoftext|>
 GPT2_META = {
     "kind": "lm",
@@ -561,36 +559,6 @@ def huggingface_byte_lengths(text):
             piece = piece.removeprefix(prefix)
             lengths.append(len((piece.replace("▁", " ") if spaces else piece).encode("utf-8")))
     return lengths
-
-
-def train_byte_level_bpe(texts, vocab_size):
-    """
-    (tokenizer.json text, special_tokens) of a byte-level BPE of vocab_size ids trained on texts (an iterable of
-    strings), as GPT-2's is made: GPT-2's pre-tokenizer splits words, numbers, punctuation and spaces, whose UTF-8
-    bytes are then merged. Id 0 is END_OF_TEXT (special_tokens' "eot"), ids 1-256 the byte values, so that any
-    text encodes and decodes exactly; the rest are merges, most frequent first. ValueError when the texts hold too
-    few distinct pairs for vocab_size ids.
-    """
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
-    # add_prefix_space=False: a text's first word is encoded as written, as tiktoken's GPT-2 does
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[END_OF_TEXT],
-        # every byte, seen in the texts or not: a character the training text lacks still encodes, as its bytes
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-        # its progress goes to stdout even when that is a pipe (blank lines in a log; a panic once the pipe closes)
-        show_progress=False,
-    )
-    # no randomness: ties between equally frequent pairs are broken by their ids, which follow the sorted alphabet
-    bpe.train_from_iterator(texts, trainer)
-    if bpe.get_vocab_size() != vocab_size:
-        raise ValueError(
-            f"the training text holds pairs for only {bpe.get_vocab_size():,} ids, fewer than vocab_size "
-            f"{vocab_size:,}: give more text or a smaller vocab_size"
-        )
-    return bpe.to_str(), {"eot": bpe.token_to_id(END_OF_TEXT)}
 
 
 # ----------------------------------------------------------------------------- JSON, and Hugging Face tokenizer files

@@ -12,11 +12,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import prepare_data
 import tokens
 from chat import ChatFormat, model_format
 from generate import decoded_replies
 from model import IGNORE_INDEX
+from recipes.chat import BadConversation, LeftOut, chat_records, encode_conversation
 from tasks.base import dataset_split, usable_rows
 from tasks.lm import CausalLM
 
@@ -57,7 +57,7 @@ class Chat(CausalLM):
         return (inputs.contiguous(),), targets.contiguous()
 
     def count_tokens(self, inputs, targets):
-        # a conversation's inputs end at its last loss target (prepare_data cuts what follows), and its padding after
+        # a conversation's inputs end at its last loss target (the chat recipe cuts what follows), and its padding after
         real = targets != IGNORE_INDEX
         last = targets.size(1) - 1 - real.flip(1).int().argmax(1)
         return int((last + 1).sum())
@@ -135,11 +135,11 @@ def chat_conversations(cfg, meta, chat_format, block_size):
     conversations file (--input, in the model's template) or a split of the chat data the model was trained on.
     """
     if cfg.input:
-        left_out, conversations = prepare_data.LeftOut(), []
-        for where, record in prepare_data.chat_records(Path(cfg.input).expanduser()):
+        left_out, conversations = LeftOut(), []
+        for where, record in chat_records(Path(cfg.input).expanduser()):
             try:
-                ids, targets = prepare_data.encode_conversation(record, chat_format, block_size)
-            except prepare_data.BadConversation as err:
+                ids, targets = encode_conversation(record, chat_format, block_size)
+            except BadConversation as err:
                 left_out.add(str(err), where)
                 continue
             conversations.append((np.asarray(ids), np.asarray(targets, dtype=np.uint8)))

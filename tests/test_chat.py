@@ -8,6 +8,7 @@ import transformers  # a dev dependency (requirements-dev.txt): the reference; m
 
 import tokens
 from chat import BUILTIN_TOKENS, ChatFormat, conversation_problem, folder_chat, with_chat_tokens
+from recipes.text import train_byte_level_bpe
 
 # the special tokens of Llama 3's and of Qwen's (ChatML) templates, in one small byte-level BPE
 SPECIALS = [
@@ -346,7 +347,7 @@ def test_builtin_template_on_gpt2_bpe():
 
 
 def test_builtin_template_on_a_trained_tokenizer_json():
-    text, special = tokens.train_byte_level_bpe(["hello world, hello there"] * 4, 260)
+    text, special = train_byte_level_bpe(["hello world, hello there"] * 4, 260)
     meta = {"kind": "lm", "tokenizer": {"type": "huggingface", "json": text}, "vocab_size": 260}
     chat_meta = with_chat_tokens({**meta, "special_tokens": special})
     assert [chat_meta["special_tokens"][name] for name in BUILTIN_TOKENS] == [260, 261, 262, 263]

@@ -18,7 +18,7 @@ import prepare_data
 import train
 from config import ConfigError
 from model import IGNORE_INDEX, ModelConfig, build_model
-from prepare_data import prepare
+from recipes import prepare
 from tasks import make_task
 from tasks.chat import Chat, chat_batch, chat_rows, padding_fraction
 from tokens import Tokenizer, check_prepared, final_reply, load_conversations, load_meta

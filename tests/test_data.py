@@ -27,7 +27,9 @@ import tokenizers
 import prepare_data
 import synthetic
 import tokens
-from prepare_data import DATASETS, prepare
+from recipes import RECIPES, prepare
+from recipes.shakespeare_char import SHAKESPEARE_URL
+from recipes.text import checked_cut, text_pieces
 from synthetic import solve
 from tokens import (
     DownloadError,
@@ -138,7 +140,7 @@ def test_bpe_pieces_encode_like_the_whole_text(r50k):
         "\n x",
     ]
     text = "".join(rng.choice(parts) for _ in range(20_000))
-    pieces = list(prepare_data.text_pieces(random_blocks(text, rng)))
+    pieces = list(text_pieces(random_blocks(text, rng)))
     assert len(pieces) > 50 and "".join(pieces) == text
     assert [t for piece in pieces for t in r50k.encode_ordinary(piece)] == r50k.encode_ordinary(text)
 
@@ -435,11 +437,11 @@ def test_bad_text_inputs(tmp_path):
 
 
 def test_unknown_dataset_names_the_valid_ones(capsys):
-    with pytest.raises(ValueError, match="choose one of: " + ", ".join(DATASETS)):
+    with pytest.raises(ValueError, match="choose one of: " + ", ".join(RECIPES)):
         prepare("shakespear")
     assert prepare_data.cli(["shakespear"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "did you mean 'shakespeare'?" in err and all(name in err for name in DATASETS)
+    assert err.count("\n") == 1 and "did you mean 'shakespeare'?" in err and all(name in err for name in RECIPES)
 
 
 def test_help_lists_every_dataset(capsys):
@@ -447,7 +449,7 @@ def test_help_lists_every_dataset(capsys):
         prepare_data.cli(["--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and "benchmark" not in out  # BPE throughput is bench.py --parts=bpe now
-    assert all(name in out and description[:40] in out for name, description in DATASETS.items())
+    assert all(name in out and recipe.description[:40] in out for name, recipe in RECIPES.items())
 
 
 def test_cli_error_is_one_line_and_exit_2(tmp_path):
@@ -504,13 +506,13 @@ def test_shakespeare_download_cache_and_checksums(tmp_path, monkeypatch, shakesp
     with pytest.raises(DownloadError) as failed:
         prepare("shakespeare_char", data_dir=tmp_path / "data")
     message = str(failed.value)
-    assert prepare_data.SHAKESPEARE_URL in message and "--input" in message and "NANOFORMER_DATA_MIRROR" in message
+    assert SHAKESPEARE_URL in message and "--input" in message and "NANOFORMER_DATA_MIRROR" in message
     assert isinstance(failed.value, OSError)  # so that `except OSError` reports it, in every script
     monkeypatch.setattr(urllib.request, "urlopen", serve(b"not shakespeare"))
     with pytest.raises(DownloadError) as failed:
         prepare("shakespeare_char", data_dir=tmp_path / "data")
     # a DownloadError is an OSError too, yet its message is not wrapped in "could not download" a second time
-    assert str(failed.value).startswith(f"{prepare_data.SHAKESPEARE_URL} arrived with sha256")
+    assert str(failed.value).startswith(f"{SHAKESPEARE_URL} arrived with sha256")
     assert not (tmp_path / "data" / "downloads").exists() or list((tmp_path / "data" / "downloads").iterdir()) == []
 
     monkeypatch.setattr(urllib.request, "urlopen", serve(shakespeare_path.read_bytes()))
@@ -906,7 +908,7 @@ def test_tokenizer_json_pieces_encode_like_the_whole_text(llama_dir, text, style
     parts = ["hello", " world", "\n", "\n\n", " \n", ":\n", "!\n\n", "\r\n", "\t\n", "  ", "42", "ROMEO", "\n x", "'ll"]
     rng = random.Random(0)
     whole = "".join(rng.choice(parts) for _ in range(20_000))
-    pieces = list(prepare_data.text_pieces(random_blocks(whole, rng), functools.partial(prepare_data.checked_cut, tok)))
+    pieces = list(text_pieces(random_blocks(whole, rng), functools.partial(checked_cut, tok)))
     assert "".join(pieces) == whole
     assert [t for piece in pieces for t in tok.encode(piece)] == library_ids(reference, whole)
     # metaspace marks the start of every text it is given, so no cut keeps the ids: the text stays whole

@@ -302,13 +302,13 @@ def test_the_chat_template_of_every_tokenizer_renders_chat_py_s_ids(tmp_path, ll
     with spaces and punctuation, and ends a reply at chat.py's end of turn; the dataset's own tokenizer.json stays
     in config.json, so the folder reads back with the checkpoint's tokenizer.
     """
-    import prepare_data
+    from recipes.chat import chat_meta
 
     chatml = chatml_folder(llama_dir, tmp_path / "chatml-source")
     metas = {
         "gpt2": chat.with_chat_tokens(GPT2_META),
         "tokenizer.json": chat.with_chat_tokens({"kind": "lm", **huggingface_tokenizer(llama_dir)}),
-        "chatml": prepare_data.chat_meta(str(chatml), []),
+        "chatml": chat_meta(str(chatml), []),
     }
     assert metas["chatml"]["chat"]["template"] == CHATML  # the folder's own, which export must write back
     texts = [("Be brief.", [("Who speaks?", " ROMEO, sir."), ("And then?", None)]), ("", [("  two  spaces\n", None)])]

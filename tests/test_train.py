@@ -2736,12 +2736,12 @@ sys.exit(code)
 
 SLOW_PREPARE = """
 import sys, time
-import prepare_data, train
-real_prepare = prepare_data.prepare
+import recipes, train
+real_prepare = recipes.prepare
 def prepare(*args, **kwargs):
     time.sleep(6)  # twice --dist_timeout, as preparing OpenWebText is to the default 900 s
     return real_prepare(*args, **kwargs)
-prepare_data.prepare = prepare
+recipes.prepare = prepare
 sys.exit(train.cli(sys.argv[1:]))
 """
 
