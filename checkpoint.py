@@ -27,6 +27,7 @@ import contextlib
 import difflib
 import math
 import os
+import pickle
 import random
 import shutil
 import warnings
@@ -53,6 +54,29 @@ PLAIN_FORMAT, OPTIMIZERS_FORMAT, CONVERTED_FORMAT = 3, 5, 6
 OLDEST_FORMAT = 3
 OLD_FORMATS_COMMIT = "c78f975ac3b32fa5adf6932ebeae1d7ad92e24fb"
 STATE_FILE = "state.pt"  # in a sharded checkpoint's folder: all but the weights and the optimizers' states
+# What a sharded checkpoint's index (.metadata, which torch.distributed.checkpoint reads with plain pickle) is made
+# of: its own dataclasses, torch.Size, dtypes and layouts by name, the folder's path. An index naming anything else is
+# refused before PyTorch reads it, so a downloaded folder cannot run code
+INDEX_GLOBALS = {
+    *(
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+}
 
 
 def rng_state(device):
@@ -579,6 +603,7 @@ def read_shards(tensors, path, alone):
     # checked here: PyTorch would log two tracebacks looking for it before failing
     if not (Path(path) / ".metadata").is_file():
         raise ConfigError(f"{path} is not a readable sharded checkpoint: it has no .metadata (a save cut short?)")
+    check_index(path)
     try:
         with warnings.catch_warnings():  # that it assumes a single process, which it is told
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -588,6 +613,39 @@ def read_shards(tensors, path, alone):
         raise ConfigError(f"{path} is not a readable sharded checkpoint: {type(error).__name__}: {error}") from None
     except (OSError, RuntimeError, ValueError) as e:  # no .metadata, a part cut short, tensors of other shapes
         raise ConfigError(f"{path} is not a readable sharded checkpoint: {one_line(e)}") from None
+
+
+class IndexUnpickler(pickle.Unpickler):
+    """Unpickles a sharded checkpoint's .metadata (folder's) with INDEX_GLOBALS and torch's dtypes alone."""
+
+    def __init__(self, file, folder):
+        super().__init__(file)
+        self.folder = folder
+
+    def find_class(self, module, name):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) not in INDEX_GLOBALS and not dtype:
+            raise ConfigError(
+                f"{self.folder} is not a readable sharded checkpoint: its .metadata names {module}.{name}, which no "
+                "checkpoint's index holds, and unpickling it could run code"
+            )
+        return super().find_class(module, name)
+
+
+def check_index(path):
+    """
+    ConfigError unless the .metadata of the sharded checkpoint folder path unpickles with IndexUnpickler. Unpickling
+    runs only the calls the pickle names, so once every name is one of a checkpoint index's, PyTorch's own reading of
+    the same file can run nothing else.
+    """
+    try:
+        with open(Path(path) / ".metadata", "rb") as f:
+            IndexUnpickler(f, path).load()
+    except ConfigError:  # a name no index holds: IndexUnpickler's own line
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:  # cut short, not a pickle
+        damaged = f"its .metadata is damaged ({one_line(e)})"
+        raise ConfigError(f"{path} is not a readable sharded checkpoint: {damaged}") from None
 
 
 def nanogpt_checkpoint(ckpt, path):
