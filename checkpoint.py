@@ -434,6 +434,12 @@ def load_sharded(ckpt, model, *, optimizers, ema_model, role="weights"):
         set_model_state_dict(ema_model, average)
 
 
+def merged_checkpoint(ckpt, model):
+    """A converted run's checkpoint as a plain one: model, its plain (merged) model, under "weights"; no converter."""
+    kept = {key: ckpt[key] for key in ("train_config", "meta", "iter_num", "best_val_loss")}
+    return {"format_version": PLAIN_FORMAT, "model_config": asdict(model.config), **kept, "weights": model.state_dict()}
+
+
 def save_checkpoint(state, path):
     """
     Write state to path atomically: a temporary file beside it, flushed to disk, then renamed over path. A failed
