@@ -1,6 +1,6 @@
 """
-bench.py: BPE throughput on the pieces and batches prepare() encodes, sampling speed's counting, the tables, the step
-harness, and the whole GPU call dry-run on the CPU beside the real nanoGPT.
+tools/bench.py: BPE throughput on the pieces and batches prepare() encodes, sampling speed's counting, the tables, the
+step harness, and the whole GPU call dry-run on the CPU beside the real nanoGPT.
 """
 
 import itertools
@@ -25,6 +25,7 @@ from model import ModelConfig, build_model
 from train import TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "tools" / "bench.py"
 
 
 def test_bpe_throughput_reports_a_rate_per_repeat():
@@ -39,7 +40,7 @@ def test_bench_bpe_prints_its_rows(tmp_path):
     run = subprocess.run(
         [
             sys.executable,
-            str(REPO / "bench.py"),
+            str(BENCH),
             "--parts=bpe",
             "--repeats=2",
             "--bpe_size_mb=0.1",
@@ -59,7 +60,7 @@ def test_bench_bpe_prints_its_rows(tmp_path):
 
 def test_bench_refuses_an_unknown_part(tmp_path):
     run = subprocess.run(
-        [sys.executable, str(REPO / "bench.py"), "--parts=bpe,tokens"],
+        [sys.executable, str(BENCH), "--parts=bpe,tokens"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -197,7 +198,7 @@ def test_the_step_harness_times_each_case_in_a_process_of_its_own(tmp_path, data
         f"configs/shakespeare.py --data_dir={data_root} --n_layer=1 --n_embd=32 --n_head=2 --block_size=32 --threads=1"
     )
     cases = f"{tiny};{tiny} --loss_chunk_mb=0.0005"  # 524 bytes: 2 positions of 65 float32 logits a chunk
-    command = [sys.executable, str(REPO / "bench.py"), "--parts=step", f"--cases={cases}", "--steps=3", "--warmup=1"]
+    command = [sys.executable, str(BENCH), "--parts=step", f"--cases={cases}", "--steps=3", "--warmup=1"]
     command.append("--rounds=1")  # the rounds' order has a test of its own
     run = subprocess.run([*command, "--profile=true"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -387,8 +388,8 @@ def markdown_tables(output):
 
 def test_the_gpu_call_dry_runs_on_a_cpu_beside_nanogpt(tmp_path, nanogpt_dir):
     """
-    bench.py --parts=gpu as a GPU machine runs it, beside the real nanoGPT, on the CPU at tiny shapes, so that a
-    lent GPU's first minutes never go to a broken harness: every stage runs and prints its table. Stage 1 measures
+    tools/bench.py --parts=gpu as a GPU machine runs it, beside the real nanoGPT, on the CPU at tiny shapes, so that
+    a lent GPU's first minutes never go to a broken harness: every stage runs and prints its table. Stage 1 measures
     GPT-2's case (the first of GPU_CASES) beside nanoGPT's step; stage 2 races configs/shakespeare_gpu.py and
     nanoGPT's recipe to a tiny target; stage 3 every case of GPU_MORE_CASES, the CUDA-graphs one refused for its
     device alone. With --plan=true both step stages plan each case beside its measured peak.
@@ -404,7 +405,7 @@ def test_the_gpu_call_dry_runs_on_a_cpu_beside_nanogpt(tmp_path, nanogpt_dir):
     train_args = f"--device=cpu --data_dir={data} {tiny}"
     nanogpt_step = f"{bench.NANOGPT_STEP} --device=cpu --compile=False --dtype=float32 {tiny}"
     nanogpt_race = f"{bench.NANOGPT_RACE} --device=cpu --compile=False --dtype=float32 {tiny}"
-    command = [sys.executable, str(REPO / "bench.py"), "--parts=gpu", f"--nanogpt={nanogpt_dir}", "--plan=true"]
+    command = [sys.executable, str(BENCH), "--parts=gpu", f"--nanogpt={nanogpt_dir}", "--plan=true"]
     command += [f"--cases={bench.GPT2}", "--steps=2", "--warmup=1", "--rounds=1", "--race_target=3.5"]
     command += [f"--train_args={train_args}", f"--nanogpt_step={nanogpt_step}", f"--nanogpt_race={nanogpt_race}"]
     # about 45 s of CPU time, but 200 s on 2 cores that other suites kept busy: each case, then the whole call bounded

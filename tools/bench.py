@@ -3,22 +3,30 @@ Performance numbers in one table: training throughput (and MFU on a GPU), time t
 the best validation loss within a time budget, sampling speed with and without the KV cache, GPT-2 BPE
 tokenization speed, and each rank's memory with DDP and with FSDP.
 
-    python bench.py                                  # the quick start, configs/shakespeare.py
-    python bench.py --config=configs/shakespeare.py,old.py --parts=train   # two configs side by side, in turns
-    python bench.py --config=configs/shakespeare_gpu.py --target_loss=1.47 --budget=600
-    python bench.py --parts=sample --out_dir=out-shakespeare
-    python bench.py --parts=bpe                      # BPE tokens/s: 1 thread, all cores, prepare_data.py text
-    python bench.py --parts=memory --train_args="--n_layer=8 --n_embd=512"  # per-rank memory, DDP vs FSDP
-    python bench.py --parts=step --cases="configs/gpt2.py;configs/gpt2.py --batch_size=24" --profile=true
-    python bench.py --parts=gpu --nanogpt=/path/to/nanoGPT   # every GPU measurement, beside nanoGPT's own runs
-    python bench.py --parts=serve                    # serve.py: 1, 8 and 16 streaming clients, two model shapes
-    python bench.py --parts=llama --llama_cpp=DIR    # serve.py beside llama.cpp's servers on one export's GGUF
+    python tools/bench.py                                  # the quick start, configs/shakespeare.py
+    python tools/bench.py --config=configs/shakespeare.py,old.py --parts=train   # two configs side by side, in turns
+    python tools/bench.py --config=configs/shakespeare_gpu.py --target_loss=1.47 --budget=600
+    python tools/bench.py --parts=sample --out_dir=out-shakespeare
+    python tools/bench.py --parts=bpe                      # BPE tokens/s: 1 thread, all cores, prepare_data.py text
+    python tools/bench.py --parts=memory --train_args="--n_layer=8 --n_embd=512"  # per-rank memory, DDP vs FSDP
+    python tools/bench.py --parts=step --cases="configs/gpt2.py;configs/gpt2.py --batch_size=24" --profile=true
+    python tools/bench.py --parts=gpu --nanogpt=/path/to/nanoGPT   # every GPU measurement, beside nanoGPT's own runs
+    python tools/bench.py --parts=serve                    # serve.py: 1, 8 and 16 streaming clients, two model shapes
+    python tools/bench.py --parts=llama --llama_cpp=DIR    # serve.py beside llama.cpp's servers on one export's GGUF
 
 Each training run is a real `python train.py CONFIG` process, timed from its launch, so compilation, data
 preparation and evaluation all count; each number is the median of several, with the spread, and several configs
 are run in turns, a column each. The step part instead times train.py's own training step inside a process of its
 own for each case (docs/performance.md, "GPUs").
 """
+
+import sys
+from pathlib import Path
+
+# tools/ holds plain scripts, not a package: `python tools/bench.py`, run from any directory, puts tools/ first on
+# sys.path, so the bench's own modules import by name; this line puts the project's root after it, so that the
+# project's modules (train, model, ...) import too (tests/conftest.py puts both there for the tests)
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 import contextlib
 import json
@@ -29,13 +37,11 @@ import shlex
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 
@@ -51,7 +57,7 @@ from start import model_from_checkpoint
 from tokens import GPT2_META, data_root, load_meta, tiktoken_encoding
 
 # train.py runs with cwd=ROOT, so relative config paths work from any directory
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("train", "sample", "bpe", "memory", "step", "gpu", "serve", "llama")
 # the models --parts=serve can make, by serve_models name, with their column titles
 SERVED_SHAPES = {"quick": "quick start (2 x 128, 64 positions)", "gpt2": "GPT-2 124M shape (12 x 768, 1,024)"}
@@ -608,7 +614,7 @@ def step_run(cfg, words, index, work):
     seconds from before the launch to the end of the first step, and "cold": whether its compile cache was empty.
     Cases cfg.cold names get an empty cache of their own; the others share one, which the first of them fills.
     """
-    command = [sys.executable, str(ROOT / "bench.py"), f"--child={shlex.join(words)}"]
+    command = [sys.executable, str(ROOT / "tools" / "bench.py"), f"--child={shlex.join(words)}"]
     command += [f"--steps={cfg.steps}", f"--warmup={cfg.warmup}", f"--step_seconds={cfg.step_seconds}"]
     command += ["--profile=true"] if cfg.profile else []
     # Inductor's and Triton's caches: a case's own or the one the others share
