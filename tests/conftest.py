@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-# the project is a flat layout: make its modules importable however pytest is started
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# the project is a flat layout: make its modules importable however pytest is started, and the developer tools' in
+# tools/ (plain scripts, not a package: tools/bench.py says how they import)
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 
 def pytest_configure(config):

@@ -10,8 +10,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def project_modules():
-    """{module name: path} of the top-level .py files and the packages' modules (tasks.lm, converters.lora)."""
-    modules = {p.stem: p for p in ROOT.glob("*.py")}
+    """
+    {module name: path} of the top-level .py files, the packages' modules (tasks.lm, converters.lora) and the
+    developer tools (tools/ is plain scripts, not a package: its modules import by name, as bench_train).
+    """
+    modules = {p.stem: p for p in [*ROOT.glob("*.py"), *(ROOT / "tools").glob("*.py")]}
     for package in ("tasks", "converters"):
         for path in (ROOT / package).glob("*.py"):
             modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
@@ -56,11 +59,15 @@ def test_no_module_imports_another_that_imports_it_back():
         if name not in state:
             visit(name, [name])
     assert not circle, f"import circles: {[' -> '.join(c) for c in circle]}"
-    # the layering: the library never imports the scripts a user runs
-    scripts = {"train", "sample", "eval", "serve", "export", "bench"}
-    library = set(modules) - scripts - {"prepare_data", "plan"}
+    # the layering: the library never imports the scripts a user runs, and nothing outside tools/ imports the
+    # developer tools (which may import anything)
+    tools = {name for name, path in modules.items() if path.parent.name == "tools"}
+    scripts = {"train", "sample", "eval", "serve", "export"}
+    library = set(modules) - scripts - tools - {"prepare_data", "plan"}
     against = sorted(f"{m} -> {s}" for m in library for s in graph[m] & scripts)
     assert not against, f"library modules importing scripts: {against}"
+    against = sorted(f"{m} -> {t}" for m in set(modules) - tools for t in graph[m] & tools)
+    assert not against, f"modules outside tools/ importing a tool: {against}"
 
 
 def test_project_imports_inside_functions_are_few_and_say_why():
