@@ -148,6 +148,12 @@ def data_root(shakespeare_char_dir):
     return str(shakespeare_char_dir.parent)
 
 
+@pytest.fixture
+def env(data_root):
+    """The environment for train.py subprocesses: datasets from the session's data dir."""
+    return {**os.environ, "NANOFORMER_DATA_DIR": data_root, "OMP_NUM_THREADS": "1"}
+
+
 CHAT_QUESTIONS = ["abc", "bca", "cab", "aab", "bba", "cca", "abab", "baba", "acca", "caac", "bcb", "aca"]
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_run import tiny
+from tiny_run import SHRINK, tiny
 
 import bench
 import bench_common
@@ -451,3 +451,55 @@ def test_the_gpu_call_dry_runs_on_a_cpu_beside_nanogpt(tmp_path, nanogpt_dir):
         assert "cuda_graphs=True needs a CUDA GPU" in more[name][-1], (name, more[name])
     for name in ("--plan: predicted peak MiB", "--plan: predicted ms per step"):
         assert all(re.fullmatch(number, v) for v in more[name]), (name, more[name])
+
+
+def test_bench_prints_every_measure_for_each_config(tmp_path, env):
+    """The table's rows and their formats, a column per config; the numbers are the machine's business, not a test's."""
+    train_args = " ".join([*SHRINK, "--log_interval=1", "--dataset=shakespeare_char"])
+    other = tmp_path / "relu2.py"  # a second config, outside the repository
+    other.write_text((REPO / "configs/shakespeare.py").read_text() + 'activation = "relu2"\n')
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench.py"),
+            f"--config=configs/shakespeare.py,{other}",
+            "--runs=2",
+            "--repeats=2",
+            "--samples=2",
+            "--sample_tokens=8",
+            "--target_loss=10",
+            "--budget=600",
+            f"--train_args={train_args}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    table = [line for line in lines if line.startswith("| ")]  # the header, then the rows (the rule is "|---")
+    assert lines[0].startswith("device: CPU") and table[0].split("|")[2:4] == [
+        " configs/shakespeare.py median (min-max) ",
+        f" {other} median (min-max) ",
+    ]
+    rows = {cells[1].strip(): [c.strip() for c in cells[2:-1]] for cells in (line.split("|") for line in table[1:])}
+    number = r"[\d,.]+ \([\d,.]+-[\d,.]+\)"  # median (min-max)
+    for name in ("training tokens/s (per progress line)", "seconds to val loss <= 10.0", "best val loss within 600 s"):
+        assert len(rows[name]) == 2 and all(re.fullmatch(number, value) for value in rows[name]), (name, rows[name])
+    speedup = rows[next(k for k in rows if k.startswith("sampling speedup"))]
+    assert len(speedup) == 2 and all(re.fullmatch(r"[\d.]+x \([\d.]+x-[\d.]+x\)", value) for value in speedup)
+
+
+def test_bench_refuses_a_config_that_does_not_exist(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench.py"), "--config=configs/shakespeare.py,configs/nope.py"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 2 and run.stderr.strip() == (
+        "bench.py: error: config configs/nope.py not found; pass --config=PATH[,PATH...] of train.py configs"
+    )

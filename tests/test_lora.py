@@ -423,7 +423,7 @@ def test_ddp_and_fsdp_train_the_adapters_as_one_process(data_root, base, tmp_pat
     one, two = (load_checkpoint(tmp_path / r / "ckpt.pt") for r in ("one", "two"))
     assert one["weights"].keys() == two["weights"].keys()
     # Adam divides by the gradients' running size: last-bit differences of the reductions (and of the compiled
-    # kernels) grow where that is tiny, as in test_train's FSDP comparison
+    # kernels) grow where that is tiny, as in test_distributed's FSDP comparison
     for k in one["weights"]:
         torch.testing.assert_close(two["weights"][k], one["weights"][k], rtol=1e-3, atol=3e-5)
     assert [len(o["optimizers"]["adamw"]["state"]) for o in (one, two)] == [len(one["weights"])] * 2
