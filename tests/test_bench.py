@@ -461,7 +461,7 @@ def test_bench_prints_every_measure_for_each_config(tmp_path, env):
     run = subprocess.run(
         [
             sys.executable,
-            str(REPO / "bench.py"),
+            str(BENCH),
             f"--config=configs/shakespeare.py,{other}",
             "--runs=2",
             "--repeats=2",
@@ -494,7 +494,7 @@ def test_bench_prints_every_measure_for_each_config(tmp_path, env):
 
 def test_bench_refuses_a_config_that_does_not_exist(tmp_path):
     run = subprocess.run(
-        [sys.executable, str(REPO / "bench.py"), "--config=configs/shakespeare.py,configs/nope.py"],
+        [sys.executable, str(BENCH), "--config=configs/shakespeare.py,configs/nope.py"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -16,9 +16,9 @@ import data
 import plan
 import runtime
 import train
-from compiling import trial_step
+from compiling import loss_chunk_budget, sized_loss_chunk, trial_step
 from config import ConfigError, parse_config
-from model import LOSS_CHUNK_BYTES, Block, ModelConfig, build_model, loss_chunk_budget, sized_loss_chunk
+from model import LOSS_CHUNK_BYTES, Block, ModelConfig, build_model
 from runtime import Models, Runtime
 from tasks.lm import CausalLM
 from train import TrainConfig, accumulate_gradients, cli, main, update_weights
@@ -275,7 +275,7 @@ def test_the_loss_chunk_starts_at_the_cap_or_loss_chunk_mb(monkeypatch):
 
 def test_the_loss_chunk_is_sized_from_what_a_step_leaves_and_capped():
     """
-    model.loss_chunk_budget: GPT-2 124M's logits stay one chunk on an 80 GB card (the -8% of docs/performance.md),
+    compiling.loss_chunk_budget: GPT-2 124M's logits stay one chunk on an 80 GB card (the -8% of docs/performance.md),
     at 12 and 24 x 1024 positions; an eager run's three copies of a chunk fit in what its step left; a step that
     lacked memory shrinks the chunk, never below LOSS_CHUNK_BYTES; plenty of memory never takes it past the cap.
     """
@@ -295,9 +295,9 @@ def test_the_loss_chunk_is_sized_from_what_a_step_leaves_and_capped():
 
 def test_the_trial_step_sizes_the_chunk_from_its_peak_and_leaves_no_trace(monkeypatch):
     """
-    model.sized_loss_chunk (a GPU's memory figures given here): an eager trial step in the smallest chunks, its peak and
-    AdamW's two moments (not made yet) counted, a tenth of the card kept, three copies a chunk; the trial leaves no
-    gradient and the random generator as it was.
+    compiling.sized_loss_chunk (a GPU's memory figures given here): an eager trial step in the smallest chunks, its
+    peak and AdamW's two moments (not made yet) counted, a tenth of the card kept, three copies a chunk; the trial
+    leaves no gradient and the random generator as it was.
     """
     gib = 2**30
     memory = {"mem_get_info": (20 * gib, 80 * gib), "memory_reserved": 10 * gib, "max_memory_allocated": 12 * gib}
