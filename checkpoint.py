@@ -622,7 +622,7 @@ def read_shards(tensors, path, alone):
 
 
 class IndexUnpickler(pickle.Unpickler):
-    """Unpickles a sharded checkpoint's .metadata (folder's) with INDEX_GLOBALS and torch's dtypes alone."""
+    """Unpickles an index of the sharded checkpoint folder with INDEX_GLOBALS and torch's dtypes alone."""
 
     def __init__(self, file, folder):
         super().__init__(file)
@@ -632,7 +632,7 @@ class IndexUnpickler(pickle.Unpickler):
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if (module, name) not in INDEX_GLOBALS and not dtype:
             raise ConfigError(
-                f"{self.folder} is not a readable sharded checkpoint: its .metadata names {module}.{name}, which no "
+                f"{self.folder} is not a readable sharded checkpoint: its index names {module}.{name}, which no "
                 "checkpoint's index holds, and unpickling it could run code"
             )
         return super().find_class(module, name)
@@ -640,18 +640,23 @@ class IndexUnpickler(pickle.Unpickler):
 
 def check_index(path):
     """
-    ConfigError unless the .metadata of the sharded checkpoint folder path unpickles with IndexUnpickler. Unpickling
-    runs only the calls the pickle names, so once every name is one of a checkpoint index's, PyTorch's own reading of
-    the same file can run nothing else.
+    ConfigError unless every index of the sharded checkpoint folder path unpickles with IndexUnpickler, .metadata
+    into an index. Unpickling runs only the calls the pickle names, so once every name is one of a checkpoint
+    index's, PyTorch's own reading of the same file can run nothing else. PyTorch falls back to a rank's own index
+    (__0.metadata) where .metadata does not read as one: those are checked too.
     """
-    try:
-        with open(Path(path) / ".metadata", "rb") as f:
-            IndexUnpickler(f, path).load()
-    except ConfigError:  # a name no index holds: IndexUnpickler's own line
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:  # cut short, not a pickle
-        damaged = f"its .metadata is damaged ({one_line(e)})"
-        raise ConfigError(f"{path} is not a readable sharded checkpoint: {damaged}") from None
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    for index in sorted(Path(path).glob("*.metadata")):
+        try:
+            with open(index, "rb") as f:
+                read = IndexUnpickler(f, path).load()
+        except ConfigError:  # a name no index holds: IndexUnpickler's own line
+            raise
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:  # cut short, garbage
+            read = one_line(e)
+        if not isinstance(read, Metadata):
+            raise ConfigError(f"{path} is not a readable sharded checkpoint: its {index.name} is damaged ({read})")
 
 
 def nanogpt_checkpoint(ckpt, path):

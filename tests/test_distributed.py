@@ -5,7 +5,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_run import REPO, REVERSE, TINY, ckpt_weights, tiny, torchrun_script
+from tiny_run import REPO, REVERSE, TINY, ckpt_weights, free_port, tiny, torchrun_script
 
 import log
 import train
@@ -328,12 +327,6 @@ def test_a_dataset_prepared_inside_torchrun_outlasts_dist_timeout(tmp_path, env)
     run = torchrun_script(SLOW_PREPARE, tmp_path, env, *args)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "preparing it" in run.stdout and "done at iteration 1" in run.stdout
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_rank_failing_to_prepare_the_data_stops_every_rank_at_once(tmp_path, env):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_run import REPO, REVERSE, SHRINK, TINY, ckpt_weights, cli_argv, tiny
+from tiny_run import REPO, REVERSE, SHRINK, TINY, ckpt_weights, cli_argv, free_port, tiny
 
 import checkpoint
 import tokens
@@ -464,6 +464,69 @@ def test_corrupt_checkpoints_are_short_plain_messages(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save's, in this one process
+class WritesAFile:
+    """Unpickled, it writes `path`: what a downloaded folder's .metadata could do with plain pickle."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.write_text, (self.path, "ran")
+
+
+def test_a_sharded_checkpoint_whose_index_would_run_code_is_refused_by_every_script(tmp_path, env, capsys):
+    """
+    torch.distributed.checkpoint unpickles a folder's .metadata with plain pickle: one whose pickle writes a file is
+    refused in one line by sample.py, eval.py, export.py, serve.py and train.py --init_from, and nothing is written.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    import eval as evaluation
+    import export
+    import sample
+
+    model = build_model(ModelConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    folder = tmp_path / "ckpt.pt"
+    dcp.save({"weights": model.state_dict()}, checkpoint_id=folder, no_dist=True)
+    state = {"format_version": checkpoint.PLAIN_FORMAT, "model_config": dataclasses.asdict(model.config)}
+    save_checkpoint({**state, "iter_num": 3, "meta": None, "sharded_keys": ["weights"]}, folder / "state.pt")
+    marker, index = tmp_path / "ran.txt", (folder / ".metadata").read_bytes()
+    (folder / ".metadata").write_bytes(pickle.dumps(WritesAFile(marker)))
+    pickle.loads((folder / ".metadata").read_bytes())  # the payload is live: plain pickle runs it
+    assert marker.read_text() == "ran"
+    marker.unlink()
+    refused = f"{folder} is not a readable sharded checkpoint: its index names pathlib.Path.write_text"
+    data = ["--dataset=shakespeare_char", f"--data_dir={env['NANOFORMER_DATA_DIR']}"]
+    scripts = [
+        (sample.cli, [f"--init_from={folder}", "--device=cpu", "--start=a"]),
+        (evaluation.cli, [f"--init_from={folder}", "--device=cpu"]),
+        (export.cli, [f"--out_dir={tmp_path}", "--checkpoint=ckpt.pt", f"--dest={tmp_path / 'hf'}"]),
+        (train.cli, [f"--init_from={folder}", *data, f"--out_dir={tmp_path / 'run'}", "--device=cpu"]),
+    ]
+    for script, argv in scripts:
+        capsys.readouterr()
+        assert script(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and refused in err, (script.__module__, err)
+    served = subprocess.run(
+        [sys.executable, str(REPO / "serve.py"), f"--init_from={folder}", f"--port={free_port()}", "--device=cpu"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert served.returncode == 2 and refused in served.stderr, served.stderr
+    # an index that is no index sends PyTorch to a rank's own (__0.metadata), unpickled as plainly: both are read
+    (folder / ".metadata").write_bytes(pickle.dumps({}))
+    with pytest.raises(ConfigError, match=r"its .metadata is damaged \(\{\}\)"):
+        load_checkpoint(folder)
+    (folder / ".metadata").write_bytes(index)
+    (folder / "__0.metadata").write_bytes(pickle.dumps(WritesAFile(marker)))
+    with pytest.raises(ConfigError, match="its index names pathlib.Path.write_text"):
+        load_checkpoint(folder)
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+
+
 def test_a_damaged_sharded_checkpoint_is_one_line(tmp_path):
     """A folder read whole into one process; a part missing, its index missing, or its state.pt missing: one line."""
     import torch.distributed.checkpoint as dcp

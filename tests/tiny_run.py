@@ -5,6 +5,7 @@ TensorBoard) on the session's prepared shakespeare_char (conftest's data_root); 
 line shrunk as much; the reverse dataset's options; and ways to run them and read what they saved.
 """
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,10 @@ def torchrun_script(source, tmp_path, env, *args):
         text=True,
         timeout=300,
     )
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on now (a server or a rendezvous to start there)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
