@@ -1,6 +1,6 @@
 """
-tools/bench.py: BPE throughput on the pieces and batches prepare() encodes, sampling speed's counting, the tables, the
-step harness, and the whole GPU call dry-run on the CPU beside the real nanoGPT.
+tools/bench.py: sampling speed's counting, the tables, the serve part, the step harness, and the whole GPU call
+dry-run on the CPU beside the real nanoGPT.
 """
 
 import itertools
@@ -24,7 +24,6 @@ import bench_serve
 import bench_step
 import bench_train
 import train
-from bench_bpe import bpe_throughput
 from bench_sample import sampling_speed
 from config import parse_config
 from model import ModelConfig, build_model
@@ -34,39 +33,9 @@ REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "tools" / "bench.py"
 
 
-def test_bpe_throughput_reports_a_rate_per_repeat():
-    rates = bpe_throughput("The quick brown fox.\nJumps over the lazy dog.\n" * 500, num_threads=2, repeats=3)
-    assert len(rates) == 3 and all(rate > 0 for rate in rates)
-
-
-def test_bench_bpe_prints_its_rows(tmp_path):
-    """--parts=bpe alone: encode at 1 thread and at all cores, then prepare_data.py text, each median (min-max)."""
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind\n" * 200)
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH),
-            "--parts=bpe",
-            "--repeats=2",
-            "--bpe_size_mb=0.1",
-            f"--bpe_input={corpus}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = dict(line.strip("|").split("|")[:2] for line in run.stdout.splitlines() if line.startswith("| "))
-    rows = {name.strip(): value.strip() for name, value in rows.items() if name.strip().startswith("BPE")}
-    assert len(rows) in (2, 3) and any(", 1 thread (0.1 MB of corpus.txt)" in name for name in rows)
-    assert all(re.fullmatch(r"[\d,]+ \([\d,]+-[\d,]+\)", value) for value in rows.values())
-
-
 def test_bench_refuses_an_unknown_part(tmp_path):
     run = subprocess.run(
-        [sys.executable, str(BENCH), "--parts=bpe,tokens"],
+        [sys.executable, str(BENCH), "--parts=train,tokens"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -96,20 +65,6 @@ def test_the_serve_part_streams_from_a_real_server(tmp_path, data_root, monkeypa
     assert values["1 client(s): all together / 1 client(s)"] == "1.00x (1.00x-1.00x)"
     assert re.fullmatch(r"[\d,]+ \(0\)", values["server peak memory, MiB (KV cache budget)"])  # 3 x 32 positions
     assert list(tmp_path.iterdir()) == [tmp_path / "serve"]
-
-
-def test_the_llama_part_checks_its_programs_before_anything_runs(tmp_path):
-    with pytest.raises(ValueError, match="llama_cpp='': no convert_hf_to_gguf.py there; pass a llama.cpp folder"):
-        bench.BenchConfig(parts="llama")
-    (tmp_path / "convert_hf_to_gguf.py").write_text("")
-    with pytest.raises(ValueError, match=r"llama_server=.*build/bin/llama-server: not a program; build llama.cpp's"):
-        bench.BenchConfig(parts="llama", llama_cpp=str(tmp_path))
-    server = tmp_path / "llama-server"
-    server.write_text("#!/bin/sh\n")
-    server.chmod(0o755)
-    with pytest.raises(ValueError, match="llama_python=nope: not a program; pass a Python with llama-cpp-python"):
-        bench.BenchConfig(parts="llama", llama_cpp=str(tmp_path), llama_server=str(server), llama_python="nope")
-    assert bench.BenchConfig(parts="llama", llama_cpp=str(tmp_path), llama_server=str(server)).llama_python == ""
 
 
 def test_a_given_checkpoint_gets_its_own_sampling_table(monkeypatch, capsys):

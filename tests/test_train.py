@@ -809,15 +809,14 @@ def test_a_cuda_training_step_never_waits_for_the_gpu(data_root):
 
 
 def test_the_closing_memory_line_counts_weights_gradients_and_adam_state(tmp_path, data_root, capsys):
-    """fp32 AdamW: 4 bytes a parameter each for the weights and gradients, 8 for the moments; as bench.py reads it."""
-    import bench
-
+    """fp32 AdamW: 4 bytes a parameter each for the weights and gradients, 8 for the moments."""
     main(tiny(data_root, tmp_path, n_embd=128, n_head=4, max_iters=1))
     n_params = sum(v.numel() for k, v in ckpt_weights(tmp_path / "ckpt.pt").items() if k != "lm_head.weight")
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("memory rank 0: "))
     weights = float(re.search(r"weights ([\d.]+) MiB", line)[1])
     assert weights == pytest.approx(4 * n_params / 2**20, abs=0.05)
-    state, peak = bench.memory_lines(line)[0]
+    m = re.search(r"gradients ([\d.]+) MiB, optimizer state ([\d.]+) MiB, peak ([\d.]+) MiB", line)
+    state, peak = weights + float(m[1]) + float(m[2]), float(m[3])
     assert state == pytest.approx(16 * n_params / 2**20, abs=0.2) and peak > state
 
 

@@ -1,18 +1,15 @@
 """
 Performance numbers in one table: training throughput (and MFU on a GPU), time to a target validation loss,
-the best validation loss within a time budget, sampling speed with and without the KV cache, GPT-2 BPE
-tokenization speed, and each rank's memory with DDP and with FSDP.
+the best validation loss within a time budget, sampling speed with and without the KV cache, the training step
+on a GPU beside nanoGPT's, and serve.py under concurrent streaming clients.
 
     python tools/bench.py                                  # the quick start, configs/shakespeare.py
     python tools/bench.py --config=configs/shakespeare.py,old.py --parts=train   # two configs side by side, in turns
     python tools/bench.py --config=configs/shakespeare_gpu.py --target_loss=1.47 --budget=600
     python tools/bench.py --parts=sample --out_dir=out-shakespeare
-    python tools/bench.py --parts=bpe                      # BPE tokens/s: 1 thread, all cores, prepare_data.py text
-    python tools/bench.py --parts=memory --train_args="--n_layer=8 --n_embd=512"  # per-rank memory, DDP vs FSDP
     python tools/bench.py --parts=step --cases="configs/gpt2.py;configs/gpt2.py --batch_size=24" --profile=true
     python tools/bench.py --parts=gpu --nanogpt=/path/to/nanoGPT   # every GPU measurement, beside nanoGPT's own runs
     python tools/bench.py --parts=serve                    # serve.py: 1, 8 and 16 streaming clients, two model shapes
-    python tools/bench.py --parts=llama --llama_cpp=DIR    # serve.py beside llama.cpp's servers on one export's GGUF
 
 Each training run is a real `python train.py CONFIG` process, timed from its launch, so compilation, data
 preparation and evaluation all count; each number is the median of several, with the spread, and several configs
@@ -20,8 +17,8 @@ are run in turns, a column each. The step part instead times train.py's own trai
 own for each case (docs/performance.md, "GPUs").
 
 This file is the command line: its options (BenchConfig), the --parts=gpu plan and the tables. Each part lives beside
-it in a file of its own: bench_train.py (train, memory), bench_sample.py, bench_bpe.py, bench_step.py (step, the core
-of gpu), bench_serve.py (serve, llama), and bench_common.py what they share.
+it in a file of its own: bench_train.py (train), bench_sample.py, bench_step.py (step, the core of gpu),
+bench_serve.py (serve), and bench_common.py what they share.
 """
 
 import sys
@@ -32,7 +29,6 @@ from pathlib import Path
 # project's modules (train, model, ...) import too (tests/conftest.py puts both there for the tests)
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-import os
 import re
 import shlex
 import tempfile
@@ -41,16 +37,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from bench_bpe import bench_bpe
 from bench_common import ROOT
 from bench_sample import bench_sampling, sampling_device
-from bench_serve import SERVED_SHAPES, bench_llama, bench_serving
+from bench_serve import SERVED_SHAPES, bench_serving
 from bench_step import NANOGPT_STEP, bench_steps, measure_case
-from bench_train import NANOGPT_RACE, bench_memory, training_table
+from bench_train import NANOGPT_RACE, training_table
 from config import parse_config
 from runtime import DTYPES, resolve_dtype
 
-PARTS = ("train", "sample", "bpe", "memory", "step", "gpu", "serve", "llama")
+PARTS = ("train", "sample", "step", "gpu", "serve")
 
 # --parts=gpu: every GPU measurement in one call (its length: docs/performance.md#gpus), most important first, each
 # table printed when done (plans need no GPU: train.py --plan --plan_device=H100 gives the same prediction anywhere;
@@ -88,16 +83,12 @@ class BenchConfig:
     stop_at_target: bool = False  # train: stop each run at its first evaluation at or below target_loss
     budget: float = 120.0  # best val loss among evaluations within this many seconds of the launch
     train_args: str = ""  # extra train.py overrides for every run and step case, e.g. "--device=cpu --compile=true"
-    parts: str = "train,sample"  # what to measure: train (the runs above), sample (speed of generation), bpe
+    parts: str = "train,sample"  # what to measure, comma-separated: train (the runs above), sample, step, gpu, serve
     out_dir: str = ""  # sample only: a checkpoint folder to sample from; "": the last training run's
     samples: int = 5  # sampling: continuations drawn
     sample_tokens: int = 500  # sampling: tokens per continuation
-    repeats: int = 5  # sampling and bpe: timed repeats of each way of sampling or tokenizing
+    repeats: int = 5  # sampling and serve: timed repeats of each way of sampling, or rounds of clients
     dtype: str = "auto"  # sampling: autocast as sample.py's --dtype; "auto": bfloat16 on recent GPUs, else float32
-    bpe_input: str = ""  # bpe: UTF-8 text to tokenize; "": tiny Shakespeare ($NANOFORMER_DATA_MIRROR, cache or web)
-    bpe_size_mb: float = 10.0  # bpe: the text is repeated to about this many MB
-    ranks: int = 2  # memory: torchrun processes, each run with DDP and with FSDP
-    memory_iters: int = 3  # memory: training steps per run (then one evaluation and a save)
     cases: str = ""  # step: ';'-separated cases "CONFIG [--key=value ...]", a column each, + train_args; "": --config
     steps: int = 20  # step: timed optimizer steps per case (fewer if step_seconds runs out first; at least 3)
     rounds: int = 2  # step: the cases, then nanoGPT's, in turns this many times (1, 2, nanoGPT, 1, ...); gpu: races too
@@ -117,11 +108,6 @@ class BenchConfig:
     serve_models: str = "quick,gpt2"
     serve_clients: str = "1,8,16"  # serve: how many clients stream at once, a row each
     serve_tokens: int = 60  # serve: tokens each client asks for (the quick start's context is 64)
-    # llama: serve.py beside llama.cpp on the GGUF of one export (docs/serving.md): a llama.cpp source folder (its
-    # convert_hf_to_gguf.py, run by this Python), its llama-server binary, and a Python with llama-cpp-python[server]
-    llama_cpp: str = ""
-    llama_server: str = ""  # "": llama_cpp/build/bin/llama-server
-    llama_python: str = ""  # "": no llama-cpp-python column
 
     def __post_init__(self):
         # checked before any run: a typo in parts would otherwise surface after minutes of training
@@ -131,17 +117,13 @@ class BenchConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
         resolve_dtype(self.dtype, sampling_device())  # one this machine cannot sample in (float16 on a CPU) fails now
-        if min(self.repeats, self.runs, self.memory_iters, self.steps, self.rounds, self.warmup) < 1 or self.ranks < 2:
-            raise ValueError(
-                "runs, repeats, memory_iters, steps, rounds and warmup must be at least 1, ranks at least 2"
-            )
+        if min(self.repeats, self.runs, self.steps, self.rounds, self.warmup) < 1:
+            raise ValueError("runs, repeats, steps, rounds and warmup must be at least 1")
         if not re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", self.serve_clients) or self.serve_tokens < 1:
             raise ValueError("serve_clients takes client counts, e.g. --serve_clients=1,4,16; serve_tokens at least 1")
         files = [m for m in self.serve_models.split(",") if m not in SERVED_SHAPES and not Path(m).is_file()]
         if files:
             raise ValueError(f"serve_models: {files[0]} is neither {' nor '.join(SERVED_SHAPES)} nor a checkpoint file")
-        if "llama" in self.parts.split(","):
-            self.check_llama()
         if not re.fullmatch(r"(\d+(,\d+)*)?", self.cold):
             raise ValueError(f"cold={self.cold!r}: give case numbers, e.g. --cold=1,3 (or --cold= for none)")
         missing = [c for c in self.configs if not (ROOT / c).is_file()]
@@ -150,16 +132,6 @@ class BenchConfig:
         missing = [words[0] for words in self.step_cases if not (ROOT / words[0]).is_file()]
         if self.cases and missing:
             raise ValueError(f"cases: config {missing[0]} not found; each case starts with a train.py config's path")
-
-    def check_llama(self):
-        """--parts=llama's programs exist: a wrong path would otherwise surface after the export and conversion."""
-        if not (Path(self.llama_cpp) / "convert_hf_to_gguf.py").is_file():
-            raise ValueError(f"llama_cpp={self.llama_cpp!r}: no convert_hf_to_gguf.py there; pass a llama.cpp folder")
-        self.llama_server = self.llama_server or str(Path(self.llama_cpp) / "build" / "bin" / "llama-server")
-        if not os.access(self.llama_server, os.X_OK):
-            raise ValueError(f"llama_server={self.llama_server}: not a program; build llama.cpp's llama-server")
-        if self.llama_python and not os.access(self.llama_python, os.X_OK):
-            raise ValueError(f"llama_python={self.llama_python}: not a program; pass a Python with llama-cpp-python")
 
     @property
     def configs(self):
@@ -215,7 +187,7 @@ def main(cfg):
         print_table(header, [(name, values if isinstance(values, list) else [values]) for name, values in rows])
         print(flush=True)
 
-    # runs, checkpoints, compile caches and the bpe corpus live in a temporary folder, removed at the end
+    # runs, checkpoints and compile caches live in a temporary folder, removed at the end
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         if "gpu" in parts:
@@ -231,14 +203,8 @@ def main(cfg):
             show((header, rows))
         if "sample" in parts and cfg.out_dir:  # one given checkpoint: a table of its own
             show((["measure", f"{cfg.out_dir} median (min-max)"], bench_sampling(cfg, cfg.out_dir)))
-        if "bpe" in parts:  # the tokenizer's speed does not depend on a config
-            show((["measure", "median (min-max)"], bench_bpe(cfg, work)))
-        if "memory" in parts:
-            show(bench_memory(cfg, work))
         if "serve" in parts:
             show(bench_serving(cfg, work / "serve"))
-        if "llama" in parts:
-            show(bench_llama(cfg, work / "llama"))
 
 
 def cli(argv):

@@ -1,6 +1,5 @@
 """
-tools/bench.py --parts=serve and --parts=llama: serve.py under concurrent streaming clients, alone and beside
-llama.cpp's servers on the same model's GGUF, each server a process of its own.
+tools/bench.py --parts=serve: serve.py under concurrent streaming clients, each served model in a process of its own.
 """
 
 import contextlib
@@ -20,17 +19,11 @@ import torch
 from bench_common import ROOT, summary
 from log import one_line
 from model import ModelConfig, build_model
-from runtime import pick_threads
 from tokens import GPT2_META
 
 # the models --parts=serve can make, by serve_models name, with their column titles
 SERVED_SHAPES = {"quick": "quick start (2 x 128, 64 positions)", "gpt2": "GPT-2 124M shape (12 x 768, 1,024)"}
 GPT2_END = (GPT2_META["special_tokens"]["eot"],)  # <|endoftext|>, banned where the bench's untrained models use it
-# --parts=llama's model: one llama.cpp computes as trained (GPT-2's layout with its tanh GELU and 4 x n_embd MLP, on
-# GPT-2's BPE: docs/export.md, "On to llama.cpp"), untrained: speed does not depend on the weights
-LLAMA_SHAPE = ModelConfig(
-    n_layer=6, n_head=6, n_embd=384, block_size=1024, vocab_size=50257, bias=True, activation="gelu_tanh"
-)
 
 
 # -----------------------------------------------------------------------------
@@ -141,80 +134,7 @@ def client_round(url, clients, tokens, repeat, ban=()):
 
 
 # -----------------------------------------------------------------------------
-# serve.py beside llama.cpp
-
-
-def bench_llama(cfg, work):
-    """
-    (header, rows) for serve.py, llama.cpp's llama-server and (with llama_python) llama-cpp-python's server, a
-    column each, serving one model of LLAMA_SHAPE: serve.py its checkpoint, the others the GGUF that llama.cpp's
-    converter makes of export.py's folder. Each computes with the threads serve.py takes by default (the free cores
-    less one), llama-server with a slot per client (its continuous batching). In each of cfg.repeats rounds the
-    servers take turns, each at every client count of serve_clients, each client streaming serve_tokens tokens as
-    in bench_serving. Rows: time to first token, tokens/s all together, over one client's in the same round, and
-    serve.py's over this server's in the same round.
-    """
-    work.mkdir(parents=True, exist_ok=True)
-    run = shaped_checkpoint(LLAMA_SHAPE, work, work / "run" / "ckpt.pt").parent
-    gguf = work / "model.gguf"
-    check_run([sys.executable, str(ROOT / "export.py"), f"--out_dir={run}", f"--dest={work / 'hf'}"])
-    convert = Path(cfg.llama_cpp) / "convert_hf_to_gguf.py"
-    check_run([sys.executable, str(convert), str(work / "hf"), "--outfile", str(gguf), "--outtype", "f32"])
-    threads, counts = str(pick_threads(0, 1, spare=1)[0]), [int(c) for c in cfg.serve_clients.split(",")]
-    most = str(max(counts))
-    servers = {  # each with {port} to fill in
-        "serve.py": [sys.executable, str(ROOT / "serve.py"), f"--init_from={run / 'ckpt.pt'}", "--device=cpu"]
-        + [f"--threads={threads}", f"--max_batch={most}", "--port={port}"],
-        "llama-server": [cfg.llama_server, "-m", str(gguf), "--threads", threads, "--threads-batch", threads]
-        + ["--parallel", most, "--ctx-size", str(max(counts) * LLAMA_SHAPE.block_size), "--port", "{port}"],
-    }
-    if cfg.llama_python:
-        servers["llama-cpp-python"] = [cfg.llama_python, "-m", "llama_cpp.server", "--model", str(gguf)]
-        servers["llama-cpp-python"] += ["--n_threads", threads, "--n_threads_batch", threads, "--port", "{port}"]
-        # one request at a time, as it serves them; by default a new request would cut the one running short
-        servers["llama-cpp-python"] += ["--n_ctx", str(LLAMA_SHAPE.block_size), "--interrupt_requests", "false"]
-    firsts, together, ratios, ours = ({(n, c): [] for n in servers for c in counts} for _ in range(4))
-    with contextlib.ExitStack() as stack:
-        urls = {}
-        for name, command in servers.items():
-            port, log = free_port(), work / f"{name}.log"
-            out = stack.enter_context(open(log, "w"))
-            command = [arg.format(port=port) for arg in command]
-            proc = stack.enter_context(subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
-            stack.callback(proc.terminate)
-            urls[name] = wait_for_server(f"http://127.0.0.1:{port}", proc, log, name)
-            stream_completion(urls[name], cfg.serve_tokens, 0, GPT2_END)  # untimed: the first request's one-offs
-        for repeat in range(cfg.repeats):
-            for name, url in urls.items():
-                for clients in counts:
-                    runs, rate = client_round(url, clients, cfg.serve_tokens, repeat, GPT2_END)
-                    firsts[name, clients] += [first for first, _ in runs]
-                    together[name, clients].append(rate)
-            for name in servers:  # against one client, and serve.py, in the same round
-                for clients in counts:
-                    ratios[name, clients].append(together[name, clients][-1] / together[name, counts[0]][-1])
-                    ours[name, clients].append(together["serve.py", clients][-1] / together[name, clients][-1])
-    rows = []
-    for c in counts:
-        rows += [
-            (
-                f"{c} client(s): time to first token, ms",
-                [summary([1000 * f for f in firsts[n, c]], "{:,.0f}") for n in servers],
-            ),
-            (f"{c} client(s): tokens/s all together", [summary(together[n, c], "{:,.1f}") for n in servers]),
-            (
-                f"{c} client(s): all together / {counts[0]} client(s)",
-                [summary(ratios[n, c], "{:.2f}x") for n in servers],
-            ),
-            (f"{c} client(s): serve.py's tokens/s / this one's", [summary(ours[n, c], "{:.2f}x") for n in servers]),
-        ]
-    shape = f"{LLAMA_SHAPE.n_layer} x {LLAMA_SHAPE.n_embd}, GPT-2 BPE, {threads} thread(s)"
-    title = f"{shape}, {cfg.serve_tokens} tokens a request"
-    return ["measure", *(f"{name}: {title}, median (min-max)" for name in servers)], rows
-
-
-# -----------------------------------------------------------------------------
-# servers, their clients, and the processes both start
+# the server, its clients, and the processes the part starts
 
 
 def check_run(command):
@@ -249,7 +169,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def wait_for_server(url, proc, log, name="serve.py", timeout=120):
+def wait_for_server(url, proc, log, timeout=120):
     """url once its /v1/models answers; SystemExit with the server's last line if it exits or never answers."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
@@ -258,7 +178,7 @@ def wait_for_server(url, proc, log, name="serve.py", timeout=120):
             return url
         time.sleep(0.2)
     last = (log.read_text().strip().splitlines() or ["no output"])[-1]
-    raise SystemExit(f"bench.py: error: {name} did not start: {last}")
+    raise SystemExit(f"bench.py: error: serve.py did not start: {last}")
 
 
 def stream_completion(url, max_tokens, seed, ban=()):

@@ -1,17 +1,13 @@
 """
-tools/bench.py's training parts, each a real train.py process measured from outside: --parts=train (speed, MFU, the
-time to a target val loss, the best loss within a time budget; nanoGPT's race to the same target beside) and
---parts=memory (each rank's memory under torchrun, DDP against FSDP).
+tools/bench.py --parts=train: real train.py processes measured from outside (speed, MFU, the time to a target val
+loss, the best loss within a time budget), with nanoGPT's race to the same target beside.
 """
 
 import math
 import re
 import shlex
-import subprocess
 import sys
 import time
-
-import torch
 
 from bench_common import ROOT, compile_env, launch, nanogpt_env, summary
 
@@ -128,44 +124,4 @@ def training_table(cfg, work):
     header = ["measure", *(f"{c} median (min-max)" for c in cfg.configs)]
     if cfg.nanogpt and cfg.nanogpt_race:  # nanoGPT's race to the same target, its own column
         header.append(f"nanoGPT: {cfg.nanogpt_race}")
-    return header, rows
-
-
-def memory_run(cfg, config, fsdp, out_dir):
-    """One `torchrun --nproc_per_node=ranks train.py config` of memory_iters steps, with fsdp on or off: its
-    memory_lines."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.ranks}"]
-    command += [str(ROOT / "train.py"), config, f"--out_dir={out_dir}", "--tensorboard=false", f"--fsdp={fsdp}"]
-    steps = cfg.memory_iters
-    command += [f"--max_iters={steps}", f"--eval_interval={steps}", "--eval_iters=1", f"--log_interval={steps}"]
-    run = subprocess.run(command + cfg.train_args.split(), cwd=ROOT, capture_output=True, text=True)
-    if run.returncode:
-        raise SystemExit(
-            f"bench.py: error: {' '.join(command)} failed with exit status {run.returncode}:\n{run.stderr[-2000:]}"
-        )
-    return memory_lines(run.stdout)
-
-
-def memory_lines(log):
-    """{rank: (weights + gradients + optimizer state, peak)} in MiB from train.py's closing memory lines in log."""
-    number = r"([\d.]+) MiB"
-    pattern = rf"memory rank (\d+): weights {number}, gradients {number}, optimizer state {number}, peak {number}"
-    return {int(m[1]): (float(m[2]) + float(m[3]) + float(m[4]), float(m[5])) for m in re.finditer(pattern, log)}
-
-
-def bench_memory(cfg, work):
-    """(header, rows): each rank's memory_lines with DDP and with FSDP for each config, runs times in turns."""
-    columns = [(config, fsdp) for config in cfg.configs for fsdp in (False, True)]
-    measured = {column: {} for column in columns}  # {rank: [(state, peak) of each run]}
-    for run in range(cfg.runs):
-        for i, (config, fsdp) in enumerate(columns):
-            for rank, values in memory_run(cfg, config, fsdp, work / f"memory{i}-run{run}").items():
-                measured[(config, fsdp)].setdefault(rank, []).append(values)
-    rows = []
-    for rank in range(cfg.ranks):
-        for j, what in enumerate(("weights + gradients + optimizer state MiB", "peak MiB")):
-            values = [summary([v[j] for v in measured[column].get(rank, [])], "{:,.1f}") for column in columns]
-            rows.append((f"rank {rank} {what}", values))
-    peak = "CUDA allocated" if torch.cuda.is_available() else "process resident set"
-    header = [f"measure (peak: {peak})", *(f"{c} {'FSDP' if fsdp else 'DDP'} median (min-max)" for c, fsdp in columns)]
     return header, rows
