@@ -5,8 +5,6 @@ spread over the ranks (converters/base.py: the contract; lora.py: LoRA). A conve
 start.py and checkpoint.py name none of them: they call these functions.
 """
 
-from dataclasses import fields
-
 from config import ConfigError, Plugins
 from converters.base import Converter
 
@@ -24,15 +22,7 @@ def check(cfg):
     together; a run that asks for none imports none.
     """
     name = requested(cfg)
-    if not name:
-        # a converter's own settings (lora_alpha, ...) given to a run that asks for none would be silently ignored
-        for setting in fields(cfg):
-            owner, value = setting.name.split("_")[0], getattr(cfg, setting.name)
-            if owner in CONVERTERS and value != setting.default:
-                raise ConfigError(
-                    f"{setting.name}={value!r} is a setting of converter {owner}, which this run does not ask for: "
-                    f"drop it, or ask for {owner} (LoRA: --lora_rank=8)"
-                )
+    if not name:  # its settings then go unused, as muon_lr does with AdamW (--lora_rank=0 turns a config's LoRA off)
         return
     if name not in CONVERTERS:
         raise ConfigError(f"converter={name!r} is not one of the converters ({', '.join(CONVERTERS)}): add its file")
