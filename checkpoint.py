@@ -27,6 +27,7 @@ import contextlib
 import difflib
 import math
 import os
+import pickle
 import random
 import shutil
 import warnings
@@ -53,6 +54,29 @@ PLAIN_FORMAT, OPTIMIZERS_FORMAT, CONVERTED_FORMAT = 3, 5, 6
 OLDEST_FORMAT = 3
 OLD_FORMATS_COMMIT = "c78f975ac3b32fa5adf6932ebeae1d7ad92e24fb"
 STATE_FILE = "state.pt"  # in a sharded checkpoint's folder: all but the weights and the optimizers' states
+# What a sharded checkpoint's index (.metadata, which torch.distributed.checkpoint reads with plain pickle) is made
+# of: its own dataclasses, torch.Size, dtypes and layouts by name, the folder's path. An index naming anything else is
+# refused before PyTorch reads it, so a downloaded folder cannot run code
+INDEX_GLOBALS = {
+    *(
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+}
 
 
 def rng_state(device):
@@ -410,6 +434,12 @@ def load_sharded(ckpt, model, *, optimizers, ema_model, role="weights"):
         set_model_state_dict(ema_model, average)
 
 
+def merged_checkpoint(ckpt, model):
+    """A converted run's checkpoint as a plain one: model, its plain (merged) model, under "weights"; no converter."""
+    kept = {key: ckpt[key] for key in ("train_config", "meta", "iter_num", "best_val_loss")}
+    return {"format_version": PLAIN_FORMAT, "model_config": asdict(model.config), **kept, "weights": model.state_dict()}
+
+
 def save_checkpoint(state, path):
     """
     Write state to path atomically: a temporary file beside it, flushed to disk, then renamed over path. A failed
@@ -579,6 +609,7 @@ def read_shards(tensors, path, alone):
     # checked here: PyTorch would log two tracebacks looking for it before failing
     if not (Path(path) / ".metadata").is_file():
         raise ConfigError(f"{path} is not a readable sharded checkpoint: it has no .metadata (a save cut short?)")
+    check_index(path)
     try:
         with warnings.catch_warnings():  # that it assumes a single process, which it is told
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -588,6 +619,44 @@ def read_shards(tensors, path, alone):
         raise ConfigError(f"{path} is not a readable sharded checkpoint: {type(error).__name__}: {error}") from None
     except (OSError, RuntimeError, ValueError) as e:  # no .metadata, a part cut short, tensors of other shapes
         raise ConfigError(f"{path} is not a readable sharded checkpoint: {one_line(e)}") from None
+
+
+class IndexUnpickler(pickle.Unpickler):
+    """Unpickles an index of the sharded checkpoint folder with INDEX_GLOBALS and torch's dtypes alone."""
+
+    def __init__(self, file, folder):
+        super().__init__(file)
+        self.folder = folder
+
+    def find_class(self, module, name):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) not in INDEX_GLOBALS and not dtype:
+            raise ConfigError(
+                f"{self.folder} is not a readable sharded checkpoint: its index names {module}.{name}, which no "
+                "checkpoint's index holds, and unpickling it could run code"
+            )
+        return super().find_class(module, name)
+
+
+def check_index(path):
+    """
+    ConfigError unless every index of the sharded checkpoint folder path unpickles with IndexUnpickler, .metadata
+    into an index. Unpickling runs only the calls the pickle names, so once every name is one of a checkpoint
+    index's, PyTorch's own reading of the same file can run nothing else. PyTorch falls back to a rank's own index
+    (__0.metadata) where .metadata does not read as one: those are checked too.
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    for index in sorted(Path(path).glob("*.metadata")):
+        try:
+            with open(index, "rb") as f:
+                read = IndexUnpickler(f, path).load()
+        except ConfigError:  # a name no index holds: IndexUnpickler's own line
+            raise
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:  # cut short, garbage
+            read = one_line(e)
+        if not isinstance(read, Metadata):
+            raise ConfigError(f"{path} is not a readable sharded checkpoint: its {index.name} is damaged ({read})")
 
 
 def nanogpt_checkpoint(ckpt, path):

@@ -2,9 +2,10 @@
 Continuous batching: the requests serve.py receives, decoded together, one forward pass a step for all of them.
 
     Request    a prompt to continue n times (its rows), how to sample them, and where what they produce goes
-    Scheduler  which requests run: waiting ones are admitted in order while the budget of rows and positions allows
-    Runner     the model: new requests' prompts are prefilled together into slots (rows) of the batch's cache (a
-               long one in bounded chunks), and one forward pass decodes a token for every row
+    Scheduler  which requests run: waiting ones are admitted in order while the budget of rows and positions allows,
+               and how their prompts are fed this step (Admitted: together, or a long one alone, a chunk of it)
+    Runner     the model: admitted prompts are prefilled as the scheduler says into slots (rows) of the batch's
+               cache, and one forward pass decodes a token for every row
     Engine     the worker thread: take new requests, free the rows that ended, run one step, hand out its tokens
 
 The pieces follow nano-vllm's engine/ (sequence, scheduler, model runner, engine) without its paged cache: a slot
@@ -103,12 +104,24 @@ class Request:
         return len(self.ids) + self.max_tokens
 
 
+class Admitted(NamedTuple):
+    """
+    The prefill of one step, as the scheduler decides it: the requests whose prompts are fed, either together, each
+    prompt whole in one forward pass, or (alone) one request by itself, `feed` more of its prompt ids this step.
+    """
+
+    requests: list
+    alone: bool = False
+    feed: int = 0  # alone: the prompt ids fed this step (a chunk at most); together every prompt goes in whole
+
+
 class Scheduler:
     """
     Which requests run. Requests wait in arrival order and are admitted while their rows fit the budget: at most
     max_rows rows in all, and rows x the most positions one of them fills (Request.positions) at most max_positions,
     the size of the batch's KV cache. Prompts of at most `chunk` ids together are prefilled in one step; a longer
-    prompt (or one only scored) is admitted alone, and a long one is fed a chunk a step. Then their rows run.
+    prompt (or one only scored) is admitted alone, and a long one is fed a chunk a step. Then their rows run. The
+    scheduler alone decides this: the runner feeds what admit's Admitted says.
     """
 
     def __init__(self, max_rows, max_positions, chunk=256):
@@ -129,9 +142,20 @@ class Scheduler:
         return len(request.ids) > self.chunk or request.max_tokens == 0
 
     def admit(self):
-        """The requests to prefill this step: the one whose prompt is being fed, else waiting ones that fit now."""
-        if self.prefilling:
-            return self.prefilling
+        """
+        This step's prefill (Admitted): the request whose prompt is being fed, else waiting ones that fit now; none
+        when nothing waits or fits.
+        """
+        if not self.prefilling:
+            self.fill()
+        requests = list(self.prefilling)  # a copy: prefilling empties as they start
+        if len(requests) == 1 and self.alone(requests[0]):
+            request = requests[0]
+            return Admitted(requests, alone=True, feed=min(self.chunk, len(request.ids) - request.fed))
+        return Admitted(requests)
+
+    def fill(self):
+        """Admit waiting requests in order while they fit the budget and may be prefilled together."""
         rows = sum(r.live for r in self.running)
         width = max([r.positions for r in self.running], default=0)
         ids = 0
@@ -144,7 +168,6 @@ class Scheduler:
             if rows > self.max_rows or rows * width > self.max_positions:
                 break
             self.prefilling.append(self.waiting.popleft())
-        return self.prefilling
 
     def started(self, request):
         """A prefilled request's rows decode from now on (none for a prompt only scored: then it is done)."""
@@ -280,30 +303,31 @@ class Row:
 
 class Runner:
     """
-    The model's side of the engine: prefill requests (prompts of at most `chunk` ids together in one forward pass, a
-    longer one a chunk a call), decode every row by one id, draw each row's id as its request asks, free rows.
-    rows[s] is the row in slot s of the batch's cache, whose keys and values are in `dtype` (the autocast dtype, or
-    float32 for the model's own); max_rows and max_positions bound it (default: max_rows x block_size positions).
+    The model's side of the engine: prefill requests as the scheduler admits them (Admitted), decode every row by one
+    id, draw each row's id as its request asks, free rows. rows[s] is the row in slot s of the batch's cache, whose
+    keys and values are in `dtype` (the autocast dtype, or float32 for the model's own); max_rows and max_positions
+    bound it (default: max_rows x block_size positions).
     """
 
-    def __init__(self, model, vocab_size, *, dtype=torch.float32, chunk=256, max_rows=16, max_positions=None):
-        self.model, self.vocab_size, self.chunk = model, vocab_size, chunk
+    def __init__(self, model, vocab_size, *, dtype=torch.float32, max_rows=16, max_positions=None):
+        self.model, self.vocab_size = model, vocab_size
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype if dtype == torch.float32 else dtype
         max_positions = max_positions or max_rows * model.config.block_size
         self.slots = SlotCache(model.config, dtype, self.device, max_rows, max_positions)
         self.rows = []
 
-    def prefill(self, requests):
+    def prefill(self, admitted):
         """
-        Feed the admitted requests' prompts (Scheduler.admit): one whose prompt is longer than a chunk, or only
-        scored, alone (prefill_alone); else all of them in one forward pass (prefill_together). Returns
-        {request: Produced} for the requests whose prompts are all fed: their first ids, and their scores if asked.
+        Feed the prompts of Scheduler.admit's Admitted: a request alone, admitted.feed of its ids (prefill_alone);
+        else all of them whole in one forward pass (prefill_together). Returns {request: Produced} for the requests
+        whose prompts are all fed: their first ids, and their scores if asked.
         """
-        if len(requests) == 1 and (len(requests[0].ids) > self.chunk or requests[0].max_tokens == 0):
-            produced = self.prefill_alone(requests[0])
-            return {} if produced is None else {requests[0]: produced}
-        return self.prefill_together(requests)
+        if admitted.alone:
+            (request,) = admitted.requests
+            produced = self.prefill_alone(request, admitted.feed)
+            return {} if produced is None else {request: produced}
+        return self.prefill_together(admitted.requests)
 
     def prefill_together(self, requests):
         """
@@ -335,15 +359,15 @@ class Runner:
                 produced[request].prompt = self.scores(logits, request.ids[1:], request.logprobs or 0)
         return produced
 
-    def prefill_alone(self, request):
+    def prefill_alone(self, request, feed):
         """
-        Feed the next chunk of request's prompt into a KV cache of its own. At its end: its scores if asked, and with
-        max_tokens > 0 its rows' slots and first ids. Returns the Produced to deliver then, else None.
+        Feed the next `feed` ids of request's prompt into a KV cache of its own. At its end: its scores if asked, and
+        with max_tokens > 0 its rows' slots and first ids. Returns the Produced to deliver then, else None.
         """
         if request.cache is None:
             request.cache = self.model.new_cache()
         start, ids = request.fed, request.ids
-        chunk = ids[start : start + self.chunk]
+        chunk = ids[start : start + feed]
         x, _ = self.model.body(torch.tensor([chunk], device=self.device), cache=request.cache)  # (1, T, C)
         if request.prompt_logprobs:  # each position predicts the next prompt id: all but the prompt's last
             targets = ids[start + 1 : start + len(chunk) + 1]
@@ -514,13 +538,13 @@ class Engine:
         self.finish([r for r in scheduler.requests() if r.cancelled and not r.live])
         # prefill first, its first ids handed out at once: a new request waits for the step under way, not for the
         # running rows' decoding as well
-        requests = list(scheduler.admit())  # a copy: admit's list empties as they start
-        if requests:
-            self.prefill(requests)
+        admitted = scheduler.admit()
+        if admitted.requests:
+            self.prefill(admitted)
         # a burst of requests arrived while this one was prefilled: they are prefilled before the running rows' next
         # id, never twice in a row (running rows wait one prefill chunk at most)
         burst = not self.incoming.empty() or scheduler.waiting
-        if requests and burst and self.decoded and 0 < len(runner.rows) < scheduler.max_rows:
+        if admitted.requests and burst and self.decoded and 0 < len(runner.rows) < scheduler.max_rows:
             self.decoded = False
         elif runner.rows:
             try:
@@ -529,13 +553,13 @@ class Engine:
                 self.fail(scheduler.running, err)
             self.decoded = True
 
-    def prefill(self, requests):
-        """Prefill admitted requests; those whose prompts are all fed get their first ids."""
+    def prefill(self, admitted):
+        """Prefill the admitted requests (Admitted); those whose prompts are all fed get their first ids."""
         prefilled = {}
         try:
-            prefilled = self.runner.prefill(requests)
+            prefilled = self.runner.prefill(admitted)
         except Exception as err:  # these requests fail; the others go on
-            self.fail(list(requests), err)
+            self.fail(admitted.requests, err)
         for request in prefilled:
             self.scheduler.started(request)
         self.deliver(prefilled)

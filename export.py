@@ -225,6 +225,13 @@ def tokenizer_files(meta, block_size):
         files, settings = huggingface_tokenizer_files(meta, block_size)
     elif spec.get("type") == "char":
         files, settings = char_tokenizer_files(meta, block_size)
+        note = (
+            f"a character the vocabulary lacks reads as {char_unk(spec['chars'])!r} in transformers, lm-eval and vLLM "
+            "(sample.py and serve.py refuse the text instead); llama.cpp's converter takes BPE and SentencePiece "
+            "vocabularies only, not a character one: for a GGUF, train on GPT-2's BPE (dataset=shakespeare)"
+        )
+        files["tokenizer_config.json"] = json.dumps({**settings, **chat_settings(meta)}, indent=2)
+        return files, note
     else:  # another tiktoken encoding: prepare_data.py writes none, but a checkpoint's meta may name one
         note = (
             f"no Hugging Face tokenizer written; the vocabulary {spec} is in config.json under {EXPORT_KEY}.meta, "
@@ -238,13 +245,14 @@ def tokenizer_files(meta, block_size):
 def chat_settings(meta):
     """
     tokenizer_config.json's chat template of a chat model's meta ({} for another): the built-in template as Jinja
-    (chat.BUILTIN_JINJA), a Hugging Face one as it is, with the special token strings it reads (bos_token...).
+    (chat.BUILTIN_JINJA), its end of turn as eos_token, where transformers' generate and the engines stop a reply; a
+    Hugging Face one as it is, with the special token strings it reads (bos_token, eos_token...).
     """
     chat = meta.get("chat")
     if chat is None:
         return {}
     if chat["template"] == "builtin":
-        return {"chat_template": BUILTIN_JINJA}
+        return {"chat_template": BUILTIN_JINJA, "eos_token": "<end_of_turn>"}
     return {**chat.get("tokens", {}), "chat_template": chat["template"]}
 
 

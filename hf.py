@@ -15,6 +15,8 @@ none but config.json and the weights.
 
 import json
 import math
+import os
+import socket
 from dataclasses import fields
 from pathlib import Path
 
@@ -25,14 +27,34 @@ from model import GPT, ROPE_SCALING_KEYS, ModelConfig
 
 # config.json's entry of what export.py keeps of a checkpoint (its model settings and the meta of its data)
 EXPORT_KEY = "nanoformer"
+# the hub's address, and how long a connection to it may take before the hub counts as unreachable
+HUB, HUB_SECONDS = ("huggingface.co", 443), 3.0
 
 # -----------------------------------------------------------------------------
 # A Hugging Face folder: from the hub, its weights
 
 
+def hub_unreachable():
+    """
+    Why the Hugging Face hub cannot be reached from here, in a few words, or "" when it can: HF_HUB_OFFLINE set, or
+    no connection to it within HUB_SECONDS. Asked first, so that a machine without the network is told at once where
+    huggingface_hub would retry for most of a minute, logging each try.
+    """
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    try:
+        socket.create_connection(HUB, timeout=HUB_SECONDS).close()
+    except OSError as e:
+        return f"no connection to {HUB[0]}: {e.strerror or type(e).__name__}"
+    return ""
+
+
 def download_from_hub(name):
     """Download config.json and the safetensors weights of a hub id; FileNotFoundError saying what to pass offline."""
+    unreachable = hub_unreachable()
     try:
+        if unreachable:
+            raise ConnectionError(unreachable)
         from huggingface_hub import snapshot_download
 
         # the safetensors weights: one file, or an index and its shards
@@ -41,7 +63,7 @@ def download_from_hub(name):
     except Exception as e:
         raise FileNotFoundError(
             f"could not load {name!r}: it is not a local directory and the Hugging Face hub is unreachable "
-            f"({type(e).__name__}). Pass a directory holding config.json and model.safetensors "
+            f"({unreachable or type(e).__name__}). Pass a directory holding config.json and model.safetensors "
             f"(e.g. one saved by transformers' save_pretrained)"
         ) from None
 

@@ -58,8 +58,9 @@ from recipes.chat import chat_meta
 from start import task_of
 from tasks import Task
 
-# the MFU a plan times GPU steps at, measured with bench.py --parts=gpu (docs/performance.md#gpus): configs/gpt2.py's
-# model at 12 x 1024 x 4 micro-batches a step, bf16, compiled, fused AdamW. A GPU not measured yet gets the H100's
+# the MFU a plan times GPU steps at, measured with tools/bench.py --parts=gpu (docs/performance.md#gpus) on
+# configs/gpt2.py's model at 12 x 1024 x 4 micro-batches a step, bf16, compiled, fused AdamW; a GPU not measured yet
+# gets the H100's
 MEASURED_MFU = {"H100": 0.40}
 # on a CPU: the model FLOP/s of training over the float32 matmul rate measured when planning (cpu_matmul_flops), the
 # quick start's on 2 cores, the calibration of README.md's "Plan a run" table

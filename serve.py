@@ -635,7 +635,6 @@ class API:
             served.model,
             served.tokenizer.vocab_size,
             dtype=served.dtype,
-            chunk=prefill_chunk,
             max_rows=max_batch,
             max_positions=max_positions,
         )

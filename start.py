@@ -32,8 +32,12 @@ from checkpoint import (
     kept_weights,
     load_checkpoint,
     load_sharded,
+    merged_checkpoint,
+    move_into_place,
     nanogpt_meta,
+    remove,
     run_checkpoint,
+    save_checkpoint,
     set_rng_state,
 )
 from config import ConfigError, read_config_file
@@ -500,27 +504,57 @@ def base_record(init_from, base):
 
 def keep_base(converter, out_dir):
     """
-    A partial converter's run keeps its base in its own folder (out_dir/base.pt, or out_dir/base/ for a folder),
-    so that the base run going on, or writing a better best.pt, never strands the adapters: each file hard-linked
-    (no space taken; the base run's atomic rewrites make new files and leave these alone), else copied.
+    A partial converter's run keeps its base in its own folder (out_dir/base.pt, or out_dir/base/ for a folder), so
+    that the base run going on, a better best.pt, or the original rewritten in place never strands the adapters.
+    Each file is a clone (clone_file), never a hard link: a link shares the file, and torch.save, cp and safetensors
+    rewrite a file in place. A base that is itself a converted run's checkpoint (LoRA on a LoRA run) is kept merged,
+    as plain weights: its own base.pt lives in its own folder, and a chain of runs then never looks for it in this one.
+    Written beside the destination and renamed into place, so a kill leaves no half-kept base.
     """
     if converter is None or not converter.partial:
         return
     base = converter.record["base"]
-    source = Path(base["init_from"]).expanduser()
+    source, dest = Path(base["init_from"]).expanduser(), out_dir / base["kept"]
+    stage = dest.with_name(f".{dest.name}.partial")
+    remove(stage)
+    if base["source"] == "checkpoint" and source.is_file():
+        ckpt = load_checkpoint(source, mmap=True)
+        if "converter" in ckpt:
+            save_checkpoint(merged_checkpoint(ckpt, model_from_checkpoint(ckpt, source.parent)), dest)
+            return
     if base["source"] == "pretrained" and not source.is_dir():  # a hub id: the files of its local snapshot
         # the Hugging Face wing, loaded only to keep a hub id's weights
         import hf
 
         source = hf.download_from_hub(base["init_from"])
-    files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
-    for path in files:
-        dest = out_dir / base["kept"] if source.is_file() else out_dir / base["kept"] / path.relative_to(source)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        try:  # the file itself, not a hub snapshot's symbolic link to it
-            os.link(path.resolve(), dest)
-        except OSError:
-            shutil.copy2(path.resolve(), dest)
+    if source.is_file():
+        clone_file(source, stage)
+    else:
+        stage.mkdir(parents=True)
+        for path in sorted(p for p in source.rglob("*") if p.is_file()):
+            (stage / path.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+            clone_file(path, stage / path.relative_to(source))
+    move_into_place(stage, dest)
+
+
+def clone_file(source, dest):
+    """
+    dest, a copy of file source (a hub snapshot's link: the file it names) that no rewrite of source changes:
+    os.copy_file_range lets the kernel share the blocks copy-on-write where the file system can (btrfs, XFS), which
+    takes no space, and copy them where it cannot; a plain copy where the call is missing or refused.
+    """
+    source = Path(source).resolve()
+    try:
+        with open(source, "rb") as src, open(dest, "wb") as dst:
+            left = os.fstat(src.fileno()).st_size
+            while left > 0:
+                copied = os.copy_file_range(src.fileno(), dst.fileno(), left)
+                if copied == 0:  # the file shrank while being read: what is there is copied
+                    break
+                left -= copied
+        shutil.copystat(source, dest)
+    except (AttributeError, OSError):  # no copy_file_range (not Linux), or one across file systems on an old kernel
+        shutil.copy2(source, dest)
 
 
 def fingerprint(model):

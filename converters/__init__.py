@@ -22,7 +22,7 @@ def check(cfg):
     together; a run that asks for none imports none.
     """
     name = requested(cfg)
-    if not name:
+    if not name:  # its settings then go unused, as muon_lr does with AdamW (--lora_rank=0 turns a config's LoRA off)
         return
     if name not in CONVERTERS:
         raise ConfigError(f"converter={name!r} is not one of the converters ({', '.join(CONVERTERS)}): add its file")

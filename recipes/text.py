@@ -286,13 +286,6 @@ def encode_items(items, tokenizer, eot, num_threads, bar):
         bar.update(sum(map(len, texts)))
 
 
-def bpe_batches(text):
-    """`text` cut into the pieces, in the batches, that prepare() BPE-encodes in parallel (bench.py times these)."""
-    # blocks as if read from a file, so the pieces match those of a real prepare() run
-    blocks = (text[i : i + BLOCK_BYTES] for i in range(0, len(text), BLOCK_BYTES))
-    return list(batched(text_pieces(blocks), BATCH_PIECES))
-
-
 RECIPES = {
     "text": Recipe(
         "your own text: a file, directory or glob (--input), char-level, GPT-2 BPE, a tokenizer.json or a BPE "

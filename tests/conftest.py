@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-# the project is a flat layout: make its modules importable however pytest is started
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# the project is a flat layout: make its modules importable however pytest is started, and the developer tools' in
+# tools/ (plain scripts, not a package: tools/bench.py says how they import)
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 
 def pytest_configure(config):
@@ -144,6 +146,12 @@ def llama_dir(shakespeare_path, tmp_path_factory) -> Path:
 def data_root(shakespeare_char_dir):
     """The folder holding the prepared shakespeare_char, as train.py's data_dir takes it."""
     return str(shakespeare_char_dir.parent)
+
+
+@pytest.fixture
+def env(data_root):
+    """The environment for train.py subprocesses: datasets from the session's data dir."""
+    return {**os.environ, "NANOFORMER_DATA_DIR": data_root, "OMP_NUM_THREADS": "1"}
 
 
 CHAT_QUESTIONS = ["abc", "bca", "cab", "aab", "bba", "cca", "abab", "baba", "acca", "caac", "bcb", "aca"]

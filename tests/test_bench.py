@@ -1,6 +1,6 @@
 """
-bench.py: BPE throughput on the pieces and batches prepare() encodes, sampling speed's counting, the tables, the step
-harness, and the whole GPU call dry-run on the CPU beside the real nanoGPT.
+tools/bench.py: sampling speed's counting, the tables, the serve part, the step harness, and the whole GPU call
+dry-run on the CPU beside the real nanoGPT.
 """
 
 import itertools
@@ -15,51 +15,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_run import tiny
+from tiny_run import SHRINK, tiny
 
 import bench
+import bench_common
+import bench_sample
+import bench_serve
+import bench_step
+import bench_train
 import train
-from bench import bpe_throughput, sampling_speed
+from bench_sample import sampling_speed
 from config import parse_config
 from model import ModelConfig, build_model
 from train import TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def test_bpe_throughput_reports_a_rate_per_repeat():
-    rates = bpe_throughput("The quick brown fox.\nJumps over the lazy dog.\n" * 500, num_threads=2, repeats=3)
-    assert len(rates) == 3 and all(rate > 0 for rate in rates)
-
-
-def test_bench_bpe_prints_its_rows(tmp_path):
-    """--parts=bpe alone: encode at 1 thread and at all cores, then prepare_data.py text, each median (min-max)."""
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind\n" * 200)
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench.py"),
-            "--parts=bpe",
-            "--repeats=2",
-            "--bpe_size_mb=0.1",
-            f"--bpe_input={corpus}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = dict(line.strip("|").split("|")[:2] for line in run.stdout.splitlines() if line.startswith("| "))
-    rows = {name.strip(): value.strip() for name, value in rows.items() if name.strip().startswith("BPE")}
-    assert len(rows) in (2, 3) and any(", 1 thread (0.1 MB of corpus.txt)" in name for name in rows)
-    assert all(re.fullmatch(r"[\d,]+ \([\d,]+-[\d,]+\)", value) for value in rows.values())
+BENCH = REPO / "tools" / "bench.py"
 
 
 def test_bench_refuses_an_unknown_part(tmp_path):
     run = subprocess.run(
-        [sys.executable, str(REPO / "bench.py"), "--parts=bpe,tokens"],
+        [sys.executable, str(BENCH), "--parts=train,tokens"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -81,7 +57,7 @@ def test_the_serve_part_streams_from_a_real_server(tmp_path, data_root, monkeypa
     monkeypatch.chdir(tmp_path)  # the part's serve.py runs from the project; nothing may be written here
     train.main(tiny(data_root, tmp_path / "serve" / "quick-start", max_iters=2))
     cfg = bench.BenchConfig(parts="serve", serve_models="quick", serve_clients="1,3", serve_tokens=4, repeats=2)
-    header, rows = bench.bench_serving(cfg, tmp_path / "serve")
+    header, rows = bench_serve.bench_serving(cfg, tmp_path / "serve")
     values = {label: value[0] for label, value in rows}
     assert header[1].startswith("quick start") and len(rows) == 9
     number = r"[\d,.]+x? \([\d,.]+x?-[\d,.]+x?\)"
@@ -91,23 +67,11 @@ def test_the_serve_part_streams_from_a_real_server(tmp_path, data_root, monkeypa
     assert list(tmp_path.iterdir()) == [tmp_path / "serve"]
 
 
-def test_the_llama_part_checks_its_programs_before_anything_runs(tmp_path):
-    with pytest.raises(ValueError, match="llama_cpp='': no convert_hf_to_gguf.py there; pass a llama.cpp folder"):
-        bench.BenchConfig(parts="llama")
-    (tmp_path / "convert_hf_to_gguf.py").write_text("")
-    with pytest.raises(ValueError, match=r"llama_server=.*build/bin/llama-server: not a program; build llama.cpp's"):
-        bench.BenchConfig(parts="llama", llama_cpp=str(tmp_path))
-    server = tmp_path / "llama-server"
-    server.write_text("#!/bin/sh\n")
-    server.chmod(0o755)
-    with pytest.raises(ValueError, match="llama_python=nope: not a program; pass a Python with llama-cpp-python"):
-        bench.BenchConfig(parts="llama", llama_cpp=str(tmp_path), llama_server=str(server), llama_python="nope")
-    assert bench.BenchConfig(parts="llama", llama_cpp=str(tmp_path), llama_server=str(server)).llama_python == ""
-
-
 def test_a_given_checkpoint_gets_its_own_sampling_table(monkeypatch, capsys):
     """--out_dir with several configs: the sampling rows are that checkpoint's, never under a config's column."""
-    monkeypatch.setattr(bench, "bench_training", lambda cfg, work: [("training tokens/s", ["100 (1-2)", "200 (1-2)"])])
+    monkeypatch.setattr(
+        bench_train, "bench_training", lambda cfg, work: [("training tokens/s", ["100 (1-2)", "200 (1-2)"])]
+    )
     monkeypatch.setattr(bench, "bench_sampling", lambda cfg, folder: [(f"sampling from {folder}", "999 (9-9)")])
     cfg = bench.BenchConfig(config="configs/shakespeare.py,configs/gpt2.py", parts="train,sample", out_dir="ckpts")
     bench.main(cfg)
@@ -124,13 +88,13 @@ def test_a_given_checkpoint_gets_its_own_sampling_table(monkeypatch, capsys):
 def test_sampling_speed_generates_what_it_counts(monkeypatch):
     # a GPT of the sampling tests' size: the speed is counted the same whatever its weights
     model = build_model(ModelConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32)).eval()
-    calls, generate = [], bench.generate
+    calls, generate = [], bench_sample.generate
 
     def spy(model, idx, max_new_tokens, **options):
         calls.append((idx.size(0), max_new_tokens, options["use_cache"]))
         return generate(model, idx, max_new_tokens, **options)
 
-    monkeypatch.setattr(bench, "generate", spy)
+    monkeypatch.setattr(bench_sample, "generate", spy)
     for use_cache, batched in itertools.product((True, False), repeat=2):
         calls.clear()
         rates = sampling_speed(
@@ -155,19 +119,20 @@ def test_sampling_runs_under_sample_py_s_precision(monkeypatch, dtype, autocast_
     (on a CPU "auto" is float32: no autocast), so the speed measured is the speed sample.py gets.
     """
     model = build_model(ModelConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32))
-    monkeypatch.setattr(bench, "sampling_device", lambda: torch.device("cpu"))  # the autocast checked is the CPU's
-    monkeypatch.setattr(bench, "load_checkpoint", lambda path: None)
-    monkeypatch.setattr(bench, "model_from_checkpoint", lambda ckpt: model)
-    states, generate = set(), bench.generate
+    # the autocast checked is the CPU's
+    monkeypatch.setattr(bench_sample, "sampling_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(bench_sample, "load_checkpoint", lambda path: None)
+    monkeypatch.setattr(bench_sample, "model_from_checkpoint", lambda ckpt: model)
+    states, generate = set(), bench_sample.generate
 
     def spy(model, idx, max_new_tokens, **options):
         autocast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
         states.add((torch.is_grad_enabled(), autocast))
         return generate(model, idx, max_new_tokens, **options)
 
-    monkeypatch.setattr(bench, "generate", spy)
+    monkeypatch.setattr(bench_sample, "generate", spy)
     cfg = bench.BenchConfig(parts="sample", samples=2, sample_tokens=3, repeats=1, dtype=dtype)
-    rows = bench.bench_sampling(cfg, "unused")
+    rows = bench_sample.bench_sampling(cfg, "unused")
     assert len(rows) == 3 and states == {(False, autocast_dtype)}
 
 
@@ -181,10 +146,10 @@ def test_bench_refuses_a_dtype_it_cannot_sample_in(monkeypatch):
 
 def test_summary_counts_runs_that_never_got_there_apart():
     inf = float("inf")
-    assert bench.summary([3.0, 1.0, 2.0], "{:.1f}") == "2.0 (1.0-3.0)"
-    assert bench.summary([inf, 4.0, 2.0], "{:.1f}") == "3.0 (2.0-4.0); never in 1 of 3 run(s)"
-    assert bench.summary([inf, inf], "{:.1f}") == "never in 2 of 2 run(s)"
-    assert bench.summary([], "{:.1f}") == "n/a"
+    assert bench_common.summary([3.0, 1.0, 2.0], "{:.1f}") == "2.0 (1.0-3.0)"
+    assert bench_common.summary([inf, 4.0, 2.0], "{:.1f}") == "3.0 (2.0-4.0); never in 1 of 3 run(s)"
+    assert bench_common.summary([inf, inf], "{:.1f}") == "never in 2 of 2 run(s)"
+    assert bench_common.summary([], "{:.1f}") == "n/a"
 
 
 def test_the_step_harness_times_each_case_in_a_process_of_its_own(tmp_path, data_root):
@@ -197,7 +162,7 @@ def test_the_step_harness_times_each_case_in_a_process_of_its_own(tmp_path, data
         f"configs/shakespeare.py --data_dir={data_root} --n_layer=1 --n_embd=32 --n_head=2 --block_size=32 --threads=1"
     )
     cases = f"{tiny};{tiny} --loss_chunk_mb=0.0005"  # 524 bytes: 2 positions of 65 float32 logits a chunk
-    command = [sys.executable, str(REPO / "bench.py"), "--parts=step", f"--cases={cases}", "--steps=3", "--warmup=1"]
+    command = [sys.executable, str(BENCH), "--parts=step", f"--cases={cases}", "--steps=3", "--warmup=1"]
     command.append("--rounds=1")  # the rounds' order has a test of its own
     run = subprocess.run([*command, "--profile=true"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -235,19 +200,21 @@ def test_nanogpt_s_own_lines_are_read_and_its_race_stopped_at_the_target(tmp_pat
     folder.mkdir()
     (folder / "train.py").write_text(FAKE_NANOGPT)
     cfg = bench.BenchConfig(nanogpt=str(folder), nanogpt_step="config.py", warmup=3, steps=20, target_loss=1.47)
-    result = bench.nanogpt_step(cfg, tmp_path)
+    result = bench_step.nanogpt_step(cfg, tmp_path)
     # the iterations after the 3 of warm-up; tokens per step as nanoGPT counts them
     assert result["ms"] == [103.0, 104.0, 105.0, 106.0, 107.0] and result["tokens"] == 1024 and result["launch"] > 0
-    rows = dict(bench.step_rows([bench.merged([result])], []))
+    rows = dict(bench_step.step_rows([bench_step.merged([result])], []))
     assert rows["tokens/s"] == ["9,752 (9,570-9,942)"]  # 1,024 tokens in 105 ms (107-103)
     race = replace(cfg, nanogpt_race="config.py --race")
     with ThreadPoolExecutor(1) as pool:
-        seconds, iteration, loss = pool.submit(bench.nanogpt_race, race, tmp_path).result(timeout=120)
+        seconds, iteration, loss = pool.submit(bench_train.nanogpt_race, race, tmp_path).result(timeout=120)
     assert (iteration, loss) == (250, 1.46) and 0 < seconds < 120
     # a run that ends without reaching the target: its exit status, and the column says so
-    assert bench.nanogpt_race(replace(cfg, nanogpt_race="config.py"), tmp_path) == 0
+    assert bench_train.nanogpt_race(replace(cfg, nanogpt_race="config.py"), tmp_path) == 0
     races = [(seconds, iteration, loss), 0]
-    rows = dict(bench.nanogpt_column([("seconds to val loss <= 1.47", []), ("val loss at the stop", [])], races, cfg))
+    rows = dict(
+        bench_train.nanogpt_column([("seconds to val loss <= 1.47", []), ("val loss at the stop", [])], races, cfg)
+    )
     assert rows == {
         "seconds to val loss <= 1.47": [
             f"{seconds:.1f} ({seconds:.1f}-{seconds:.1f}); never in 1 of 2 run(s) (at iteration 250) (ended first, "
@@ -271,7 +238,7 @@ def test_kernels_are_sorted_by_kind_as_an_h100_s_profile_names_them():
         "aten::addmm": "matmul",
         "cpp_fused_add_native_layer_norm_0": "fused by Inductor",
     }
-    assert {name: bench.kernel_kind(name) for name in kinds} == kinds
+    assert {name: bench_step.kernel_kind(name) for name in kinds} == kinds
 
 
 def test_the_step_cases_and_nanogpt_s_run_in_turns_each_round_from_empty_caches(tmp_path, monkeypatch):
@@ -299,11 +266,11 @@ def test_the_step_cases_and_nanogpt_s_run_in_turns_each_round_from_empty_caches(
         order.append(("nanoGPT", work))
         return {"ms": [20.0 + len(order)], "tokens": 1000, "launch": 50.0, "cold": True}
 
-    monkeypatch.setattr(bench, "step_run", step_run)
-    monkeypatch.setattr(bench, "nanogpt_step", nanogpt_step)
+    monkeypatch.setattr(bench_step, "step_run", step_run)
+    monkeypatch.setattr(bench_step, "nanogpt_step", nanogpt_step)
     cases = "configs/shakespeare.py;configs/shakespeare.py --n_layer=2"
     cfg = bench.BenchConfig(cases=cases, rounds=2, nanogpt=str(tmp_path), nanogpt_step="config.py")
-    header, rows = bench.bench_steps(cfg, tmp_path)
+    header, rows = bench_step.bench_steps(cfg, tmp_path)
     assert [(who, work.name) for who, work in order] == [
         ("case 1", "round1"),
         ("case 2", "round1"),
@@ -335,12 +302,12 @@ def test_each_side_waits_for_the_device_once_a_step_and_counts_the_wait(monkeypa
         time.sleep(0.03)  # the device finishing the step's kernels
 
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
-    clock, step_ms = bench.DeviceClock(torch.device("cuda")), []
+    clock, step_ms = bench_step.DeviceClock(torch.device("cuda")), []
     for _ in range(2):
         with clock.step(step_ms):
             time.sleep(0.01)  # the host launching the step's kernels
     assert len(waits) == 2 and all(ms >= 40 for ms in step_ms)
-    assert "--log_interval=1" in bench.NANOGPT_STEP.split()
+    assert "--log_interval=1" in bench_step.NANOGPT_STEP.split()
 
 
 def test_both_races_compile_cold_in_turns_and_evaluate_alike(tmp_path, monkeypatch):
@@ -349,24 +316,24 @@ def test_both_races_compile_cold_in_turns_and_evaluate_alike(tmp_path, monkeypat
     warm one), nanoGPT's prints reach the pipe as it makes them (unbuffered), and nanoGPT evaluates as
     configs/shakespeare_gpu.py does: as many batches, so both sides' evaluations cost alike.
     """
-    launched, real_launch = [], bench.launch
+    launched, real_launch = [], bench_train.launch
     lines = "eval 250: train loss 1.4000, val loss 1.4600\nstep 250: train loss 1.4000, val loss 1.4600"
 
-    def launch(command, cwd=bench.ROOT, env=None):
+    def launch(command, cwd=bench_common.ROOT, env=None):
         cache = Path(env["TORCHINDUCTOR_CACHE_DIR"])
-        launched.append(("nanoGPT" if cwd != bench.ROOT else "ours", command, env, cache.exists()))
+        launched.append(("nanoGPT" if cwd != bench_common.ROOT else "ours", command, env, cache.exists()))
         return real_launch([sys.executable, "-c", f"print({lines!r})"], cwd, env)
 
-    monkeypatch.setattr(bench, "launch", launch)
+    monkeypatch.setattr(bench_train, "launch", launch)
     config = "configs/shakespeare_gpu.py"
     cfg = bench.BenchConfig(config=config, runs=2, target_loss=1.47, stop_at_target=True, nanogpt=str(tmp_path))
-    rows = dict(bench.bench_training(cfg, tmp_path))
+    rows = dict(bench_train.bench_training(cfg, tmp_path))
     assert [who for who, *_ in launched] == ["ours", "nanoGPT"] * 2
     caches = [env["TORCHINDUCTOR_CACHE_DIR"] for _, _, env, _ in launched]
     assert len(set(caches)) == 4 and not any(existed for *_, existed in launched)
     assert all(env["PYTHONUNBUFFERED"] == "1" for who, _, env, _ in launched if who == "nanoGPT")
     ours = parse_config(TrainConfig, [config])
-    assert f"--eval_iters={ours.eval_iters}" in shlex.split(bench.NANOGPT_RACE)
+    assert f"--eval_iters={ours.eval_iters}" in shlex.split(bench_train.NANOGPT_RACE)
     assert f"--eval_iters={ours.eval_iters}" in launched[1][1]
     assert len(rows["seconds to val loss <= 1.47"]) == 2
 
@@ -387,8 +354,8 @@ def markdown_tables(output):
 
 def test_the_gpu_call_dry_runs_on_a_cpu_beside_nanogpt(tmp_path, nanogpt_dir):
     """
-    bench.py --parts=gpu as a GPU machine runs it, beside the real nanoGPT, on the CPU at tiny shapes, so that a
-    lent GPU's first minutes never go to a broken harness: every stage runs and prints its table. Stage 1 measures
+    tools/bench.py --parts=gpu as a GPU machine runs it, beside the real nanoGPT, on the CPU at tiny shapes, so that
+    a lent GPU's first minutes never go to a broken harness: every stage runs and prints its table. Stage 1 measures
     GPT-2's case (the first of GPU_CASES) beside nanoGPT's step; stage 2 races configs/shakespeare_gpu.py and
     nanoGPT's recipe to a tiny target; stage 3 every case of GPU_MORE_CASES, the CUDA-graphs one refused for its
     device alone. With --plan=true both step stages plan each case beside its measured peak.
@@ -402,9 +369,9 @@ def test_the_gpu_call_dry_runs_on_a_cpu_beside_nanogpt(tmp_path, nanogpt_dir):
     tiny = "--n_layer=1 --n_head=2 --n_embd=32 --block_size=32 --batch_size=4 --gradient_accumulation_steps=1"
     tiny += " --dropout=0.0 --learning_rate=1e-2 --warmup_iters=0 --eval_interval=10 --eval_iters=2 --max_iters=200"
     train_args = f"--device=cpu --data_dir={data} {tiny}"
-    nanogpt_step = f"{bench.NANOGPT_STEP} --device=cpu --compile=False --dtype=float32 {tiny}"
-    nanogpt_race = f"{bench.NANOGPT_RACE} --device=cpu --compile=False --dtype=float32 {tiny}"
-    command = [sys.executable, str(REPO / "bench.py"), "--parts=gpu", f"--nanogpt={nanogpt_dir}", "--plan=true"]
+    nanogpt_step = f"{bench_step.NANOGPT_STEP} --device=cpu --compile=False --dtype=float32 {tiny}"
+    nanogpt_race = f"{bench_train.NANOGPT_RACE} --device=cpu --compile=False --dtype=float32 {tiny}"
+    command = [sys.executable, str(BENCH), "--parts=gpu", f"--nanogpt={nanogpt_dir}", "--plan=true"]
     command += [f"--cases={bench.GPT2}", "--steps=2", "--warmup=1", "--rounds=1", "--race_target=3.5"]
     command += [f"--train_args={train_args}", f"--nanogpt_step={nanogpt_step}", f"--nanogpt_race={nanogpt_race}"]
     # about 45 s of CPU time, but 200 s on 2 cores that other suites kept busy: each case, then the whole call bounded
@@ -439,3 +406,55 @@ def test_the_gpu_call_dry_runs_on_a_cpu_beside_nanogpt(tmp_path, nanogpt_dir):
         assert "cuda_graphs=True needs a CUDA GPU" in more[name][-1], (name, more[name])
     for name in ("--plan: predicted peak MiB", "--plan: predicted ms per step"):
         assert all(re.fullmatch(number, v) for v in more[name]), (name, more[name])
+
+
+def test_bench_prints_every_measure_for_each_config(tmp_path, env):
+    """The table's rows and their formats, a column per config; the numbers are the machine's business, not a test's."""
+    train_args = " ".join([*SHRINK, "--log_interval=1", "--dataset=shakespeare_char"])
+    other = tmp_path / "relu2.py"  # a second config, outside the repository
+    other.write_text((REPO / "configs/shakespeare.py").read_text() + 'activation = "relu2"\n')
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            f"--config=configs/shakespeare.py,{other}",
+            "--runs=2",
+            "--repeats=2",
+            "--samples=2",
+            "--sample_tokens=8",
+            "--target_loss=10",
+            "--budget=600",
+            f"--train_args={train_args}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    table = [line for line in lines if line.startswith("| ")]  # the header, then the rows (the rule is "|---")
+    assert lines[0].startswith("device: CPU") and table[0].split("|")[2:4] == [
+        " configs/shakespeare.py median (min-max) ",
+        f" {other} median (min-max) ",
+    ]
+    rows = {cells[1].strip(): [c.strip() for c in cells[2:-1]] for cells in (line.split("|") for line in table[1:])}
+    number = r"[\d,.]+ \([\d,.]+-[\d,.]+\)"  # median (min-max)
+    for name in ("training tokens/s (per progress line)", "seconds to val loss <= 10.0", "best val loss within 600 s"):
+        assert len(rows[name]) == 2 and all(re.fullmatch(number, value) for value in rows[name]), (name, rows[name])
+    speedup = rows[next(k for k in rows if k.startswith("sampling speedup"))]
+    assert len(speedup) == 2 and all(re.fullmatch(r"[\d.]+x \([\d.]+x-[\d.]+x\)", value) for value in speedup)
+
+
+def test_bench_refuses_a_config_that_does_not_exist(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(BENCH), "--config=configs/shakespeare.py,configs/nope.py"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 2 and run.stderr.strip() == (
+        "bench.py: error: config configs/nope.py not found; pass --config=PATH[,PATH...] of train.py configs"
+    )

@@ -448,7 +448,7 @@ def test_help_lists_every_dataset(capsys):
     with pytest.raises(SystemExit) as exit_info:
         prepare_data.cli(["--help"])
     out = capsys.readouterr().out
-    assert exit_info.value.code == 0 and "benchmark" not in out  # BPE throughput is bench.py --parts=bpe now
+    assert exit_info.value.code == 0 and "benchmark" not in out  # no BPE throughput mode (issue 53 removed it)
     assert all(name in out and recipe.description[:40] in out for name, recipe in RECIPES.items())
 
 

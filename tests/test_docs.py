@@ -34,7 +34,7 @@ CONFIG_CLASSES = {
     "sample.py": ("sample", "SampleConfig"),
     "eval.py": ("eval", "EvalConfig"),
     "export.py": ("export", "ExportConfig"),
-    "bench.py": ("bench", "BenchConfig"),
+    "tools/bench.py": ("bench", "BenchConfig"),
     "serve.py": ("serve", "ServeConfig"),
 }
 # scripts of other projects that a page tells the reader to run in their own checkout
@@ -175,8 +175,8 @@ def check_command(command):
     with tempfile.TemporaryDirectory() as folder:
         try:
             settings = parse(command.script, stand_ins(command.args, command.written, folder))
-            # bench.py hands train_args to train.py: they must be train.py's options too
-            if command.script == "bench.py" and settings is not None and settings.train_args:
+            # tools/bench.py hands train_args to train.py: they must be train.py's options too
+            if command.script == "tools/bench.py" and settings is not None and settings.train_args:
                 parse("train.py", shlex.split(settings.train_args))
         except Exception as e:  # the parser's own error: an unknown option, a bad value, a missing file
             problems.append(f"{where}: {str(e).strip().splitlines()[0]}")
@@ -287,7 +287,7 @@ python nowhere.py --x=1
 python sample.py --top_k 5 --tempreature=0.5
 python prepare_data.py shakespeare_char --vocab_sise=10
 torchrun --standalone --nproc_per_node=2 train.py configs/shakespeare.py --fsdp=maybe
-python bench.py --parts=train --train_args="--n_layr=4"
+python tools/bench.py --parts=train --train_args="--n_layr=4"
 python eval.py --out_dir=out-shakespeare --stride=32 && python export.py --out_dir=out-x --dest=hf-x
 ```
 """

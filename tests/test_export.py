@@ -180,7 +180,8 @@ def test_a_character_vocabulary_round_trips_every_character(tmp_path, shakespear
     meta = load_meta(shakespeare_char_dir)
     chars = meta["tokenizer"]["chars"]
     assert len(chars) == 65 and {"\n", " ", ":", "'", "!", "$", "&", "3"} <= set(chars)
-    assert export.export(GPT(tiny(vocab_size=meta["vocab_size"])), meta, tmp_path / "hf") is None
+    note = export.export(GPT(tiny(vocab_size=meta["vocab_size"])), meta, tmp_path / "hf")
+    assert note.startswith("a character the vocabulary lacks reads as ' ' in transformers")
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     for i, c in enumerate(chars):
         assert tokenizer(c)["input_ids"] == [i] and tokenizer.decode([i]) == c, repr(c)
@@ -251,7 +252,7 @@ def test_a_chat_fine_tune_chats_in_transformers_as_sample_py_does(chat_run, tmp_
     ours, end = chat.ChatFormat.from_meta(meta), meta["special_tokens"]["end_of_turn"]
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
-    assert model.generation_config.eos_token_id == end
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id == end
     for system, turns in CONVERSATIONS:
         messages = messages_of(system, turns)
         assert template_ids(tokenizer, messages) == ours.prompt_ids(messages), messages
@@ -349,7 +350,8 @@ def test_an_export_warns_where_llama_cpp_or_sglang_would_compute_another_model(t
     save_run(tmp_path / "out", GPT(tiny(activation="relu")), CHAR_META)
     assert export.cli([f"--out_dir={tmp_path / 'out'}", f"--dest={tmp_path / 'hf'}"]) == 0
     printed = capsys.readouterr().out.splitlines()
-    assert printed[1:] == [f"warning: {export.engine_warnings(tiny(activation='relu'))[0]}"]
+    # after the character vocabulary's note
+    assert printed[2:] == [f"warning: {export.engine_warnings(tiny(activation='relu'))[0]}"]
 
 
 # -----------------------------------------------------------------------------
@@ -504,7 +506,13 @@ def test_the_quick_start_s_export_generates_sample_py_s_greedy_text(tmp_path, sh
     train.main(parse_config(TrainConfig, [str(quick_start), *settings, "--compile=false", "--tensorboard=false"]))
     capsys.readouterr()
     assert export.cli([f"--out_dir={tmp_path / 'out'}", f"--dest={tmp_path / 'hf'}"]) == 0
-    assert "note" not in capsys.readouterr().out  # nothing left out
+    # what a character vocabulary does elsewhere is said: an unknown character, and llama.cpp
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert notes == [
+        "note: a character the vocabulary lacks reads as ' ' in transformers, lm-eval and vLLM (sample.py and "
+        "serve.py refuse the text instead); llama.cpp's converter takes BPE and SentencePiece vocabularies only, not "
+        "a character one: for a GGUF, train on GPT-2's BPE (dataset=shakespeare)"
+    ]
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

@@ -522,3 +522,34 @@ def test_default_settings_keep_the_state_dict_names_and_shapes():
     assert state["body.blocks.0.attn.qkv.weight"].shape == (96, 32) and "body.blocks.0.attn.qkv.bias" not in state
     unscaled = rope_tables(16, 8, config.rope_theta)
     torch.testing.assert_close(GPT(config).body.rope_cos, unscaled[0], rtol=0, atol=0)
+
+
+# -----------------------------------------------------------------------------
+# The hub, from a machine without the network
+
+
+@pytest.mark.parametrize("offline", ["no connection", "HF_HUB_OFFLINE"])
+def test_an_unreachable_hub_is_one_line_at_once_without_asking_it(offline, monkeypatch):
+    """
+    A hub id on a machine that cannot reach the hub fails in one line before huggingface_hub is asked (it retries for
+    most of a minute, a log line each try): its connection refused here, or HF_HUB_OFFLINE set.
+    """
+    import huggingface_hub
+
+    def refused(*args, **kwargs):
+        raise TimeoutError(110, "Connection timed out")
+
+    def asked(*args, **kwargs):
+        raise AssertionError("huggingface_hub was asked")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", asked)
+    if offline == "HF_HUB_OFFLINE":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        reason = "HF_HUB_OFFLINE is set"
+    else:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr(hf.socket, "create_connection", refused)
+        reason = "no connection to huggingface.co: Connection timed out"
+    with pytest.raises(FileNotFoundError) as error:
+        hf.download_from_hub("gpt2")
+    assert str(error.value).count("\n") == 0 and f"the Hugging Face hub is unreachable ({reason})" in str(error.value)

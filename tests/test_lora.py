@@ -265,16 +265,26 @@ def test_export_writes_the_merged_weights(lora_run, tmp_path):
 
 
 def test_a_lora_run_keeps_its_base_and_outlives_the_base_run(data_root, base, tmp_path, capsys):
-    """The base run going on (its checkpoint rewritten) leaves a LoRA run whole: it keeps its base, hard-linked."""
+    """
+    The base run going on (its checkpoint rewritten, atomically or in place) leaves a LoRA run whole: it keeps its
+    base as a file of its own, which no rewrite of the original reaches (a hard link would share the bytes).
+    """
     own_base = shutil.copy(base, tmp_path / "own.pt")
     run = tmp_path / "run"
     main(tiny(data_root, run, init_from=str(own_base), max_iters=2, **LORA))
-    assert (run / "base.pt").stat().st_ino == Path(own_base).stat().st_ino  # a link: no space taken
+    assert (run / "base.pt").stat().st_ino != Path(own_base).stat().st_ino
+    assert (run / "base.pt").read_bytes() == Path(own_base).read_bytes()
     argv = [f"--out_dir={run}", "--max_new_tokens=8", "--temperature=0", "--device=cpu", "--start=ab"]
     capsys.readouterr()
     assert sample.cli(argv) == 0
     before = capsys.readouterr().out
+    # rewritten in place, as cp or torch.save over the same path do: the original's bytes change under its inode
+    original = Path(own_base).read_bytes()
+    with open(own_base, "r+b") as f:
+        f.write(bytes(len(original)))
+    assert sample.cli(argv) == 0 and capsys.readouterr().out == before
     # the base run goes on: train.py writes its checkpoint anew (atomically), here with other weights
+    Path(own_base).write_bytes(original)
     other = load_checkpoint(own_base)
     other["weights"] = {k: v + 0.01 for k, v in other["weights"].items()}
     save_checkpoint(other, own_base)
@@ -306,14 +316,50 @@ def test_a_lora_run_keeps_its_base_and_outlives_the_base_run(data_root, base, tm
         (["--lora_rank=8", "--init_from=x.pt", "--optimizer=muon"], "optimizer='muon'"),
         (["--lora_rank=8", "--init_from=x.pt", "--ema_decay=0.9"], "ema_decay"),
         (["--lora_rank=-1"], "lora_rank must not be negative"),
-        (["--lora_targets=attention,lm_head"], "lora_targets='attention,lm_head' must be"),
-        (["--lora_alpha=0"], "lora_alpha must be positive"),
+        (["--lora_rank=8", "--init_from=x.pt", "--lora_targets=attention,lm_head"], "lora_targets='attention,lm_"),
+        (["--lora_rank=8", "--init_from=x.pt", "--lora_alpha=0"], "lora_alpha must be positive"),
     ],
 )
 def test_bad_lora_settings_are_one_line_errors(argv, message, capsys):
     assert train.cli(["--dataset=shakespeare_char", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+def test_a_chain_of_lora_runs_loads_samples_evaluates_exports_and_resumes(data_root, base, tmp_path, capsys):
+    """
+    LoRA on a LoRA run's checkpoint, and on that one's again: each keeps its base merged, so the last run stands
+    alone. Its model equals its adapters on the model of the run before, loaded from that run's own folder, and once
+    the earlier runs are gone it loads, samples, evaluates, exports and resumes as before.
+    """
+    runs = [tmp_path / f"lora{i}" for i in range(3)]
+    start_from = base
+    for run in runs:
+        main(tiny(data_root, run, init_from=str(start_from), max_iters=2, **LORA))
+        start_from = run / "ckpt.pt"
+    last = load_checkpoint(runs[-1] / "ckpt.pt")
+    # the reference: the run before, as it loads from its own folder, with the last run's adapters put on it by hand
+    before = model_from_checkpoint(load_checkpoint(runs[-2] / "ckpt.pt"), runs[-2])
+    reference = converters.saved(last).restore(before, last).eval()
+    idx = torch.randint(65, (2, 32))
+    merged, _, _, _ = load_model("resume", out_dir=str(runs[-1]), checkpoint="ckpt.pt", dataset="", device="cpu")
+    with torch.no_grad():
+        expected = reference(idx)[0]
+        torch.testing.assert_close(merged(idx)[0], expected, rtol=1e-5, atol=1e-5)
+    for run in runs[:-1]:
+        shutil.rmtree(run)
+    Path(base).rename(base.with_name("moved.pt"))
+    try:
+        alone, _, _, _ = load_model("resume", out_dir=str(runs[-1]), checkpoint="ckpt.pt", dataset="", device="cpu")
+        with torch.no_grad():
+            torch.testing.assert_close(alone(idx)[0], expected, rtol=1e-5, atol=1e-5)
+        out_dir = f"--out_dir={runs[-1]}"
+        assert sample.cli([out_dir, "--device=cpu", "--max_new_tokens=4", "--start=ab"]) == 0
+        assert evaluation.cli([out_dir, "--device=cpu", "--limit=4"]) == 0
+        assert export.cli([out_dir, f"--dest={tmp_path / 'hf'}"]) == 0
+        assert main(tiny(data_root, runs[-1], init_from="resume", max_iters=3))["iter_num"] == 3
+    finally:
+        base.with_name("moved.pt").rename(base)
 
 
 # -----------------------------------------------------------------------------
@@ -331,7 +377,7 @@ def test_lora_on_a_hugging_face_folder(llama_dir, tmp_path, capsys):
     unmerged = unmerged_model(load_checkpoint(tmp_path / "run" / "ckpt.pt")).eval()
     idx = torch.randint(300, (2, 16))
     torch.testing.assert_close(merged(idx)[0], unmerged(idx)[0], rtol=1e-5, atol=1e-5)
-    # the folder goes: the run keeps its own copy (hard links) and merges as before
+    # the folder goes: the run keeps its own copy and merges as before
     assert sorted(p.name for p in (tmp_path / "run" / "base").iterdir()) == sorted(p.name for p in folder.iterdir())
     shutil.rmtree(folder)
     again, _, _, _ = load_model("resume", out_dir=str(tmp_path / "run"), checkpoint="", dataset="", device="cpu")
@@ -374,7 +420,7 @@ def test_ddp_and_fsdp_train_the_adapters_as_one_process(data_root, base, tmp_pat
     one, two = (load_checkpoint(tmp_path / r / "ckpt.pt") for r in ("one", "two"))
     assert one["weights"].keys() == two["weights"].keys()
     # Adam divides by the gradients' running size: last-bit differences of the reductions (and of the compiled
-    # kernels) grow where that is tiny, as in test_train's FSDP comparison
+    # kernels) grow where that is tiny, as in test_distributed's FSDP comparison
     for k in one["weights"]:
         torch.testing.assert_close(two["weights"][k], one["weights"][k], rtol=1e-3, atol=3e-5)
     assert [len(o["optimizers"]["adamw"]["state"]) for o in (one, two)] == [len(one["weights"])] * 2

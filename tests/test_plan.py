@@ -195,7 +195,7 @@ def test_every_planned_gpu_has_its_peak_and_is_found_however_spelled():
         assert peak_flops(gpu.name) is not None and plan.find_target(gpu.name.lower(), 0.0, 1).name == gpu.name
     target = plan.find_target("nvidia h100-pcie", 0.0, 1)
     assert (target.name, target.memory, target.flops) == ("H100 PCIe", 80 * 2**30, 756e12)
-    # MFU measured on an H100 SXM (bench.py --parts=gpu): the PCIe card, not measured, is timed at that figure
+    # MFU measured on an H100 SXM (tools/bench.py --parts=gpu): the PCIe card, not measured, is timed at that figure
     assert (target.mfu, target.mfu_source) == (0.40, "the H100's: none measured on this GPU")
     # the name CUDA gives an H100 SXM (plan_device=auto on one) is the measured one's
     measured = plan.gpu_target("NVIDIA H100 80GB HBM3", 80 * 2**30, 989e12, 0.0)

@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 import uvicorn
-from tiny_run import tiny
+from tiny_run import free_port, tiny
 
 import engine
 import eval as eval_py
@@ -39,12 +39,6 @@ from tokens import Tokenizer
 def chat_dir(chat_run):
     """The folder of conftest's tiny chat GPT (answers "ok" to questions that start with a, else "no")."""
     return chat_run[0] / "out"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Running:
