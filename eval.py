@@ -1,10 +1,10 @@
 """
 Evaluate a checkpoint of train.py, or Hugging Face weights, as its task (tasks/) scores it: a language model's loss,
-perplexity and bits per byte over a dataset split or any text file, a masked loss, exact match, HellaSwag accuracy.
+perplexity and bits per byte over a dataset split or any text file, a masked loss, exact match. Benchmarks such as
+HellaSwag: lm-evaluation-harness against serve.py (docs/eval.md).
 
     python eval.py --out_dir=out-shakespeare                          # the val split of the data it trained on
     python eval.py --out_dir=out-shakespeare --input=hamlet.txt       # any UTF-8 text, with the model's tokenizer
-    python eval.py --init_from=gpt2 --task=hellaswag --input=hellaswag_val.jsonl
     python eval.py --out_dir=out-reverse --split=test --beam_size=4
     python eval.py --out_dir=out-chat-shakespeare                     # a chat model: its dataset's val split
     python eval.py --help
@@ -32,9 +32,9 @@ class EvalConfig:
     checkpoint: str = ""  # which file of out_dir: "" the best weights (best.pt, else ckpt.pt), "ckpt.pt" the latest
     dataset: str = ""  # nanoGPT character-level checkpoints only: the prepared dataset of their characters
     task: str = "auto"  # "auto": the model's own; a name in tasks/ (lm: loss, perplexity, bits per byte; masked_lm;
-    # seq2seq, chat: exact match too; hellaswag, a benchmark)
+    # seq2seq, chat: exact match too)
     split: str | None = None  # "train", "val" or (seq2seq) "test" of the data the model was trained on; None: val
-    input: str = ""  # lm: a UTF-8 text file instead of a split; chat: a conversations file; hellaswag: its jsonl
+    input: str = ""  # lm: a UTF-8 text file instead of a split; chat: a conversations file
     exact_match: bool | None = None  # chat: greedily decode each final reply, compare; None: if the data's are exact
     data_dir: str | None = None  # where the datasets are; None: the run's (out_dir/config.json), else as in train.py
     stride: int | None = None  # GPT: a window every stride tokens, scoring only its last stride; None: block_size
@@ -42,8 +42,8 @@ class EvalConfig:
     seed: int = 1337  # encoder: which positions are masked; the same seed masks the same positions
     beam_size: int = 1  # seq2seq: 1 decodes greedily; more runs beam search with that many hypotheses
     length_penalty: float = 0.6  # beam search: a hypothesis scores log p / ((5 + length) / 6) ** length_penalty
-    limit: int | None = None  # only the first N windows, pairs or HellaSwag items, for a quick look; None: all
-    batch_size: int = 16  # windows, pairs or HellaSwag items (4 sequences each) per forward pass
+    limit: int | None = None  # only the first N windows, pairs or conversations, for a quick look; None: all
+    batch_size: int = 16  # windows or pairs per forward pass
     json: bool = False  # print one JSON object instead of `key  value` lines
     progress: bool | None = None  # a progress bar on stderr; None: when stderr is a terminal
     device: str = "auto"  # "cpu", "cuda", "cuda:1", "mps"; "auto": cuda, else mps, else cpu
@@ -99,8 +99,6 @@ def main(cfg, out=None):
     out = sys.stdout if out is None else out  # looked up now, not at import: tests and callers may replace it
     device = resolve_device(cfg.device, 0)
     dtype = resolve_dtype(cfg.dtype, device)
-    if cfg.task != "auto":  # what the task refuses, refused before the slow model load
-        TASKS[cfg.task].check_eval(cfg)
     model, tokenizer, meta, trained = load_configured(cfg, device)
     task = eval_task(cfg, make_task(trained, model.config.arch, meta))
     progress = sys.stderr.isatty() if cfg.progress is None else cfg.progress

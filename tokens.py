@@ -48,7 +48,7 @@ KIND_NEEDS = {
 
 # names the data root when no data_dir is passed (see data_root)
 DATA_DIR_ENV = "NANOFORMER_DATA_DIR"
-# names a folder of local copies (tinyshakespeare.txt, <dataset>/, <folder>.tsv, eval.py's benchmark files), read
+# names a folder of local copies (tinyshakespeare.txt, <dataset>/, <folder>.tsv), read
 # before any download
 MIRROR_ENV = "NANOFORMER_DATA_MIRROR"
 # named in error messages only: where tiktoken fetches r50k_base, the encoding read for 'gpt2'

@@ -1,6 +1,6 @@
 """
 The tasks, one file each, for one kind of model and data: tasks/base.py holds the contract (Task); lm.py,
-masked_lm.py, seq2seq.py and chat.py the trained tasks, hellaswag.py a benchmark. A task is found by its file
+masked_lm.py, seq2seq.py and chat.py the tasks. A task is found by its file
 name (TASKS, config.Plugins), and only the task a run names is imported: to add one, add a file (docs/training.md,
 "Tasks").
 """
@@ -36,8 +36,6 @@ def make_task(name, arch, meta, mask_prob=0.15, label_smoothing=0.0):
     if name not in TASKS:  # a checkpoint of a task whose file is not here, say
         raise ConfigError(f"task={name!r} is not one of the tasks ({', '.join(TASKS)}): add its file to tasks/")
     task = TASKS[name]
-    if task.kind is None:
-        raise ConfigError(f"task={name} is a benchmark that eval.py scores; it trains nothing")
     if arch != task.arch:
         raise ConfigError(f"task={name} trains arch={task.arch!r}, not arch={arch!r}")
     if kind != task.kind:

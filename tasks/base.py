@@ -26,7 +26,7 @@ class Task:
 
     name = ""  # its name in TASKS: the `task` setting of train.py and eval.py
     arch = "gpt"  # the architecture it trains (or scores)
-    kind = "lm"  # the prepared data it reads (meta["kind"]; tokens.KIND_NEEDS); None: it trains on nothing
+    kind = "lm"  # the prepared data it reads (meta["kind"]; tokens.KIND_NEEDS)
     examples = "shakespeare_char, shakespeare"  # datasets of that kind, for a message
     scores = ""  # what eval.py scores, for a message
     eval_options = ()  # the eval.py options that apply to this task alone
@@ -47,10 +47,6 @@ class Task:
     def for_run(cls, meta, *, label_smoothing=0.0, mask_prob=0.15):
         """The task of a run on data with this meta, with the run's settings that apply to it."""
         return cls(meta, label_smoothing=label_smoothing)
-
-    @classmethod
-    def check_eval(cls, cfg):
-        """Refuse eval.py's settings (cfg) that this task cannot take, before the model loads: ValueError."""
 
     @property
     def model_vocab(self):

@@ -18,7 +18,6 @@ import train
 from checkpoint import load_checkpoint
 from hf import from_pretrained, pretrained_meta
 from start import model_from_checkpoint
-from tasks.hellaswag import HELLASWAG_URL, ending_logprobs, hellaswag_sequences, read_hellaswag
 from tasks.lm import lm_loss, window_starts
 from tasks.masked_lm import MaskedLM, mask_tokens
 
@@ -266,11 +265,6 @@ def test_hugging_face_weights_score_every_byte_of_a_file(llama_dir, capsys, tmp_
     nats = math.fsum(reference_nats(model, ids, 64, 64))
     assert (result["tokens"], result["bytes"]) == (len(ids) - 1, len(text.encode("utf-8"))) and result["windows"] > 1
     assert result["bits_per_byte"] == pytest.approx(nats / math.log(2) / len(text.encode("utf-8")), rel=1e-5)
-    # HellaSwag through byte-level BPE, whose endings start with a space token
-    path = write_jsonl(tmp_path / "hellaswag.jsonl", HELLASWAG)
-    result = run_json(capsys, "--init_from", llama_dir, "--task=hellaswag", "--input", path)
-    _, acc, acc_norm = reference_hellaswag(model, tokenizer, 64)
-    assert (result["acc"], result["acc_norm"]) == (acc, acc_norm)
     assert "come without a dataset" in bad(capsys, "--init_from", llama_dir, "--split=val")
 
 
@@ -296,82 +290,6 @@ def test_encoder_masked_loss_is_deterministic_and_equals_a_float64_loop(encoder_
             nats.append(-logp[position, targets[0, position]].item())
     assert result["masked_tokens"] == len(nats) > 0 and result["windows"] == math.ceil(len(ids) / 32)
     assert result["masked_loss"] == pytest.approx(math.fsum(nats) / len(nats), rel=1e-5)
-
-
-# -----------------------------------------------------------------------------
-# HellaSwag
-
-HELLASWAG = [
-    {  # the public file's fields: the context is built from them as the harness builds it
-        "ind": 4,
-        "activity_label": "Shaving",
-        "ctx_a": "A man stands by the sink.",
-        "ctx_b": "he takes the razor [title] and shaves",
-        "ctx": "A man stands by the sink. he takes the razor [title] and shaves",
-        "endings": ["his chin with care.", "the cat.", "And then he sings.", "a fish, slowly and with love."],
-        "label": 0,
-        "split": "val",
-    },
-    {
-        "ctx": "ROMEO:\nBut, soft! what light through yonder window breaks? It is the east, and Juliet is",
-        "endings": ["the sun.", "a fish.", "the moon and the stars.", "gone"],
-        "label": "0",
-    },
-    {"ctx": "To be, or not", "endings": ["to be.", "to sea.", "two bees", "to be, that is the question."], "label": 3},
-    {"ctx": "KING:", "endings": ["Hark!", "Hello there, my lords.", "What?", "I am the king."], "label": 2},
-    {"ctx": "First Citizen: We are", "endings": ["accounted poor", "rich", "here", "citizens, good ones"], "label": 1},
-]
-# the contexts the harness builds: '[title]' becomes '. ', the activity label goes first, ctx_b is capitalised
-CONTEXTS = [
-    "Shaving: A man stands by the sink. He takes the razor. and shaves",
-    *(item["ctx"] for item in HELLASWAG[1:]),
-]
-
-
-def write_jsonl(path, items):
-    path.write_text("".join(json.dumps(item) + "\n" for item in items), encoding="utf-8")
-    return path
-
-
-def reference_hellaswag(model, tokenizer, block_size):
-    """(log-likelihoods (items, 4), acc, acc_norm), one ending and one token at a time, in float64."""
-    lls = []
-    for context, item in zip(CONTEXTS, HELLASWAG):
-        row = []
-        for ending in item["endings"]:
-            ids = tokenizer.encode(f"{context} {ending}")
-            n = len(ids) - len(tokenizer.encode(context))  # the ending's tokens, its leading space included
-            ids = ids[-(block_size + 1) :]  # the context cut from the left
-            logp = model(torch.tensor([ids[:-1]]))[0][0].double().log_softmax(dim=-1)
-            row.append(math.fsum(logp[p, ids[p + 1]].item() for p in range(len(ids) - 1 - n, len(ids) - 1)))
-        lls.append(row)
-    labels = [int(item["label"]) for item in HELLASWAG]
-    acc = sum(max(range(4), key=row.__getitem__) == label for row, label in zip(lls, labels)) / len(lls)
-    per_char = [[ll / len(e) for ll, e in zip(row, item["endings"])] for row, item in zip(lls, HELLASWAG)]
-    acc_norm = sum(max(range(4), key=row.__getitem__) == label for row, label in zip(per_char, labels)) / len(lls)
-    return torch.tensor(lls, dtype=torch.float64), acc, acc_norm
-
-
-def test_hellaswag_equals_a_per_token_loop(gpt_dir, capsys, tmp_path):
-    model, tokenizer, _ = load(gpt_dir)
-    path = write_jsonl(tmp_path / "hellaswag_val.jsonl", HELLASWAG)
-    items = read_hellaswag(path)
-    assert [item.context for item in items] == CONTEXTS and [item.label for item in items] == [0, 0, 3, 2, 1]
-    lls, acc, acc_norm = reference_hellaswag(model, tokenizer, 32)
-    sequences, cut = hellaswag_sequences(items, tokenizer, 32, path)
-    # one character a token: an item is cut when a context, a space and an ending exceed 33 characters
-    assert cut == sum(any(len(c) + 1 + len(e) > 33 for e in item["endings"]) for c, item in zip(CONTEXTS, HELLASWAG))
-    assert 0 < cut < len(HELLASWAG)
-    for batch_size in (1, 8, 12):
-        scores = ending_logprobs(model, sequences, batch_size=batch_size).view(-1, 4)
-        torch.testing.assert_close(scores, lls, rtol=1e-5, atol=1e-5)
-
-    result = run_json(capsys, "--out_dir", gpt_dir, "--task=hellaswag", "--input", path, "--batch_size=2")
-    assert (result["items"], result["context_cut"], result["acc"], result["acc_norm"]) == (5, cut, acc, acc_norm)
-    # no --input: hellaswag_val.jsonl in $NANOFORMER_DATA_MIRROR
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("NANOFORMER_DATA_MIRROR", str(tmp_path))
-        assert run_json(capsys, "--out_dir", gpt_dir, "--task=hellaswag") == result
 
 
 # -----------------------------------------------------------------------------
@@ -466,41 +384,11 @@ def bad(capsys, *args):
     return err
 
 
-def test_bad_hellaswag_files_name_the_line_and_field(gpt_dir, capsys, tmp_path):
-    good = HELLASWAG[2]
-    cases = {
-        "line 2: not JSON": [good, "{not json"],
-        "line 1: no 'ctx' field": [{"endings": good["endings"], "label": 1}],
-        "line 3: 'endings' must be a list of 4 strings": [good, good, {**good, "endings": ["a", "b", "c"]}],
-        "line 2: 'label' must be 0, 1, 2 or 3, got ''": [good, {**good, "label": ""}],
-        "line 1: 'ctx_b' must be a string": [{**good, "ctx_a": "A man", "ctx_b": 3}],
-        "line 1: not a JSON object": [[1, 2]],
-        "line 2: an ending is empty": [good, {**good, "endings": ["a", "[step]", "c", "d"]}],
-    }
-    for expected, lines in cases.items():
-        path = tmp_path / "h.jsonl"
-        path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines), encoding="utf-8")
-        assert expected in bad(capsys, "--out_dir", gpt_dir, "--task=hellaswag", "--input", path)
-    path.write_text("", encoding="utf-8")
-    assert "is empty" in bad(capsys, "--out_dir", gpt_dir, "--task=hellaswag", "--input", path)
-    path.write_text(json.dumps({**good, "ctx": "a café"}), encoding="utf-8")
-    assert "line 1: characters not in the 65-character vocabulary: 'é'" in bad(
-        capsys, "--out_dir", gpt_dir, "--task=hellaswag", "--input", path
-    )
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("NANOFORMER_DATA_MIRROR", str(tmp_path / "nowhere"))
-        err = bad(capsys, "--out_dir", gpt_dir, "--task=hellaswag")
-    assert HELLASWAG_URL in err and "--input" in err
-
-
 def test_wrong_architecture_missing_split_and_other_mistakes(gpt_dir, encoder_dir, seq2seq_dir, capsys, tmp_path):
-    hellaswag = write_jsonl(tmp_path / "h.jsonl", HELLASWAG)
-    assert "this checkpoint's arch is encoder_decoder" in bad(
-        capsys, "--out_dir", seq2seq_dir, "--task=hellaswag", "--input", hellaswag
-    )
-    assert "this checkpoint's arch is encoder" in bad(
-        capsys, "--out_dir", encoder_dir, "--task=hellaswag", "--input", hellaswag
-    )
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be", encoding="utf-8")
+    assert "this checkpoint's arch is encoder_decoder" in bad(capsys, "--out_dir", seq2seq_dir, "--task=masked_lm")
+    assert "this checkpoint's arch is encoder" in bad(capsys, "--out_dir", encoder_dir, "--task=lm")
     assert "this checkpoint's arch is gpt" in bad(capsys, "--out_dir", gpt_dir, "--task=seq2seq")
     assert "--task=seq2seq" in bad(capsys, "--out_dir", seq2seq_dir, "--task=lm")
     assert "its splits are train and val, not test" in bad(capsys, "--out_dir", gpt_dir, "--split=test")
@@ -516,10 +404,10 @@ def test_wrong_architecture_missing_split_and_other_mistakes(gpt_dir, encoder_di
     empty.write_bytes(b"\xff\xfe binary")
     assert "is not UTF-8 text" in bad(capsys, "--out_dir", gpt_dir, "--input", empty)
     assert "not found" in bad(capsys, "--out_dir", gpt_dir, "--input", tmp_path / "nope.txt")
-    assert "not both" in bad(capsys, "--out_dir", gpt_dir, "--input", hellaswag, "--split=val")
+    assert "not both" in bad(capsys, "--out_dir", gpt_dir, "--input", text, "--split=val")
     assert "seq2seq, not to task=lm" in bad(capsys, "--out_dir", gpt_dir, "--beam_size=4")
     assert "--stride applies to task=lm, not to task=masked_lm" in bad(capsys, "--out_dir", encoder_dir, "--stride=8")
     assert "at most the model's block_size=32" in bad(capsys, "--out_dir", gpt_dir, "--stride=64")
-    assert "give --split, not --input" in bad(capsys, "--out_dir", seq2seq_dir, "--input", hellaswag)
+    assert "give --split, not --input" in bad(capsys, "--out_dir", seq2seq_dir, "--input", text)
     assert "unknown key 'splt'" in bad(capsys, "--splt=val")
     assert "split must be one of" in bad(capsys, "--split=dev")
