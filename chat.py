@@ -35,7 +35,7 @@ differently, as one dropping past reasoning does, is refused as not incremental)
 are the reply. Its tokens (by their character offsets) are targets up to and including the first end-of-turn
 token, so ChatML's newline after <|im_end|> is not one.
 
-A model fine-tuned on chat data whose tokens lie beyond its vocabulary gets rows for them: grow_vocabulary.
+A model fine-tuned on chat data whose tokens lie beyond its vocabulary gets rows for them: GPT.grow_vocabulary.
 """
 
 import json
@@ -447,29 +447,3 @@ def model_format(meta, source):
         found = folder_chat(folder)
         meta = meta if found is None else {**meta, "chat": found}
     return ChatFormat.from_meta(meta)
-
-
-def grow_vocabulary(model, vocab_size):
-    """
-    A GPT's token embedding (and its head, if untied) grown in place to vocab_size rows, for data whose chat tokens
-    lie beyond the model's vocabulary. Each new row is the mean of the existing rows (Hewitt 2021): a new id's logit
-    starts as the average of the others', so the model's distribution over its old ids barely moves and no new
-    token starts out likely; the rows then differ by training. The old rows and their logits are unchanged.
-    Returns model.
-    """
-    import torch  # imported here: the templates alone (prepare_data.py) need no torch
-
-    wte, head = model.body.wte, model.lm_head
-    added = vocab_size - wte.num_embeddings
-
-    def grown(weight):
-        mean = weight.detach().float().mean(0, keepdim=True).to(weight.dtype)
-        return torch.nn.Parameter(torch.cat([weight.detach(), mean.expand(added, -1)]), weight.requires_grad)
-
-    tied = head.weight is wte.weight
-    wte.weight = grown(wte.weight)
-    head.weight = wte.weight if tied else grown(head.weight)
-    wte.num_embeddings = head.out_features = vocab_size
-    # the one config object the model and its stack share: its vocabulary is now vocab_size ids
-    model.config.vocab_size = vocab_size
-    return model

@@ -911,6 +911,28 @@ class GPT(TransformerModel):
         """Attention probabilities of every layer for one forward pass: a list of {"self": (B, H, T, T)}."""
         return self.body(idx, need_weights=True)[1]
 
+    def grow_vocabulary(self, vocab_size):
+        """
+        The token embedding (and the head, if untied) grown in place to vocab_size rows, for data whose chat tokens
+        lie beyond the model's vocabulary. Each new row is the mean of the existing rows (Hewitt 2021): a new id's
+        logit starts as the average of the others', so the distribution over the old ids barely moves and no new
+        token starts out likely; the rows then differ by training. The old rows and their logits are unchanged.
+        """
+        wte, head = self.body.wte, self.lm_head
+        added = vocab_size - wte.num_embeddings
+
+        def grown(weight):
+            mean = weight.detach().float().mean(0, keepdim=True).to(weight.dtype)
+            return nn.Parameter(torch.cat([weight.detach(), mean.expand(added, -1)]), weight.requires_grad)
+
+        tied = head.weight is wte.weight
+        wte.weight = grown(wte.weight)
+        head.weight = wte.weight if tied else grown(head.weight)
+        wte.num_embeddings = head.out_features = vocab_size
+        # the one config object the model and its stack share: its vocabulary is now vocab_size ids
+        self.config.vocab_size = vocab_size
+        return self
+
 
 class Encoder(TransformerModel):
     """Encoder-only masked language model (BERT-style): bidirectional attention, a head over every position."""

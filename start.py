@@ -25,7 +25,6 @@ import torch.nn as nn
 
 import converters
 import tokens
-from chat import grow_vocabulary
 from checkpoint import (
     check_local_path,
     is_checkpoint,
@@ -299,7 +298,7 @@ def from_pretrained(cfg, meta):
 def fit_to_data(begin, meta):
     """
     A new run's Start from other weights (a checkpoint, Hugging Face's), fitted to its data (meta): the vocabulary
-    grown to the data's chat tokens (chat.grow_vocabulary), then the converter the run's settings ask for applied.
+    grown to the data's chat tokens (GPT.grow_vocabulary), then the converter the run's settings ask for applied.
     """
     cfg, model = begin.cfg, begin.model
     base_vocab = model.config.vocab_size
@@ -307,7 +306,7 @@ def fit_to_data(begin, meta):
     converter = converters.for_new_run(cfg, model, meta, base_record(cfg.init_from, model))
     # only chat data (a GPT's) has ids beyond its model's: other data shares its checkpoint's tokenizer (other_ids)
     if meta["vocab_size"] > base_vocab:
-        grow_vocabulary(model, meta["vocab_size"])
+        model.grow_vocabulary(meta["vocab_size"])
         head = "" if model.lm_head.weight is model.body.wte.weight else " and head"
         log(
             f"the token embedding{head} grown from {base_vocab:,} to {meta['vocab_size']:,} ids for the data's "

@@ -1,7 +1,7 @@
 """
 LoRA (Hu et al. 2021): fine-tune a GPT whose weights stay frozen by training, beside chosen Linears, a low-rank
 update that is small enough to keep, save and merge; and the rows of the chat tokens a base model never learnt
-trained with it (its vocabulary grown to them first: chat.grow_vocabulary).
+trained with it (its vocabulary grown to them first: GPT.grow_vocabulary).
 
     add_adapters(model, LoRASettings(rank=8, alpha=16.0, targets=("attention", "mlp")), token_rows=[65, 66, 67, 68],
                  generator=torch.Generator().manual_seed(1337))
@@ -27,7 +27,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from chat import grow_vocabulary
 from config import ConfigError
 from converters.base import Converter
 from model import Block
@@ -261,7 +260,7 @@ class LoRA(Converter):
     def restore(self, base, ckpt):
         """The checkpoint's model, unmerged: base grown to its vocabulary where the run grew it, with its adapters."""
         if ckpt["model_config"]["vocab_size"] > base.config.vocab_size:
-            grow_vocabulary(base, ckpt["model_config"]["vocab_size"])
+            base.grow_vocabulary(ckpt["model_config"]["vocab_size"])
         # the A matrices drawn here are overwritten: a generator of their own leaves the run's generators alone
         self.convert(base, torch.Generator())
         load_adapters(base, ckpt["weights"])

@@ -24,7 +24,6 @@ import sample
 import start
 import tokens
 import train
-from chat import grow_vocabulary
 from checkpoint import load_checkpoint, save_checkpoint
 from converters.lora import LoRALinear, LoRASettings, add_adapters, merge
 from generate import generate
@@ -435,7 +434,7 @@ def test_a_grown_vocabulary_keeps_the_old_rows_and_the_old_ids_logits(tied):
     model = tiny_gpt(tie_embeddings=tied).eval()
     before = copy.deepcopy(model)
     idx = torch.randint(20, (2, 16))
-    grow_vocabulary(model, 24)
+    model.grow_vocabulary(24)
     assert model.config.vocab_size == 24 and model.body.wte.weight.shape == (24, 32)
     assert model.lm_head.weight.shape == (24, 32) and (model.lm_head.weight is model.body.wte.weight) == tied
     for name, weight in before.state_dict().items():
