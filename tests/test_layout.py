@@ -4,6 +4,10 @@ no circle, and a project import inside a function is a rare one that says why be
 """
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,3 +94,64 @@ def test_model_py_imports_nothing_of_the_project():
     """The ground floor: model.py is the Transformer alone, readable and usable without any other file of ours."""
     modules = project_modules()
     assert imports(modules["model"], modules) == []
+
+
+# The quick start's core: what `python train.py configs/shakespeare.py` may load of the project. Everything else is a
+# wing, loaded only where a run names it (docs/training.md, "The core and its wings")
+CORE = {
+    "train",
+    "model",
+    "config",
+    "log",
+    "runtime",
+    "compiling",
+    "checkpoint",
+    "start",
+    "data",
+    "optim",
+    "muon",
+    "tokens",
+    "generate",
+    "tasks",
+    "tasks.base",
+    "tasks.lm",
+    "converters",
+    "converters.base",
+    "recipes",
+    "recipes.base",
+    "recipes.shakespeare_char",
+}
+
+
+def test_the_quick_start_loads_the_core_alone(tmp_path, shakespeare_path):
+    """
+    configs/shakespeare.py run for real (its data prepared from the mirror into an empty folder, two steps, an
+    evaluation, a save) imports nothing of the project but CORE: no other task, converter or recipe, no chat
+    templates, Hugging Face, planner, server or tool.
+    """
+    modules = project_modules()
+    argv = [
+        "configs/shakespeare.py",
+        f"--data_dir={tmp_path / 'data'}",
+        f"--out_dir={tmp_path / 'out'}",
+        "--max_minutes=0",
+        "--max_iters=2",
+        "--eval_interval=2",
+        "--eval_iters=1",
+        "--compile=false",
+        "--tensorboard=false",
+    ]
+    script = (
+        "import json, runpy, sys\n"
+        f"sys.argv = ['train.py', *{argv!r}]\n"
+        "try:\n"
+        "    runpy.run_path('train.py', run_name='__main__')\n"
+        "finally:\n"
+        "    print(json.dumps(sorted(sys.modules)))\n"
+    )
+    env = {**os.environ, "NANOFORMER_DATA_MIRROR": str(shakespeare_path.parent), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    loaded = set(json.loads(run.stdout.splitlines()[-1])) & set(modules)
+    assert loaded - {"__main__"} <= CORE, sorted(loaded - CORE)
+    assert {"model", "recipes.shakespeare_char", "tasks.lm"} <= loaded
