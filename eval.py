@@ -45,7 +45,7 @@ class EvalConfig:
     limit: int | None = None  # only the first N windows, pairs or conversations, for a quick look; None: all
     batch_size: int = 16  # windows or pairs per forward pass
     json: bool = False  # print one JSON object instead of `key  value` lines
-    progress: bool | None = None  # a progress bar on stderr; None: when stderr is a terminal
+    progress: bool = True  # progress on stderr: a bar on a terminal, else a line every 30 s (log.PROGRESS_SECONDS)
     device: str = "auto"  # "cpu", "cuda", "cuda:1", "mps"; "auto": cuda, else mps, else cpu
     dtype: str = "auto"  # "float32", "bfloat16" or "float16" (autocast); "auto": as in train.py
     compile: bool = False  # torch.compile the layers: a slow start, faster batches after it
@@ -101,12 +101,11 @@ def main(cfg, out=None):
     dtype = resolve_dtype(cfg.dtype, device)
     model, tokenizer, meta, trained = load_configured(cfg, device)
     task = eval_task(cfg, make_task(trained, model.config.arch, meta))
-    progress = sys.stderr.isatty() if cfg.progress is None else cfg.progress
     source = cfg.init_from if cfg.init_from != "resume" else str(run_checkpoint(cfg.out_dir, cfg.checkpoint))
     results = {"model": source, "arch": model.config.arch, "task": task.name}
     # no_grad: nothing is trained; autocast: matmuls in cfg's dtype (every loss is summed in float32 or more)
     with torch.no_grad(), autocast(device, dtype):
-        results |= task.evaluate(model, tokenizer, cfg, progress)
+        results |= task.evaluate(model, tokenizer, cfg, cfg.progress)
     print(json.dumps(results) if cfg.json else format_results(results), file=out)
     return results
 

@@ -16,6 +16,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
 from config import ConfigError
 
 
@@ -29,6 +31,34 @@ def one_line(error):
     """The first line of an error's message (at most 300 characters), for one-line error reports."""
     lines = str(error).strip().splitlines()
     return lines[0][:300] if lines else type(error).__name__
+
+
+# Progress of a long job that is not a run (an evaluation): a bar redrawn in place on a terminal, and elsewhere (a log
+# file, a pipe, a scheduler's output) a line at least this many seconds apart, so that it is never silent for minutes
+PROGRESS_SECONDS = 30.0
+
+
+class Lines:
+    """stderr for one tqdm bar, each of its in-place redraws ('\\r' then the bar) written as a line of its own."""
+
+    def __init__(self):
+        self.last = ""  # tqdm draws its last count twice as it closes (the rate updated): written once
+
+    def write(self, text):
+        line = text.strip("\r\n")
+        if line and line.split(" [")[0] != self.last:
+            sys.stderr.write(line + "\n")
+            self.last = line.split(" [")[0]
+
+    def flush(self):
+        sys.stderr.flush()
+
+
+def progress_bar(iterable=None, *, total=None, unit, shown=True):
+    """tqdm on stderr: a bar on a terminal, else a line every PROGRESS_SECONDS; shown=False: nothing at all."""
+    if sys.stderr.isatty():
+        return tqdm(iterable, total=total, unit=unit, file=sys.stderr, disable=not shown)
+    return tqdm(iterable, total=total, unit=unit, file=Lines(), mininterval=PROGRESS_SECONDS, disable=not shown)
 
 
 # seconds a rank other than 0 waits before printing its error (fail)

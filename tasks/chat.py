@@ -4,17 +4,16 @@ length, right-padded), its evaluation (that loss, and the exact match of greedy 
 answers) and its sampling (the causal LM's: text, or a conversation with --chat).
 """
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 import tokens
 from chat import ChatFormat, model_format
 from generate import decoded_replies
+from log import progress_bar
 from model import IGNORE_INDEX
 from recipes.chat import BadConversation, LeftOut, chat_records, encode_conversation
 from tasks.base import dataset_split, usable_rows
@@ -176,6 +175,6 @@ def evaluate_chat(model, tokenizer, meta, cfg, progress):
     exact = meta.get("exact_answers", False) if cfg.exact_match is None else cfg.exact_match
     if exact:
         replies = decoded_replies(model, conversations, chat_format.end_of_turn, vocab_size=tokenizer.vocab_size)
-        bar = tqdm(replies, total=len(conversations), unit="reply", file=sys.stderr, disable=not progress)
+        bar = progress_bar(replies, total=len(conversations), unit="reply", shown=progress)
         results["exact_match"] = sum(output == reference for output, reference in bar) / len(conversations)
     return results

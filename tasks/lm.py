@@ -11,10 +11,10 @@ import sys
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 import tokens
 from generate import ChatSession, end_of_text, generate_stream, prompt_start, start_ids, until_stop
+from log import progress_bar
 from model import IGNORE_INDEX
 from tasks.base import Task, lm_tokens, windows
 
@@ -73,7 +73,7 @@ def lm_loss(model, tokens, byte_lengths, *, block_size, stride, batch_size, limi
     device = next(model.parameters()).device
     starts = window_starts(len(tokens), block_size, stride)[:limit]
     nats, count, n_bytes = 0.0, 0, 0
-    with tqdm(total=len(starts), unit="window", file=sys.stderr, disable=not progress) as bar:
+    with progress_bar(total=len(starts), unit="window", shown=progress) as bar:
         for i in range(0, len(starts), batch_size):
             batch = starts[i : i + batch_size]
             # IGNORE_INDEX past the end of a short last window: its targets are then left out of the loss

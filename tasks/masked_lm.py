@@ -4,12 +4,10 @@ corruption). Its batches, its evaluation (the loss at the masked positions, mask
 (the [MASK]s of a prompt filled).
 """
 
-import sys
-
 import numpy as np
 import torch
-from tqdm import tqdm
 
+from log import progress_bar
 from model import IGNORE_INDEX
 from tasks.base import Task, lm_tokens, windows
 
@@ -89,7 +87,7 @@ def evaluate_masked(model, meta, tokens, data, cfg, progress):
     batches = [full[i : i + cfg.batch_size] for i in range(0, len(full), cfg.batch_size)]
     batches += [[k] for k in range(len(full), len(starts))]
     nats, count = 0.0, 0
-    with tqdm(total=len(starts), unit="window", file=sys.stderr, disable=not progress) as bar:
+    with progress_bar(total=len(starts), unit="window", shown=progress) as bar:
         for batch in batches:
             masked = []
             for k in batch:

@@ -4,15 +4,14 @@ lengths), its evaluation (exact match, token accuracy and teacher-forced loss ov
 or by beam search) and its sampling (the prompt translated, and for a synthetic task whether that is right).
 """
 
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 import tokens
 from generate import decoded_pairs, translate, until_stop
+from log import progress_bar
 from model import IGNORE_INDEX
 from synthetic import solve
 from tasks.base import Task, dataset_split, random_ids, usable_rows
@@ -131,7 +130,7 @@ def evaluate_seq2seq(model, task, cfg, progress):
     beams = {"beam_size": cfg.beam_size, "length_penalty": cfg.length_penalty}
     outputs = decoded_pairs(model, batches, task.bos_id, task.eos_id, max_len=block, **beams)
     exact, correct, n_reference = 0, 0, 0
-    for output, reference in tqdm(outputs, total=len(rows), unit="pair", file=sys.stderr, disable=not progress):
+    for output, reference in progress_bar(outputs, total=len(rows), unit="pair", shown=progress):
         exact += output == reference
         correct += sum(o == r for o, r in zip(output, reference))
         n_reference += len(reference)

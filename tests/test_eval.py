@@ -230,6 +230,23 @@ def test_lm_loss_and_bits_per_byte_equal_a_float64_loop(gpt_dir):
         assert counts["nats"] / math.log(2) / counts["bytes"] == pytest.approx(bits_per_byte, rel=1e-5)
 
 
+def test_progress_shows_off_a_terminal_as_lines_and_can_be_turned_off(gpt_dir, capsys, monkeypatch):
+    """
+    Run where stderr is no terminal (a log, a job's output, here pytest's capture), an evaluation still says how far
+    it is: a line each log.PROGRESS_SECONDS (0 here: every batch), ending at the count of windows; --progress=false
+    says nothing.
+    """
+    import log
+
+    monkeypatch.setattr(log, "PROGRESS_SECONDS", 0.0)
+    code, _, err = run(capsys, "--out_dir", gpt_dir, "--limit=20", "--batch_size=7")
+    lines = err.splitlines()
+    assert code == 0 and len(lines) >= 3 and "\r" not in err
+    assert lines[0].lstrip().startswith("0%") and lines[-1].lstrip().startswith("100%") and "20/20" in lines[-1]
+    code, _, err = run(capsys, "--out_dir", gpt_dir, "--limit=20", "--progress=false")
+    assert code == 0 and err == ""
+
+
 def test_cli_on_a_split_and_on_a_file(gpt_dir, shakespeare_char_dir, capsys, tmp_path):
     model, _, meta = load(gpt_dir)
     # the run's data_dir is found in its config.json; --limit: the first 20 windows of the val split
