@@ -276,8 +276,9 @@ def test_the_cache_stays_within_its_position_budget_and_requests_wait_for_room()
 def test_a_seeded_request_draws_the_same_among_others_as_alone():
     """
     Sampled requests with seeded generators beside a greedy one: two under one Sampling (one distribution for both
-    their rows), one under top_k, one of two rows with a generator each. Each row draws what the plain model's
-    distributions give with its seed, and what the request draws alone with the same seeds.
+    their rows), one under top_k, one of two rows with a generator each, whose rows end up in reverse order in the
+    batch. Each row draws what the plain model's distributions give with its seed, and what the request draws alone
+    with the same seeds.
     """
     model = tiny_model("learned")
     hot = Sampling(temperature=1.5)
@@ -285,8 +286,9 @@ def test_a_seeded_request_draws_the_same_among_others_as_alone():
         dict(prompt=prompt(30, 5), max_tokens=10),
         dict(prompt=prompt(31, 3), max_tokens=10, sampling=hot, seeds=[1], logprobs=1),
         dict(prompt=prompt(32, 8), max_tokens=8, sampling=hot, seeds=[2]),
-        dict(prompt=prompt(33, 4), max_tokens=9, sampling=Sampling(temperature=0.8, top_k=5), seeds=[3]),
-        dict(prompt=prompt(34, 6), max_tokens=7, sampling=hot, seeds=[4, 5], n=2),
+        dict(prompt=prompt(33, 4), max_tokens=6, sampling=Sampling(temperature=0.8, top_k=5), seeds=[3]),
+        # its row 1 moves into slot 3 when the request before it ends: its rows then sit in slots 3 and 4, reversed
+        dict(prompt=prompt(34, 6), max_tokens=12, sampling=hot, seeds=[4, 5], n=2),
     ]
     requests = [ask(**spec) for spec in specs]
     run(model, requests)
