@@ -229,11 +229,15 @@ class SlotCache:
         return (0, 0) if self.layers is None else (self.layers[0][0].size(0), self.layers[0][0].size(2))
 
     def reserve(self, rows, width):
-        """Buffers of at least `rows` slots and `width` positions."""
+        """
+        Buffers of at least `rows` slots and `width` positions, the most that any row, running or new, fills. The slots
+        or positions held beyond those are kept only within the budget: a row alone may have taken the whole width.
+        """
         held_rows, held_width = self.size()
         if rows <= held_rows and width <= held_width:
             return
-        rows, width = max(rows, held_rows), max(width, held_width)
+        if max(rows, held_rows) * max(width, held_width) <= self.max_positions:
+            rows, width = max(rows, held_rows), max(width, held_width)
         # doubled, so that growing is rare, within the caps; exactly what is needed where doubling passes the budget
         doubled = min(self.config.block_size, max(width, 2 * held_width, MIN_CACHE))
         width = doubled if rows * doubled <= self.max_positions else width
@@ -245,8 +249,9 @@ class SlotCache:
             tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in "kv")
             for _ in range(self.config.n_layer)
         ]
+        kept = (slice(min(rows, held_rows)), slice(None), slice(min(width, held_width)))
         for (k, v), (old_k, old_v) in zip(layers, self.layers or []):  # the slots so far move over
-            k[:held_rows, :, :held_width], v[:held_rows, :, :held_width] = old_k, old_v
+            k[kept], v[kept] = old_k[kept], old_v[kept]
         self.layers = layers
 
     def put(self, slot, cache):
@@ -329,6 +334,11 @@ class Runner:
             return {} if produced is None else {request: produced}
         return self.prefill_together(admitted.requests)
 
+    def reserve(self, requests):
+        """Slots for the rows of requests after the running rows', as wide as the most positions any of them fills."""
+        width = max(r.positions for r in [*requests, *(row.request for row in self.rows)])
+        self.slots.reserve(len(self.rows) + sum(r.n for r in requests), width)
+
     def prefill_together(self, requests):
         """
         Prompts of different lengths, right-padded, in one forward pass straight into slots: request b's first row
@@ -338,7 +348,7 @@ class Runner:
         """
         first, lengths = len(self.rows), [len(r.ids) for r in requests]
         T = max(lengths)
-        self.slots.reserve(first + sum(r.n for r in requests), max(r.positions for r in requests))
+        self.reserve(requests)
         idx = torch.tensor([r.ids + [0] * (T - len(r.ids)) for r in requests], device=self.device)  # (k, T)
         positions = torch.arange(T, device=self.device).expand(len(requests), T)  # (k, T)
         x, _ = self.model.body(
@@ -381,7 +391,7 @@ class Runner:
         if request.max_tokens == 0:
             return Produced([], prompt)
         first = len(self.rows)
-        self.slots.reserve(first + request.n, request.positions)
+        self.reserve([request])
         for j in range(request.n):  # the prompt computed once, copied into each row's slot
             self.slots.put(first + j, cache)
             self.rows.append(Row(request, j, length=len(ids)))
