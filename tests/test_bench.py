@@ -152,6 +152,13 @@ def test_summary_counts_runs_that_never_got_there_apart():
     assert bench_common.summary([], "{:.1f}") == "n/a"
 
 
+# The bench's own time limits are the machine's business: the tests that run it set them far above what a 2-core
+# machine under any load takes (the whole suite in parallel), and pytest's limit above those, so that a slow or busy
+# machine only makes them slower, never failed; a limit is still there, so nothing can hang
+LOADED = pytest.mark.timeout(1800)
+
+
+@LOADED
 def test_the_step_harness_times_each_case_in_a_process_of_its_own(tmp_path, data_root):
     """
     --parts=step on the CPU: two cases, the loss computed whole and in chunks of 4 positions, each in a child process
@@ -163,8 +170,8 @@ def test_the_step_harness_times_each_case_in_a_process_of_its_own(tmp_path, data
     )
     cases = f"{tiny};{tiny} --loss_chunk_mb=0.0005"  # 524 bytes: 2 positions of 65 float32 logits a chunk
     command = [sys.executable, str(BENCH), "--parts=step", f"--cases={cases}", "--steps=3", "--warmup=1"]
-    command.append("--rounds=1")  # the rounds' order has a test of its own
-    run = subprocess.run([*command, "--profile=true"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    command += ["--rounds=1", "--case_timeout=1200"]  # the rounds' order has a test of its own
+    run = subprocess.run([*command, "--profile=true"], capture_output=True, text=True, timeout=1500, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     table = {}
     for line in run.stdout.splitlines():
@@ -207,8 +214,8 @@ def test_nanogpt_s_own_lines_are_read_and_its_race_stopped_at_the_target(tmp_pat
     assert rows["tokens/s"] == ["9,752 (9,570-9,942)"]  # 1,024 tokens in 105 ms (107-103)
     race = replace(cfg, nanogpt_race="config.py --race")
     with ThreadPoolExecutor(1) as pool:
-        seconds, iteration, loss = pool.submit(bench_train.nanogpt_race, race, tmp_path).result(timeout=120)
-    assert (iteration, loss) == (250, 1.46) and 0 < seconds < 120
+        seconds, iteration, loss = pool.submit(bench_train.nanogpt_race, race, tmp_path).result(timeout=600)
+    assert (iteration, loss) == (250, 1.46) and 0 < seconds < 600
     # a run that ends without reaching the target: its exit status, and the column says so
     assert bench_train.nanogpt_race(replace(cfg, nanogpt_race="config.py"), tmp_path) == 0
     races = [(seconds, iteration, loss), 0]
@@ -352,6 +359,7 @@ def markdown_tables(output):
     return tables
 
 
+@LOADED
 def test_the_gpu_call_dry_runs_on_a_cpu_beside_nanogpt(tmp_path, nanogpt_dir):
     """
     tools/bench.py --parts=gpu as a GPU machine runs it, beside the real nanoGPT, on the CPU at tiny shapes, so that
@@ -374,9 +382,9 @@ def test_the_gpu_call_dry_runs_on_a_cpu_beside_nanogpt(tmp_path, nanogpt_dir):
     command = [sys.executable, str(BENCH), "--parts=gpu", f"--nanogpt={nanogpt_dir}", "--plan=true"]
     command += [f"--cases={bench.GPT2}", "--steps=2", "--warmup=1", "--rounds=1", "--race_target=3.5"]
     command += [f"--train_args={train_args}", f"--nanogpt_step={nanogpt_step}", f"--nanogpt_race={nanogpt_race}"]
-    # about 45 s of CPU time, but 200 s on 2 cores that other suites kept busy: each case, then the whole call bounded
-    command += ["--case_timeout=120"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    # about 45 s of CPU time, 200 s on 2 cores that other suites kept busy: the limits are for a hang (LOADED)
+    command += ["--case_timeout=1200"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=1500, cwd=tmp_path)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     (core_header, core), (race_header, race), (more_header, more) = markdown_tables(run.stdout)
     number, spread = r"[\d,.]+", r"[\d,.]+ \([\d,.]+-[\d,.]+\)"
@@ -408,6 +416,7 @@ def test_the_gpu_call_dry_runs_on_a_cpu_beside_nanogpt(tmp_path, nanogpt_dir):
         assert all(re.fullmatch(number, v) for v in more[name]), (name, more[name])
 
 
+@LOADED
 def test_bench_prints_every_measure_for_each_config(tmp_path, env):
     """The table's rows and their formats, a column per config; the numbers are the machine's business, not a test's."""
     train_args = " ".join([*SHRINK, "--log_interval=1", "--dataset=shakespeare_char"])
@@ -423,13 +432,13 @@ def test_bench_prints_every_measure_for_each_config(tmp_path, env):
             "--samples=2",
             "--sample_tokens=8",
             "--target_loss=10",
-            "--budget=600",
+            "--budget=3600",
             f"--train_args={train_args}",
         ],
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1500,
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -441,7 +450,7 @@ def test_bench_prints_every_measure_for_each_config(tmp_path, env):
     ]
     rows = {cells[1].strip(): [c.strip() for c in cells[2:-1]] for cells in (line.split("|") for line in table[1:])}
     number = r"[\d,.]+ \([\d,.]+-[\d,.]+\)"  # median (min-max)
-    for name in ("training tokens/s (per progress line)", "seconds to val loss <= 10.0", "best val loss within 600 s"):
+    for name in ("training tokens/s (per progress line)", "seconds to val loss <= 10.0", "best val loss within 3600 s"):
         assert len(rows[name]) == 2 and all(re.fullmatch(number, value) for value in rows[name]), (name, rows[name])
     speedup = rows[next(k for k in rows if k.startswith("sampling speedup"))]
     assert len(speedup) == 2 and all(re.fullmatch(r"[\d.]+x \([\d.]+x-[\d.]+x\)", value) for value in speedup)
