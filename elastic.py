@@ -92,6 +92,23 @@ def record_progress(out_dir, iter_num, seconds):
     os.replace(tmp, tmp.with_name(PROGRESS_FILE))
 
 
+def torchrun_note():
+    """
+    A note where torchrun will restart the ranks (--max-restarts) but cannot: PyTorch 2.13's rendezvous keeps one
+    store for every round, without a prefix per attempt, so the restarted ranks read the dead ones' addresses and fail
+    to connect, and a node that replaces a lost one waits for an address the others never write again. With
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment each round gets a store of its own. None otherwise.
+    """
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+    if not restarts or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return (
+        f"note: torchrun's --max-restarts={restarts} will fail to restart the ranks (PyTorch 2.13 gives them a store "
+        "shared with the last attempt): launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set "
+        "(docs/distributed.md#elastic-restarts)"
+    )
+
+
 def launcher_restarts():
     """How this process's launchers restarted its job so far, in words ("torchrun's restart 1"); "" if they did not."""
     counts = {"SLURM's requeue": "SLURM_RESTART_COUNT", "torchrun's restart": "TORCHELASTIC_RESTART_COUNT"}

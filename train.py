@@ -38,7 +38,16 @@ from checkpoint import out_dir_problem, remove, run_files, save_training, save_w
 from compiling import trial_step
 from config import ConfigError, given_values, make_config
 from data import TrainBatches, count_targets, find_dataset, micro_seeds, pinned
-from elastic import JOB_KEY, CheckpointClock, auto_resumed, has_checkpoint, launcher_job, record_progress, restart_note
+from elastic import (
+    JOB_KEY,
+    CheckpointClock,
+    auto_resumed,
+    has_checkpoint,
+    launcher_job,
+    record_progress,
+    restart_note,
+    torchrun_note,
+)
 from log import Clock, Progress, Scalars, Step, describe_run, fail, log, log_memory, one_line
 from model import MODEL_KEYS, ModelConfig, ModelSettings, loss_chunk_cap, sized_loss_chunk
 from optim import Schedule, make_optimizers, make_schedule, schedule_notes
@@ -275,9 +284,11 @@ def main(cfg):
                     save_training_state(run, iter_num)
                     log_memory(run.models.raw, run.optimizers, rt)
                     how = f"stopped by {run.stop.signal or 'a signal to another rank'}" if stopping else "done"
+                    # with auto_resume the command that started the run goes on with it (a requeued job's)
+                    again = "the same command" if cfg.auto_resume else resume_command(cfg.out_dir, rt)
                     log(
                         f"{how} at iteration {iter_num}: saved {Path(cfg.out_dir) / 'ckpt.pt'}"
-                        + (f"; resume with {resume_command(cfg.out_dir, rt)}" if stopping else "")
+                        + (f"; resume with {again}" if stopping else "")
                     )
                 break
             step = train_step(run, iter_num)
@@ -355,7 +366,7 @@ def setup(cfg, rt, stack):
     trained = 0.0 if begin.ckpt is None else begin.ckpt.get("train_seconds", 0.0)  # the run's time so far
     # a resume after a failure says so, and what it cost
     restarted = None if begin.ckpt is None or cfg.eval_only else restart_note(cfg.out_dir, begin.ckpt)
-    for note in (restarted, threads_note, task.describe(splits["train"], cfg.batch_size)):
+    for note in (restarted, torchrun_note(), threads_note, task.describe(splits["train"], cfg.batch_size)):
         if note:
             log(note)
     return Run(
