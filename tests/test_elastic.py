@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 # 80 steps of two micro-batches (one per rank), ckpt.pt at every 10th: a kill after a checkpoint leaves most of the
 # run to redo, however slowly the test reacts on a busy machine
 RUN = {**TINY, "dataset": "shakespeare_char", "gradient_accumulation_steps": 2, "max_iters": 80, "eval_interval": 10}
-RUN |= {"log_interval": 1, "tensorboard": True, "dist_timeout": 20}
+RUN |= {"log_interval": 1, "tensorboard": True, "dist_timeout": 20, "lr_decay_iters": 0}
 SAVED = re.compile(r"saved .*ckpt\.pt")  # an evaluation's "(saved best.pt, by val loss, ckpt.pt)", a stop's, ...
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
@@ -418,6 +418,21 @@ def test_torchrun_restarts_without_a_store_per_round_are_said_to_fail(monkeypatc
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
     assert elastic.torchrun_note() is None
+
+
+@pytest.mark.timeout(120)
+def test_the_interconnect_check_sums_and_times_every_size(env):
+    """slurm/all_reduce.py on 2 CPU ranks: every sum right, a bandwidth for each size, 1 to 16 MiB."""
+    run = subprocess.run(
+        [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO / "slurm" / "all_reduce.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    sizes = re.findall(r"^ +(\d+) MiB +[\d.]+ ms +([\d.]+) GB/s$", run.stdout, re.M)
+    assert [int(size) for size, _ in sizes] == [1, 4, 16] and all(float(bus) > 0 for _, bus in sizes), run.stdout
 
 
 # -----------------------------------------------------------------------------
