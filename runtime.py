@@ -341,7 +341,11 @@ def raise_if_any_failed(error, world_size, group=None):
 
 
 class StopRequest:
-    """SIGINT and SIGTERM set a flag: the loop finishes its step, saves and exits. A second signal acts as usual."""
+    """
+    SIGINT and SIGTERM set a flag: the loop finishes its step, saves and exits. A second SIGINT acts as usual (Ctrl-C
+    twice interrupts a save that hangs); SIGTERM stays caught: launchers send it more than once (SLURM to every
+    process of a job step, and torchrun forwards it to its workers again), and they SIGKILL after their grace time.
+    """
 
     def __enter__(self):
         self.signal = None
@@ -353,7 +357,8 @@ class StopRequest:
         # the name ('SIGTERM') for the log; the loop checks it before each step
         self.signal = signal.Signals(signum).name
         # so that a second Ctrl-C interrupts at once, should the save hang
-        signal.signal(signum, self.previous[signum])
+        if signum == signal.SIGINT:
+            signal.signal(signum, self.previous[signum])
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():

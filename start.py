@@ -111,18 +111,23 @@ def resume(cfg, meta, lazy):
             f"{meta['vocab_size']:,}: a resume cannot grow the vocabulary. Start a new run from it, which grows it: "
             f"--init_from={path} --out_dir=NEW_DIR"
         )
-    # resuming a finished run would train nothing and only save it again
-    if ckpt["iter_num"] >= cfg.max_iters and not cfg.eval_only:
-        raise ConfigError(
+    # resuming a finished run would train nothing and only save it again: an error, but for a job restarted after
+    # its run was done (auto_resume), which says so and ends as the run did
+    spent, done = ckpt.get("train_seconds", 0.0), None
+    if ckpt["iter_num"] >= cfg.max_iters:
+        done = (
             f"{path} is at iteration {ckpt['iter_num']}, which max_iters={cfg.max_iters} has reached: nothing to "
             "train. To train further, pass a larger --max_iters (the schedule follows it unless lr_decay_iters is set)"
         )
-    spent = ckpt.get("train_seconds", 0.0)
-    if cfg.max_minutes and spent >= 60 * cfg.max_minutes and not cfg.eval_only:
-        raise ConfigError(
+    elif cfg.max_minutes and spent >= 60 * cfg.max_minutes:
+        done = (
             f"{path} has trained for {spent / 60:.2f} minutes, which max_minutes={cfg.max_minutes:g} has reached: "
             "nothing to train. To train further, pass a larger --max_minutes (or --max_minutes=0 to count steps only)"
         )
+    if done and not cfg.eval_only:
+        if not cfg.auto_resume:
+            raise ConfigError(done)
+        log(f"note: {done}")
     # the optimizers' states must fit the optimizers; checkpoints from before optimizer existed are AdamW's
     saved_optimizer = ckpt["train_config"].get("optimizer", "adamw")
     if saved_optimizer != cfg.optimizer:
@@ -132,11 +137,13 @@ def resume(cfg, meta, lazy):
     # the checkpoint's settings completed with today's defaults: a checkpoint older than a setting lacks it
     config = ModelConfig.from_dict(ckpt["model_config"])
     # the checkpoint's settings win: its weights fit only the architecture they were trained in, a converter's
-    # state only its own settings (Converter.run_settings)
-    cfg = with_model_settings(cfg, config, "resuming with the checkpoint's model settings")
+    # state only its own settings (Converter.run_settings). A restarted job (auto_resume) goes on only with the run
+    # that was asked for: a setting given that the checkpoint's overrides is an error
+    cfg = with_model_settings(cfg, config, "resuming with the checkpoint's model settings", strict=cfg.auto_resume)
     converter = converters.saved(ckpt, cfg)
     fine_tuning = converter.run_settings() if converter else {"converter": "", "lora_rank": 0}
-    cfg = with_saved_settings(cfg, fine_tuning, asdict(cfg), "resuming with the checkpoint's fine-tuning settings")
+    said = "resuming with the checkpoint's fine-tuning settings"
+    cfg = with_saved_settings(cfg, fine_tuning, asdict(cfg), said, strict=cfg.auto_resume)
     averaged = "average" in (ckpt["sharded_keys"] if "sharded" in ckpt else ckpt)
     if averaged and not cfg.ema_decay and not cfg.eval_only:
         log("note: training goes on from the un-averaged weights; their average is dropped (ema_decay=0)")
@@ -178,22 +185,28 @@ def resumed_settings(cls, given, out_dir):
     return {**saved, **given}
 
 
-def with_saved_settings(cfg, saved, given, said):
+def with_saved_settings(cfg, saved, given, said, strict=False):
     """
     cfg with the settings of the weights a run starts from (saved: {name: value}), and a note (starting with `said`)
     naming those the user gave (given, not left at their defaults) that these override, rather than silently.
+    strict: those are a ConfigError instead, naming each and what to do (a resume by auto_resume).
     """
     defaults = {f.name: f.default for f in fields(cfg)}
     changed = [f"{k}={v!r}" for k, v in saved.items() if getattr(cfg, k) != defaults[k] and given[k] != v]
+    if changed and strict:
+        raise ConfigError(
+            f"auto_resume found a run in {cfg.out_dir} trained with {', '.join(changed)}, not as asked: give the "
+            "run's own settings to go on with it, or start this run in another --out_dir"
+        )
     if changed:
         log(f"note: {said}: {', '.join(changed)}")
     return replace(cfg, **saved)
 
 
-def with_model_settings(cfg, config, said):
+def with_model_settings(cfg, config, said, strict=False):
     """cfg with the model settings of config (a ModelConfig), noted as with_saved_settings does; None resolved."""
     saved = {k: getattr(config, k) for k in MODEL_KEYS}
-    return with_saved_settings(cfg, saved, asdict(cfg.model_config(1)), said)
+    return with_saved_settings(cfg, saved, asdict(cfg.model_config(1)), said, strict)
 
 
 def other_ids(path, saved, meta, cfg):

@@ -17,6 +17,7 @@ log.py, checkpoint.py and model.py: README.md's table of files says what each ho
 """
 
 import contextlib
+import difflib
 import functools
 import math
 import os
@@ -37,6 +38,16 @@ from checkpoint import out_dir_problem, remove, run_files, save_training, save_w
 from compiling import sized_loss_chunk, trial_step
 from config import ConfigError, given_values, make_config
 from data import TrainBatches, count_targets, find_dataset, micro_seeds, pinned
+from elastic import (
+    JOB_KEY,
+    CheckpointClock,
+    auto_resumed,
+    has_checkpoint,
+    launcher_job,
+    record_progress,
+    restart_note,
+    torchrun_note,
+)
 from log import Clock, Progress, Scalars, Step, describe_run, fail, log, log_memory, one_line
 from model import MODEL_KEYS, ModelConfig, ModelSettings, loss_chunk_cap
 from optim import Schedule, make_optimizers, make_schedule, schedule_notes
@@ -76,7 +87,7 @@ NOT_NEGATIVE = (lambda v: v >= 0, "must not be negative")
 RANGES = {
     "eval_interval log_interval eval_iters gradient_accumulation_steps batch_size dist_timeout plan_ranks": AT_LEAST_1,
     "max_iters max_minutes threads warmup_iters lr_decay_iters eval_accuracy_examples grad_clip min_lr": NOT_NEGATIVE,
-    "loss_chunk_mb lora_rank": NOT_NEGATIVE,
+    "loss_chunk_mb lora_rank checkpoint_minutes": NOT_NEGATIVE,
     "plan_mfu": (lambda v: 0 <= v <= 1, "must be in [0, 1] (0: the default)"),
     "learning_rate muon_lr": (lambda v: v > 0, "must be positive"),
     "ema_decay": (lambda v: 0 <= v < 1, "must be in [0, 1) (0: off)"),
@@ -97,8 +108,10 @@ class TrainConfig(ModelSettings):
     eval_iters: int = 200  # batches per split at each evaluation, shared out over the ranks
     eval_only: bool = False  # evaluate once (e.g. init_from='resume' or 'gpt2') and exit
     always_save_checkpoint: bool = True  # ckpt.pt at every eval; False: only at the end (best.pt tracks the best)
+    checkpoint_minutes: float = 0.0  # > 0: ckpt.pt also every this many minutes: what a failure costs at most
     init_from: str = "scratch"  # 'scratch', 'resume', 'gpt2'..., a HF folder, or a checkpoint file (ours or nanoGPT's)
     overwrite: bool = False  # a new run may replace the run already in out_dir (its checkpoints and TensorBoard logs)
+    auto_resume: bool = False  # resume out_dir's run if it has a ckpt.pt, else start as init_from says (elastic.py)
     tensorboard: bool = True  # write TensorBoard scalars into out_dir (tensorboard --logdir OUT_DIR)
     wandb_log: bool = False  # also log to Weights & Biases (pip install wandb)
     wandb_project: str = "nanoformer"  # W&B project
@@ -166,6 +179,7 @@ class TrainConfig(ModelSettings):
             for name in names.split():
                 if not fits(getattr(self, name)):
                     raise ConfigError(f"{name} {needs}, got {getattr(self, name)}")
+        check_init_from(self.init_from)
         if self.fsdp and self.optimizer == "muon":
             raise ConfigError(
                 "fsdp=True cannot train with optimizer='muon': Muon orthogonalises each whole matrix, which FSDP "
@@ -193,6 +207,21 @@ class TrainConfig(ModelSettings):
         return ModelConfig(**settings, vocab_size=vocab_size, pad_token_id=pad_token_id)
 
 
+def check_init_from(init_from):
+    """
+    ConfigError for an init_from that is a mistyped word (--init_from=resum), naming the word it resembles: it would
+    otherwise be taken for the name of Hugging Face weights. A path that exists, or a hub id (org/name), passes.
+    """
+    words = ("scratch", "resume")
+    if init_from in words or "/" in init_from or Path(init_from).expanduser().exists():
+        return
+    close = difflib.get_close_matches(init_from, words, n=1, cutoff=0.75)
+    if close:
+        raise ConfigError(
+            f"init_from={init_from!r} is no file, folder or setting here; did you mean --init_from={close[0]}?"
+        )
+
+
 # -----------------------------------------------------------------------------
 # The run: main's loop, and the record setup builds for it
 
@@ -216,6 +245,7 @@ class Run:
     host_group: object  # a gloo group for numbers the host already has; None in one process
     clock: Clock  # the run's training time, which max_minutes budgets
     schedule: Schedule  # the learning rate of each step (optim.py)
+    checkpoint_clock: CheckpointClock  # when ckpt.pt is due by the clock (checkpoint_minutes)
     converter: object = None  # what the model was converted into (a converters.Converter), or None
     start_iter: int = 0
     best_val_loss: float = math.inf  # the val loss of best.pt's evaluation
@@ -230,11 +260,14 @@ def main(cfg):
     "best_val_loss"}. Raises ConfigError for bad settings or data, FloatingPointError for a non-finite loss and
     OSError for a failed save.
     """
+    cfg = auto_resumed(cfg)  # with auto_resume: a resume where out_dir holds a checkpoint
     rt = make_runtime(cfg)
     with contextlib.ExitStack() as stack:
         run = setup(cfg, rt, stack)
         cfg, progress, evals = run.cfg, run.progress, []
-        iter_num, stopping, out_of_time = run.start_iter, False, False
+        iter_num, stopping = run.start_iter, False
+        # a restarted job (auto_resume) may find its time budget spent: the time saved is the same on every rank
+        out_of_time = cfg.max_minutes > 0 and run.clock.before >= 60 * cfg.max_minutes
         # each pass: evaluate if due, stop if this is the last iteration, else take one step
         while True:
             last = iter_num >= cfg.max_iters or stopping or out_of_time
@@ -251,9 +284,11 @@ def main(cfg):
                     save_training_state(run, iter_num)
                     log_memory(run.models.raw, run.optimizers, rt)
                     how = f"stopped by {run.stop.signal or 'a signal to another rank'}" if stopping else "done"
+                    # with auto_resume the command that started the run goes on with it (a requeued job's)
+                    again = "the same command" if cfg.auto_resume else resume_command(cfg.out_dir, rt)
                     log(
                         f"{how} at iteration {iter_num}: saved {Path(cfg.out_dir) / 'ckpt.pt'}"
-                        + (f"; resume with {resume_command(cfg.out_dir, rt)}" if stopping else "")
+                        + (f"; resume with {again}" if stopping else "")
                     )
                 break
             step = train_step(run, iter_num)
@@ -263,8 +298,12 @@ def main(cfg):
             # iterations are numbered by the steps done: the step just taken ends iteration iter_num + 1
             iter_num += 1
             progress.add(iter_num, step)
-            # the ranks agreed on the time the step began: they all stop after the same step
+            if rt.rank == 0:
+                record_progress(cfg.out_dir, iter_num, step.seconds)  # for a restart to say what a failure cost
+            # the ranks agreed on the time the step began: they all stop, or save by the clock, after the same step
             out_of_time = cfg.max_minutes > 0 and step.seconds >= 60 * cfg.max_minutes
+            if run.checkpoint_clock.due(step.seconds) and not saves_anyway(cfg, iter_num, out_of_time):
+                save_by_the_clock(run, iter_num)
         if rt.world_size > 1:
             # gloo's worker threads release each collective's Python tensors after it returns, which needs the GIL;
             # a process group torn down (by DDP's reducer as main returns, with the GIL held) before they have waits
@@ -324,7 +363,10 @@ def setup(cfg, rt, stack):
     batches = TrainBatches(splits["train"], task, cfg, generator, rt, per_rank)
     stack.callback(batches.close)
     describe_run(cfg, rt, folder.name, models.raw, per_rank, summary, schedule_notes(cfg))
-    for note in (threads_note, task.describe(splits["train"], cfg.batch_size)):
+    trained = 0.0 if begin.ckpt is None else begin.ckpt.get("train_seconds", 0.0)  # the run's time so far
+    # a resume after a failure says so, and what it cost
+    restarted = None if begin.ckpt is None or cfg.eval_only else restart_note(cfg.out_dir, begin.ckpt)
+    for note in (restarted, torchrun_note(), threads_note, task.describe(splits["train"], cfg.batch_size)):
         if note:
             log(note)
     return Run(
@@ -343,8 +385,9 @@ def setup(cfg, rt, stack):
         stop=stack.enter_context(StopRequest()),
         host_group=host_group,
         # started last, so that the time budget counts the loop's time: a resume goes on from the time saved
-        clock=Clock(0.0 if begin.ckpt is None else begin.ckpt.get("train_seconds", 0.0)),
+        clock=Clock(trained),
         schedule=make_schedule(cfg, begin.ckpt),
+        checkpoint_clock=CheckpointClock(cfg.checkpoint_minutes, trained),
         converter=begin.converter,
         start_iter=0 if begin.ckpt is None else begin.ckpt["iter_num"],
         best_val_loss=math.inf if begin.ckpt is None else begin.ckpt["best_val_loss"],
@@ -400,7 +443,8 @@ def open_outputs(cfg, rt, is_writer, model_config, meta, converter, stack):
         out_dir.mkdir(parents=True, exist_ok=True)
         # the run's settings in readable JSON beside the checkpoints, for people and tools without torch
         run_config = {"train_config": asdict(cfg), "model_config": asdict(model_config), "meta": meta}
-        tokens.write_json({**run_config, "world_size": rt.world_size}, out_dir / "config.json")
+        # the launcher's job too: auto_resume starts a run again where the same job stopped before any checkpoint
+        tokens.write_json({**run_config, "world_size": rt.world_size, JOB_KEY: launcher_job()}, out_dir / "config.json")
         if cfg.init_from != "resume":
             keep_base(converter, out_dir)
     # this GPU's peak bf16 FLOP/s, for MFU; None where unknown
@@ -707,6 +751,21 @@ def exact_match(model, task, split, rows, cfg, rt):
     return correct / max(total, 1)
 
 
+def saves_anyway(cfg, iter_num, out_of_time):
+    """Whether ckpt.pt is saved after step iter_num without the clock: the last step's save, or an evaluation's."""
+    last = iter_num >= cfg.max_iters or out_of_time
+    return last or cfg.always_save_checkpoint and iter_num % cfg.eval_interval == 0
+
+
+def save_by_the_clock(run, iter_num):
+    """ckpt.pt after step iter_num, as checkpoint_minutes asks, on every rank: the rest of the run goes on from it."""
+    with run.progress.paused():  # progress lines time the training steps only
+        run.progress.read()  # a non-finite loss stops the run before any save
+        save_training_state(run, iter_num)
+    path = Path(run.cfg.out_dir) / "ckpt.pt"
+    log(f"saved {path} at iteration {iter_num}, by the clock (every {run.cfg.checkpoint_minutes:g} minutes)")
+
+
 def save_training_state(run, iter_num):
     """ckpt.pt: everything a resume needs (checkpoint.save_training). Every rank takes part."""
     save_training(
@@ -739,6 +798,8 @@ def cli(argv):
     """
     try:
         given = given_values(TrainConfig, argv)
+        if given.get("auto_resume") and has_checkpoint(given.get("out_dir", TrainConfig.out_dir)):
+            given["init_from"] = "resume"  # elastic.auto_resumed's choice, made before the run's settings are read
         if given.get("init_from") == "resume":  # the run in out_dir says every setting not given: checked merged
             given = resumed_settings(TrainConfig, given, given.get("out_dir", TrainConfig.out_dir))
         cfg = make_config(TrainConfig, given)

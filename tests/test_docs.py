@@ -1,9 +1,10 @@
 """
-The docs check: every command in the shell blocks of README.md and docs/*.md is read by the script it names, so no
-page drifts from the code. Nothing is trained or run: each `python X.py ...` (or `torchrun ... train.py ...`) line
-is checked for a script that exists, config files that exist, and options that its own parser accepts with values
-of the right type (config.parse_config with the script's config class; prepare_data.parse_args, which builds one). Links
-between the pages must point to files and headings that exist.
+The docs check: every command in the shell blocks of README.md and docs/*.md is read by the script it names (the
+arguments of the batch script slurm/train.sbatch by train.py), so no page drifts from the code. Nothing is trained or
+run: each `python X.py ...` (or `torchrun ... train.py ...`) line is checked for a script that exists, config files
+that exist, and options that its own parser accepts with values of the right type (config.parse_config with the
+script's config class; prepare_data.parse_args, which builds one). Links between the pages must point to files and
+headings that exist.
 
 Commands that start a run must each write into a folder of their own, since train.py refuses to start a run into a
 folder that holds one: two commands that train into the same out_dir must describe the same run.
@@ -39,8 +40,12 @@ CONFIG_CLASSES = {
 }
 # scripts of other projects that a page tells the reader to run in their own checkout
 ELSEWHERE = {"convert_hf_to_gguf.py"}  # llama.cpp's converter (docs/export.md)
+# scripts that take no options (docs/distributed.md's interconnect check): a command gives them none
+NO_OPTIONS = {"slurm/all_reduce.py"}
 # train.py settings that change where or how fast a run goes, not what it trains
+# (or how it outlives failures)
 SAME_RUN = {"device", "dtype", "compile", "threads", "backend", "dist_timeout", "data_options", "overwrite"}
+SAME_RUN |= {"auto_resume", "checkpoint_minutes"}
 
 
 @dataclasses.dataclass
@@ -117,6 +122,8 @@ def command_of(words, where, written):
     for i, word in enumerate(words):
         if word in ("python", "python3") and i + 1 < len(words) and words[i + 1] != "-m":
             return Command(where, words[i + 1], words[i + 2 :], written)
+        if word.endswith("slurm/train.sbatch"):  # the batch script hands its arguments to train.py
+            return Command(where, "train.py", words[i + 1 :], written)
         if word == "torchrun":
             # torchrun's own options come first; the script is the first .py after them
             rest = words[i + 1 :]
@@ -165,6 +172,8 @@ def check_command(command):
         return []
     if not (ROOT / command.script).is_file():
         return [f"{where}: no script {command.script}"]
+    if command.script in NO_OPTIONS:
+        return [f"{where}: {command.script} takes no options"] if command.args else []
     if command.script not in CONFIG_CLASSES and command.script != "prepare_data.py":
         return [f"{where}: the docs check does not know {command.script}'s options; add it to CONFIG_CLASSES"]
     problems = [
@@ -294,6 +303,9 @@ python eval.py --out_dir=out-shakespeare --stride=32 && python export.py --out_d
     found = commands(snippet, "page.md")
     assert [len(check_command(c)) > 0 for c in found] == [True] * 8 + [False, False]
     assert check_command(found[0])[0].endswith("did you mean 'learning_rate'?")
+    assert check_command(commands("```sh\nsbatch slurm/train.sbatch --max_iter=9\n```", "p")[0])
+    no_options = commands("```sh\ntorchrun --standalone slurm/all_reduce.py --size=1\n```", "page.md")
+    assert check_command(no_options[0])[0].endswith("slurm/all_reduce.py takes no options")
     assert len(check_links(page.read_text(), page)) == 2
     assert check_links("[c](#here)\n\n## Here\n", page) == []
     # two different runs into out-shakespeare clash; the same run twice, or a resume, does not
