@@ -106,6 +106,7 @@ CORE = {
     "runtime",
     "compiling",
     "checkpoint",
+    "elastic",
     "start",
     "data",
     "optim",
