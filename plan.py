@@ -24,10 +24,8 @@ its memory), communication time. LoRA is refused (make_plan).
 """
 
 import contextlib
-import math
 import os
 import re
-import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -58,13 +56,6 @@ from recipes.chat import chat_meta
 from start import task_of
 from tasks import Task
 
-# the MFU a plan times GPU steps at, measured with tools/bench.py --parts=gpu (docs/performance.md#gpus) on
-# configs/gpt2.py's model at 12 x 1024 x 4 micro-batches a step, bf16, compiled, fused AdamW; a GPU not measured yet
-# gets the H100's
-MEASURED_MFU = {"H100": 0.40}
-# on a CPU: the model FLOP/s of training over the float32 matmul rate measured when planning (cpu_matmul_flops), the
-# quick start's on 2 cores, the calibration of README.md's "Plan a run" table
-CPU_MFU = 0.65
 # a GPU counts as full at this share of its memory: the CUDA context, cuDNN/cuBLAS workspaces and the caching
 # allocator's fragmentation take the rest
 FULL = 0.90
@@ -101,10 +92,10 @@ def find_target(name, mfu, ranks):
     if name.lower() == "cpu":
         # this CPU's float32 matmul rate with the threads each of the ranks would get
         threads = runtime.pick_threads(0, ranks)[0]
-        measured = cpu_matmul_flops(threads)
+        measured = runtime.cpu_matmul_flops(threads)
         source = f"the quick start's, of matmuls measured now on {threads} thread(s)"
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
-        return Target("cpu", memory, measured, mfu or CPU_MFU, "given" if mfu else source, gpu=False)
+        return Target("cpu", memory, measured, mfu or runtime.CPU_MFU, "given" if mfu else source, gpu=False)
     gpu = next((gpu for gpu in runtime.GPUS if squeeze(gpu.name) == squeeze(name)), None)
     if gpu is None:
         raise ConfigError(f"plan_device={name!r} is not a device plans know; use cpu or one of {gpu_names()}")
@@ -130,24 +121,10 @@ def gpu_target(name, memory, flops, mfu, bf16=True):
     # the GPUS name this device's begins with, the longest ('NVIDIA H100 80GB HBM3' is an H100, 'H100 PCIe' its own)
     known = [gpu.name for gpu in runtime.GPUS if squeeze(name).startswith(squeeze(gpu.name))]
     key = max(known, key=len, default=None)
-    if key in MEASURED_MFU:
-        return Target(name, memory, flops, MEASURED_MFU[key], f"measured on an {key}", gpu=True, bf16=bf16)
-    return Target(name, memory, flops, MEASURED_MFU["H100"], "the H100's: none measured on this GPU", True, bf16)
-
-
-def cpu_matmul_flops(threads, n=1024, repeats=5):
-    """The best float32 FLOP/s of repeats n x n matmuls with `threads` threads: this CPU's dense rate."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm-up
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    torch.set_num_threads(before)
-    return 2 * n**3 / best
+    if key in runtime.MEASURED_MFU:
+        return Target(name, memory, flops, runtime.MEASURED_MFU[key], f"measured on an {key}", gpu=True, bf16=bf16)
+    unmeasured = "the H100's: none measured on this GPU"
+    return Target(name, memory, flops, runtime.MEASURED_MFU["H100"], unmeasured, gpu=True, bf16=bf16)
 
 
 # -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import contextlib
 import copy
 import ctypes
 import inspect
+import math
 import os
 import re
 import signal
@@ -220,6 +221,46 @@ def device_peak_flops(device):
     return peak_flops(
         torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).multi_processor_count
     )
+
+
+# the MFU a plan times GPU steps at, measured with tools/bench.py --parts=gpu (docs/performance.md#gpus) on
+# configs/gpt2.py's model at 12 x 1024 x 4 micro-batches a step, bf16, compiled, fused AdamW; a GPU not measured yet
+# gets the H100's
+MEASURED_MFU = {"H100": 0.40}
+# on a CPU: the model FLOP/s of training over the float32 matmul rate measured when planning (cpu_matmul_flops), the
+# quick start's on 2 cores, the calibration of README.md's "Plan a run" table
+CPU_MFU = 0.65
+# a step that would take less than a minute even at this rate needs no prediction (none of a CPU goes faster)
+CPU_FLOPS_CEILING = 5e12
+
+
+def cpu_matmul_flops(threads, n=1024, repeats=5):
+    """The best float32 FLOP/s of repeats n x n matmuls with `threads` threads: this CPU's dense rate."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(before)
+    return 2 * n**3 / best
+
+
+def step_seconds(flops, rt):
+    """
+    Seconds a training step of `flops` model FLOPs takes on rt's device at the rates plans use (MEASURED_MFU of the
+    GPU's peak, CPU_MFU of the CPU's measured matmul rate); None where no rate is known (MPS, an unknown GPU) and on
+    a CPU whose step would be short even at CPU_FLOPS_CEILING (its matmuls are then not timed).
+    """
+    if rt.device.type == "cuda":
+        peak = device_peak_flops(rt.device)
+        return None if peak is None else flops / (peak * MEASURED_MFU["H100"])
+    if rt.device.type != "cpu" or flops / CPU_FLOPS_CEILING < 60:
+        return None
+    return flops / (cpu_matmul_flops(torch.get_num_threads()) * CPU_MFU)
 
 
 # -----------------------------------------------------------------------------

@@ -67,11 +67,14 @@ from runtime import (
     parallelize,
     raise_if_any_failed,
     split_accumulation,
+    step_seconds,
     use_device,
 )
 from start import keep_base, restore, resumed_settings, start_run
 from tasks import TASKS, Task
 
+# a step predicted to take longer than this is said before the run starts (slow_step_note)
+SLOW_STEP_SECONDS = 60.0
 # TrainConfig's settings with a fixed set of values; the model's own (arch, norm, ...) are ModelConfig's to check
 CHOICES = {
     "dtype": DTYPES,
@@ -314,6 +317,24 @@ def main(cfg):
         return {"losses": progress.losses, "evals": evals, "iter_num": iter_num, "best_val_loss": run.best_val_loss}
 
 
+def slow_step_note(cfg, rt, task, model, per_rank):
+    """
+    A note for a run whose steps take minutes at the rates plans use (runtime.step_seconds), said before the first
+    one starts: it names the settings that make a step long, since nothing else is printed until it ends.
+    """
+    inputs, _ = task.example_batch(cfg.batch_size, cfg.block_size)
+    flops = model.training_flops(*inputs) * per_rank
+    seconds = step_seconds(flops, rt)
+    if seconds is None or seconds < SLOW_STEP_SECONDS:
+        return None
+    return (
+        f"note: a step is {flops:.2g} FLOPs, about {seconds / 60:.0f} minute(s) on this {rt.device.type} at the "
+        f"rate --plan uses, and nothing is printed before it ends: block_size={cfg.block_size:,}, batch_size="
+        f"{cfg.batch_size} and gradient_accumulation_steps={cfg.gradient_accumulation_steps} make it that long "
+        "(lower them for shorter steps); a second Ctrl-C stops a step at once"
+    )
+
+
 def resume_command(out_dir, rt):
     """The shortest command that goes on with the run in out_dir: its checkpoint holds every setting."""
     launcher = "python"
@@ -366,7 +387,8 @@ def setup(cfg, rt, stack):
     trained = 0.0 if begin.ckpt is None else begin.ckpt.get("train_seconds", 0.0)  # the run's time so far
     # a resume after a failure says so, and what it cost
     restarted = None if begin.ckpt is None or cfg.eval_only else restart_note(cfg.out_dir, begin.ckpt)
-    for note in (restarted, torchrun_note(), threads_note, task.describe(splits["train"], cfg.batch_size)):
+    slow = None if cfg.eval_only else slow_step_note(cfg, rt, task, models.raw, per_rank)
+    for note in (restarted, torchrun_note(), threads_note, task.describe(splits["train"], cfg.batch_size), slow):
         if note:
             log(note)
     return Run(
