@@ -48,7 +48,7 @@ from elastic import (
     restart_note,
     torchrun_note,
 )
-from log import Clock, Progress, Scalars, Step, describe_run, fail, log, log_memory, one_line
+from log import Clock, Progress, Scalars, Step, describe_run, fail, format_eta, log, log_memory, one_line
 from model import MODEL_KEYS, ModelConfig, ModelSettings, loss_chunk_cap
 from optim import Schedule, make_optimizers, make_schedule, schedule_notes
 from runtime import (
@@ -328,7 +328,7 @@ def slow_step_note(cfg, rt, task, model, per_rank):
     if seconds is None or seconds < SLOW_STEP_SECONDS:
         return None
     return (
-        f"note: a step is {flops:.2g} FLOPs, about {seconds / 60:.0f} minute(s) on this {rt.device.type} at the "
+        f"note: a step is {flops:.2g} FLOPs, about {format_eta(seconds)} on this {rt.device.type} at the "
         f"rate --plan uses, and nothing is printed before it ends: block_size={cfg.block_size:,}, batch_size="
         f"{cfg.batch_size} and gradient_accumulation_steps={cfg.gradient_accumulation_steps} make it that long "
         "(lower them for shorter steps); a second Ctrl-C stops a step at once"

@@ -457,6 +457,20 @@ def test_the_thread_note_comes_with_the_run_s_description(tmp_path, data_root, m
     assert lines[0].startswith("gpt on shakespeare_char") and 0 < note < 4
 
 
+def test_a_step_predicted_to_take_minutes_is_said_before_it_starts(tmp_path, data_root, monkeypatch, capsys):
+    # a CPU of 1,000 FLOP/s, and the ceiling under which steps are not timed lowered to it
+    monkeypatch.setattr(runtime, "cpu_matmul_flops", lambda threads: 1e3)
+    monkeypatch.setattr(runtime, "CPU_FLOPS_CEILING", 1e3)
+    main(tiny(data_root, tmp_path, max_iters=1))
+    lines = capsys.readouterr().out.splitlines()
+    note = next(i for i, line in enumerate(lines) if "on this cpu at the rate --plan uses" in line)
+    assert "block_size=32" in lines[note] and "a second Ctrl-C stops a step at once" in lines[note]
+    assert note < next(i for i, line in enumerate(lines) if line.startswith("eval 0"))
+    monkeypatch.undo()  # at this machine's real rate a tiny step takes milliseconds: no note
+    main(tiny(data_root, tmp_path / "fast", max_iters=1))
+    assert "at the rate --plan uses" not in capsys.readouterr().out
+
+
 def test_threads_leave_busy_cores_to_other_jobs(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
