@@ -1296,3 +1296,71 @@ def test_the_completion_box_continues_past_the_context(data_root, tmp_path):
             assert page.posted[-1]["truncate_prompt_tokens"] == 16 and page.posted[-1]["prompt"].startswith("ROMEO:")
     finally:
         running.stop()
+
+
+def send(page, text, replies):
+    """Type a message into the page and wait until its reply, the `replies`-th, is all in."""
+    page.fill("#input", text)
+    page.press("#input", "Enter")
+    done = f"document.querySelectorAll('.assistant').length === {replies}"
+    page.wait_for_function(done + " && !document.getElementById('send').disabled")
+
+
+@needs_chromium
+def test_the_chat_page_keeps_the_conversation_and_settings_over_a_reload(server):
+    """Browser storage: a reload shows the same turns and settings, and the next turn carries on from them."""
+    with browser_page() as page:
+        page.goto(server.url + "/")
+        page.wait_for_function("document.title === 'out'")
+        page.fill("#temperature", "0")
+        page.fill("#max-tokens", "5")
+        send(page, "abca", 1)
+        reply = page.text_content(".assistant")
+        page.reload()
+        page.wait_for_function("document.title === 'out'")
+        assert page.locator(".user").all_text_contents() == ["abca"]
+        assert page.locator(".assistant").all_text_contents() == [reply]
+        assert (page.input_value("#temperature"), page.input_value("#max-tokens")) == ("0", "5")
+        send(page, "bcab", 2)
+        last = page.posted[-1]
+        assert last["messages"] == [
+            {"role": "user", "content": "abca"},
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "bcab"},
+        ]
+        assert (last["temperature"], last["max_tokens"]) == (0, 5)
+        page.click("#reset")  # New chat: the conversation goes, the settings stay
+        page.reload()
+        page.wait_for_function("document.title === 'out'")
+        assert page.locator(".message").count() == 0 and page.input_value("#temperature") == "0"
+        send(page, "abca", 1)
+        page.click("#forget")  # Forget: all of it, the settings back to their defaults
+        page.reload()
+        page.wait_for_function("document.title === 'out'")
+        assert page.locator(".message").count() == 0
+        assert (page.input_value("#temperature"), page.input_value("#max-tokens")) == ("0.8", "")
+
+
+@needs_chromium
+def test_the_chat_page_asks_for_a_missing_key_in_its_field(chat_dir):
+    """The server's 401 speaks of a header; the page asks for the key in its own field, and goes on once it has it."""
+    running = Running(served_from(chat_dir), api_key="s3cret")
+    try:
+        with browser_page() as page:
+            page.goto(running.url + "/")
+            message = page.text_content(".error")
+            assert "API key field" in message and "header" not in message and "reload" not in message
+            assert page.is_visible("#key")
+            page.fill("#key", "wrong")
+            page.press("#key", "Tab")  # the field's change
+            page.wait_for_function("document.querySelector('.error').textContent.includes('refused')")
+            page.fill("#key", "s3cret")
+            page.press("#key", "Tab")
+            page.wait_for_function("document.title === 'out'")
+            assert page.locator(".error").count() == 0
+            send(page, "abca", 1)
+            page.reload()  # the key is kept for this tab
+            page.wait_for_function("document.title === 'out'")
+            assert page.locator(".error").count() == 0 and page.locator(".assistant").count() == 1
+    finally:
+        running.stop()
