@@ -44,6 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 import engine
@@ -61,6 +62,8 @@ MAX_STOP_CHARS = 256  # characters of each: every token checks whether the text 
 MAX_CHOICES = 64  # prompts x n of one completion request
 # the smallest temperature that is not 0: logits divided by less overflow to inf, and the softmax to NaN
 MIN_TEMPERATURE = 0.01
+SHUTDOWN_GRACE = 5  # seconds the HTTP server waits at exit for responses to go out before it cancels them
+RETRY_AFTER = 1  # seconds a client refused for a full waiting line is told to wait (429's Retry-After)
 CONTEXT_IDS = 6  # ids decoded before a new one, so that its text comes out as it does in context (a leading space)
 
 
@@ -78,6 +81,9 @@ class ServeConfig:
     max_positions: int = 0  # KV cache positions of all rows (rows x the longest row's); 0: max_batch x block_size
     prefill_chunk: int = 256  # prompt ids fed a step: a long prompt takes several, and the running rows keep pace
     context: str = "drop"  # a chat longer than the context: "drop" its oldest turns (as sample.py --chat), "refuse"
+    max_messages: int = 10_000  # messages a conversation may hold; more are refused with 400
+    max_waiting: int = 1024  # prompts that may wait for room in the batch; then requests get 429 and Retry-After
+    request_timeout: float = 1800.0  # seconds a request may take once accepted, waiting included (then 504); 0: none
     strict: bool = False  # refuse unknown request fields with 400; False: ignore them (each named once on stderr)
     device: str = "auto"  # "cpu", "cuda", "cuda:1", "mps"; "auto": cuda, else mps, else cpu
     dtype: str = "auto"  # "float32", "bfloat16" or "float16" (autocast); "auto": as in train.py
@@ -91,6 +97,8 @@ class ServeConfig:
             raise ValueError(f"max_body must be at least 1 byte, got {self.max_body}")
         if self.max_batch < 1 or self.max_positions < 0 or self.prefill_chunk < 1 or self.threads < 0:
             raise ValueError("max_batch and prefill_chunk must be at least 1, max_positions and threads at least 0")
+        if self.max_messages < 1 or self.max_waiting < 1 or self.request_timeout < 0:
+            raise ValueError("max_messages and max_waiting must be at least 1, request_timeout at least 0")
         if self.context not in ("drop", "refuse"):
             raise ValueError(f"context must be 'drop' or 'refuse', got {self.context!r}")
         if self.dtype not in DTYPES:
@@ -199,22 +207,38 @@ class Choice:
         return new
 
 
-async def generate(engine_, plans):
+async def generate(engine_, plans, live, timeout=0):
     """
     Run plans, each (engine.Request, its Choices: one a row), on the engine; yield (choice, new text) as text becomes
     final, and for each choice one last time with choice.finish set. What arrived together goes out together: a
     choice's text of several steps in one piece, when the loop is behind the engine. A row whose text reached a stop
-    string is ended at once; every request is cancelled when the caller stops early (its client gone).
+    string is ended at once; every request is cancelled when the caller stops early (its client gone), or when it
+    runs past `timeout` seconds (0: no limit), which raises APIError 504. The requests are in the set `live` while
+    they run, so that API.close can end them.
     """
     inbox = Inbox(asyncio.get_running_loop())
+    until = time.monotonic() + timeout if timeout else None
     for k, (request, _) in enumerate(plans):
         request.deliver = functools.partial(inbox.put, k)
+        live.add(request)
         engine_.submit(request)
     running = set(range(len(plans)))
     try:
+        # checked after they joined `live`: a server that stopped its engine before then will not end them
+        if not engine_.thread.is_alive():
+            raise shutting_down()
         while running:
             new = {}  # choice -> its text from the items taken now
-            for k, item in await inbox.take():
+            try:
+                items = await inbox.take(until)
+            except TimeoutError:
+                raise APIError(
+                    f"the request ran past this server's time limit of {timeout:g} s (--request_timeout): ask for "
+                    "fewer tokens, or try again when the server is less busy",
+                    status=504,
+                    kind="timeout",
+                ) from None
+            for k, item in items:
                 if k in running:
                     add_item(item, *plans[k], new, running, k)
             for choice, text in new.items():
@@ -222,6 +246,7 @@ async def generate(engine_, plans):
     finally:
         for request, _ in plans:
             request.cancelled = True
+            live.discard(request)
 
 
 def add_item(item, request, choices, new, running, k):
@@ -266,11 +291,19 @@ class Inbox:
         self.waking = False
         self.ready.set()
 
-    async def take(self):
-        while not self.items:
+    async def take(self, until=None):
+        """All that arrived, once something has; TimeoutError past `until` (a time.monotonic()), when given."""
+        while True:
+            if until is not None and time.monotonic() > until:
+                raise TimeoutError
+            if self.items:
+                return [self.items.popleft() for _ in range(len(self.items))]
             self.ready.clear()
-            await self.ready.wait()
-        return [self.items.popleft() for _ in range(len(self.items))]
+            if until is None:
+                await self.ready.wait()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.ready.wait(), until - time.monotonic())
 
 
 # -----------------------------------------------------------------------------
@@ -286,6 +319,19 @@ Seed = Annotated[int | None, Field(ge=0, lt=2**63)]
 NoPenalty = Annotated[float, Field(ge=0, le=0)]  # accepted so that clients sending 0 work; anything else is refused
 Bias = Annotated[float, Field(ge=-100, le=100)]  # OpenAI's range
 TopLogprobs = Annotated[int | None, Field(ge=0, le=20)]
+
+
+# what a field must be, in words, for the fields whose pydantic errors would not say it plainly: unions (whose errors
+# name the member tried) and fields accepted only at the value that changes nothing
+FIELD_RULES = {
+    "prompt": "must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "stop": f"must be a string or a list of at most {MAX_STOPS} strings, each of 1 to {MAX_STOP_CHARS} characters",
+    "presence_penalty": "only 0 is supported",
+    "frequency_penalty": "only 0 is supported",
+    "suffix": "only null or an empty string is supported: inserting text is not implemented",
+    "tools": "only none or an empty list is supported: calling tools is not implemented",
+    "functions": "only none or an empty list is supported: calling functions is not implemented",
+}
 
 
 class Options(BaseModel):
@@ -319,11 +365,14 @@ class Options(BaseModel):
             raise APIError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}", "temperature")
         if self.response_format is not None and self.response_format.get("type") != "text":
             kind = self.response_format.get("type")
-            raise APIError(f"response_format type {kind!r} is not supported; only 'text' is", "response_format")
+            raise APIError(f"response_format: type {kind!r} is not supported; only 'text' is", "response_format")
         bias = []
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= vocab_size:
-                raise APIError(f"logit_bias: {key!r} is not a token id below {vocab_size}", "logit_bias")
+            # ASCII digits, not isdigit()'s ("²", which int() refuses), and few: int() refuses 5,000 of them
+            if not re.fullmatch("[0-9]{1,18}", key) or int(key) >= vocab_size:
+                raise APIError(
+                    f"logit_bias: its keys are token ids, 0 to {vocab_size - 1}; {key[:20]!r} is not one", "logit_bias"
+                )
             bias.append((int(key), value))
         top_k = self.top_k if self.top_k and self.top_k > 0 else None
         try:
@@ -346,7 +395,7 @@ class Options(BaseModel):
 
 class CompletionRequest(Options):
     # a text, a list of ids, or a list of either; "" starts where a document starts (sample.py's empty --start)
-    prompt: str | list[str] | list[int] | list[list[int]] = ""
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: Annotated[int | None, Field(ge=0)] = 16  # OpenAI's default; None: up to the context's end
     logprobs: Annotated[int | None, Field(ge=0, le=20)] = None  # each token's log p and the k likeliest beside
     echo: bool = False  # the prompt's text (and with logprobs its tokens) before the completion
@@ -386,11 +435,16 @@ class DetokenizeRequest(BaseModel):
 
 
 class APIError(Exception):
-    """A request the server refuses: answered with `status` and OpenAI's error body."""
+    """A request the server refuses or ends: answered with `status`, OpenAI's error body (of type `kind`), headers."""
 
-    def __init__(self, message, param=None, status=400):
+    def __init__(self, message, param=None, status=400, kind="invalid_request_error", headers=None):
         super().__init__(message)
-        self.message, self.param, self.status = message, param, status
+        self.message, self.param, self.status, self.kind, self.headers = message, param, status, kind, headers
+
+
+def shutting_down():
+    """The 503 of a request that the server, stopping, will not answer."""
+    return APIError("the server is shutting down", status=503, kind="server_error")
 
 
 def error_body(message, param=None, kind="invalid_request_error"):
@@ -404,8 +458,8 @@ def check_model(name, served):
         raise APIError(f"the model {name!r} does not exist; this server serves {served.name!r}", "model", status=404)
 
 
-def fitted_max_tokens(asked, prompt_length, block_size, prompt_param):
-    """max_tokens, checked to fit the context after the prompt; None (not given) is all the room left."""
+def fitted_max_tokens(asked, prompt_length, block_size, prompt_param, asked_param="max_tokens"):
+    """max_tokens (named asked_param), checked to fit the context after the prompt; None is all the room left."""
     room = block_size - prompt_length
     if room < 0 or room == 0 and asked != 0:
         raise APIError(
@@ -415,9 +469,9 @@ def fitted_max_tokens(asked, prompt_length, block_size, prompt_param):
         )
     if asked is not None and asked > room:
         raise APIError(
-            f"max_tokens={asked} does not fit: this model's context holds {block_size} tokens and the prompt has "
+            f"{asked_param}={asked} does not fit: this model's context holds {block_size} tokens and the prompt has "
             f"{prompt_length}, so at most {room} more",
-            "max_tokens",
+            asked_param,
         )
     return room if asked is None else asked
 
@@ -451,6 +505,48 @@ def completion_prompts(prompt, served, truncate=None):
             shown = shown[len(shown) - (truncate - len(head)) :]
         prompts.append((head + shown, shown))
     return prompts
+
+
+def fit_long_conversation(chat, messages, block_size, room, tokenizer):
+    """
+    generate.fit_conversation's (messages, prompt ids), found in time linear in the messages: it drops the oldest
+    exchange and renders the rest again until they fit, quadratic in a long conversation (8,000 one-letter messages
+    held the server for a minute). Here the whole conversation is rendered once and the cut estimated from each
+    message's tokens (its content's, and an even share of what the template adds); then only what is kept, about
+    half a context, is rendered again, an exchange at a time, until the cut is where fit_conversation puts it.
+    """
+    prompt = chat.prompt_ids(messages)  # a bad message raises here, before anything else reads it
+    if len(prompt) + room <= block_size:
+        return messages, prompt
+    head = messages[:1] if messages[0]["role"] == "system" else []
+    turns = messages[len(head) :]
+    # where what is kept may begin, in the order fit_conversation tries them: the first message, each later user
+    # message, and last the final message alone
+    starts = [0, *(i for i, m in enumerate(turns) if i and m["role"] == "user")]
+    if starts[-1] != len(turns) - 1:
+        starts.append(len(turns) - 1)
+    sizes = [len(ids) for ids in tokenizer.encode_batch([m["content"] for m in messages])]
+    share = (len(prompt) - sum(sizes)) / len(messages)  # the template's own tokens, spread over the messages
+    target = min(block_size // 2, block_size - room)  # fit_conversation's: at most half the context
+    tail = [0.0] * (len(turns) + 1)  # tail[i]: the estimated tokens of turns[i:]
+    for i in range(len(turns) - 1, -1, -1):
+        tail[i] = tail[i + 1] + sizes[len(head) + i] + share
+    base = sum(sizes[: len(head)]) + share * len(head)
+    at = next((k for k, start in enumerate(starts) if base + tail[start] <= target), len(starts) - 1)
+
+    def kept(k):
+        return [*head, *turns[starts[k] :]]
+
+    ids = chat.prompt_ids(kept(at))
+    if len(ids) <= target:  # the estimate may cut too much: earlier exchanges come back while they fit
+        while at > 0 and len(chat.prompt_ids(kept(at - 1))) <= target:
+            at -= 1
+    else:  # or too little: later ones go
+        while at < len(starts) - 1 and len(ids) > target:
+            at += 1
+            ids = chat.prompt_ids(kept(at))
+    # what is left fits (returned as it is) or is the final message alone, which fit_conversation refuses or keeps
+    return fit_conversation(chat, kept(at), block_size, room)
 
 
 def text_message(message):
@@ -616,12 +712,16 @@ class API:
     """
     The server's handlers, around the Served model and its engine, which load() sets; until then every endpoint
     but /health (503) and the page answers 503. strict: unknown fields are refused (else ignored, each named once
-    on stderr); context: "drop" fits a long conversation by dropping its oldest turns, "refuse" answers 400.
+    on stderr); context: "drop" fits a long conversation by dropping its oldest turns, "refuse" answers 400;
+    max_messages, max_waiting and request_timeout as ServeConfig says.
     """
 
-    def __init__(self, *, strict=False, context="drop"):
-        self.strict, self.context = strict, context
+    def __init__(self, *, strict=False, context="drop", max_messages=10_000, max_waiting=1024, request_timeout=1800.0):
+        self.strict, self.context, self.max_messages = strict, context, max_messages
+        self.max_waiting, self.request_timeout = max_waiting, request_timeout
         self.served = self.engine = None
+        self.live = set()  # the engine.Requests being answered, which close() ends
+        self.closing = False  # close() was called: requests get 503
         self.special_ids = frozenset()  # the served model's special tokens (Served.special_ids)
         self.specials = {}  # the text of each of them -> its id, for /tokenize
         self.ignored = set()  # unknown fields named so far
@@ -647,11 +747,21 @@ class API:
         self.served = served  # the last: requests see the model once all of it is ready
 
     def close(self):
-        if self.engine is not None:
-            self.engine.stop()
+        """
+        Stop the engine (its thread ends after the step under way), then end every request it held: 503, or in a
+        stream an error event. Called from another thread than the loop's (Ctrl-C), or again at the app's shutdown.
+        """
+        self.closing = True
+        if self.engine is None:
+            return
+        self.engine.stop()
+        for request in list(self.live):  # a copy, taken at once: the loop's thread adds and removes requests
+            request.deliver(shutting_down())
 
     def ready(self, body=None):
         """The Served model (503 while loading), once body names it (404) and has no unknown field (with strict)."""
+        if self.closing:
+            raise shutting_down()
         if self.served is None:
             raise APIError(
                 "the model is still loading: try again shortly (GET /health answers 200 once it is)", status=503
@@ -660,7 +770,7 @@ class API:
             check_model(body.model, self.served)
             for name in body.model_extra or {}:
                 if self.strict:
-                    raise APIError(f"{name}: Extra inputs are not permitted", name)
+                    raise APIError(f"{name}: not a field this server reads (--strict refuses unknown fields)", name)
                 if name not in self.ignored:
                     self.ignored.add(name)
                     print(f"serve.py: note: ignoring the unknown field {name!r} (--strict refuses it)", file=sys.stderr)
@@ -710,19 +820,25 @@ class API:
     async def tokenize(self, body: TokenizeRequest):
         served = self.ready(body)
         if (body.prompt is None) == (body.messages is None):
-            raise APIError("give either prompt (a text) or messages", "prompt")
+            raise APIError("prompt: give a prompt (a text) or messages, one of the two", "prompt")
+        if body.messages is not None:
+            if served.chat is None:
+                raise APIError(f"{served.name} has no chat template: tokenize a prompt", "messages")
+            self.check_length(body.messages)
+        ids = await run_in_threadpool(self.tokenize_ids, body)  # a long text takes a while: not on the loop
+        return {"count": len(ids), "max_model_len": served.model.config.block_size, "tokens": ids, "token_strs": None}
+
+    def tokenize_ids(self, body):
+        """The ids /tokenize answers with: of the messages rendered, or of the prompt after its template's start."""
         try:
             if body.messages is not None:
-                if served.chat is None:
-                    raise APIError(f"{served.name} has no chat template: tokenize a prompt", "messages")
                 messages = [text_message(m) for m in body.messages]
-                ids = served.chat.render(messages, add_generation_prompt=body.add_generation_prompt)[0]
-            else:
-                head = served.tokenizer.template_prefix() if body.add_special_tokens else []
-                ids = head + self.encode(body.prompt)
+                return self.served.chat.render(messages, add_generation_prompt=body.add_generation_prompt)[0]
+            head = self.served.tokenizer.template_prefix() if body.add_special_tokens else []
+            return head + self.encode(body.prompt)
         except ValueError as err:
-            raise APIError(one_line(err), "prompt" if body.messages is None else "messages") from None
-        return {"count": len(ids), "max_model_len": served.model.config.block_size, "tokens": ids, "token_strs": None}
+            param = "prompt" if body.messages is None else "messages"
+            raise APIError(f"{param}: {one_line(err)}", param) from None
 
     def encode(self, text):
         """The ids of text, where a special token's text stands for the token, as Hugging Face tokenizers read it."""
@@ -763,7 +879,8 @@ class API:
         served = self.ready(body)
         if body.best_of not in (None, body.n):
             raise APIError("best_of must equal n: drawing more and keeping the best is not implemented", "best_of")
-        prompts = completion_prompts(body.prompt, served, body.truncate_prompt_tokens)
+        # a long text takes a while to tokenize: not on the loop, which other requests (and /health) share
+        prompts = await run_in_threadpool(completion_prompts, body.prompt, served, body.truncate_prompt_tokens)
         if len(prompts) * body.n > MAX_CHOICES:
             raise APIError(f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} choices a request", "n")
         longest = max(len(ids) for ids, _ in prompts)
@@ -797,9 +914,14 @@ class API:
             raise APIError(f"{served.name} has no chat template: use /v1/completions", "messages")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
-        asked = body.max_completion_tokens or body.max_tokens
-        messages, prompt, dropped = self.fit([text_message(m) for m in body.messages], asked)
-        max_tokens = fitted_max_tokens(asked, len(prompt), served.model.config.block_size, "messages")
+        asked, block = body.max_completion_tokens or body.max_tokens, served.model.config.block_size
+        name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        if asked is not None and asked >= block:
+            fitted_max_tokens(asked, 1, block, "messages", name)  # no prompt leaves room for it: the 400 says so
+        self.check_length(body.messages)
+        # rendering thousands of messages takes a while: not on the loop, which other requests (and /health) share
+        messages, prompt, dropped = await run_in_threadpool(self.fit, [text_message(m) for m in body.messages], asked)
+        max_tokens = fitted_max_tokens(asked, len(prompt), block, "messages", name)
         self.check_budget(body.n, len(prompt) + max_tokens)
         ends = frozenset(served.chat.reply_ends())  # end-of-turn, or any role marker: another turn began
         # each of the n replies draws with its own generator, seed + j: reply 0 is what n=1 gives
@@ -819,15 +941,22 @@ class API:
     def fit(self, messages, asked):
         """(messages, prompt ids, how many were dropped) of a conversation fitted to the context (self.context)."""
         chat, block = self.served.chat, self.served.model.config.block_size
-        if asked is not None and asked >= block:
-            fitted_max_tokens(asked, 1, block, "messages")  # no prompt leaves room for it: the 400 says so
         try:
             if self.context == "refuse":
                 return messages, chat.prompt_ids(messages), 0
-            fitted, prompt = fit_conversation(chat, messages, block, room=asked or 1)
+            fitted, prompt = fit_long_conversation(chat, messages, block, asked or 1, self.served.tokenizer)
         except ValueError as err:  # a bad role or content, a template that refuses it, a message that does not fit
             raise APIError(f"messages: {one_line(err)}", "messages") from None
         return fitted, prompt, len(messages) - len(fitted)
+
+    def check_length(self, messages):
+        """400 for more messages than --max_messages."""
+        if len(messages) > self.max_messages:
+            raise APIError(
+                f"messages: {len(messages)} messages are more than this server reads ({self.max_messages}, "
+                "--max_messages): send the conversation's last ones",
+                "messages",
+            )
 
     def check_budget(self, n, positions):
         """400 for a request whose rows could never fit the batch's budget: it would wait forever."""
@@ -840,14 +969,27 @@ class API:
             )
 
     async def respond(self, request, plans, shape, body):
-        """The one answer path: plans (engine.Request, Choices) run on the engine, streamed or answered whole."""
+        """
+        The one answer path: plans (engine.Request, Choices) run on the engine, streamed or answered whole; 429 when
+        --max_waiting requests already wait, and each ends after --request_timeout seconds.
+        """
+        waiting = self.engine.stats()[1]
+        if waiting >= self.max_waiting:
+            raise APIError(
+                f"the server is busy: {waiting} requests wait for room in the batch (--max_waiting={self.max_waiting})"
+                ": try again shortly",
+                status=429,
+                kind="server_busy",
+                headers={"Retry-After": str(RETRY_AFTER)},
+            )
         choices = [choice for _, rows in plans for choice in rows]
+        run = functools.partial(generate, self.engine, plans, self.live, self.request_timeout)
         if body.stream:
 
             async def chunks():
                 for chunk in shape.opening(choices):
                     yield chunk
-                async for choice, text in generate(self.engine, plans):
+                async for choice, text in run():
                     yield shape.chunk(choice, text)
                 if body.include_usage():
                     yield {**shape.head, "choices": [], "usage": usage(shape.prompt_tokens, choices)}
@@ -855,7 +997,7 @@ class API:
             return event_stream(chunks())
 
         async def whole():
-            async for _ in generate(self.engine, plans):
+            async for _ in run():
                 pass
             return shape.whole(choices)
 
@@ -875,14 +1017,17 @@ ROUTES = (  # (method, path, API handler)
 )
 
 
-def make_app(served=None, *, api_key="", max_body=1_000_000, strict=False, context="drop", **budget):
+def make_app(
+    served=None, *, api_key="", max_body=1_000_000, max_batch=16, max_positions=0, prefill_chunk=256, **handling
+):
     """
-    The FastAPI app: API's handlers behind the Gate. Given `served` it serves it at once; else app.state.api.load()
-    does later (503 until then). budget: API.load's max_batch, max_positions and prefill_chunk.
+    The FastAPI app: API's handlers behind the Gate. Given `served` it serves it at once, its engine budgeted by
+    max_batch, max_positions and prefill_chunk (API.load); else app.state.api.load() does later (503 until then).
+    handling: API's strict, context, max_messages, max_waiting and request_timeout.
     """
-    api = API(strict=strict, context=context)
+    api = API(**handling)
     if served is not None:
-        api.load(served, **budget)
+        api.load(served, max_batch=max_batch, max_positions=max_positions, prefill_chunk=prefill_chunk)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -900,7 +1045,7 @@ def make_app(served=None, *, api_key="", max_body=1_000_000, strict=False, conte
 
 
 async def refused(request, err):
-    return JSONResponse(error_body(err.message, err.param), status_code=err.status)
+    return JSONResponse(error_body(err.message, err.param, err.kind), status_code=err.status, headers=err.headers)
 
 
 async def invalid(request, err):
@@ -911,7 +1056,14 @@ async def invalid(request, err):
     if not where:  # not an object; or not read as JSON, for want of its Content-Type (curl -d sends a form's)
         message = "the body must be a JSON object, sent with 'Content-Type: application/json'"
         return JSONResponse(error_body(message), status_code=400)
-    return JSONResponse(error_body(f"{'.'.join(where)}: {first['msg']}", where[0]), status_code=400)
+    field, rule = where[0], FIELD_RULES.get(where[0])
+    if first["type"] == "missing":
+        message = f"{field} is required" + (f": it {rule}" if rule else "")
+    elif rule:  # a union's error names the member it tried (prompt.str, stop.constrained-str): the rule says it all
+        message = f"{field}: {rule}"
+    else:  # a field, an item's index or a key, and pydantic's words for what is wrong
+        message = f"{'.'.join(where)}: {first['msg'].replace('Input should', 'must')}"
+    return JSONResponse(error_body(message, field), status_code=400)
 
 
 async def http_error(request, err):
@@ -937,7 +1089,9 @@ def event_stream(chunks):
         try:
             async for chunk in chunks:
                 yield sse(chunk)
-        except Exception as err:  # the headers are sent: the error can only travel in the stream
+        except APIError as err:  # the headers are sent: the error can only travel in the stream
+            yield sse(error_body(err.message, err.param, err.kind))
+        except Exception as err:
             yield sse(error_body(f"generation failed: {one_line(err)}", kind="server_error"))
         yield "data: [DONE]\n\n"
 
@@ -964,10 +1118,14 @@ async def disconnected(request):
         pass
 
 
+OPEN_PATHS = ("/", "/health", "/metrics")  # what answers without the API key: the page (which asks for it), probes
+
+
 class Gate:
     """
-    ASGI middleware in front of everything: /v1 requests without the API key (when one is set) get 401, and a body
-    longer than max_body gets 413, before any of it is parsed.
+    ASGI middleware in front of everything: when an API key is set, a request without it gets 401 unless its path
+    is one of OPEN_PATHS (whatever else is added later needs the key), and a body longer than max_body gets 413,
+    before any of it is parsed.
     """
 
     def __init__(self, app, api_key, max_body):
@@ -977,7 +1135,7 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_key and scope["path"].startswith("/v1"):
+        if self.api_key and scope["path"] not in OPEN_PATHS:
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 message = "a valid API key is needed: send the header 'Authorization: Bearer KEY'"
@@ -1039,8 +1197,17 @@ def main(cfg):
     """Listen, load the model (GET /health answers 503 meanwhile), and serve it until interrupted."""
     api_key = cfg.api_key or os.environ.get(API_KEY_VARIABLE, "")
     sock = listen(cfg.host, cfg.port)
-    app = make_app(api_key=api_key, max_body=cfg.max_body, strict=cfg.strict, context=cfg.context)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    app = make_app(
+        api_key=api_key,
+        max_body=cfg.max_body,
+        strict=cfg.strict,
+        context=cfg.context,
+        max_messages=cfg.max_messages,
+        max_waiting=cfg.max_waiting,
+        request_timeout=cfg.request_timeout,
+    )
+    # the requests are ended before the HTTP server stops (below): this only bounds a client that reads nothing
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="serve-http", daemon=True)
     thread.start()
     # a core is left to the HTTP loop: a model thread waiting for it would hold up every op (docs/serving.md)
@@ -1055,20 +1222,25 @@ def main(cfg):
         )
         print(f"serving {served.name} on http://{cfg.host}:{cfg.port} (the chat page at /)", file=sys.stderr)
         thread.join()
-    except KeyboardInterrupt:
-        pass
     finally:
+        # Ctrl-C lands here, on the main thread: the engine stops and the requests in flight end (streams with an
+        # error event) before the HTTP server stops, which would otherwise wait for every stream to run its course;
+        # no thread is left running torch when the interpreter exits (that aborted the process: SIGABRT)
+        app.state.api.close()
         server.should_exit = True
         thread.join()
 
 
 def cli(argv):
-    """The command line; returns the exit status: 2 with a one-line message for bad input."""
+    """The command line; returns the exit status: 2 with a one-line message for bad input, 130 for Ctrl-C."""
     try:
         main(parse_config(ServeConfig, argv))
     except (ValueError, OSError, ImportError) as err:
         print(f"serve.py: error: {one_line(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("serve.py: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

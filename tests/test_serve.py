@@ -2,15 +2,22 @@
 serve.py end to end: a server on a free port with a tiny trained chat model (and a tiny Llama-shaped BPE model whose
 template puts bos first, and a model that fails), talked to with the official openai client and with the bodies
 other clients send, its answers checked against sample.py's own output and the model's log-softmax computed here;
-concurrent requests, the budget, a conversation longer than the context, bad requests, the API key, a client that
-leaves mid-stream, lm-evaluation-harness, and the chat page in a real browser (Debian's chromium).
+concurrent requests, the budget, a conversation longer than the context (cut where sample.py --chat cuts it, in
+time linear in its messages), a full waiting line (429), the time limit, Ctrl-C on a real `python serve.py`, bad
+requests and their plain messages, the API key's reach, a client that leaves mid-stream, lm-evaluation-harness, and
+the chat page in a real browser (Debian's chromium), over a reload too.
 """
 
 import contextlib
 import io
 import json
+import random
+import re
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -22,6 +29,7 @@ import openai
 import pytest
 import torch
 import uvicorn
+from test_chat import CHATML, LLAMA3, hf_folder
 from tiny_run import free_port, tiny
 
 import engine
@@ -29,10 +37,12 @@ import eval as eval_py
 import sample
 import serve
 import train
+from chat import ChatFormat, folder_chat
 from checkpoint import load_checkpoint
 from config import parse_config
+from generate import fit_conversation
 from model import ModelConfig, build_model
-from tokens import Tokenizer
+from tokens import Tokenizer, huggingface_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -331,6 +341,142 @@ def test_a_conversation_longer_than_the_context_goes_on_without_its_oldest_turns
         refusing.stop()
 
 
+def chat_formats(chat_dir, llama_dir, root):
+    """
+    (name, ChatFormat, Tokenizer) of three templates: the chat model's built-in one, and on the Llama folder's BPE
+    ChatML's with its default system message and Llama 3's, which trims each message (so that a message's text may
+    count more tokens than it renders).
+    """
+    meta = load_checkpoint(chat_dir / "ckpt.pt")["meta"]
+    formats = [("builtin", ChatFormat.from_meta(meta), Tokenizer.from_meta(meta))]
+    text = (llama_dir / "tokenizer.json").read_text(encoding="utf-8")
+    for name, template in [("chatml", CHATML), ("llama3", LLAMA3)]:
+        folder = hf_folder(root / name, text, template, bos_token="<s>", eos_token="</s>")
+        meta = {"kind": "chat", **huggingface_tokenizer(folder), "chat": folder_chat(folder)}
+        formats.append((name, ChatFormat.from_meta(meta), Tokenizer.from_meta(meta)))
+    return formats
+
+
+class Counting:
+    """A ChatFormat's prompt_ids that records how many messages each call rendered."""
+
+    def __init__(self, chat):
+        self.chat, self.rendered = chat, []
+
+    def prompt_ids(self, messages):
+        self.rendered.append(len(messages))
+        return self.chat.prompt_ids(messages)
+
+
+def random_conversation(rng, count, alphabet, padded=0.0):
+    """
+    count messages of random roles and lengths (empty ones too), maybe a system prompt first, the user's last; in
+    the later half, that fraction of messages end in spaces (which Llama 3's template trims).
+    """
+    roles = ["user", "assistant"]
+    messages = [{"role": "system", "content": "ab"}] if rng.random() < 0.5 else []
+    for k in range(count):
+        text = "".join(rng.choices(alphabet, k=rng.randrange(k == count - 1, 13)))
+        if k > count // 2 and rng.random() < padded:
+            text += " " * rng.randrange(40)
+        messages.append({"role": "user" if k == count - 1 else rng.choice(roles), "content": text})
+    return messages
+
+
+def outcome(fit, *args):
+    """What a fit returns, or its ValueError's message."""
+    try:
+        return fit(*args)
+    except ValueError as err:
+        return str(err)
+
+
+def test_a_long_conversation_is_cut_where_fit_conversation_cuts_it_rendering_it_once(chat_dir, llama_dir, tmp_path):
+    """
+    generate.fit_conversation (sample.py --chat's) drops the oldest exchange and renders the rest again until it
+    fits: the reference, and quadratic in the messages. The server's fit keeps what it keeps, or refuses as it does,
+    for random conversations on three templates, and renders the whole conversation once, then about a context.
+    """
+    rng = random.Random(0)
+    for name, chat, chat_tokenizer in chat_formats(chat_dir, llama_dir, tmp_path):
+        alphabet = "abc" if name == "builtin" else "ab c. "  # the chat model's characters; spaces for Llama's trim
+        # contexts of a few messages to a few hundred: this BPE spells each template's markers in many tokens
+        blocks = [48, 100, 300] if name == "builtin" else [300, 1000, 3000]
+        for _ in range(40):
+            padded = 0.0 if name == "builtin" else rng.choice([0.0, 0.5])
+            messages = random_conversation(rng, rng.choice([1, 3, 10, 40, 100]), alphabet, padded)
+            block, room = rng.choice(blocks), rng.choice([1, 7, 30])
+            expected = outcome(fit_conversation, chat, messages, block, room)
+            assert outcome(serve.fit_long_conversation, chat, messages, block, room, chat_tokenizer) == expected
+        if name == "llama3":  # later messages that count 30 spaces more than they render: the cut comes back
+            messages = [
+                {"role": ["user", "assistant"][k % 2], "content": "ab" + " " * 30 * (k > 100)} for k in range(201)
+            ]
+            counting = Counting(chat)
+            fitted = serve.fit_long_conversation(counting, messages, 3000, 1, chat_tokenizer)
+            assert fitted == fit_conversation(chat, messages, 3000, 1) and counting.rendered[1] < len(fitted[0])
+        counting, messages = Counting(chat), random_conversation(rng, 5000, alphabet)
+        kept, _ = serve.fit_long_conversation(counting, messages, blocks[-1], 1, chat_tokenizer)
+        rendered = counting.rendered
+        assert 10 < len(kept) < 1000 and rendered[0] == len(messages)
+        # then a few renderings of what is kept; the reference renders an exchange less each time, ~2,500 times
+        assert len(rendered) <= 8 and sum(rendered[1:]) <= 8 * len(kept), rendered
+
+
+def tiny_messages_body(max_body):
+    """The largest chat body of at most max_body bytes made of one-letter messages, as JSON text: (body, its count)."""
+    message = '{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}'
+    head, tail = '{"max_tokens": 1, "temperature": 0, "messages": [', '{"role": "user", "content": "a"}]}'
+    pairs = (max_body - len(head) - len(tail)) // (len(message) + 2)
+    body = head + ", ".join([message] * pairs) + ", " + tail
+    assert len(body) <= max_body < len(body) + len(message) + 2
+    return body, 2 * pairs + 1
+
+
+@pytest.mark.parametrize("max_messages", [100_000, None])
+def test_the_largest_body_of_tiny_messages_is_answered_in_seconds_and_health_meanwhile(chat_dir, max_messages):
+    """
+    About 27,000 one-letter messages in the 1 MB a body may hold. Dropping their oldest turns one render at a time,
+    on the loop, held the server for 469 s (and /health with it); now 0.2 s, /health answering within 0.1 s. The
+    bounds are 100x that, for a loaded 2-core machine. With --max_messages at its default they are refused at once.
+    """
+    options = {} if max_messages is None else {"max_messages": max_messages}
+    running = Running(served_from(chat_dir), **options)
+    body, count = tiny_messages_body(1_000_000)
+    worst, done = [0.0], threading.Event()
+
+    def probe():  # /health's slowest answer while the request runs
+        while not done.is_set():
+            start = time.monotonic()
+            assert httpx.get(running.url + "/health", timeout=60).status_code == 200
+            worst[0] = max(worst[0], time.monotonic() - start)
+            time.sleep(0.02)
+
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            probing = pool.submit(probe)
+            start = time.monotonic()
+            headers = {"Content-Type": "application/json"}
+            response = httpx.post(running.url + "/v1/chat/completions", content=body, headers=headers, timeout=120)
+            took = time.monotonic() - start
+            done.set()
+            probing.result()
+    finally:
+        done.set()
+        running.stop()
+    assert took < 20 and worst[0] < 10, (took, worst[0])
+    if max_messages is None:
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "messages"
+        assert f"{count} messages" in error["message"] and "--max_messages" in error["message"]
+        assert "\n" not in error["message"]
+    else:
+        # all but the last exchanges dropped: whole exchanges (a user message and its reply), the last message kept
+        assert response.status_code == 200, response.text
+        dropped = response.json()["dropped_messages"]
+        assert dropped % 2 == 0 and 0 < count - dropped < 48
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_ids(client):
     long = "abcabcbbacab" * 5  # 60 characters: more than the 48 the model reads
     with pytest.raises(openai.BadRequestError):
@@ -533,6 +679,130 @@ def test_requests_wait_for_room_in_the_batch(chat_dir, monkeypatch):
 
 
 # -----------------------------------------------------------------------------
+# Under load: a full waiting line, the time limit, Ctrl-C
+
+
+def metrics(url):
+    """/metrics' values by name."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {k.removeprefix("nanoformer_"): v for k, v in (line.split() for line in text.splitlines() if line[0] != "#")}
+
+
+def wait_until(condition, what, seconds=30):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {seconds} s"
+        time.sleep(0.01)
+
+
+def test_a_full_waiting_line_is_refused_with_429_and_retry_after(chat_dir, monkeypatch):
+    """One row runs (its steps held), two prompts wait (--max_waiting=2): the next requests are refused at once."""
+    running = Running(served_from(chat_dir), max_batch=1, max_waiting=2)
+    go = threading.Event()
+    held_decode(running.engine.runner, monkeypatch, go.is_set)
+    url, body = running.url + "/v1/completions", {"prompt": "ab", "max_tokens": 5, "temperature": 0}
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            first = pool.submit(httpx.post, url, json=body, timeout=60)
+            wait_until(lambda: metrics(running.url)["requests_running"] == "1", "the first request runs")
+            waiting = [pool.submit(httpx.post, url, json=body, timeout=60) for _ in range(2)]
+            wait_until(lambda: metrics(running.url)["requests_waiting"] == "2", "two requests wait")
+            for stream in (False, True):  # a stream too, before its headers
+                refused = httpx.post(url, json={**body, "stream": stream}, timeout=10)
+                assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+                assert "--max_waiting=2" in refused.json()["error"]["message"]
+            go.set()
+            assert [r.result().status_code for r in [first, *waiting]] == [200] * 3
+        assert httpx.post(url, json=body, timeout=60).status_code == 200  # the line is empty again
+    finally:
+        go.set()
+        running.stop()
+
+
+def test_a_request_past_the_time_limit_ends_and_frees_its_rows(chat_dir, monkeypatch):
+    """
+    The steps are held until the request is cancelled, so only --request_timeout (1 s here) ends it: unstreamed
+    with 504, streamed with an error event and [DONE]; either way its rows are freed, and the server goes on.
+    """
+    running = Running(served_from(chat_dir), request_timeout=1)
+    runner, scheduler = running.engine.runner, running.engine.scheduler
+    waits = held_decode(runner, monkeypatch, lambda: all(row.request.cancelled for row in runner.rows))
+    url, body = running.url + "/v1/completions", {"prompt": "a", "max_tokens": 40, "n": 2}
+    try:
+        start = time.monotonic()
+        whole = httpx.post(url, json=body, timeout=30)
+        took = time.monotonic() - start
+        error = whole.json()["error"]
+        assert whole.status_code == 504 and error["type"] == "timeout" and "--request_timeout" in error["message"]
+        assert 1 <= took < 15  # the held steps would have waited 20 s each
+        wait_until(lambda: not runner.rows and scheduler.idle(), "its rows are freed")
+        events = [e for e in httpx.post(url, json={**body, "stream": True}, timeout=30).text.split("\n\n") if e]
+        assert (
+            events[-1] == "data: [DONE]" and json.loads(events[-2].removeprefix("data: "))["error"]["type"] == "timeout"
+        )
+        wait_until(lambda: not runner.rows and scheduler.idle(), "the stream's rows are freed")
+        assert all(waits)  # each held step went on because the request was cancelled, not after its 20 s
+        monkeypatch.undo()  # steps run freely: a request within the limit is answered
+        assert httpx.post(url, json={**body, "max_tokens": 3}, timeout=30).status_code == 200
+    finally:
+        running.stop()
+
+
+def interrupted_while_streaming(chat_dir):
+    """
+    `python serve.py` on the chat model, four clients streaming one completion after another, then SIGINT: the
+    process's exit status and stderr, once the clients are done (each stream ended, or refused as the server went).
+    """
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, serve.__file__, f"--out_dir={chat_dir}", "--checkpoint=ckpt.pt", "--device=cpu"]
+    process = subprocess.Popen([*command, f"--port={port}"], stderr=subprocess.PIPE, text=True)
+    stop, events = threading.Event(), []
+
+    def stream():  # streams until the server is gone
+        body = {"prompt": "a", "max_tokens": 47, "n": 4, "stream": True}
+        while not stop.is_set():
+            with contextlib.suppress(httpx.HTTPError):
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+                    events.extend(response.iter_lines())
+
+    try:
+        wait_until(lambda: healthy(url), "the server answers", seconds=120)
+        with ThreadPoolExecutor(4) as pool:
+            clients = [pool.submit(stream) for _ in range(4)]
+            wait_until(lambda: len(events) > 100, "the streams run")
+            process.send_signal(signal.SIGINT)
+            _, err = process.communicate(timeout=60)
+            stop.set()
+            for client in clients:
+                client.result()
+    finally:
+        stop.set()
+        process.kill()
+        process.wait()
+    return process.returncode, err
+
+
+def test_ctrl_c_while_streaming_exits_130_without_an_abort(chat_dir):
+    """
+    Exit status 130, as sample.py's and train.py's, no traceback, no abort. Before, the engine thread could still be
+    in a torch op when the interpreter exited, and the process aborted ("terminate called without an active
+    exception", SIGABRT): ten tries in ten with these clients, exit status 0 otherwise. Two tries.
+    """
+    for _ in range(2):
+        status, err = interrupted_while_streaming(chat_dir)
+        assert status == 130, err
+        assert err.endswith("serve.py: interrupted\n") and "Traceback" not in err and "terminate" not in err, err
+
+
+def healthy(url):
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# -----------------------------------------------------------------------------
 # Bad requests
 
 
@@ -560,6 +830,12 @@ def test_requests_wait_for_room_in_the_batch(chat_dir, monkeypatch):
         ("/v1/completions", {"prompt": "ab", "best_of": 3}, 400, "best_of"),
         ("/v1/completions", {"prompt": "ab", "suffix": "cd"}, 400, "suffix"),
         ("/v1/completions", {"prompt": "ab", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+        # digits that are not ASCII ("²" passes isdigit(), which int() refuses), a sign, more digits than int() reads
+        ("/v1/completions", {"prompt": "ab", "logit_bias": {"²": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "ab", "logit_bias": {"٣": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "ab", "logit_bias": {"-1": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "ab", "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),
+        ("/v1/completions", {}, 400, "prompt"),  # OpenAI requires a prompt; "" is one
         ("/v1/completions", {"prompt": "ab", "logit_bias": {"1": 101}}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": "ab", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
@@ -597,6 +873,77 @@ def test_a_bad_request_gets_its_error_and_the_next_one_is_answered(server, path,
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
     after = httpx.post(server.url + "/v1/completions", json={"prompt": "ab", "max_tokens": 2})
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2
+
+
+PROMPT_RULE = "must be a string, a list of strings, a list of token ids or a list of lists of token ids"
+USER = [{"role": "user", "content": "ab"}]
+
+
+@pytest.mark.parametrize(
+    "path, body, message",
+    [
+        ("/v1/completions", {}, f"prompt is required: it {PROMPT_RULE}"),
+        ("/v1/completions", {"prompt": 5}, f"prompt: {PROMPT_RULE}"),
+        ("/v1/completions", {"prompt": [[1, "x"]]}, f"prompt: {PROMPT_RULE}"),
+        (
+            "/v1/completions",
+            {"prompt": "ab", "stop": [""]},
+            "stop: must be a string or a list of at most 256 strings, each of 1 to 256 characters",
+        ),
+        ("/v1/completions", {"prompt": "ab", "presence_penalty": 1}, "presence_penalty: only 0 is supported"),
+        ("/v1/chat/completions", {"messages": USER, "frequency_penalty": -1}, "frequency_penalty: only 0 is supported"),
+        (
+            "/v1/completions",
+            {"prompt": "ab", "suffix": "cd"},
+            "suffix: only null or an empty string is supported: inserting text is not implemented",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "tools": [{}]},
+            "tools: only none or an empty list is supported: calling tools is not implemented",
+        ),
+        ("/v1/completions", {"prompt": "ab", "temperature": 3}, "temperature: must be less than or equal to 2"),
+        (
+            "/v1/completions",
+            {"prompt": "ab", "logit_bias": {"²": 1}},
+            "logit_bias: its keys are token ids, 0 to 9; '²' is not one",
+        ),
+        ("/v1/chat/completions", {"messages": [1]}, "messages.0: must be a valid dictionary"),
+    ],
+)
+def test_a_bad_field_is_named_in_plain_words(server, path, body, message):
+    response = httpx.post(server.url + path, json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["message"] == message
+
+
+# where pydantic's errors put a union member's name (prompt.str, stop.constrained-str, list[int]) in the location
+TYPE_TAG = re.compile(r"\b(str|int|float|bool|dict|list|none)\b|[\[\]-]", re.IGNORECASE)
+
+
+@pytest.mark.parametrize(
+    "path, model, base",
+    [
+        ("/v1/completions", serve.CompletionRequest, {"prompt": "ab", "max_tokens": 1}),
+        ("/v1/chat/completions", serve.ChatRequest, {"messages": USER, "max_tokens": 1}),
+        ("/tokenize", serve.TokenizeRequest, {"prompt": "ab"}),
+        ("/detokenize", serve.DetokenizeRequest, {"tokens": [1]}),
+    ],
+)
+def test_no_validation_error_names_pydantics_types(server, path, model, base):
+    """Every field of every request, given values of the wrong type or range: each 400 names the field in words."""
+    values = [{"x": {}}, "x", -5, 10**30, [[["x"]]], [1, "x"], None]
+    refused = set()
+    for field in model.model_fields:
+        for value in values:
+            response = httpx.post(server.url + path, json={**base, field: value}, timeout=60)
+            if response.status_code != 400:
+                continue
+            message = response.json()["error"]["message"]
+            where = re.match("[^:= ]*", message).group()  # "prompt.0: ...", "prompt is required", "max_tokens=..."
+            assert where.split(".")[0] == field and not TYPE_TAG.search(where), message
+            assert "\n" not in message and "Input should" not in message
+            refused.add(field)
+    assert len(refused) >= len(model.model_fields) - 3  # each field refused something (model, stream_options...)
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
@@ -818,6 +1165,16 @@ def test_with_an_api_key_every_request_needs_it_and_a_plain_model_only_completes
     running = Running(served_from(plain_run(chat_dir, tmp_path)), api_key="s3cret")
     try:
         assert httpx.get(running.url + "/v1/models").status_code == 401
+        # the tokenizer's endpoints too (lm-eval sends them the key); the page, /health and /metrics answer anyone
+        key = {"Authorization": "Bearer s3cret"}
+        for method, path, body in [
+            ("POST", "/tokenize", {"prompt": "ab"}),
+            ("POST", "/detokenize", {"tokens": [1]}),
+            ("GET", "/tokenizer_info", None),
+        ]:
+            assert httpx.request(method, running.url + path, json=body).status_code == 401
+            assert httpx.request(method, running.url + path, json=body, headers=key).status_code == 200
+        assert [httpx.get(running.url + path).status_code for path in ["/", "/health", "/metrics"]] == [200] * 3
         bad = httpx.post(running.url + "/v1/completions", json={"prompt": "ab"}, headers={"Authorization": "Bearer no"})
         assert bad.status_code == 401 and bad.json()["error"]["message"]
         with pytest.raises(openai.AuthenticationError):
@@ -937,5 +1294,73 @@ def test_the_completion_box_continues_past_the_context(data_root, tmp_path):
                 lengths.append(len(page.text_content("#completion")))
             assert page.locator(".error").count() == 0 and lengths[1] == 32 and lengths[-1] == 32 + 2 * 16
             assert page.posted[-1]["truncate_prompt_tokens"] == 16 and page.posted[-1]["prompt"].startswith("ROMEO:")
+    finally:
+        running.stop()
+
+
+def send(page, text, replies):
+    """Type a message into the page and wait until its reply, the `replies`-th, is all in."""
+    page.fill("#input", text)
+    page.press("#input", "Enter")
+    done = f"document.querySelectorAll('.assistant').length === {replies}"
+    page.wait_for_function(done + " && !document.getElementById('send').disabled")
+
+
+@needs_chromium
+def test_the_chat_page_keeps_the_conversation_and_settings_over_a_reload(server):
+    """Browser storage: a reload shows the same turns and settings, and the next turn carries on from them."""
+    with browser_page() as page:
+        page.goto(server.url + "/")
+        page.wait_for_function("document.title === 'out'")
+        page.fill("#temperature", "0")
+        page.fill("#max-tokens", "5")
+        send(page, "abca", 1)
+        reply = page.text_content(".assistant")
+        page.reload()
+        page.wait_for_function("document.title === 'out'")
+        assert page.locator(".user").all_text_contents() == ["abca"]
+        assert page.locator(".assistant").all_text_contents() == [reply]
+        assert (page.input_value("#temperature"), page.input_value("#max-tokens")) == ("0", "5")
+        send(page, "bcab", 2)
+        last = page.posted[-1]
+        assert last["messages"] == [
+            {"role": "user", "content": "abca"},
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "bcab"},
+        ]
+        assert (last["temperature"], last["max_tokens"]) == (0, 5)
+        page.click("#reset")  # New chat: the conversation goes, the settings stay
+        page.reload()
+        page.wait_for_function("document.title === 'out'")
+        assert page.locator(".message").count() == 0 and page.input_value("#temperature") == "0"
+        send(page, "abca", 1)
+        page.click("#forget")  # Forget: all of it, the settings back to their defaults
+        page.reload()
+        page.wait_for_function("document.title === 'out'")
+        assert page.locator(".message").count() == 0
+        assert (page.input_value("#temperature"), page.input_value("#max-tokens")) == ("0.8", "")
+
+
+@needs_chromium
+def test_the_chat_page_asks_for_a_missing_key_in_its_field(chat_dir):
+    """The server's 401 speaks of a header; the page asks for the key in its own field, and goes on once it has it."""
+    running = Running(served_from(chat_dir), api_key="s3cret")
+    try:
+        with browser_page() as page:
+            page.goto(running.url + "/")
+            message = page.text_content(".error")
+            assert "API key field" in message and "header" not in message and "reload" not in message
+            assert page.is_visible("#key")
+            page.fill("#key", "wrong")
+            page.press("#key", "Tab")  # the field's change
+            page.wait_for_function("document.querySelector('.error').textContent.includes('refused')")
+            page.fill("#key", "s3cret")
+            page.press("#key", "Tab")
+            page.wait_for_function("document.title === 'out'")
+            assert page.locator(".error").count() == 0
+            send(page, "abca", 1)
+            page.reload()  # the key is kept for this tab
+            page.wait_for_function("document.title === 'out'")
+            assert page.locator(".error").count() == 0 and page.locator(".assistant").count() == 1
     finally:
         running.stop()
