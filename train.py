@@ -388,7 +388,9 @@ def setup(cfg, rt, stack):
     # a resume after a failure says so, and what it cost
     restarted = None if begin.ckpt is None or cfg.eval_only else restart_note(cfg.out_dir, begin.ckpt)
     slow = None if cfg.eval_only else slow_step_note(cfg, rt, task, models.raw, per_rank)
-    for note in (restarted, torchrun_note(), threads_note, task.describe(splits["train"], cfg.batch_size), slow):
+    described = task.describe(splits["train"], cfg.batch_size)
+    long_block = task.length_note(splits["train"], cfg.block_size)
+    for note in (restarted, torchrun_note(), threads_note, described, long_block, slow):
         if note:
             log(note)
     return Run(

@@ -15,6 +15,9 @@ from config import ConfigError
 from data import model_inputs
 from log import log
 
+# block_size this many times the longest example of a task whose batches are only as long as their longest: said
+DWARFS = 4
+
 
 class Task:
     """
@@ -97,6 +100,10 @@ class Task:
         """A line on the training split's batches for the run's log, or None."""
         return None
 
+    def length_note(self, split, block_size):
+        """A note for the run's log where block_size dwarfs the training split's longest example (long_block_note)."""
+        return None
+
     def evaluate(self, model, tokenizer, cfg, progress):
         """eval.py's results ({name: value}) for model; cfg: eval.py's EvalConfig; progress: show a progress bar."""
         raise NotImplementedError
@@ -120,6 +127,20 @@ def usable_rows(fits, total, what, folder, block_size, why=""):
     if len(fits) < total:
         log(f"note: {total - len(fits):,} of {total:,} {what}s do not fit block_size={block_size}; they are left out")
     return fits
+
+
+def long_block_note(longest, what, block_size):
+    """
+    A note where block_size is DWARFS times the positions of the longest example (`what`) or more: batches are only
+    as long as their longest example, so the positions past it never train (a learned position's embedding stays
+    random) while a plan, the slow-step note and serving's cache budget count them all. None otherwise.
+    """
+    if block_size < DWARFS * longest:
+        return None
+    return (
+        f"note: block_size={block_size:,} is {block_size // longest}x the longest {what} ({longest:,} positions): "
+        f"the positions past it never train; --block_size={longest} fits every one"
+    )
 
 
 def random_ids(vocab_size, shape):

@@ -16,7 +16,7 @@ from generate import decoded_replies
 from log import progress_bar
 from model import IGNORE_INDEX
 from recipes.chat import BadConversation, LeftOut, chat_records, encode_conversation
-from tasks.base import dataset_split, usable_rows
+from tasks.base import dataset_split, long_block_note, usable_rows
 from tasks.lm import CausalLM
 
 
@@ -74,6 +74,11 @@ class Chat(CausalLM):
     def describe(self, split, batch_size):
         padding = padding_fraction(split, batch_size)
         return f"chat batches: whole conversations of about one length, {padding:.1%} of their positions padding"
+
+    def length_note(self, split, block_size):
+        # inputs are a conversation's ids less one
+        longest = int(np.diff(split.conversations.index)[split.order].max()) - 1
+        return long_block_note(longest, "training conversation", block_size)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from generate import decoded_pairs, translate, until_stop
 from log import progress_bar
 from model import IGNORE_INDEX
 from synthetic import solve
-from tasks.base import Task, dataset_split, random_ids, usable_rows
+from tasks.base import Task, dataset_split, long_block_note, random_ids, usable_rows
 
 
 class Seq2Seq(Task):
@@ -37,6 +37,12 @@ class Seq2Seq(Task):
         pairs = tokens.load_pairs(folder, split)
         usable = usable_rows(fitting_pairs(pairs, block_size), len(pairs), f"{split} pair", folder, block_size)
         return PairSplit(pairs, usable)
+
+    def length_note(self, split, block_size):
+        # a source, or a target with bos (or eos)
+        lengths = np.diff(split.pairs.index, axis=0)[split.usable]
+        longest = int(max(lengths[:, 0].max(), lengths[:, 1].max() + 1))
+        return long_block_note(longest, "training pair", block_size)
 
     def batch(self, data, batch_size, block_size, generator):
         # random pairs among those that fit block_size (with replacement, like the windows)

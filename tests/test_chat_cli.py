@@ -13,6 +13,7 @@ import sample
 from checkpoint import load_checkpoint
 from config import parse_config
 from start import model_from_checkpoint
+from tasks import make_task
 from tokens import Tokenizer, load_conversations, load_meta
 
 
@@ -72,6 +73,18 @@ def test_eval_scores_the_assistant_tokens_and_exact_answers_as_explicit_loops_do
     assert results["loss"] == pytest.approx(nats / count, rel=1e-5)
     assert results["exact_match"] == pytest.approx(exact / len(conversations))
     assert 0 < results["exact_match"]  # the model learned something: the check compares real replies
+
+
+def test_a_block_size_that_dwarfs_the_longest_conversation_is_noted(chat_run):
+    root, folder, _ = chat_run
+    conversations = load_conversations(folder, "train")
+    longest = max(len(conversations[i][0]) - 1 for i in range(len(conversations)))  # inputs: the ids less one
+    task = make_task("auto", "gpt", load_meta(folder))
+    for block_size, said in [(4 * longest, True), (4 * longest - 1, False), (longest, False)]:
+        note = task.length_note(task.load_split(folder, "train", block_size), block_size)
+        assert (note is not None) == said
+    note = task.length_note(task.load_split(folder, "train", 10 * longest), 10 * longest)
+    assert f"is 10x the longest training conversation ({longest} positions)" in note
 
 
 def test_train_reports_the_exact_match_of_its_val_replies(chat_run):

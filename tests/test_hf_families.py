@@ -6,10 +6,12 @@ the activations). Random tiny models saved by save_pretrained load with hf.from_
 (within 1e-4) and greedy tokens; our models with those options export (export.export) to folders that transformers
 loads to our logits and greedy tokens, and from_pretrained reads back to the same model. Then what cannot be
 computed, refused in one line each, and head_dim in the model itself (cross-attention, the encoder, the FLOP count).
+Last, GPT-2, Llama and Mistral weights read by from_pretrained from every file layout a folder may hold.
 """
 
 import json
 import math
+import re
 from dataclasses import asdict
 
 import pytest
@@ -27,6 +29,8 @@ from hf_reference import (
 
 import export
 import hf
+from generate import generate
+from hf import from_pretrained
 from model import GPT, Attention, ModelConfig, build_model, llama3_frequencies, rope_tables
 
 # Llama 3.1's scaling with an original context of 32 positions instead of 8192, so that a tiny model meets all three
@@ -553,3 +557,218 @@ def test_an_unreachable_hub_is_one_line_at_once_without_asking_it(offline, monke
     with pytest.raises(FileNotFoundError) as error:
         hf.download_from_hub("gpt2")
     assert str(error.value).count("\n") == 0 and f"the Hugging Face hub is unreachable ({reason})" in str(error.value)
+
+
+# -----------------------------------------------------------------------------
+# GPT-2 weights from Hugging Face (moved from test_model.py: from_pretrained is hf.py's)
+
+
+def test_parity_with_hugging_face_gpt2(tmp_path):
+    import transformers  # a dev dependency (requirements-dev.txt)
+
+    torch.manual_seed(0)
+    hf_config = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=48, n_layer=3, n_head=4)
+    hf = transformers.GPT2LMHeadModel(hf_config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():  # larger than the 0.02 init, so every weight (and bias) shows in the logits
+            p.normal_(0, 0.2)
+    x = torch.randint(0, 97, (2, 20))
+    for safe in (True, False):  # model.safetensors and pytorch_model.bin
+        hf.save_pretrained(tmp_path / str(safe), safe_serialization=safe)
+        ours = from_pretrained(tmp_path / str(safe)).eval()
+        torch.testing.assert_close(ours(x)[0], hf(x).logits, atol=1e-4, rtol=1e-4)
+    hf_tokens = hf.generate(x[:, :5], max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(generate(ours, x[:, :5], 12, temperature=0), hf_tokens)
+
+
+def test_from_pretrained_offline_names_what_to_pass(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="local directory"):
+        from_pretrained("no-such-model-here")
+
+
+def test_from_pretrained_rejects_a_longer_block_size(tmp_path):
+    import transformers
+
+    hf_config = transformers.GPT2Config(vocab_size=50, n_positions=8, n_embd=16, n_layer=1, n_head=2)
+    transformers.GPT2LMHeadModel(hf_config).save_pretrained(tmp_path)
+    assert from_pretrained(tmp_path, block_size=4).config.block_size == 4
+    with pytest.raises(ValueError, match="block_size=16 is longer than the 8 positions"):
+        from_pretrained(tmp_path, block_size=16)
+
+
+# -----------------------------------------------------------------------------
+# Llama and Mistral weights from Hugging Face
+
+
+def hf_ids(*shape, seed=0):
+    return torch.randint(1, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def save_hf(hf, folder, layout):
+    """Write hf into folder as transformers does, in one of the file layouts from_pretrained reads."""
+    if layout == "safetensors":
+        hf.save_pretrained(folder)
+    elif layout == "sharded safetensors":
+        hf.save_pretrained(folder, max_shard_size="20KB")
+        assert len(list(folder.glob("model-*.safetensors"))) > 1
+    else:  # transformers 5 writes safetensors even when asked for pytorch_model.bin: write those files by hand
+        hf.config.save_pretrained(folder)
+        state = hf.state_dict()  # a tied model's lm_head.weight is in it, as in the .bin files of old transformers
+        if layout == "bin":
+            torch.save(state, folder / "pytorch_model.bin")
+        else:  # "sharded bin": two shards and the index naming the shard of each tensor
+            names = sorted(state)
+            shards = {f"pytorch_model-0000{i + 1}-of-00002.bin": names[i::2] for i in range(2)}
+            for file, keys in shards.items():
+                torch.save({k: state[k] for k in keys}, folder / file)
+            index = {"metadata": {}, "weight_map": {k: file for file, keys in shards.items() for k in keys}}
+            (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+
+
+def to_transformers4_layout(folder):
+    """Rewrite config.json as transformers 4 wrote it: rope_theta at the top level, rope_scaling null."""
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    config["rope_scaling"] = None
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+LLAMA_CASES = {  # config changes, file layout, config.json as transformers 4 wrote it
+    "gqa-untied": ({"num_key_value_heads": 2, "rope_theta": 500.0, "rms_norm_eps": 1e-3}, "safetensors", False),
+    "mha-tied": (
+        {"hidden_size": 48, "intermediate_size": 72, "tie_word_embeddings": True, "rope_theta": 1000.0},
+        "sharded safetensors",
+        False,
+    ),
+    "mqa-bias": (
+        {"num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True, "rms_norm_eps": 1e-2},
+        "bin",
+        True,
+    ),
+    "gqa-tied": ({"num_key_value_heads": 2, "tie_word_embeddings": True, "rope_theta": 100.0}, "sharded bin", True),
+}
+
+
+@pytest.mark.parametrize("case", LLAMA_CASES)
+def test_parity_with_hugging_face_llama(tmp_path, case):
+    import transformers
+
+    changes, layout, transformers4 = LLAMA_CASES[case]
+    torch.manual_seed(0)
+    hf = with_large_weights(transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY_LLAMA, **changes})))
+    save_hf(hf, tmp_path, layout)
+    if transformers4:
+        to_transformers4_layout(tmp_path)
+    ours = from_pretrained(tmp_path).eval()
+    c = hf.config
+    assert (ours.config.n_kv_head, ours.config.d_ff, ours.config.bias) == (
+        c.num_key_value_heads,
+        c.intermediate_size,
+        c.attention_bias,
+    )
+    assert ours.config.rope_theta == c.rope_parameters["rope_theta"] and ours.config.norm_eps == c.rms_norm_eps
+    assert (ours.lm_head.weight is ours.body.wte.weight) == c.tie_word_embeddings
+    x = hf_ids(2, 24)
+    assert max_logit_difference(ours, hf, x) < 1e-4
+    assert_same_greedy_tokens(ours, hf, x[:, :5])
+
+
+def test_parity_with_hugging_face_mistral_sliding_window(tmp_path):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(**{**TINY_LLAMA, "num_key_value_heads": 2, "sliding_window": 4})
+    hf = with_large_weights(transformers.MistralForCausalLM(config))
+    hf.save_pretrained(tmp_path)
+    ours = from_pretrained(tmp_path).eval()
+    assert ours.config.window_size == 4
+    x = hf_ids(2, 24)  # 24 positions, 20 of them past the window's first fill
+    assert max_logit_difference(ours, hf, x) < 1e-4
+    assert_same_greedy_tokens(ours, hf, x[:, :5], new_tokens=16)
+    # the window shows in these logits: without it they are far off, so the check above would catch a lost window
+    unwindowed = from_pretrained(tmp_path, window_size=0).eval()
+    with torch.no_grad():
+        assert (unwindowed(x)[0] - hf(x).logits).abs().max() > 0.1
+
+
+@pytest.mark.parametrize(
+    "config_class,changes,error",
+    [
+        ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type='linear'"),
+        ("LlamaConfig", {"hidden_act": "gelu"}, "hidden_act='gelu' is not implemented"),
+        ("LlamaConfig", {"attention_bias": True}, "attention_bias=True but mlp_bias=False"),
+        ("BertConfig", {}, "model_type='bert' model; from_pretrained loads gpt2, llama, mistral"),
+    ],
+)
+def test_llama_configs_our_model_cannot_compute_are_one_line_errors(tmp_path, config_class, changes, error):
+    """A complete folder whose config.json (as transformers writes it) asks for what the model does not implement."""
+    import transformers
+
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)).save_pretrained(tmp_path)
+    config = getattr(transformers, config_class)
+    (config(**TINY_LLAMA, **changes) if config_class == "LlamaConfig" else config()).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(error)) as e:
+        from_pretrained(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_old_llama_rope_scaling_is_a_one_line_error(tmp_path):
+    import transformers
+
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)).save_pretrained(tmp_path)
+    to_transformers4_layout(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_scaling": {"type": "dynamic", "factor": 2.0}}))
+    with pytest.raises(ValueError, match="rope_type='dynamic' .* is not implemented") as e:
+        from_pretrained(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_llama_folders_that_do_not_fit_are_one_line_errors(tmp_path):
+    import transformers
+
+    def fails(error_type, match, folder, **overrides):
+        with pytest.raises(error_type, match=match) as e:
+            from_pretrained(folder, **overrides)
+        assert "\n" not in str(e.value)
+
+    def folder(name, layout="safetensors", **config_changes):
+        """A saved tiny Llama whose config.json then gets config_changes."""
+        path = tmp_path / name
+        save_hf(transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)), path, layout)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **config_changes}))
+        return path
+
+    (tmp_path / "empty").mkdir()
+    fails(FileNotFoundError, "has no config.json", tmp_path / "empty")
+    no_weights = folder("no-weights")
+    (no_weights / "model.safetensors").unlink()
+    fails(FileNotFoundError, "has no weights: none of model.safetensors, model.safetensors.index.json", no_weights)
+    sharded = folder("sharded", layout="sharded safetensors")
+    sorted(sharded.glob("model-*.safetensors"))[1].unlink()
+    fails(FileNotFoundError, "lacks 1 of the shards model.safetensors.index.json names", sharded)
+    fails(ValueError, r"missing \['layers.2.input_layernorm.weight'", folder("deeper", num_hidden_layers=3))
+    fails(ValueError, r"missing \[\] \(0 in all\), unexpected \['layers.1.", folder("shallower", num_hidden_layers=1))
+    fails(
+        ValueError, r"mlp.fc.weight is \(80, 32\) where the model has \(96, 32\)", folder("wider", intermediate_size=96)
+    )
+    fine = folder("fine")
+    fails(ValueError, "overrides change which weights the model has", fine, qk_norm=True)
+    fails(ValueError, "block_size=65 is longer than the 64 positions", fine, block_size=65)
+    assert from_pretrained(fine, block_size=16).config.block_size == 16
+
+
+@pytest.mark.parametrize("layout", ["sharded safetensors", "bin", "sharded bin"])
+def test_gpt2_weights_from_bin_and_sharded_files(tmp_path, layout):
+    """The file layouts of the Llama tests hold GPT-2 too (transformers 5 no longer writes pytorch_model.bin itself)."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=48, n_layer=2, n_head=4)
+    hf = with_large_weights(transformers.GPT2LMHeadModel(hf_config))
+    save_hf(hf, tmp_path, layout)
+    x = hf_ids(2, 20) % 97
+    with torch.no_grad():
+        assert (from_pretrained(tmp_path)(x)[0] - hf(x).logits).abs().max() < 1e-4

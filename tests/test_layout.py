@@ -97,7 +97,7 @@ def test_model_py_imports_nothing_of_the_project():
 
 
 # The quick start's core: what `python train.py configs/shakespeare.py` may load of the project. Everything else is a
-# wing, loaded only where a run names it (docs/training.md, "The core and its wings")
+# wing, loaded only where a run names it (docs/layout.md)
 CORE = {
     "train",
     "model",

@@ -1,10 +1,9 @@
-"""Invariants of model.py, generate.py and hf.py on tiny models: each test checks one property a bug would break."""
+"""Invariants of model.py and generate.py on tiny models: each test checks one property a bug would break."""
 
 import collections
 import contextlib
 import copy
 import itertools
-import json
 import math
 import re
 from dataclasses import replace
@@ -12,10 +11,8 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_reference import TINY_LLAMA, VOCAB, assert_same_greedy_tokens, max_logit_difference, with_large_weights
 
 from generate import beam_search, generate, sample_next, translate
-from hf import from_pretrained
 from model import (
     ARCHS,
     GPT,
@@ -30,7 +27,6 @@ from model import (
     rope_tables,
 )
 from optim import configure_optimizers
-from runtime import peak_flops
 
 POS = ("learned", "sinusoidal", "rope")
 V = 37  # a vocabulary no power of two, so shape mix-ups show
@@ -629,30 +625,6 @@ def test_no_dropout_in_eval_mode(arch):
     assert not torch.allclose(logits_of(model.train(), x, y), expected)  # which training does change
 
 
-def test_parity_with_hugging_face_gpt2(tmp_path):
-    import transformers  # a dev dependency (requirements-dev.txt)
-
-    torch.manual_seed(0)
-    hf_config = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=48, n_layer=3, n_head=4)
-    hf = transformers.GPT2LMHeadModel(hf_config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():  # larger than the 0.02 init, so every weight (and bias) shows in the logits
-            p.normal_(0, 0.2)
-    x = torch.randint(0, 97, (2, 20))
-    for safe in (True, False):  # model.safetensors and pytorch_model.bin
-        hf.save_pretrained(tmp_path / str(safe), safe_serialization=safe)
-        ours = from_pretrained(tmp_path / str(safe)).eval()
-        torch.testing.assert_close(ours(x)[0], hf(x).logits, atol=1e-4, rtol=1e-4)
-    hf_tokens = hf.generate(x[:, :5], max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert torch.equal(generate(ours, x[:, :5], 12, temperature=0), hf_tokens)
-
-
-def test_from_pretrained_offline_names_what_to_pass(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(FileNotFoundError, match="local directory"):
-        from_pretrained("no-such-model-here")
-
-
 def test_gpt2_small_parameter_count():
     with torch.device("meta"):
         model = GPT(ModelConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=True))
@@ -752,94 +724,6 @@ def test_training_flops_count_the_pairs_a_sliding_window_attends(arch, window, s
         unseen = L * left_out(shapes[0][1], causal=arch == "gpt")
     assert unseen > 0
     assert model.training_flops(*inputs) == counter.get_total_flops() - 6 * B * unseen * 2 * C
-
-
-# Dense bf16 tensor-core peaks (float32 accumulation, what training runs) in TFLOPS, from the vendors' documents as
-# quoted beside each. Figures marked * there are with 2:4 sparsity, twice the dense rate: halved here.
-# PEAK_FLOPS keeps whole TFLOPS where a sheet has more digits (989 for 1,979* / 2, 362 for 362.05), at most 0.07% off:
-# 0.1% lets that through, and no mix-up of variant (SXM, PCIe and NVL are 10% or more apart), sparsity or accumulation
-# (2x) would pass.
-ROUNDED_TO_WHOLE_TFLOPS = 1e-3
-DATASHEET_TFLOPS = {
-    # NVIDIA H100 Tensor Core GPU datasheet, BFLOAT16 Tensor Core: H100 SXM 1,979 teraFLOPS*, H100 PCIe 1,513*
-    # (2022 edition, SXM beside PCIe), H100 NVL 1,671* (2023 edition, SXM beside NVL)
-    "NVIDIA H100 80GB HBM3": 1979 / 2,  # the SXM5 board
-    "NVIDIA H100 PCIe": 1513 / 2,
-    "NVIDIA H100 NVL": 1671 / 2,
-    # NVIDIA H200 Tensor Core GPU datasheet, BFLOAT16 Tensor Core: H200 SXM 1,979 TFLOPS*, H200 NVL 1,671*
-    "NVIDIA H200": 1979 / 2,
-    "NVIDIA H200 NVL": 1671 / 2,
-    # NVIDIA GH200 Grace Hopper Superchip datasheet: FP16/BF16 Tensor Core 1,979 TFLOPS* (its GPU is the H100 SXM's)
-    "NVIDIA GH200 480GB": 1979 / 2,
-    # NVIDIA A100 Tensor Core GPU datasheet: BFLOAT16 Tensor Core 312 TFLOPS | 624 TFLOPS*, for 40GB and 80GB, PCIe
-    # and SXM alike
-    "NVIDIA A100-SXM4-40GB": 312,
-    "NVIDIA A100-SXM4-80GB": 312,
-    "NVIDIA A100-PCIE-40GB": 312,
-    "NVIDIA A100 80GB PCIe": 312,
-    # NVIDIA A10 Tensor Core GPU datasheet: BFLOAT16 Tensor Core 125 TF | 250 TF*
-    "NVIDIA A10": 125,
-    # NVIDIA L40S datasheet: BF16 Tensor Core 362.05 | 733* TFLOPS; NVIDIA L40 datasheet: BFLOAT16 Tensor Core
-    # 181.05 | 362.1*
-    "NVIDIA L40S": 362.05,
-    "NVIDIA L40": 181.05,
-    # NVIDIA L4 Tensor Core GPU datasheet: BFLOAT16 Tensor Core 242 teraFLOPS*
-    "NVIDIA L4": 242 / 2,
-    # float16 for Volta and Turing, which have no bf16. NVIDIA Tesla V100 datasheet: Tensor Performance, V100 SXM2
-    # 125 TFLOPS, V100 PCIe 112; NVIDIA V100S datasheet: Tensor Performance 130; NVIDIA T4 datasheet: Mixed Precision
-    # (FP16/FP32) 65 TFLOPS. None of them has sparsity.
-    "Tesla V100-SXM2-16GB": 125,
-    "Tesla V100-PCIE-32GB": 112,
-    "Tesla V100S-PCIE-32GB": 130,
-    "Tesla T4": 65,
-    # NVIDIA Ada Lovelace GPU Architecture whitepaper, appendix A, GeForce RTX 4090: Peak BF16 Tensor TFLOPS with
-    # FP32 Accumulate 165.2 (330.4 with sparsity). NVIDIA Ampere GA102 GPU Architecture whitepaper, appendix A,
-    # GeForce RTX 3090: Peak BF16 Tensor TFLOPS with FP32 Accumulate 71 (142 with sparsity)
-    "NVIDIA GeForce RTX 4090": 165.2,
-    "NVIDIA GeForce RTX 3090": 71,
-    # No vendor figure: NVIDIA publishes no datasheet for the A10G (AWS's variant of the A10) and AWS gives no tensor
-    # TFLOPS for it. 70 is the figure third-party comparisons quote; unverified.
-    "NVIDIA A10G": 70,
-}
-
-
-@pytest.mark.parametrize("name", list(DATASHEET_TFLOPS))  # names as torch.cuda.get_device_name returns them
-def test_peak_flops_of_real_device_names(name):
-    assert peak_flops(name) == pytest.approx(DATASHEET_TFLOPS[name] * 1e12, rel=ROUNDED_TO_WHOLE_TFLOPS)
-
-
-@pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 4080", "AMD Instinct MI300X", "Some Unknown Accelerator"])
-def test_no_peak_flops_for_devices_not_in_the_table(name):
-    assert peak_flops(name) is None
-
-
-# Streaming multiprocessors (SMs) of the whole GPUs: NVIDIA H100 Tensor Core GPU Architecture whitepaper, H100 SXM5
-# 132 (the H200 and GH200 have the same GH100 GPU); NVIDIA A100 Tensor Core GPU Architecture whitepaper, A100 108.
-H100_SMS, A100_SMS = 132, 108
-
-
-@pytest.mark.parametrize(
-    "name,multiprocessors,peak",
-    [  # MIG slices as torch.cuda.get_device_name names them, with their SMs as nvidia-smi mig -lgip lists them
-        # (NVIDIA's MIG User Guide, "List GPU Instance Profiles"). A slice's peak is the whole GPU's times its share
-        # of the SMs. The guide's "Fraction of SMs" (1/7 for a 1g profile) is nominal: of the SMs that MIG mode
-        # uses, 98 of an A100's 108 (7 x 14), 7 x 16 = 112 of an H100's 132 for seven 1g.10gb slices.
-        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", 16, 1979 / 2 * 16 / H100_SMS),
-        ("NVIDIA H100 80GB HBM3 MIG 1g.20gb", 26, 1979 / 2 * 26 / H100_SMS),
-        ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", 60, 1979 / 2 * 60 / H100_SMS),
-        ("NVIDIA H100 80GB HBM3 MIG 7g.80gb", 132, 1979 / 2),  # every SM
-        ("NVIDIA H200 MIG 1g.18gb", 16, 1979 / 2 * 16 / H100_SMS),
-        ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", 14, 312 * 14 / A100_SMS),
-        ("NVIDIA A100-SXM4-40GB MIG 3g.20gb", 42, 312 * 42 / A100_SMS),
-        ("NVIDIA A100-SXM4-40GB MIG 7g.40gb", 98, 312 * 98 / A100_SMS),  # "7/7" in the guide, yet 10 SMs idle
-        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", None, None),  # a slice's share unknown: no peak rather than the GPU's
-        ("NVIDIA A30 MIG 1g.6gb", 14, None),  # not in the table
-        ("NVIDIA H100 80GB HBM3", 132, 1979 / 2),  # a whole GPU: its peak, whatever the count
-    ],
-)
-def test_peak_flops_of_mig_slices(name, multiprocessors, peak):
-    expected = None if peak is None else pytest.approx(peak * 1e12, rel=ROUNDED_TO_WHOLE_TFLOPS)
-    assert peak_flops(name, multiprocessors) == expected
 
 
 def test_optimizer_groups():
@@ -1102,16 +986,6 @@ def test_beam_search_out_of_steps_keeps_better_live_beams():
 def test_generate_rejects_an_empty_prompt():
     with pytest.raises(ValueError, match="prompt is empty"):
         generate(build_model(tiny()), torch.zeros(1, 0, dtype=torch.long), 3)
-
-
-def test_from_pretrained_rejects_a_longer_block_size(tmp_path):
-    import transformers
-
-    hf_config = transformers.GPT2Config(vocab_size=50, n_positions=8, n_embd=16, n_layer=1, n_head=2)
-    transformers.GPT2LMHeadModel(hf_config).save_pretrained(tmp_path)
-    assert from_pretrained(tmp_path, block_size=4).config.block_size == 4
-    with pytest.raises(ValueError, match="block_size=16 is longer than the 8 positions"):
-        from_pretrained(tmp_path, block_size=16)
 
 
 # -----------------------------------------------------------------------------
@@ -1491,183 +1365,6 @@ def test_config_without_the_option_keys_loads_as_before():
     state = build_model(config).state_dict()
     assert state["body.blocks.0.attn.qkv.weight"].shape == (96, 32)  # W_q, W_k, W_v of C rows each
     assert not any("norm" in k and "attn" in k for k in state) and not any(".up." in k for k in state)
-
-
-# -----------------------------------------------------------------------------
-# Llama and Mistral weights from Hugging Face
-
-
-def hf_ids(*shape, seed=0):
-    return torch.randint(1, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def save_hf(hf, folder, layout):
-    """Write hf into folder as transformers does, in one of the file layouts from_pretrained reads."""
-    if layout == "safetensors":
-        hf.save_pretrained(folder)
-    elif layout == "sharded safetensors":
-        hf.save_pretrained(folder, max_shard_size="20KB")
-        assert len(list(folder.glob("model-*.safetensors"))) > 1
-    else:  # transformers 5 writes safetensors even when asked for pytorch_model.bin: write those files by hand
-        hf.config.save_pretrained(folder)
-        state = hf.state_dict()  # a tied model's lm_head.weight is in it, as in the .bin files of old transformers
-        if layout == "bin":
-            torch.save(state, folder / "pytorch_model.bin")
-        else:  # "sharded bin": two shards and the index naming the shard of each tensor
-            names = sorted(state)
-            shards = {f"pytorch_model-0000{i + 1}-of-00002.bin": names[i::2] for i in range(2)}
-            for file, keys in shards.items():
-                torch.save({k: state[k] for k in keys}, folder / file)
-            index = {"metadata": {}, "weight_map": {k: file for file, keys in shards.items() for k in keys}}
-            (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
-
-
-def to_transformers4_layout(folder):
-    """Rewrite config.json as transformers 4 wrote it: rope_theta at the top level, rope_scaling null."""
-    config = json.loads((folder / "config.json").read_text())
-    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
-    config["rope_scaling"] = None
-    (folder / "config.json").write_text(json.dumps(config))
-
-
-LLAMA_CASES = {  # config changes, file layout, config.json as transformers 4 wrote it
-    "gqa-untied": ({"num_key_value_heads": 2, "rope_theta": 500.0, "rms_norm_eps": 1e-3}, "safetensors", False),
-    "mha-tied": (
-        {"hidden_size": 48, "intermediate_size": 72, "tie_word_embeddings": True, "rope_theta": 1000.0},
-        "sharded safetensors",
-        False,
-    ),
-    "mqa-bias": (
-        {"num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True, "rms_norm_eps": 1e-2},
-        "bin",
-        True,
-    ),
-    "gqa-tied": ({"num_key_value_heads": 2, "tie_word_embeddings": True, "rope_theta": 100.0}, "sharded bin", True),
-}
-
-
-@pytest.mark.parametrize("case", LLAMA_CASES)
-def test_parity_with_hugging_face_llama(tmp_path, case):
-    import transformers
-
-    changes, layout, transformers4 = LLAMA_CASES[case]
-    torch.manual_seed(0)
-    hf = with_large_weights(transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY_LLAMA, **changes})))
-    save_hf(hf, tmp_path, layout)
-    if transformers4:
-        to_transformers4_layout(tmp_path)
-    ours = from_pretrained(tmp_path).eval()
-    c = hf.config
-    assert (ours.config.n_kv_head, ours.config.d_ff, ours.config.bias) == (
-        c.num_key_value_heads,
-        c.intermediate_size,
-        c.attention_bias,
-    )
-    assert ours.config.rope_theta == c.rope_parameters["rope_theta"] and ours.config.norm_eps == c.rms_norm_eps
-    assert (ours.lm_head.weight is ours.body.wte.weight) == c.tie_word_embeddings
-    x = hf_ids(2, 24)
-    assert max_logit_difference(ours, hf, x) < 1e-4
-    assert_same_greedy_tokens(ours, hf, x[:, :5])
-
-
-def test_parity_with_hugging_face_mistral_sliding_window(tmp_path):
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.MistralConfig(**{**TINY_LLAMA, "num_key_value_heads": 2, "sliding_window": 4})
-    hf = with_large_weights(transformers.MistralForCausalLM(config))
-    hf.save_pretrained(tmp_path)
-    ours = from_pretrained(tmp_path).eval()
-    assert ours.config.window_size == 4
-    x = hf_ids(2, 24)  # 24 positions, 20 of them past the window's first fill
-    assert max_logit_difference(ours, hf, x) < 1e-4
-    assert_same_greedy_tokens(ours, hf, x[:, :5], new_tokens=16)
-    # the window shows in these logits: without it they are far off, so the check above would catch a lost window
-    unwindowed = from_pretrained(tmp_path, window_size=0).eval()
-    with torch.no_grad():
-        assert (unwindowed(x)[0] - hf(x).logits).abs().max() > 0.1
-
-
-@pytest.mark.parametrize(
-    "config_class,changes,error",
-    [
-        ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type='linear'"),
-        ("LlamaConfig", {"hidden_act": "gelu"}, "hidden_act='gelu' is not implemented"),
-        ("LlamaConfig", {"attention_bias": True}, "attention_bias=True but mlp_bias=False"),
-        ("BertConfig", {}, "model_type='bert' model; from_pretrained loads gpt2, llama, mistral"),
-    ],
-)
-def test_llama_configs_our_model_cannot_compute_are_one_line_errors(tmp_path, config_class, changes, error):
-    """A complete folder whose config.json (as transformers writes it) asks for what the model does not implement."""
-    import transformers
-
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)).save_pretrained(tmp_path)
-    config = getattr(transformers, config_class)
-    (config(**TINY_LLAMA, **changes) if config_class == "LlamaConfig" else config()).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=re.escape(error)) as e:
-        from_pretrained(tmp_path)
-    assert "\n" not in str(e.value)
-
-
-def test_old_llama_rope_scaling_is_a_one_line_error(tmp_path):
-    import transformers
-
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)).save_pretrained(tmp_path)
-    to_transformers4_layout(tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_scaling": {"type": "dynamic", "factor": 2.0}}))
-    with pytest.raises(ValueError, match="rope_type='dynamic' .* is not implemented") as e:
-        from_pretrained(tmp_path)
-    assert "\n" not in str(e.value)
-
-
-def test_llama_folders_that_do_not_fit_are_one_line_errors(tmp_path):
-    import transformers
-
-    def fails(error_type, match, folder, **overrides):
-        with pytest.raises(error_type, match=match) as e:
-            from_pretrained(folder, **overrides)
-        assert "\n" not in str(e.value)
-
-    def folder(name, layout="safetensors", **config_changes):
-        """A saved tiny Llama whose config.json then gets config_changes."""
-        path = tmp_path / name
-        save_hf(transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)), path, layout)
-        config = json.loads((path / "config.json").read_text())
-        (path / "config.json").write_text(json.dumps({**config, **config_changes}))
-        return path
-
-    (tmp_path / "empty").mkdir()
-    fails(FileNotFoundError, "has no config.json", tmp_path / "empty")
-    no_weights = folder("no-weights")
-    (no_weights / "model.safetensors").unlink()
-    fails(FileNotFoundError, "has no weights: none of model.safetensors, model.safetensors.index.json", no_weights)
-    sharded = folder("sharded", layout="sharded safetensors")
-    sorted(sharded.glob("model-*.safetensors"))[1].unlink()
-    fails(FileNotFoundError, "lacks 1 of the shards model.safetensors.index.json names", sharded)
-    fails(ValueError, r"missing \['layers.2.input_layernorm.weight'", folder("deeper", num_hidden_layers=3))
-    fails(ValueError, r"missing \[\] \(0 in all\), unexpected \['layers.1.", folder("shallower", num_hidden_layers=1))
-    fails(
-        ValueError, r"mlp.fc.weight is \(80, 32\) where the model has \(96, 32\)", folder("wider", intermediate_size=96)
-    )
-    fine = folder("fine")
-    fails(ValueError, "overrides change which weights the model has", fine, qk_norm=True)
-    fails(ValueError, "block_size=65 is longer than the 64 positions", fine, block_size=65)
-    assert from_pretrained(fine, block_size=16).config.block_size == 16
-
-
-@pytest.mark.parametrize("layout", ["sharded safetensors", "bin", "sharded bin"])
-def test_gpt2_weights_from_bin_and_sharded_files(tmp_path, layout):
-    """The file layouts of the Llama tests hold GPT-2 too (transformers 5 no longer writes pytorch_model.bin itself)."""
-    import transformers
-
-    torch.manual_seed(0)
-    hf_config = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=48, n_layer=2, n_head=4)
-    hf = with_large_weights(transformers.GPT2LMHeadModel(hf_config))
-    save_hf(hf, tmp_path, layout)
-    x = hf_ids(2, 20) % 97
-    with torch.no_grad():
-        assert (from_pretrained(tmp_path)(x)[0] - hf(x).logits).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("arch", ARCHS)

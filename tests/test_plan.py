@@ -255,3 +255,94 @@ def test_a_chat_fine_tune_is_planned_from_its_folder_alone(llama_dir, monkeypatc
 
 def hf_config(folder):
     return json.loads((Path(folder) / "config.json").read_text())
+
+
+# -----------------------------------------------------------------------------
+# The peak FLOPS a plan and a run's MFU divide by (runtime.peak_flops)
+
+# Dense bf16 tensor-core peaks (float32 accumulation, what training runs) in TFLOPS, from the vendors' documents as
+# quoted beside each. Figures marked * there are with 2:4 sparsity, twice the dense rate: halved here.
+# PEAK_FLOPS keeps whole TFLOPS where a sheet has more digits (989 for 1,979* / 2, 362 for 362.05), at most 0.07% off:
+# 0.1% lets that through, and no mix-up of variant (SXM, PCIe and NVL are 10% or more apart), sparsity or accumulation
+# (2x) would pass.
+ROUNDED_TO_WHOLE_TFLOPS = 1e-3
+DATASHEET_TFLOPS = {
+    # NVIDIA H100 Tensor Core GPU datasheet, BFLOAT16 Tensor Core: H100 SXM 1,979 teraFLOPS*, H100 PCIe 1,513*
+    # (2022 edition, SXM beside PCIe), H100 NVL 1,671* (2023 edition, SXM beside NVL)
+    "NVIDIA H100 80GB HBM3": 1979 / 2,  # the SXM5 board
+    "NVIDIA H100 PCIe": 1513 / 2,
+    "NVIDIA H100 NVL": 1671 / 2,
+    # NVIDIA H200 Tensor Core GPU datasheet, BFLOAT16 Tensor Core: H200 SXM 1,979 TFLOPS*, H200 NVL 1,671*
+    "NVIDIA H200": 1979 / 2,
+    "NVIDIA H200 NVL": 1671 / 2,
+    # NVIDIA GH200 Grace Hopper Superchip datasheet: FP16/BF16 Tensor Core 1,979 TFLOPS* (its GPU is the H100 SXM's)
+    "NVIDIA GH200 480GB": 1979 / 2,
+    # NVIDIA A100 Tensor Core GPU datasheet: BFLOAT16 Tensor Core 312 TFLOPS | 624 TFLOPS*, for 40GB and 80GB, PCIe
+    # and SXM alike
+    "NVIDIA A100-SXM4-40GB": 312,
+    "NVIDIA A100-SXM4-80GB": 312,
+    "NVIDIA A100-PCIE-40GB": 312,
+    "NVIDIA A100 80GB PCIe": 312,
+    # NVIDIA A10 Tensor Core GPU datasheet: BFLOAT16 Tensor Core 125 TF | 250 TF*
+    "NVIDIA A10": 125,
+    # NVIDIA L40S datasheet: BF16 Tensor Core 362.05 | 733* TFLOPS; NVIDIA L40 datasheet: BFLOAT16 Tensor Core
+    # 181.05 | 362.1*
+    "NVIDIA L40S": 362.05,
+    "NVIDIA L40": 181.05,
+    # NVIDIA L4 Tensor Core GPU datasheet: BFLOAT16 Tensor Core 242 teraFLOPS*
+    "NVIDIA L4": 242 / 2,
+    # float16 for Volta and Turing, which have no bf16. NVIDIA Tesla V100 datasheet: Tensor Performance, V100 SXM2
+    # 125 TFLOPS, V100 PCIe 112; NVIDIA V100S datasheet: Tensor Performance 130; NVIDIA T4 datasheet: Mixed Precision
+    # (FP16/FP32) 65 TFLOPS. None of them has sparsity.
+    "Tesla V100-SXM2-16GB": 125,
+    "Tesla V100-PCIE-32GB": 112,
+    "Tesla V100S-PCIE-32GB": 130,
+    "Tesla T4": 65,
+    # NVIDIA Ada Lovelace GPU Architecture whitepaper, appendix A, GeForce RTX 4090: Peak BF16 Tensor TFLOPS with
+    # FP32 Accumulate 165.2 (330.4 with sparsity). NVIDIA Ampere GA102 GPU Architecture whitepaper, appendix A,
+    # GeForce RTX 3090: Peak BF16 Tensor TFLOPS with FP32 Accumulate 71 (142 with sparsity)
+    "NVIDIA GeForce RTX 4090": 165.2,
+    "NVIDIA GeForce RTX 3090": 71,
+    # No vendor figure: NVIDIA publishes no datasheet for the A10G (AWS's variant of the A10) and AWS gives no tensor
+    # TFLOPS for it. 70 is the figure third-party comparisons quote; unverified.
+    "NVIDIA A10G": 70,
+}
+
+
+@pytest.mark.parametrize("name", list(DATASHEET_TFLOPS))  # names as torch.cuda.get_device_name returns them
+def test_peak_flops_of_real_device_names(name):
+    assert peak_flops(name) == pytest.approx(DATASHEET_TFLOPS[name] * 1e12, rel=ROUNDED_TO_WHOLE_TFLOPS)
+
+
+@pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 4080", "AMD Instinct MI300X", "Some Unknown Accelerator"])
+def test_no_peak_flops_for_devices_not_in_the_table(name):
+    assert peak_flops(name) is None
+
+
+# Streaming multiprocessors (SMs) of the whole GPUs: NVIDIA H100 Tensor Core GPU Architecture whitepaper, H100 SXM5
+# 132 (the H200 and GH200 have the same GH100 GPU); NVIDIA A100 Tensor Core GPU Architecture whitepaper, A100 108.
+H100_SMS, A100_SMS = 132, 108
+
+
+@pytest.mark.parametrize(
+    "name,multiprocessors,peak",
+    [  # MIG slices as torch.cuda.get_device_name names them, with their SMs as nvidia-smi mig -lgip lists them
+        # (NVIDIA's MIG User Guide, "List GPU Instance Profiles"). A slice's peak is the whole GPU's times its share
+        # of the SMs. The guide's "Fraction of SMs" (1/7 for a 1g profile) is nominal: of the SMs that MIG mode
+        # uses, 98 of an A100's 108 (7 x 14), 7 x 16 = 112 of an H100's 132 for seven 1g.10gb slices.
+        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", 16, 1979 / 2 * 16 / H100_SMS),
+        ("NVIDIA H100 80GB HBM3 MIG 1g.20gb", 26, 1979 / 2 * 26 / H100_SMS),
+        ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", 60, 1979 / 2 * 60 / H100_SMS),
+        ("NVIDIA H100 80GB HBM3 MIG 7g.80gb", 132, 1979 / 2),  # every SM
+        ("NVIDIA H200 MIG 1g.18gb", 16, 1979 / 2 * 16 / H100_SMS),
+        ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", 14, 312 * 14 / A100_SMS),
+        ("NVIDIA A100-SXM4-40GB MIG 3g.20gb", 42, 312 * 42 / A100_SMS),
+        ("NVIDIA A100-SXM4-40GB MIG 7g.40gb", 98, 312 * 98 / A100_SMS),  # "7/7" in the guide, yet 10 SMs idle
+        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", None, None),  # a slice's share unknown: no peak rather than the GPU's
+        ("NVIDIA A30 MIG 1g.6gb", 14, None),  # not in the table
+        ("NVIDIA H100 80GB HBM3", 132, 1979 / 2),  # a whole GPU: its peak, whatever the count
+    ],
+)
+def test_peak_flops_of_mig_slices(name, multiprocessors, peak):
+    expected = None if peak is None else pytest.approx(peak * 1e12, rel=ROUNDED_TO_WHOLE_TFLOPS)
+    assert peak_flops(name, multiprocessors) == expected

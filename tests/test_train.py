@@ -471,6 +471,20 @@ def test_a_step_predicted_to_take_minutes_is_said_before_it_starts(tmp_path, dat
     assert "at the rate --plan uses" not in capsys.readouterr().out
 
 
+def test_a_block_size_that_dwarfs_the_longest_pair_is_said_before_the_run(tmp_path, data_root, capsys):
+    # the longest training pair's positions, by a loop: a source, or a target with bos
+    pairs = tokens.load_pairs(data.prepared_dataset("reverse", data_root, REVERSE), "train")
+    longest = max(max(len(pairs[i][0]), len(pairs[i][1]) + 1) for i in range(len(pairs)))
+    reverse = dict(arch="encoder_decoder", dataset="reverse", data_options=REVERSE, eval_accuracy_examples=0)
+    main(tiny(data_root, tmp_path / "wide", block_size=4 * longest, max_iters=1, **reverse))
+    out = capsys.readouterr().out
+    note = f"block_size={4 * longest} is 4x the longest training pair ({longest} positions)"
+    assert note in out and f"--block_size={longest} fits every one" in out
+    assert out.index(note) < out.index("eval 0")
+    main(tiny(data_root, tmp_path / "fitting", block_size=4 * longest - 1, max_iters=1, **reverse))
+    assert "the longest training pair" not in capsys.readouterr().out
+
+
 def test_threads_leave_busy_cores_to_other_jobs(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
