@@ -132,14 +132,14 @@ def usable_rows(fits, total, what, folder, block_size, why=""):
 def long_block_note(longest, what, block_size):
     """
     A note where block_size is DWARFS times the positions of the longest example (`what`) or more: batches are only
-    as long as their longest example, so the positions past it never train (a learned position's embedding stays
-    random) while a plan, the slow-step note and serving's cache budget count them all. None otherwise.
+    as long as their longest example, so the positions past it are never trained on (a learned position's embedding
+    stays random) while a plan, the slow-step note and serving's cache budget count them all. None otherwise.
     """
     if block_size < DWARFS * longest:
         return None
     return (
         f"note: block_size={block_size:,} is {block_size // longest}x the longest {what} ({longest:,} positions): "
-        f"the positions past it never train; --block_size={longest} fits every one"
+        f"the positions past it are never trained on; --block_size={longest} fits every one"
     )
 
 
